@@ -1,0 +1,130 @@
+"""Mixture of experts: the noaux_tc gate, grouped routed experts and the MoE block (§1.7, §1.8).
+
+:class:`RoutedExperts` owns the weights of the logical experts ``[lo, hi)`` of one layer, stacked
+``w13 [n, 2I, H]`` (gate rows then up rows) and ``w2 [n, H, I]``. It computes grouped: the
+(token, expert) pairs are sorted by expert and each expert that received tokens runs one GEMM —
+no loop over tokens, no work for idle experts.
+
+:class:`MoE` calls ``self.routed(x, topk_idx, topk_w)`` for the routed part. In one process that
+is its own :class:`RoutedExperts` (``routed is None``); a cluster sets it to a dispatcher that exchanges the
+tokens with expert actors (parallelism is a transform applied afterwards).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import GatedMLP
+
+
+class RoutedFn(Protocol):
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor: ...
+
+
+class Gate(nn.Module):
+    """Sigmoid router with selection-only bias and group-limited top-k, all in fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] → (topk_idx [T, k] long, topk_w [T, k] fp32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            T, E = choice.shape
+            grouped = choice.view(T, self.n_group, E // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+        idx = choice.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.top_k > 1 and self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+
+def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Rows of ``x`` [N, H] go through local expert ``expert_ids`` [N] (0..n-1); returns [N, H].
+
+    Rows are sorted by expert; each expert with rows does one GEMM pair."""
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    order = expert_ids.argsort(stable=True)
+    counts = torch.bincount(expert_ids, minlength=w13.shape[0]).tolist()
+    xs = x[order]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        h = xs[start : start + c] @ w13[e].t()  # [c, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        ys[start : start + c] = act(gate, up) @ w2[e].t()
+        start += c
+    out[order] = ys
+    return out
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class RoutedExperts(nn.Module):
+    """Logical experts ``[lo, hi)`` of one MoE layer."""
+
+    def __init__(self, hidden: int, intermediate: int, lo: int, hi: int, act=silu_glu):
+        super().__init__()
+        n = hi - lo
+        self.lo, self.hi = lo, hi
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate))
+        self.act = act
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Σ_j w_j · E_{idx_j}(x) over the selected experts that live here. x [T, H] → [T, H]."""
+        T, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        mine = (flat >= self.lo) & (flat < self.hi)
+        pair = mine.nonzero().squeeze(1)  # (token, slot) pairs handled here
+        tok = pair // k
+        y = grouped_expert_ffn(x[tok], flat[pair] - self.lo, self.w13, self.w2, self.act)
+        y = y * topk_w.reshape(-1)[pair, None].to(y.dtype)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, y)
+        return out
+
+
+class MoE(nn.Module):
+    """gate → top-k → routed experts (via ``self.routed``) + shared experts."""
+
+    def __init__(self, cfg: ModelConfig, experts: range | None = None):
+        super().__init__()
+        self.gate = Gate(cfg)
+        lo, hi = (0, cfg.n_routed_experts) if experts is None else (experts.start, experts.stop)
+        self.experts = RoutedExperts(cfg.hidden_size, cfg.moe_intermediate_size, lo, hi)
+        self.shared_experts = (
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts else None
+        )
+        self.routed: RoutedFn | None = None  # None → the local experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x)
+        y = (self.routed or self.experts)(x, idx, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,127 @@
+"""The single-process model runner and a batched offline ``generate``.
+
+:class:`ModelRunner` owns the model and its :class:`LatentCache`; it turns a batch of
+:class:`Sequence` s (each with a number of new tokens to compute) into tensors and returns the
+logits of each sequence's last new token. It does not choose which sequences run — ``generate``
+here (and the cluster engine) does that — and it writes cache blocks only where the sequence's
+block table says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from .cache import BlockAllocator, LatentCache, build_attn_meta
+from .model import CausalLM
+from .sampling import SamplingParams, make_generator, sample
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose latents are in the cache
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+
+def check_stop(seq: Sequence, model_stop_ids: frozenset[int], max_context: int) -> str | None:
+    """'stop', 'length' or None after a token was appended."""
+    n, p = len(seq.output_ids), seq.params
+    last = seq.token_ids[-1]
+    if n >= p.min_tokens and (last in p.stop_token_ids or (not p.ignore_eos and last in model_stop_ids)):
+        return "stop"
+    if n >= p.max_tokens or len(seq.token_ids) >= max_context:
+        return "length"
+    return None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int = 16,
+                 impl: str = "absorbed", dtype: torch.dtype | None = None):
+        self.model, self.cfg, self.impl = model, model.cfg, impl
+        dtype = dtype or next(model.parameters()).dtype
+        self.block_size = block_size
+        self.cache = LatentCache(model.num_cache_layers, num_blocks, block_size, self.cfg.latent_dim, dtype)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Give ``seq`` enough blocks for its first ``num_tokens`` tokens (raises CacheFull)."""
+        need = self.allocator.blocks_needed(num_tokens, len(seq.block_table))
+        seq.block_table.extend(self.allocator.allocate(need))
+
+    def release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table, seq.num_cached = [], 0
+
+    @torch.no_grad()
+    def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        """Compute ``num_new[b]`` uncached tokens of each sequence; logits [B, V] of the last one."""
+        ids, ctx = [], []
+        for seq, n in zip(seqs, num_new):
+            assert 0 < n <= seq.num_uncached, f"seq {seq.seq_id}: {n} new of {seq.num_uncached} uncached"
+            self.reserve(seq, seq.num_cached + n)
+            ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
+            ctx.append(seq.num_cached + n)
+        meta = build_attn_meta(num_new, ctx, [s.block_table for s in seqs], self.block_size)
+        h = self.model(torch.tensor(ids), meta, self.cache, self.impl)
+        for seq, n in zip(seqs, num_new):
+            seq.num_cached += n
+        return self.model.logits(h[meta.last_token_index])
+
+    @torch.no_grad()
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every position of one sequence (parity tests); frees its cache."""
+        seq = Sequence(-1, list(token_ids), len(token_ids), SamplingParams())
+        try:
+            self.reserve(seq, len(token_ids))
+            meta = build_attn_meta([len(token_ids)], [len(token_ids)], [seq.block_table], self.block_size)
+            return self.model.logits(self.model(torch.tensor(token_ids), meta, self.cache, self.impl))
+        finally:
+            self.release(seq)
+
+
+def generate(runner: ModelRunner, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams],
+             stop_ids: Iterable[int] = (), *, max_context: int | None = None) -> list[Sequence]:
+    """Batched offline generation: one prefill step for all prompts, then batched decode steps."""
+    prompts = [list(p) for p in prompts]
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    vocab = runner.cfg.vocab_size
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not (0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    max_context = max_context or runner.cfg.max_position_embeddings
+    stops = frozenset(stop_ids)
+    seqs = [Sequence(i, p, len(p), sp, generator=make_generator(sp)) for i, (p, sp) in enumerate(zip(prompts, plist))]
+    running = list(seqs)
+    try:
+        while running:
+            logits = runner.forward(running, [s.num_uncached for s in running])
+            tokens = sample(logits, [s.params for s in running], [s.generator for s in running]).tolist()
+            for seq, tok in zip(running, tokens):
+                seq.token_ids.append(tok)
+                seq.finish_reason = check_stop(seq, stops, max_context)
+            for seq in [s for s in running if s.finish_reason]:
+                runner.release(seq)
+            running = [s for s in running if not s.finish_reason]
+    finally:
+        for seq in running:
+            runner.release(seq)
+    return seqs
