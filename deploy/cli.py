@@ -1,0 +1,170 @@
+"""The ``moeray`` command line. Parses flags, resolves models, prints results; the work is elsewhere.
+
+User errors (bad flags, configs, checkpoints, prompts) print one line ``error: ...`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+app = typer.Typer(
+    name="moeray",
+    help="Serve Mixture-of-Experts models with Multi-head Latent Attention (Kimi K2, DeepSeek-V3) on Ray.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn ValueError (our user-input errors) into one clear line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            err.print(Text.assemble(("error:", "bold red"), " ", str(e)), soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+MODEL_HELP = "A Hugging Face checkpoint directory or a preset name (kimi-k2-tiny, deepseek-v3-tiny, kimi-k2-small)."
+
+
+def _resolve(model: str) -> Path:
+    from model.presets import resolve_model
+
+    from .settings import cache_root
+
+    return resolve_model(model, cache_root())
+
+
+@app.command("make-checkpoint")
+@user_errors
+def make_checkpoint(
+    preset: str = typer.Option(..., help="Preset to write: kimi-k2-tiny, deepseek-v3-tiny, kimi-k2-small."),
+    out: Path = typer.Option(..., help="Output directory (created)."),
+    quant: Optional[str] = typer.Option(None, help="Weight format: fp8 (128x128 blocks) or int4 (routed experts)."),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+    dtype: str = typer.Option("bfloat16", help="Storage dtype of unquantised tensors: bfloat16 or float32."),
+):
+    """Write a complete Hugging Face checkpoint (config, safetensors, tokenizer) with seeded random weights."""
+    from model.presets import build_preset
+
+    if quant not in (None, "fp8", "int4"):
+        raise ValueError(f"--quant must be fp8 or int4, got {quant!r}")
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} exists and is not empty; choose a new directory")
+    build_preset(preset, out, seed=seed, quant=quant, dtype=dtype)
+    err.print(f"wrote {preset} ({quant or dtype}) to {out}")
+
+
+@app.command()
+@user_errors
+def params(
+    model: str = typer.Option(..., help=MODEL_HELP + " A directory holding only config.json works."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    cache: bool = typer.Option(False, "--cache", help="Also print cache bytes per token."),
+):
+    """Per-module and total parameter counts, from the config alone."""
+    from model.config import load_config, parse_config
+    from model.params import cache_bytes_per_token, count_params, format_report
+    from model.presets import PRESETS, preset_config
+
+    cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
+    report = count_params(cfg)
+    if as_json:
+        out = report.to_dict()
+        if cache:
+            out["cache"] = cache_bytes_per_token(cfg)
+        print(json.dumps(out, indent=2))
+        return
+    print(format_report(report))
+    if cache:
+        c = cache_bytes_per_token(cfg)
+        print(f"latent cache per token (bf16): {c['latent']:,} B over {c['mla_layers']} MLA layers; "
+              f"naive per-head K/V would be {c['naive']:,} B ({c['naive'] / c['latent']:.1f}x)")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+@app.command()
+@user_errors
+def generate(
+    model: str = typer.Option("kimi-k2-tiny", help=MODEL_HELP),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text."),
+    prompt_ids: Optional[str] = typer.Option(None, help="Prompt as token ids, e.g. 1,2,3."),
+    chat: bool = typer.Option(False, help="Wrap --prompt as a user message with the model's chat template."),
+    max_tokens: int = typer.Option(32, help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 disables top-k."),
+    seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
+    ignore_eos: bool = typer.Option(False, help="Do not stop at the model's end-of-turn tokens."),
+    dtype: str = typer.Option("float32", help="Compute dtype: float32 or bfloat16."),
+    as_json: bool = typer.Option(False, "--json", help='Print one line {"token_ids": [...], "text": "..."}.'),
+):
+    """Offline generation in this process."""
+    from model.config import load_config
+    from model.loader import load_model, parse_dtype
+    from model.runner import ModelRunner
+    from model.runner import generate as run_generate
+    from model.sampling import SamplingParams
+    from model.tokenizer import Tokenizer
+
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of --prompt or --prompt-ids")
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                        ignore_eos=ignore_eos)
+    path = _resolve(model)
+    cfg = load_config(path)
+    tok = Tokenizer.from_dir(path)
+    if prompt_ids is not None:
+        ids = _parse_ids(prompt_ids)
+    elif chat:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+    else:
+        ids = tok.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if len(ids) + max_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens ({max_tokens}) exceeds the context "
+                         f"({cfg.max_position_embeddings})")
+    net = load_model(path, dtype=parse_dtype(dtype), cfg=cfg, progress=sys.stderr.isatty())
+    block = 16
+    runner = ModelRunner(net, num_blocks=-(-(len(ids) + max_tokens) // block) + 1, block_size=block)
+    seq = run_generate(runner, [ids], sp, stop_ids=tok.stop_token_ids | set(cfg.eos_token_ids))[0]
+    text = tok.decode(seq.output_ids)
+    if as_json:
+        print(json.dumps({"token_ids": seq.output_ids, "text": text}))
+    else:
+        print(text)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Built-in presets: real-format configs of the supported architectures, shrunk to CPU size.
+
+A preset is a ``config.json`` dict; :func:`build_preset` turns it into a complete Hugging Face
+directory with seeded random weights and the shipped tokenizer, exactly as a real checkpoint is
+laid out. A preset name is accepted wherever a model path is (:func:`resolve_model`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from .tokenizer import SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
+
+DEFAULT_PRESET = "kimi-k2-tiny"
+
+
+def _k2_like(**over) -> dict:
+    ids = shipped_special_ids("kimi")
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "vocab_size": SHIPPED_VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827,
+        "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": ids["eos_token_id"],
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(over)
+    return cfg
+
+
+def _deepseek_v3_tiny() -> dict:
+    ids = shipped_special_ids("deepseek")
+    return _k2_like(
+        model_type="deepseek_v3",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=2,
+        num_hidden_layers=5,
+        rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+    )
+
+
+def _kimi_k2_small() -> dict:
+    """~0.75 B parameters: the benchmark's "larger" preset, still CPU-sized."""
+    return _k2_like(
+        hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=8,
+    )
+
+
+PRESETS: dict[str, tuple[Callable[[], dict], str]] = {
+    "kimi-k2-tiny": (_k2_like, "kimi"),
+    "deepseek-v3-tiny": (_deepseek_v3_tiny, "deepseek"),
+    "kimi-k2-small": (_kimi_k2_small, "kimi"),
+}
+
+
+def preset_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name][0]()
+
+
+def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | None = None,
+                 dtype: str = "bfloat16", progress: bool = True) -> Path:
+    """Write preset ``name`` as a complete HF checkpoint directory (config, weights, tokenizer)."""
+    import torch
+
+    from .checkpoint import write_checkpoint
+    from .config import parse_config
+    from .model import CausalLM, init_random_weights, to_hf_tensors
+
+    raw = preset_config(name)
+    raw["torch_dtype"] = dtype
+    cfg = parse_config(raw, where=f"preset {name}")
+    with torch.device("cpu"):
+        model = CausalLM(cfg)
+    init_random_weights(model, seed)
+    tensors = to_hf_tensors(model)
+    if dtype != "float32":
+        tensors = {k: (v if k.endswith("e_score_correction_bias") else v.to(getattr(torch, dtype)))
+                   for k, v in tensors.items()}
+    out = Path(out_dir)
+    write_checkpoint(out, raw, tensors, quant=quant)
+    copy_tokenizer_files(PRESETS[name][1], out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "moeray_preset": name, "seed": seed},
+        indent=2))
+    return out
+
+
+def resolve_model(name_or_path: str | Path, cache_root: str | Path) -> Path:
+    """A checkpoint directory for a path or a preset name (presets are built once into ``cache_root``)."""
+    p = Path(name_or_path)
+    if str(name_or_path) in PRESETS:
+        target = Path(cache_root) / "presets" / f"{name_or_path}-seed0"
+        if not (target / "config.json").exists():
+            tmp = target.with_name(target.name + ".partial")
+            build_preset(str(name_or_path), tmp)
+            tmp.rename(target)
+        return target
+    if p.is_dir():
+        return p
+    raise ValueError(f"{name_or_path!r} is neither a model directory nor a preset; presets: {', '.join(PRESETS)}")

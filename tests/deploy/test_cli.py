@@ -1,0 +1,146 @@
+"""The `moeray` console script end to end: make-checkpoint, generate, params, and its errors.
+
+Runs the installed entry point in a subprocess, as a user would."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs"
+
+
+def moeray(*args, env_extra=None, check=True):
+    env = {**os.environ, **(env_extra or {})}
+    exe = Path(sys.executable).parent / "moeray"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "deploy.cli"]
+    proc = subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moeray {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def k2_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ck") / "k2"
+    moeray("make-checkpoint", "--preset", "kimi-k2-tiny", "--out", str(out), "--seed", "3")
+    return out
+
+
+def test_make_checkpoint_writes_a_real_hf_directory(k2_dir):
+    names = sorted(p.name for p in k2_dir.iterdir())
+    assert "config.json" in names and "tiktoken.model" in names and "tokenizer_config.json" in names
+    cfg = json.loads((k2_dir / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k2" and cfg["rope_scaling"]["factor"] == 32.0
+    assert cfg["n_routed_experts"] >= 16 and cfg["num_experts_per_tok"] >= 4 and cfg["n_shared_experts"] >= 1
+    tensors = {}
+    for f in k2_dir.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    assert "model.layers.1.mlp.experts.15.down_proj.weight" in tensors
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors  # dense first layer
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype.is_floating_point
+
+
+def test_generate_json_is_deterministic(k2_dir):
+    a = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt", "Hello there", "--max-tokens", "8",
+                          "--ignore-eos", "--json").stdout)
+    b = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt", "Hello there", "--max-tokens", "8",
+                          "--ignore-eos", "--json").stdout)
+    assert set(a) == {"token_ids", "text"} and len(a["token_ids"]) == 8 and a == b
+    c = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,2,3", "--max-tokens", "4",
+                          "--temperature", "0.8", "--seed", "5", "--ignore-eos", "--json").stdout)
+    d = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,2,3", "--max-tokens", "4",
+                          "--temperature", "0.8", "--seed", "5", "--ignore-eos", "--json").stdout)
+    assert c == d and len(c["token_ids"]) == 4
+
+
+def test_params_on_real_k2_config_dir(tmp_path):
+    shutil.copy(FIXTURES / "kimi-k2-instruct.json", tmp_path / "config.json")
+    out = json.loads(moeray("params", "--model", str(tmp_path), "--json").stdout)
+    assert out["mla_per_layer"] == 101_124_096
+    assert out["moe_decoder_layer"] == 17_059_365_248
+    assert out["moe_layers_total"] == 1_023_561_914_880
+    assert out["total"] == 1_026_408_232_448
+    table = moeray("params", "--model", str(tmp_path)).stdout
+    assert "1,026,408,232,448" in table and "101,124,096" in table
+
+
+def _assert_clear_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert lines[0].startswith("error:"), proc.stderr
+    for n in needles:
+        assert n in proc.stderr, (n, proc.stderr)
+
+
+def _broken_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    (f,) = list(dst.glob("*.safetensors"))
+    tensors = load_file(f)
+    edit(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_missing_tensor(k2_dir, tmp_path):
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    bad = _broken_copy(k2_dir, tmp_path / "m", lambda t: t.pop(name))
+    _assert_clear_error(moeray("generate", "--model", str(bad), "--prompt-ids", "1", check=False), name)
+
+
+def test_wrong_shape(k2_dir, tmp_path):
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    bad = _broken_copy(k2_dir, tmp_path / "m", lambda t: t.__setitem__(name, t[name][:-1].clone()))
+    _assert_clear_error(moeray("generate", "--model", str(bad), "--prompt-ids", "1", check=False), name)
+
+
+def test_unexpected_tensor(k2_dir, tmp_path):
+    import torch
+
+    name = "model.layers.1.mlp.experts.99.up_proj.weight"
+    bad = _broken_copy(k2_dir, tmp_path / "m", lambda t: t.__setitem__(name, torch.zeros(2, 2)))
+    _assert_clear_error(moeray("generate", "--model", str(bad), "--prompt-ids", "1", check=False), name)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.__setitem__("model_type", "llama"), "model_type"),
+    (lambda c: c.pop("kv_lora_rank"), "kv_lora_rank"),
+    (lambda c: c.__setitem__("hidden_size", "big"), "hidden_size"),
+    (lambda c: c.__setitem__("n_group", 3), "n_group"),
+    (lambda c: c.__setitem__("rope_scaling", {"type": "yarn", "factor": 4.0}), "original_max_position_embeddings"),
+])
+def test_bad_config(k2_dir, tmp_path, edit, needle):
+    shutil.copytree(k2_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    edit(cfg)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    _assert_clear_error(moeray("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1", check=False), needle)
+
+
+def test_malformed_config_json(k2_dir, tmp_path):
+    shutil.copytree(k2_dir, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "kimi_k2",')
+    _assert_clear_error(moeray("params", "--model", str(tmp_path / "m"), check=False), "config.json", "malformed JSON")
+
+
+def test_prompt_ids_out_of_vocabulary(k2_dir):
+    _assert_clear_error(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,99999", check=False),
+                        "99999", "vocabulary")
+    _assert_clear_error(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,x", check=False), "--prompt-ids")
+
+
+def test_unknown_model_or_preset():
+    _assert_clear_error(moeray("generate", "--model", "no-such-thing", "--prompt", "hi", check=False), "preset")
+
+
+def test_help_explains_commands():
+    out = moeray("--help").stdout
+    for cmd in ("generate", "make-checkpoint", "params"):
+        assert cmd in out
+    assert "--prompt-ids" in moeray("generate", "--help").stdout
