@@ -68,13 +68,14 @@ def split_stored(name: str) -> tuple[str, str]:
 
 
 def is_ignored(name: str, cfg: ModelConfig) -> bool:
-    """Stored tensors a loader skips: the stray ``rotary_emb.inv_freq`` buffers, and every
-    layer past ``num_hidden_layers`` (DeepSeek-V3's MTP layer 61, or a deliberately
-    truncated config)."""
+    """Stored tensors a loader skips: the stray ``rotary_emb.inv_freq`` buffers, and the
+    multi-token-prediction layers that follow the decoder (DeepSeek-V3's layer 61, declared by
+    ``num_nextn_predict_layers``). Any other extra layer is unexpected."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
     layer = layer_index(name)
-    return layer is not None and layer >= cfg.num_hidden_layers
+    n = cfg.num_hidden_layers
+    return layer is not None and n <= layer < n + cfg.num_nextn_predict_layers
 
 
 def is_quantized(name: str, method: str | None) -> bool:

@@ -301,7 +301,9 @@ def test_sharded_checkpoint_opens_only_needed_shards(tmp_path, raw, cfg, weights
     assert all(torch.equal(again[k], weights[k]) for k in sub)
 
 
-def test_stray_inv_freq_and_mtp_layer_are_ignored(tmp_path, raw, cfg, weights):
+def test_stray_inv_freq_and_mtp_layer_are_ignored(tmp_path, raw, weights):
+    raw = {**raw, "num_nextn_predict_layers": 1}
+    cfg = parse_config(raw)
     extra = dict(weights)
     extra["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     extra["model.layers.3.eh_proj.weight"] = torch.ones(64, 128)  # MTP layer (index = num_hidden_layers)
@@ -309,6 +311,12 @@ def test_stray_inv_freq_and_mtp_layer_are_ignored(tmp_path, raw, cfg, weights):
     write_checkpoint(tmp_path, raw, extra)
     got = read_checkpoint(tmp_path, cfg, progress=False)
     assert got.keys() == weights.keys()
+
+
+def test_extra_layer_without_mtp_is_unexpected(tmp_path, raw, cfg, weights):
+    write_checkpoint(tmp_path, raw, {**weights, "model.layers.3.input_layernorm.weight": torch.ones(64)})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.input_layernorm\.weight"):
+        read_checkpoint(tmp_path, cfg, progress=False)
 
 
 def test_progress_bar_goes_to_stderr_only(tmp_path, raw, cfg, weights, capsys):
