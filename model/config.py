@@ -14,12 +14,26 @@ from pathlib import Path
 from typing import Any
 
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
-SUPPORTED_MODEL_TYPES = DEEPSEEK_TYPES
+KIMI_LINEAR_TYPES = ("kimi_linear",)
+SUPPORTED_MODEL_TYPES = DEEPSEEK_TYPES + KIMI_LINEAR_TYPES
+ACTIVATIONS = ("silu", "situ")
+
+# Kimi Linear / K3 spell the MoE fields differently (MODEL_SPEC §3.7); DeepSeek names are canonical.
+FIELD_ALIASES = {
+    "n_routed_experts": ("num_experts",),
+    "num_experts_per_tok": ("num_experts_per_token",),
+    "n_group": ("num_expert_group",),
+    "scoring_func": ("moe_router_activation_func",),
+    "norm_topk_prob": ("moe_renormalize",),
+    "n_shared_experts": ("num_shared_experts",),
+    "max_position_embeddings": ("model_max_length",),
+}
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding. ``kind`` is "default" or "yarn"; ``kind == "none"`` means NoPE."""
+    """Rotary embedding. ``kind`` is "default", "yarn" or "none" (NoPE: the rope dims are never
+    rotated, Kimi Linear / K3 MLA)."""
 
     kind: str = "default"
     theta: float = 10000.0
@@ -31,6 +45,22 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (MODEL_SPEC §3.3, §3.10): ``gate_lower_bound`` None → Kimi Linear's
+    softplus forget gate, else K3's lower-bounded sigmoid; ``full_rank_gate`` → K3's g_proj."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    gate_lower_bound: float | None = None
+    full_rank_gate: bool = False
+
+    @property
+    def proj_dim(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -83,6 +113,17 @@ class ModelConfig:
     num_nextn_predict_layers: int
     torch_dtype: str
     quant: QuantConfig | None
+    # hybrid (Kimi Linear / K3); DeepSeek-V3 models have every layer "mla" and the defaults below
+    layer_types: tuple[str, ...] = ()  # per layer: "mla" or "kda"
+    kda: KDAConfig | None = None
+    mla_output_gate: bool = False  # K3: o ← o ⊙ sigmoid(g_proj x) before o_proj
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    routed_expert_hidden_size: int | None = None  # latent MoE width (K3)
+    latent_moe_use_norm: bool = False
+    attn_res_block_size: int | None = None  # K3 block attention residuals
+    gate_bias_in_weights: bool = False  # reproduce the original Kimi Linear HF gate (§3.7)
+    mlp_layer_kinds: tuple[str, ...] = ()  # per layer: "dense" or "moe"
     raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # ---- derived -----------------------------------------------------------
@@ -95,12 +136,35 @@ class ModelConfig:
         """Values cached per token per MLA layer: the normed latent + the rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def family(self) -> str:
+        """Checkpoint naming family: "deepseek_v3" (mlp.*, gate/up/down experts) or "kimi_linear"."""
+        return "kimi_linear" if self.model_type in KIMI_LINEAR_TYPES else "deepseek_v3"
+
     def is_moe_layer(self, layer: int) -> bool:
+        if self.mlp_layer_kinds:
+            return self.mlp_layer_kinds[layer] == "moe"
         return (
             self.n_routed_experts > 0
             and layer >= self.first_k_dense_replace
             and layer % self.moe_layer_freq == 0
         )
+
+    def is_kda_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "kda"
+
+    @property
+    def mla_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if not self.is_kda_layer(i)]
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_kda_layer(i)]
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """Width the routed experts work in: the hidden size, or the latent width (K3)."""
+        return self.routed_expert_hidden_size or self.hidden_size
 
     @property
     def moe_layers(self) -> list[int]:
@@ -232,25 +296,20 @@ def _parse_quant(f: _Fields) -> QuantConfig | None:
     )
 
 
-def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
-    """Validate a config dict and build a :class:`ModelConfig`."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-    if "text_config" in raw and isinstance(raw["text_config"], dict):
-        raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "quantization_config"}}
-        where = f"{where}: text_config"
-    f = _Fields(raw, where)
-    model_type = f.get("model_type", str)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{where}: field 'model_type' is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    hidden = f.positive("hidden_size")
-    n_heads = f.positive("num_attention_heads")
-    n_layers = f.positive("num_hidden_layers")
-    q_lora = f.get("q_lora_rank", int, None, nullable=True)
-    if q_lora is not None and q_lora <= 0:
-        raise ValueError(f"{where}: field 'q_lora_rank' must be null or > 0, got {q_lora}")
+def _canonical(raw: dict) -> dict:
+    """Copy of ``raw`` with Kimi Linear's field names mapped to the DeepSeek names."""
+    out = dict(raw)
+    for name, aliases in FIELD_ALIASES.items():
+        if out.get(name) is None:
+            for alias in aliases:
+                if out.get(alias) is not None:
+                    out[name] = out[alias]
+                    break
+    return out
+
+
+def _parse_moe(f: _Fields) -> dict:
+    where = f.where
     n_routed = f.positive("n_routed_experts", 0, zero_ok=True)
     top_k = f.positive("num_experts_per_tok", 1)
     n_group = f.positive("n_group", 1)
@@ -265,18 +324,98 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         if n_group > 1 and n_routed // n_group < 2:
             raise ValueError(f"{where}: field 'n_group' ({n_group}) leaves fewer than 2 experts per group")
         if top_k > topk_group * (n_routed // n_group):
-            raise ValueError(
-                f"{where}: field 'num_experts_per_tok' ({top_k}) exceeds the experts in 'topk_group' groups"
-            )
+            raise ValueError(f"{where}: field 'num_experts_per_tok' ({top_k}) exceeds the experts in 'topk_group' groups")
     scoring = f.get("scoring_func", str, "sigmoid")
     if scoring != "sigmoid":
         raise ValueError(f"{where}: field 'scoring_func' must be 'sigmoid', got {scoring!r}")
     topk_method = f.get("topk_method", str, "noaux_tc")
     if topk_method != "noaux_tc":
         raise ValueError(f"{where}: field 'topk_method' must be 'noaux_tc', got {topk_method!r}")
+    latent = f.get("routed_expert_hidden_size", int, None, nullable=True)
+    if latent is not None and latent <= 0:
+        raise ValueError(f"{where}: field 'routed_expert_hidden_size' must be null or > 0, got {latent}")
+    return dict(
+        n_routed_experts=n_routed, num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+        moe_intermediate_size=f.positive("moe_intermediate_size", 1),
+        n_shared_experts=f.positive("n_shared_experts", 0, zero_ok=True),
+        first_k_dense_replace=f.positive("first_k_dense_replace", 0, zero_ok=True),
+        moe_layer_freq=f.positive("moe_layer_freq", 1),
+        norm_topk_prob=f.get("norm_topk_prob", bool, True),
+        routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
+        scoring_func=scoring, topk_method=topk_method,
+        routed_expert_hidden_size=latent,
+        latent_moe_use_norm=f.get("latent_moe_use_norm", bool, False),
+    )
+
+
+def _parse_hybrid(f: _Fields, n_layers: int) -> dict:
+    """Kimi Linear / K3: the KDA/MLA schedule (1-based lists, §3.1) and the K3 switches."""
+    where = f.where
+    lac = f.raw.get("linear_attn_config")
+    if lac is None:
+        return dict(layer_types=("mla",) * n_layers, kda=None)
+    if not isinstance(lac, dict):
+        raise ValueError(f"{where}: field 'linear_attn_config' must be an object, got {lac!r}")
+    g = _Fields(lac, f"{where}: linear_attn_config")
+    kda_1, full_1 = lac.get("kda_layers"), lac.get("full_attn_layers")
+    if kda_1 is None and full_1 is None and isinstance(f.raw.get("layer_types"), list):
+        kinds = f.raw["layer_types"]  # transformers' spelling
+        kda_1 = [i + 1 for i, t in enumerate(kinds) if t == "linear_attention"]
+        full_1 = [i + 1 for i, t in enumerate(kinds) if t == "full_attention"]
+    for name, lst in (("kda_layers", kda_1), ("full_attn_layers", full_1)):
+        if not isinstance(lst, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in lst):
+            raise ValueError(f"{where}: field 'linear_attn_config.{name}' must be a list of 1-based layer numbers")
+        bad = [i for i in lst if not 1 <= i <= n_layers]
+        if bad:
+            raise ValueError(f"{where}: field 'linear_attn_config.{name}' has {bad[0]}, outside 1..{n_layers} (1-based)")
+    both = set(kda_1) & set(full_1)
+    missing = set(range(1, n_layers + 1)) - set(kda_1) - set(full_1)
+    if both or missing:
+        what = f"layer {min(both)} is in both" if both else f"layer {min(missing)} is in neither"
+        raise ValueError(f"{where}: fields 'linear_attn_config.kda_layers'/'full_attn_layers' must partition "
+                         f"1..{n_layers}; {what}")
+    kda = KDAConfig(
+        num_heads=g.positive("num_heads"), head_dim=g.positive("head_dim"),
+        conv_kernel=g.positive("short_conv_kernel_size", 4),
+        gate_lower_bound=g.get("gate_lower_bound", float, None, nullable=True),
+        full_rank_gate=g.get("use_full_rank_gate", bool, False),
+    )
+    kset = set(kda_1)
+    return dict(layer_types=tuple("kda" if i + 1 in kset else "mla" for i in range(n_layers)), kda=kda)
+
+
+def _mlp_kinds(f: _Fields, n_layers: int) -> tuple[str, ...]:
+    kinds = f.raw.get("mlp_layer_types")  # transformers' Kimi Linear spelling
+    if kinds is None:
+        return ()
+    if not (isinstance(kinds, list) and len(kinds) == n_layers and set(kinds) <= {"dense", "sparse"}):
+        raise ValueError(f"{f.where}: field 'mlp_layer_types' must list 'dense'/'sparse' for all {n_layers} layers")
+    return tuple("moe" if k == "sparse" else "dense" for k in kinds)
+
+
+def parse_config(raw: dict, where: str = "config.json", *, gate_bias_in_weights: bool = False) -> ModelConfig:
+    """Validate a config dict and build a :class:`ModelConfig`.
+
+    ``gate_bias_in_weights`` reproduces the original Kimi Linear HF code, whose gate takes the
+    combine weights from the biased scores (MODEL_SPEC §3.7); off by default."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    if isinstance(raw.get("text_config"), dict):  # K3's multimodal wrapper: read the text model
+        raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "quantization_config"}}
+        where = f"{where}: text_config"
+    f = _Fields(_canonical(raw), where)
+    model_type = f.get("model_type", str)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{where}: field 'model_type' is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    n_layers = f.positive("num_hidden_layers")
+    q_lora = f.get("q_lora_rank", int, None, nullable=True)
+    if q_lora is not None and q_lora <= 0:
+        raise ValueError(f"{where}: field 'q_lora_rank' must be null or > 0, got {q_lora}")
     act = f.get("hidden_act", str, "silu")
-    if act != "silu":
-        raise ValueError(f"{where}: field 'hidden_act' must be 'silu', got {act!r}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: field 'hidden_act' must be one of {ACTIVATIONS}, got {act!r}")
     eos = f.raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     vocab = f.positive("vocab_size")
@@ -284,31 +423,22 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         for i in ids:
             if i is not None and not (isinstance(i, int) and 0 <= i < vocab):
                 raise ValueError(f"{where}: field {name!r} value {i!r} is outside the vocabulary (0..{vocab - 1})")
+    nope = f.get("mla_use_nope", bool, False)
+    dtype = f.raw.get("torch_dtype") or f.raw.get("dtype") or "bfloat16"
     cfg = ModelConfig(
         model_type=model_type,
         vocab_size=vocab,
-        hidden_size=hidden,
+        hidden_size=f.positive("hidden_size"),
         intermediate_size=f.positive("intermediate_size"),
         num_hidden_layers=n_layers,
-        num_attention_heads=n_heads,
+        num_attention_heads=f.positive("num_attention_heads"),
         q_lora_rank=q_lora,
         kv_lora_rank=f.positive("kv_lora_rank"),
         qk_nope_head_dim=f.positive("qk_nope_head_dim"),
         qk_rope_head_dim=f.positive("qk_rope_head_dim"),
         v_head_dim=f.positive("v_head_dim"),
-        n_routed_experts=n_routed,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=f.positive("moe_intermediate_size", 1),
-        n_shared_experts=f.positive("n_shared_experts", 0, zero_ok=True),
-        first_k_dense_replace=f.positive("first_k_dense_replace", 0, zero_ok=True),
-        moe_layer_freq=f.positive("moe_layer_freq", 1),
-        n_group=n_group,
-        topk_group=topk_group,
-        norm_topk_prob=f.get("norm_topk_prob", bool, True),
-        routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
-        scoring_func=scoring,
-        topk_method=topk_method,
-        rope=_parse_rope(f),
+        **_parse_moe(f),
+        rope=RopeConfig(kind="none") if nope else _parse_rope(f),
         rope_interleave=f.get("rope_interleave", bool, True),
         max_position_embeddings=f.positive("max_position_embeddings"),
         rms_norm_eps=f.get("rms_norm_eps", float, 1e-6),
@@ -316,17 +446,28 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
         bos_token_id=f.get("bos_token_id", int, None, nullable=True),
         eos_token_ids=eos_ids,
-        num_nextn_predict_layers=f.positive("num_nextn_predict_layers", f.raw.get("num_mtp_layers", 0) or 0, zero_ok=True),
-        torch_dtype=f.get("torch_dtype", str, f.raw.get("dtype", "bfloat16") if isinstance(f.raw.get("dtype"), str) else "bfloat16"),
+        num_nextn_predict_layers=f.positive("num_nextn_predict_layers", f.raw.get("num_mtp_layers") or 0, zero_ok=True),
+        torch_dtype=dtype if isinstance(dtype, str) else "bfloat16",
         quant=_parse_quant(f),
+        **_parse_hybrid(f, n_layers),
+        mla_output_gate=f.get("mla_use_output_gate", bool, False),
+        situ_beta=f.get("activation_situ_beta", float, 4.0),
+        situ_linear_beta=f.get("activation_situ_linear_beta", float, 25.0),
+        attn_res_block_size=f.get("attn_res_block_size", int, None, nullable=True),
+        gate_bias_in_weights=gate_bias_in_weights,
+        mlp_layer_kinds=_mlp_kinds(f, n_layers),
         raw=dict(raw),
     )
-    if cfg.rope.kind == "yarn" and cfg.qk_rope_head_dim % 2:
+    if cfg.rope.kind != "none" and cfg.qk_rope_head_dim % 2:
         raise ValueError(f"{where}: field 'qk_rope_head_dim' must be even, got {cfg.qk_rope_head_dim}")
+    if cfg.attn_res_block_size is not None and cfg.attn_res_block_size <= 0:
+        raise ValueError(f"{where}: field 'attn_res_block_size' must be null or > 0, got {cfg.attn_res_block_size}")
+    if model_type in DEEPSEEK_TYPES and cfg.kda is not None:
+        raise ValueError(f"{where}: field 'linear_attn_config' is only valid for model_type 'kimi_linear'")
     return cfg
 
 
-def load_config(path: str | Path) -> ModelConfig:
+def load_config(path: str | Path, *, gate_bias_in_weights: bool = False) -> ModelConfig:
     """Read ``config.json`` from a checkpoint directory (or the file itself)."""
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
@@ -336,4 +477,4 @@ def load_config(path: str | Path) -> ModelConfig:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    return parse_config(raw, where=str(file))
+    return parse_config(raw, where=str(file), gate_bias_in_weights=gate_bias_in_weights)
