@@ -15,7 +15,7 @@ import torch
 
 from model.config import parse_config
 from model.model import CausalLM, init_random_weights
-from model.params import cache_bytes_per_token, count_params
+from model.params import cache_bytes_per_token, count_params, state_bytes_per_sequence
 from model.presets import preset_config
 from model.runner import ModelRunner, Sequence
 from model.sampling import SamplingParams
@@ -48,13 +48,14 @@ def bench(preset: str, batch: int, prompt_len: int, steps: int, dtype: torch.dty
         "decode_tok_s": round(batch * steps / decode_s, 1),
         "decode_step_ms": round(1000 * decode_s / steps, 2),
         "latent_cache_B_per_token_bf16": cache["latent"], "naive_kv_B_per_token_bf16": cache["naive"],
-        "runner_cache_B_per_token": runner.cache.bytes_per_token,
+        "runner_cache_B_per_token": runner.cache.latent.bytes_per_token,
+        "kda_state_B_per_seq": state_bytes_per_sequence(cfg)["total"],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", default="kimi-k2-tiny,kimi-k2-small")
+    ap.add_argument("--presets", default="kimi-k2-tiny,kimi-k2-small,kimi-k3-tiny,kimi-linear-tiny")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16)

@@ -39,7 +39,8 @@ def user_errors(fn):
     return wrapper
 
 
-MODEL_HELP = "A Hugging Face checkpoint directory or a preset name (kimi-k2-tiny, deepseek-v3-tiny, kimi-k2-small)."
+MODEL_HELP = ("A Hugging Face checkpoint directory or a preset name (kimi-k2-tiny, deepseek-v3-tiny, "
+              "kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small).")
 
 
 def _resolve(model: str) -> Path:
@@ -53,17 +54,19 @@ def _resolve(model: str) -> Path:
 @app.command("make-checkpoint")
 @user_errors
 def make_checkpoint(
-    preset: str = typer.Option(..., help="Preset to write: kimi-k2-tiny, deepseek-v3-tiny, kimi-k2-small."),
+    preset: str = typer.Option(..., help="Preset to write: kimi-k2-tiny, deepseek-v3-tiny, kimi-linear-tiny, "
+                                         "kimi-k3-tiny, kimi-k2-small."),
     out: Path = typer.Option(..., help="Output directory (created)."),
-    quant: Optional[str] = typer.Option(None, help="Weight format: fp8 (128x128 blocks) or int4 (routed experts)."),
+    quant: Optional[str] = typer.Option(None, help="Weight format: fp8 (128x128 blocks; DeepSeek/K2 presets), "
+                                                   "int4 or mxfp4 (routed experts only)."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
     dtype: str = typer.Option("bfloat16", help="Storage dtype of unquantised tensors: bfloat16 or float32."),
 ):
     """Write a complete Hugging Face checkpoint (config, safetensors, tokenizer) with seeded random weights."""
     from model.presets import build_preset
 
-    if quant not in (None, "fp8", "int4"):
-        raise ValueError(f"--quant must be fp8 or int4, got {quant!r}")
+    if quant not in (None, "fp8", "int4", "mxfp4"):
+        raise ValueError(f"--quant must be fp8, int4 or mxfp4, got {quant!r}")
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
     if out.exists() and any(out.iterdir()):
@@ -77,11 +80,12 @@ def make_checkpoint(
 def params(
     model: str = typer.Option(..., help=MODEL_HELP + " A directory holding only config.json works."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    cache: bool = typer.Option(False, "--cache", help="Also print cache bytes per token."),
+    cache: bool = typer.Option(False, "--cache", help="Also print MLA cache bytes per token and KDA state "
+                                                      "bytes per sequence."),
 ):
     """Per-module and total parameter counts, from the config alone."""
     from model.config import load_config, parse_config
-    from model.params import cache_bytes_per_token, count_params, format_report
+    from model.params import cache_bytes_per_token, count_params, format_report, state_bytes_per_sequence
     from model.presets import PRESETS, preset_config
 
     cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
@@ -90,13 +94,19 @@ def params(
         out = report.to_dict()
         if cache:
             out["cache"] = cache_bytes_per_token(cfg)
+            out["kda_state"] = state_bytes_per_sequence(cfg)
         print(json.dumps(out, indent=2))
         return
     print(format_report(report))
     if cache:
         c = cache_bytes_per_token(cfg)
-        print(f"latent cache per token (bf16): {c['latent']:,} B over {c['mla_layers']} MLA layers; "
+        print(f"MLA latent cache per token (bf16): {c['latent']:,} B over {c['mla_layers']} MLA layers; "
               f"naive per-head K/V would be {c['naive']:,} B ({c['naive'] / c['latent']:.1f}x)")
+        k = state_bytes_per_sequence(cfg)
+        if k["kda_layers"]:
+            print(f"KDA state per sequence: {k['total']:,} B over {k['kda_layers']} KDA layers "
+                  f"(recurrent fp32 {k['recurrent_per_layer']:,} B + conv bf16 {k['conv_per_layer']:,} B per layer), "
+                  "independent of length")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -120,6 +130,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
     ignore_eos: bool = typer.Option(False, help="Do not stop at the model's end-of-turn tokens."),
     dtype: str = typer.Option("float32", help="Compute dtype: float32 or bfloat16."),
+    biased_gate: bool = typer.Option(False, "--kimi-linear-biased-gate",
+                                     help="Reproduce the original Kimi Linear HF code's biased gate weights."),
     as_json: bool = typer.Option(False, "--json", help='Print one line {"token_ids": [...], "text": "..."}.'),
 ):
     """Offline generation in this process."""
@@ -135,7 +147,7 @@ def generate(
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                         ignore_eos=ignore_eos)
     path = _resolve(model)
-    cfg = load_config(path)
+    cfg = load_config(path, gate_bias_in_weights=biased_gate)
     tok = Tokenizer.from_dir(path)
     if prompt_ids is not None:
         ids = _parse_ids(prompt_ids)

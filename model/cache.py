@@ -1,9 +1,11 @@
-"""The paged latent cache and the per-step attention metadata.
+"""The per-sequence state of attention layers and the per-step attention metadata.
 
-:class:`LatentCache` owns the cache tensor: for every MLA layer, ``num_blocks`` blocks of
+:class:`LatentCache` owns the MLA cache tensor: for every MLA layer, ``num_blocks`` blocks of
 ``block_size`` tokens, each token exactly ``kv_lora_rank + qk_rope_head_dim`` values (the normed
-latent and the rotated rope key). It never decides which sequence gets which block — that is the
-:class:`BlockAllocator`'s job (owned by whoever schedules sequences).
+latent and the rotated rope key). :class:`KDAStateCache` owns the KDA slots (K3 / Kimi Linear):
+per KDA layer and slot a fp32 recurrent state [heads, d_k, d_v] and the short-conv tail. Neither
+decides which sequence gets which block or slot — that is the :class:`BlockAllocator`'s job
+(owned by whoever schedules sequences).
 
 :class:`AttnMeta` is built once per forward step from the sequences in the batch and shared by all
 layers: flat token → slot mapping for writes, and padded [B, Q] / [B, L] gather indices for reads.
@@ -65,6 +67,47 @@ class LatentCache:
         return self.data.shape[0] * self.latent_dim * self.data.element_size()
 
 
+class KDAStateCache:
+    """conv [layers, slots, 3, W-1, P] (q/k/v conv inputs, oldest first) and recurrent
+    [layers, slots, heads, d_k, d_v] fp32. A slot is zeroed when a sequence takes it."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_heads: int, head_dim: int, conv_kernel: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        P = num_heads * head_dim
+        self.num_slots = num_slots
+        self.conv = torch.zeros(num_layers, num_slots, 3, conv_kernel - 1, P, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_layers, num_slots, num_heads, head_dim, head_dim, dtype=torch.float32,
+                                     device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv[i], self.recurrent[i]
+
+    def reset(self, slot: int) -> None:
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return (self.conv[:, 0].numel() * self.conv.element_size()
+                + self.recurrent[:, 0].numel() * self.recurrent.element_size())
+
+
+@dataclass
+class ModelCache:
+    """Everything one model instance caches, indexed by decoder layer."""
+
+    latent: LatentCache | None
+    kda: KDAStateCache | None
+    mla_index: dict[int, int]  # decoder layer → row of latent
+    kda_index: dict[int, int]  # decoder layer → row of kda
+
+    def mla_layer(self, layer: int) -> torch.Tensor:
+        return self.latent.layer(self.mla_index[layer])
+
+    def kda_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kda.layer(self.kda_index[layer])
+
+
 @dataclass
 class AttnMeta:
     """Where this step's tokens live. Built by :func:`build_attn_meta`; read-only for layers.
@@ -80,6 +123,7 @@ class AttnMeta:
     mask: torch.Tensor          # [B, Q, L] bool, True where query may attend key
     query_lens: list[int]
     context_lens: list[int]
+    state_slots: torch.Tensor | None = None  # [B] KDA slot of each sequence (hybrid models)
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -89,7 +133,8 @@ class AttnMeta:
 
 
 def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                    block_size: int, device: str | torch.device = "cpu") -> AttnMeta:
+                    block_size: int, device: str | torch.device = "cpu",
+                    state_slots: list[int] | None = None) -> AttnMeta:
     """For each sequence: ``query_lens[b]`` new tokens at the end of a context of
     ``context_lens[b]`` tokens (new tokens included); its cache blocks are ``block_tables[b]``."""
     assert len(query_lens) == len(context_lens) == len(block_tables), "batch fields disagree"
@@ -98,7 +143,7 @@ def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables
     ql = torch.tensor(query_lens)
     cl = torch.tensor(context_lens)
     assert bool((ql <= cl).all()) and bool((ql > 0).all()), f"bad lens {query_lens} {context_lens}"
-    max_blocks = max(len(t) for t in block_tables)
+    max_blocks = max(1, max(len(t) for t in block_tables))
     table = torch.zeros(B, max_blocks, dtype=torch.long)
     for b, t in enumerate(block_tables):
         table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
@@ -122,4 +167,5 @@ def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables
         positions=positions.to(**to), slot_mapping=slot_mapping.to(**to), q_index=q_index.to(**to),
         q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to), mask=mask.to(**to),
         query_lens=list(query_lens), context_lens=list(context_lens),
+        state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.long, device=device),
     )

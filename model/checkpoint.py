@@ -28,7 +28,17 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .config import ModelConfig, parse_config
-from .names import PART_SUFFIXES, is_fp32, is_ignored, is_quantized, is_routed_expert, split_stored, tensor_specs
+from .names import (
+    PART_SUFFIXES,
+    canonical_name,
+    check_quant_method,
+    is_fp32,
+    is_ignored,
+    is_quantized,
+    is_routed_expert,
+    split_stored,
+    tensor_specs,
+)
 from .quant import dequant_fp8_block, pack_int4, pack_mxfp4, quant_fp8_block, unpack_int4, unpack_mxfp4
 
 SINGLE_FILE = "model.safetensors"
@@ -136,12 +146,17 @@ def _expected_parts(logical: str, plan: _Plan, cfg: ModelConfig) -> dict[str, tu
 def _plan_reads(layout: _Layout, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]]) -> dict[str, _Plan]:
     """Check names (all), files and headers (needed only); return the read plan or raise."""
     groups: dict[str, dict[str, str]] = {}
+    problems: list[str] = []
     for stored in layout.weight_map:
-        if not is_ignored(stored, cfg):
-            logical, suffix = split_stored(stored)
-            groups.setdefault(logical, {})[suffix] = stored
+        name = canonical_name(stored)
+        if is_ignored(name, cfg):
+            continue
+        logical, suffix = split_stored(name)
+        other = groups.setdefault(logical, {}).setdefault(suffix, stored)
+        if other != stored:
+            problems.append(f"tensor {logical + suffix!r} is stored twice: as {other!r} and as {stored!r}")
     full = tensor_specs(cfg)
-    problems = [
+    problems += [
         f"unexpected tensor {stored!r} in {layout.weight_map[stored]}: not a tensor of this {cfg.model_type} config"
         for logical, parts in groups.items() if logical not in full for stored in parts.values()
     ]
@@ -208,14 +223,22 @@ def read_checkpoint(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
 ) -> dict[str, Tensor]:
-    """Load logical HF name → dequantised tensor in ``dtype`` (router bias stays fp32).
+    """Load logical HF name → dequantised tensor in ``dtype`` (router bias, KDA A_log and dt_bias
+    stay fp32).
 
     ``experts`` selects the routed experts of every MoE layer (None: all; ``range(0)``: none);
     ``include_non_expert=False`` skips everything but those routed experts. Stray
-    ``rotary_emb.inv_freq`` buffers and layers >= ``num_hidden_layers`` (the MTP layer) are
-    ignored. Raises :class:`CheckpointError` before reading any data if a needed tensor is
-    missing or misshapen, any tensor is not part of the model, or a needed file is missing.
+    ``rotary_emb.inv_freq`` buffers, layers >= ``num_hidden_layers`` (the MTP layer) and a
+    multimodal checkpoint's vision tower are ignored; stored names are read through
+    :func:`model.names.canonical_name` (K3's ``language_model.`` prefix). Raises
+    :class:`CheckpointError` before reading any data if a needed tensor is missing or misshapen,
+    any tensor is not part of the model, or a needed file is missing; also for a quant method the
+    model family has no layout for (fp8 Kimi Linear).
     """
+    try:
+        check_quant_method(cfg, cfg.quant.method if cfg.quant else None)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: config.json quantization_config: {e}") from None
     layout = _layout(Path(path))
     wanted = {
         name: shape for name, shape in tensor_specs(cfg, experts).items()
@@ -263,11 +286,14 @@ def _progress_bar(enabled: bool):
 # ---- write -------------------------------------------------------------------------------
 
 _CT_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+# K3 (a multimodal checkpoint) also leaves its vision tower and projector unquantised
+_CT_IGNORE_MULTIMODAL = ["re:.*vision_tower.*", "re:.*mm_projector.*"]
 
 
-def quantization_config_block(method: str) -> dict:
+def quantization_config_block(method: str, family: str = "deepseek_v3") -> dict:
     """The ``quantization_config`` of a real checkpoint in ``method``: K2-Instruct (fp8),
-    K2-Thinking (int4 compressed-tensors), K3 (mxfp4 compressed-tensors)."""
+    K2-Thinking (int4 compressed-tensors), K3 (mxfp4 compressed-tensors; ``family``
+    "kimi_linear" adds K3's vision-tower ignores)."""
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     if method not in ("int4", "mxfp4"):
@@ -282,8 +308,9 @@ def quantization_config_block(method: str) -> dict:
     if method == "mxfp4":
         weights.update(scale_dtype="torch.uint8", zp_dtype=None)
         group["format"] = fmt
+    ignore = list(_CT_IGNORE) + (_CT_IGNORE_MULTIMODAL if family == "kimi_linear" else [])
     return {
-        "config_groups": {"group_0": group}, "format": fmt, "ignore": list(_CT_IGNORE), "kv_cache_scheme": None,
+        "config_groups": {"group_0": group}, "format": fmt, "ignore": ignore, "kv_cache_scheme": None,
         "quant_method": "compressed-tensors", "quantization_status": "compressed",
     }
 
@@ -300,16 +327,19 @@ def write_checkpoint(
 
     ``quant`` None stores each tensor as given (fp32 stays fp32); "fp8" stores the linear
     projections as e4m3 + 128x128 ``weight_scale_inv`` and everything else bf16 (router bias
-    fp32), as K2-Instruct; "int4"/"mxfp4" quantise routed experts only. The config's
+    fp32), as K2-Instruct (DeepSeek-V3 family only: ValueError otherwise); "int4"/"mxfp4"
+    quantise routed experts only and store the rest bf16 (router bias, A_log, dt_bias fp32). The config's
     ``quantization_config`` is replaced to match. The tensors are not checked against the
     config — partial or deliberately wrong checkpoints are how the reader is tested.
     Shards of at most ``max_shard_bytes`` (a tensor's parts stay together) plus an index
     when there is more than one; old ``model*.safetensors*`` files in ``out_dir`` are removed.
     """
     raw = {k: v for k, v in cfg_raw.items() if k != "quantization_config"}
-    if quant is not None:
-        raw["quantization_config"] = quantization_config_block(quant)
     cfg = parse_config(raw, where="write_checkpoint(cfg_raw)")
+    check_quant_method(cfg, quant)
+    if quant is not None:
+        raw["quantization_config"] = quantization_config_block(quant, cfg.family)
+        cfg = parse_config(raw, where="write_checkpoint(cfg_raw)")
     groups = [_encode(name, t, cfg) for name, t in tensors.items()]
     shards: list[dict[str, Tensor]] = [{}]
     size = 0

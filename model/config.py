@@ -423,7 +423,8 @@ def parse_config(raw: dict, where: str = "config.json", *, gate_bias_in_weights:
         for i in ids:
             if i is not None and not (isinstance(i, int) and 0 <= i < vocab):
                 raise ValueError(f"{where}: field {name!r} value {i!r} is outside the vocabulary (0..{vocab - 1})")
-    nope = f.get("mla_use_nope", bool, False)
+    # Kimi Linear's MLA is NoPE in every release (transformers' class has no rotary and omits the field)
+    nope = f.get("mla_use_nope", bool, model_type in KIMI_LINEAR_TYPES)
     dtype = f.raw.get("torch_dtype") or f.raw.get("dtype") or "bfloat16"
     cfg = ModelConfig(
         model_type=model_type,

@@ -6,6 +6,7 @@ Pure tensor math; no state beyond weights."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,14 +93,38 @@ class RotaryEmbedding:
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU FFN: down(silu(gate(x)) ⊙ up(x)). Used for dense layers and shared experts."""
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) ⊙ up."""
+    return F.silu(gate) * up
 
-    def __init__(self, hidden: int, intermediate: int):
+
+class SituGLU:
+    """K3's SiTU-GLU (MODEL_SPEC §3.10.4), in fp32:
+    β·tanh(a/β)·sigmoid(a) · β_l·tanh(b/β_l) for gate pre-activation a and up pre-activation b."""
+
+    def __init__(self, beta: float, linear_beta: float):
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        a, b = gate.float(), up.float()
+        act = self.beta * torch.tanh(a / self.beta) * torch.sigmoid(a) * (self.linear_beta * torch.tanh(b / self.linear_beta))
+        return act.to(gate.dtype)
+
+
+def glu_activation(cfg) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The gated activation every FFN of ``cfg`` uses (dense, shared and routed experts)."""
+    return SituGLU(cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else silu_glu
+
+
+class GatedMLP(nn.Module):
+    """Gated FFN: down(act(gate(x), up(x))). Used for dense layers and shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, act=silu_glu):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -9,7 +9,8 @@ attends over the cache:
 * ``naive``: up-projects every cached latent to per-head K/V and runs ordinary MHA (§2.2). Kept as
   the oracle for the absorbed form.
 
-Both use the same σ (qk_head_dim^-1/2 · mscale²). Rope may be None (NoPE, Kimi Linear / K3).
+Both use the same σ (qk_head_dim^-1/2 · mscale²). Rope may be None (NoPE, Kimi Linear / K3:
+the rope dims enter the dot product unrotated, and cache entries do not depend on position).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, n * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(n * cfg.v_head_dim, H, bias=False)
+        # K3's gated MLA: o ← o ⊙ sigmoid(g_proj x) after W_UV, before o_proj (§3.10.1)
+        self.g_proj = nn.Linear(H, n * cfg.v_head_dim, bias=False) if cfg.mla_output_gate else None
         self.rotary = rotary
 
     # ---- projections ----------------------------------------------------------
@@ -77,8 +80,10 @@ class MLA(nn.Module):
             o = self._naive(qn, qr, ctx, meta.mask)
         else:
             raise ValueError(f"unknown MLA impl {impl!r}; choose one of {MLA_IMPLS}")
-        o = o[meta.q_valid]  # [T, n, V]
-        return self.o_proj(o.reshape(o.shape[0], -1))
+        o = o[meta.q_valid].reshape(x.shape[0], -1)  # [T, n·V]
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         scores = scores.float().masked_fill(~mask[:, None], float("-inf"))  # [B, n, Q, L]

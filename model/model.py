@@ -1,9 +1,11 @@
-"""The DeepSeek-V3 / Kimi K2 causal LM, written for one device (MODEL_SPEC §1.2).
+"""The causal LMs, written for one device: DeepSeek-V3 / Kimi K2 (MODEL_SPEC §1.2) and the
+Kimi Linear / K3 hybrid (§3.2, §3.10): KDA or MLA attention per layer, dense or (latent) MoE FFN,
+and K3's block attention residuals.
 
 Parameter names equal the Hugging Face checkpoint names, except the routed experts of a layer,
-which are stacked (``mlp.experts.w13`` / ``mlp.experts.w2``); :func:`load_hf_weights` and
-:func:`to_hf_tensors` translate. The model sees only ``(input_ids, AttnMeta, cache)``; it never
-decides which sequences run or where their cache lives.
+which are stacked (``<ffn>.experts.w13`` / ``<ffn>.experts.w2``); :func:`load_hf_weights` and
+:func:`to_hf_tensors` translate. The model sees only ``(input_ids, AttnMeta, ModelCache)``; it
+never decides which sequences run or where their cache lives.
 """
 
 from __future__ import annotations
@@ -13,27 +15,75 @@ import re
 import torch
 from torch import nn
 
-from .cache import AttnMeta, LatentCache
+from .cache import AttnMeta, KDAStateCache, LatentCache, ModelCache
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .kda import KimiDeltaAttention
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, glu_activation
 from .mla import MLA
 from .moe import MoE
 
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>w13|w2)$")
 
 
+def attn_res(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """K3's attention residual AR(sources): softmax over sources of a learned query
+    (norm.weight ⊙ proj.weight) against each RMS-normalised source; returns Σ p_i v_i (§3.10.6)."""
+    v = torch.stack(sources).float()  # [m, T, H]
+    kappa = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
+    query = norm.weight.float() * proj.weight[0].float()  # [H]
+    p = (kappa @ query).softmax(0)  # [m, T]
+    return (p[..., None] * v).sum(0).to(sources[0].dtype)
+
+
+def ffn_name(cfg: ModelConfig, layer: int) -> str:
+    """Checkpoint module name of a layer's FFN: Kimi Linear / K3 call the MoE ``block_sparse_moe``."""
+    return "block_sparse_moe" if cfg.family == "kimi_linear" and cfg.is_moe_layer(layer) else "mlp"
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, rotary: RotaryEmbedding | None, experts: range | None):
         super().__init__()
-        self.index = index
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg, rotary)
-        self.mlp = MoE(cfg, experts) if cfg.is_moe_layer(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.index, self.is_kda = index, cfg.is_kda_layer(index)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attn = KimiDeltaAttention(cfg) if self.is_kda else MLA(cfg, rotary)
+        self.ffn_name = ffn_name(cfg, index)
+        ffn = MoE(cfg, experts) if cfg.is_moe_layer(index) else GatedMLP(H, cfg.intermediate_size, glu_activation(cfg))
+        setattr(self, self.ffn_name, ffn)
+        self.block_size = cfg.attn_res_block_size
+        if self.block_size:  # K3 block attention residuals
+            self.self_attention_res_norm = RMSNorm(H, eps)
+            self.self_attention_res_proj = nn.Linear(H, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(H, eps)
+            self.mlp_res_proj = nn.Linear(H, 1, bias=False)
 
-    def forward(self, h: torch.Tensor, meta: AttnMeta, cache: torch.Tensor, rope, impl: str) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta, cache, rope, impl)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
+
+    def attend(self, x: torch.Tensor, meta: AttnMeta, cache: ModelCache, rope, impl: str) -> torch.Tensor:
+        if self.is_kda:
+            conv, recurrent = cache.kda_layer(self.index)
+            return self.self_attn(x, meta, conv, recurrent, meta.state_slots)
+        return self.self_attn(x, meta, cache.mla_layer(self.index), rope, impl)
+
+    def forward(self, h: torch.Tensor, meta: AttnMeta, cache: ModelCache, rope, impl: str,
+                blocks: list[torch.Tensor]) -> torch.Tensor:
+        if not self.block_size:
+            h = h + self.attend(self.input_layernorm(h), meta, cache, rope, impl)
+            return h + self.ffn(self.post_attention_layernorm(h))
+        # K3 block attention residuals: ``blocks`` holds the block-start snapshots (appended here)
+        x = attn_res(blocks + [h], self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
+        prefix = None
+        if self.index % self.block_size == 0:
+            blocks.append(h)
+        else:
+            prefix = h
+        a = self.attend(self.input_layernorm(x), meta, cache, rope, impl)
+        prefix = a if prefix is None else prefix + a
+        x = attn_res(blocks + [prefix], self.mlp_res_norm, self.mlp_res_proj)
+        return prefix + self.ffn(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
@@ -42,6 +92,9 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, experts) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size:
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
 
 
 class CausalLM(nn.Module):
@@ -51,21 +104,33 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, experts: range | None = None):
         super().__init__()
         self.cfg = cfg
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
+        self.rotary = (
+            None if cfg.rope.kind == "none" else RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
+        )
         self.model = Backbone(cfg, self.rotary, experts)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    @property
-    def num_cache_layers(self) -> int:
-        return len(self.model.layers)
+    def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype) -> ModelCache:
+        """The cache this model needs: latent blocks for its MLA layers, KDA slots for its KDA layers."""
+        cfg = self.cfg
+        mla, kda = cfg.mla_layers, cfg.kda_layers
+        latent = LatentCache(len(mla), num_blocks, block_size, cfg.latent_dim, dtype) if mla else None
+        states = None
+        if kda:
+            k = cfg.kda
+            states = KDAStateCache(len(kda), num_slots, k.num_heads, k.head_dim, k.conv_kernel, dtype)
+        return ModelCache(latent, states, {l: i for i, l in enumerate(mla)}, {l: i for i, l in enumerate(kda)})
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, cache: LatentCache,
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache,
                 impl: str = "absorbed") -> torch.Tensor:
         """input_ids [T] → final-normed hidden states [T, H]."""
         h = self.model.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(meta.positions)
+        rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
+        blocks: list[torch.Tensor] = []
         for layer in self.model.layers:
-            h = layer(h, meta, cache.layer(layer.index), rope, impl)
+            h = layer(h, meta, cache, rope, impl, blocks)
+        if self.cfg.attn_res_block_size:
+            h = attn_res(blocks + [h], self.model.output_attn_res_norm, self.model.output_attn_res_proj)
         return self.model.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -73,11 +138,15 @@ class CausalLM(nn.Module):
         return (h @ w.t()).float()
 
     def moe_blocks(self) -> dict[int, MoE]:
-        return {l.index: l.mlp for l in self.model.layers if isinstance(l.mlp, MoE)}
+        return {l.index: l.ffn for l in self.model.layers if isinstance(l.ffn, MoE)}
 
 
-def _expert_names(prefix: str, e: int) -> tuple[str, str, str]:
-    return tuple(f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
+EXPERT_WEIGHT_NAMES = {"deepseek_v3": ("gate_proj", "up_proj", "down_proj"), "kimi_linear": ("w1", "w3", "w2")}
+
+
+def _expert_names(cfg: ModelConfig, prefix: str, e: int) -> tuple[str, str, str]:
+    """Checkpoint names of expert ``e``'s (gate, up, down) weights."""
+    return tuple(f"{prefix}.{e}.{p}.weight" for p in EXPERT_WEIGHT_NAMES[cfg.family])
 
 
 @torch.no_grad()
@@ -93,7 +162,7 @@ def load_hf_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
         experts = model.get_submodule(m["prefix"])
         I = experts.w2.shape[-1]
         for j, e in enumerate(range(experts.lo, experts.hi)):
-            gate, up, down = _expert_names(m["prefix"], e)
+            gate, up, down = _expert_names(model.cfg, m["prefix"], e)
             if m["which"] == "w13":
                 p[j, :I].copy_(tensors[gate])
                 p[j, I:].copy_(tensors[up])
@@ -113,7 +182,7 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
         experts = model.get_submodule(m["prefix"])
         I = experts.w2.shape[-1]
         for j, e in enumerate(range(experts.lo, experts.hi)):
-            gate, up, down = _expert_names(m["prefix"], e)
+            gate, up, down = _expert_names(model.cfg, m["prefix"], e)
             if m["which"] == "w13":
                 out[gate], out[up] = p[j, :I].clone(), p[j, I:].clone()
             else:
@@ -124,11 +193,18 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def init_random_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:
     """Seeded random weights for the presets: normal(0, std) matrices, norms near 1, a small
-    random selection bias (so the bias path is exercised)."""
+    random selection bias (so the bias path is exercised), KDA decay parameters in the ranges
+    fla initialises them to."""
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if name.endswith("e_score_correction_bias"):
             p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        elif name.endswith("A_log"):
+            p.copy_(torch.rand(p.shape, generator=g) * 2.7)  # exp(A_log) in [1, 16)
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        elif name.endswith("conv1d.weight"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         elif p.dim() == 1:
             p.copy_(1.0 + torch.randn(p.shape, generator=g) * 0.05)
         else:

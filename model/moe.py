@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import GatedMLP
+from .layers import GatedMLP, RMSNorm, glu_activation, silu_glu
 
 
 class RoutedFn(Protocol):
@@ -36,6 +36,7 @@ class Gate(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.bias_in_weights = cfg.gate_bias_in_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → (topk_idx [T, k] long, topk_w [T, k] fp32)."""
@@ -49,7 +50,9 @@ class Gate(nn.Module):
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
         idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
+        # standard noaux_tc: weights from the unbiased scores; the original Kimi Linear HF code
+        # added the bias in place, so its weights are biased (§3.7) — reproduced only on request
+        w = (scores + self.e_score_correction_bias.float() if self.bias_in_weights else scores).gather(1, idx)
         if self.top_k > 1 and self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return idx, w * self.scaling
@@ -79,10 +82,6 @@ def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
     return out
 
 
-def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
 class RoutedExperts(nn.Module):
     """Logical experts ``[lo, hi)`` of one MoE layer."""
 
@@ -109,22 +108,38 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """gate → top-k → routed experts (via ``self.routed``) + shared experts."""
+    """gate → top-k → routed experts (via ``self.routed``) + shared experts.
+
+    Latent MoE (K3, §3.10.5): the routed experts work in ``routed_expert_hidden_size``:
+    x_lat = down(x); y_lat = Σ w·E(x_lat); y = up(norm(y_lat)). The routed function receives and
+    returns the latent rows, so a dispatcher moves the narrower vectors and the sum over expert
+    actors happens before the norm, as it must."""
 
     def __init__(self, cfg: ModelConfig, experts: range | None = None):
         super().__init__()
+        act = glu_activation(cfg)
+        H, He = cfg.hidden_size, cfg.expert_hidden_size
         self.gate = Gate(cfg)
         lo, hi = (0, cfg.n_routed_experts) if experts is None else (experts.start, experts.stop)
-        self.experts = RoutedExperts(cfg.hidden_size, cfg.moe_intermediate_size, lo, hi)
+        self.experts = RoutedExperts(He, cfg.moe_intermediate_size, lo, hi, act)
         self.shared_experts = (
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-            if cfg.n_shared_experts else None
+            GatedMLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts, act) if cfg.n_shared_experts else None
         )
+        self.latent = cfg.routed_expert_hidden_size is not None
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(H, He, bias=False)
+            self.routed_expert_up_proj = nn.Linear(He, H, bias=False)
+            self.routed_expert_norm = RMSNorm(He, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.routed: RoutedFn | None = None  # None → the local experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
-        y = (self.routed or self.experts)(x, idx, w)
+        x_r = self.routed_expert_down_proj(x) if self.latent else x
+        y = (self.routed or self.experts)(x_r, idx, w)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -87,10 +87,84 @@ def _kimi_k2_small() -> dict:
     )
 
 
+def _kimi_linear_tiny() -> dict:
+    """Kimi-Linear-48B-A3B's config (§3.1) shrunk: 3:1 KDA:MLA ending on MLA, NoPE MLA without
+    q-LoRA, the renamed MoE fields, Moonshot's spelling throughout."""
+    ids = shipped_special_ids("kimi")
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": SHIPPED_VOCAB_SIZE,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "mla_use_nope": True,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "intermediate_size": 160,
+        "moe_intermediate_size": 32,
+        "num_experts": 16,
+        "num_experts_per_token": 4,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "use_grouped_topk": True,
+        "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                               "kda_layers": [1, 2, 3, 5], "full_attn_layers": [4, 6]},
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": ids["eos_token_id"] + 1,  # <|im_end|>, as Kimi Linear's config says
+        "tie_word_embeddings": False,
+        "model_max_length": 4096,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _kimi_k3_tiny() -> dict:
+    """K3's text config (§3.9) shrunk with every K3 feature on: gated NoPE MLA with q-LoRA,
+    full-rank and lower-bounded KDA gates, SiTU-GLU, latent MoE with its norm, two shared
+    experts, block attention residuals."""
+    cfg = _kimi_linear_tiny()
+    cfg.update({
+        "num_hidden_layers": 7,
+        "q_lora_rank": 48,
+        "mla_use_output_gate": True,
+        "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+                               "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4, 7]},
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "num_shared_experts": 2,
+        "routed_expert_hidden_size": 32,
+        "latent_moe_use_norm": True,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "attn_res_block_size": 3,
+        "max_position_embeddings": 4096,
+    })
+    cfg.pop("model_max_length")
+    return cfg
+
+
 PRESETS: dict[str, tuple[Callable[[], dict], str]] = {
     "kimi-k2-tiny": (_k2_like, "kimi"),
     "deepseek-v3-tiny": (_deepseek_v3_tiny, "deepseek"),
     "kimi-k2-small": (_kimi_k2_small, "kimi"),
+    "kimi-linear-tiny": (_kimi_linear_tiny, "kimi"),
+    "kimi-k3-tiny": (_kimi_k3_tiny, "kimi"),
 }
 
 
@@ -108,6 +182,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     from .checkpoint import write_checkpoint
     from .config import parse_config
     from .model import CausalLM, init_random_weights, to_hf_tensors
+    from .names import is_fp32
 
     raw = preset_config(name)
     raw["torch_dtype"] = dtype
@@ -117,8 +192,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     init_random_weights(model, seed)
     tensors = to_hf_tensors(model)
     if dtype != "float32":
-        tensors = {k: (v if k.endswith("e_score_correction_bias") else v.to(getattr(torch, dtype)))
-                   for k, v in tensors.items()}
+        tensors = {k: (v if is_fp32(k) else v.to(getattr(torch, dtype))) for k, v in tensors.items()}
     out = Path(out_dir)
     write_checkpoint(out, raw, tensors, quant=quant)
     copy_tokenizer_files(PRESETS[name][1], out)

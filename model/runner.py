@@ -1,6 +1,6 @@
 """The single-process model runner and a batched offline ``generate``.
 
-:class:`ModelRunner` owns the model and its :class:`LatentCache`; it turns a batch of
+:class:`ModelRunner` owns the model and its :class:`ModelCache` (latent blocks, KDA slots); it turns a batch of
 :class:`Sequence` s (each with a number of new tokens to compute) into tensors and returns the
 logits of each sequence's last new token. It does not choose which sequences run — ``generate``
 here (and the cluster engine) does that — and it writes cache blocks only where the sequence's
@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from .cache import BlockAllocator, LatentCache, build_attn_meta
+from .cache import BlockAllocator, CacheFull, build_attn_meta
 from .model import CausalLM
 from .sampling import SamplingParams, make_generator, sample
 
@@ -26,7 +26,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose latents are in the cache
+    state_slot: int | None = None  # KDA slot (hybrid models)
+    num_cached: int = 0  # tokens whose latents (and KDA state) are in the cache
     generator: torch.Generator | None = None
     finish_reason: str | None = None
 
@@ -51,22 +52,34 @@ def check_stop(seq: Sequence, model_stop_ids: frozenset[int], max_context: int) 
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int = 16, num_slots: int = 64,
                  impl: str = "absorbed", dtype: torch.dtype | None = None):
         self.model, self.cfg, self.impl = model, model.cfg, impl
         dtype = dtype or next(model.parameters()).dtype
         self.block_size = block_size
-        self.cache = LatentCache(model.num_cache_layers, num_blocks, block_size, self.cfg.latent_dim, dtype)
+        self.cache = model.make_cache(num_blocks, block_size, num_slots, dtype)
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.slots = BlockAllocator(num_slots, 1) if self.cache.kda is not None else None
 
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
-        """Give ``seq`` enough blocks for its first ``num_tokens`` tokens (raises CacheFull)."""
+        """Give ``seq`` enough blocks for its first ``num_tokens`` tokens, and a zeroed KDA slot
+        (raises CacheFull)."""
         need = self.allocator.blocks_needed(num_tokens, len(seq.block_table))
+        if not self.allocator.can_allocate(need):
+            raise CacheFull(f"seq {seq.seq_id} needs {need} more cache blocks, {self.allocator.num_free} free")
+        if self.slots is not None and seq.state_slot is None:
+            (seq.state_slot,) = self.slots.allocate(1)
+            self.cache.kda.reset(seq.state_slot)
         seq.block_table.extend(self.allocator.allocate(need))
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
-        seq.block_table, seq.num_cached = [], 0
+        if seq.state_slot is not None:
+            self.slots.free([seq.state_slot])
+        seq.block_table, seq.num_cached, seq.state_slot = [], 0, None
+
+    def _slots(self, seqs: list[Sequence]) -> list[int] | None:
+        return None if self.slots is None else [s.state_slot for s in seqs]
 
     @torch.no_grad()
     def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
@@ -77,7 +90,8 @@ class ModelRunner:
             self.reserve(seq, seq.num_cached + n)
             ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
             ctx.append(seq.num_cached + n)
-        meta = build_attn_meta(num_new, ctx, [s.block_table for s in seqs], self.block_size)
+        meta = build_attn_meta(num_new, ctx, [s.block_table for s in seqs], self.block_size,
+                               state_slots=self._slots(seqs))
         h = self.model(torch.tensor(ids), meta, self.cache, self.impl)
         for seq, n in zip(seqs, num_new):
             seq.num_cached += n
@@ -89,7 +103,8 @@ class ModelRunner:
         seq = Sequence(-1, list(token_ids), len(token_ids), SamplingParams())
         try:
             self.reserve(seq, len(token_ids))
-            meta = build_attn_meta([len(token_ids)], [len(token_ids)], [seq.block_table], self.block_size)
+            meta = build_attn_meta([len(token_ids)], [len(token_ids)], [seq.block_table], self.block_size,
+                                   state_slots=self._slots([seq]))
             return self.model.logits(self.model(torch.tensor(token_ids), meta, self.cache, self.impl))
         finally:
             self.release(seq)

@@ -144,3 +144,36 @@ def test_help_explains_commands():
     for cmd in ("generate", "make-checkpoint", "params"):
         assert cmd in out
     assert "--prompt-ids" in moeray("generate", "--help").stdout
+
+
+@pytest.mark.parametrize("fixture,total,kda,mla", [
+    ("kimi-linear-48b.json", 49_122_681_728, 20, 7),
+    ("kimi-k3-text.json", 2_779_484_476_000, 69, 24),
+])
+def test_params_on_hybrid_configs(tmp_path, fixture, total, kda, mla):
+    shutil.copy(FIXTURES / fixture, tmp_path / "config.json")
+    out = json.loads(moeray("params", "--model", str(tmp_path), "--json", "--cache").stdout)
+    assert out["total"] == total and out["n_kda_layers"] == kda and out["n_mla_layers"] == mla
+    assert out["cache"]["latent"] == mla * 1152 and out["kda_state"]["kda_layers"] == kda
+    if kda == 69:
+        assert out["latent_up_proj_per_moe_layer"] == 25_690_112 and out["n_moe_layers"] == 92
+    text = moeray("params", "--model", str(tmp_path), "--cache").stdout
+    assert "KDA state per sequence" in text and f"{total:,}" in text
+
+
+def test_k3_preset_mxfp4_checkpoint_generates(tmp_path):
+    out = tmp_path / "k3"
+    moeray("make-checkpoint", "--preset", "kimi-k3-tiny", "--out", str(out), "--quant", "mxfp4")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed" in tensors
+    assert "model.layers.1.self_attn.A_log" in tensors and "model.output_attn_res_proj.weight" in tensors
+    res = json.loads(moeray("generate", "--model", str(out), "--prompt", "Hi", "--max-tokens", "5",
+                            "--ignore-eos", "--json").stdout)
+    assert len(res["token_ids"]) == 5
+    lin = json.loads(moeray("generate", "--model", "kimi-linear-tiny", "--prompt", "Hi", "--max-tokens", "3",
+                            "--ignore-eos", "--json", env_extra={"MOERAY_CACHE_DIR": str(tmp_path / "c")}).stdout)
+    assert len(lin["token_ids"]) == 3

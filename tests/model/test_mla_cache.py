@@ -54,8 +54,8 @@ def test_decode_token_by_token_equals_full_recompute(model):
     torch.testing.assert_close(torch.stack(got), full[11:], atol=1e-5, rtol=0)
     assert seq.num_cached == len(ids)
     # the cache holds exactly latent_dim values per token per layer
-    assert r.cache.data.shape[-1] == model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim
-    assert r.cache.bytes_per_token == model.cfg.num_hidden_layers * model.cfg.latent_dim * 4
+    assert r.cache.latent.data.shape[-1] == model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim
+    assert r.cache.latent.bytes_per_token == model.cfg.num_hidden_layers * model.cfg.latent_dim * 4
 
 
 def test_cache_entry_is_normed_latent_and_rotated_rope_key(model):
@@ -69,7 +69,7 @@ def test_cache_entry_is_normed_latent_and_rotated_rope_key(model):
     cos, sin = model.rotary.cos_sin(torch.arange(6))
     expect = torch.cat([layer0.self_attn.kv_a_layernorm(c), model.rotary(k, cos, sin)], -1)
     slots = torch.tensor([seq.block_table[i // 4] * 4 + i % 4 for i in range(6)])
-    torch.testing.assert_close(r.cache.layer(0)[slots], expect)
+    torch.testing.assert_close(r.cache.mla_layer(0)[slots], expect)
 
 
 def test_batch_of_different_lengths_equals_each_alone(model):

@@ -1,4 +1,5 @@
-"""Parameter counts and cache sizes against MODEL_SPEC §4 / §2.4 (Kimi K2-Instruct)."""
+"""Parameter counts and cache sizes against MODEL_SPEC §4 / §2.4 / §3.6 (Kimi K2-Instruct,
+Kimi-Linear-48B, Kimi K3)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ from model.params import (
     count_params,
     ffn_kind,
     format_report,
+    kda_params,
     mla_params,
+    state_bytes_per_sequence,
 )
 
-K2_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "kimi-k2-instruct.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+K2_CONFIG = CONFIGS / "kimi-k2-instruct.json"
+KL_CONFIG = CONFIGS / "kimi-linear-48b.json"
+K3_CONFIG = CONFIGS / "kimi-k3-text.json"
+MiB = 1 << 20
 
 H, V = 7168, 163840
 
@@ -147,3 +154,174 @@ def test_format_json(report):
 def test_report_is_frozen(report):
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.total = 0  # type: ignore[misc]
+
+
+# ---- Kimi Linear 48B (MODEL_SPEC §3.1, §4) ---------------------------------------------------
+
+KL_H = 2304
+
+
+@pytest.fixture(scope="module")
+def kl():
+    return load_config(KL_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def kl_report(kl) -> ParamReport:
+    return count_params(kl)
+
+
+def test_kimi_linear_per_module(kl_report):
+    r = kl_report
+    assert (r.mla_per_layer, r.q_lora, r.mla_output_gate) == (29_114_880, False, False)
+    assert (r.kda_per_layer, r.kda_full_rank_gate) == (39_514_272, False)
+    assert r.moe_block == 1_819_607_296
+    assert r.moe_routed_experts == 256 * 3 * KL_H * 1024 and r.moe_shared_experts == 3 * KL_H * 1024
+    assert r.moe_router == 256 * KL_H + 256
+    assert r.dense_mlp_per_layer == 63_700_992
+    assert r.moe_latent_proj == r.latent_up_proj_per_moe_layer == 0
+    assert r.attn_res_per_layer == r.attn_res_model == 0
+    assert r.embedding == r.lm_head == 163840 * KL_H
+
+
+def test_kimi_linear_layers_and_total(kl, kl_report):
+    r = kl_report
+    assert (r.n_kda_layers, r.n_mla_layers, r.n_dense_layers, r.n_moe_layers) == (20, 7, 1, 26)
+    mla = [lp.index for lp in r.layers if lp.attention_kind == "mla"]
+    assert mla == [3, 7, 11, 15, 19, 23, 26]  # 1-based full_attn_layers 4, 8, …, 27
+    assert [attention_kind(kl, i) for i in (0, 3, 25, 26)] == ["kda", "mla", "kda", "mla"]
+    assert r.layers[0].attention_kind == "kda" and r.layers[0].ffn_kind == "dense"
+    assert r.layers[0].total == 39_514_272 + 63_700_992 + 2 * KL_H == r.dense_decoder_layer
+    assert r.layers[3].total == 29_114_880 + 1_819_607_296 + 2 * KL_H
+    assert r.mla_layers_attention_total == 7 * 29_114_880
+    assert r.kda_layers_attention_total == 20 * 39_514_272
+    assert r.total == 49_122_681_728
+    assert r.total == 2 * 163840 * KL_H + KL_H + 20 * 39_514_272 + 7 * 29_114_880 + 26 * 1_819_607_296 \
+        + 63_700_992 + 27 * 2 * KL_H
+    assert round(r.activated_per_token / 1e9, 2) == 3.48  # §4: ≈ 3.48B, 3.11B excl. input embedding
+    assert round(r.activated_per_token_excl_embedding / 1e9, 2) == 3.11
+
+
+def test_kda_formula_by_hand(kl):
+    H, n, d, W = KL_H, 32, 128, 4
+    P = n * d
+    # qkv, convs, A_log, f_a, f_b, dt_bias, b_proj, g_a + g_b, o_norm, o_proj
+    assert kda_params(kl) == 3 * H * P + 3 * P * W + n + H * d + d * P + P + H * n + (H * d + d * P) + d + P * H
+    assert kda_params(load_config(K2_CONFIG)) == 0  # no KDA config
+
+
+def test_kimi_linear_cache_and_state(kl):
+    c = cache_bytes_per_token(kl)
+    assert (c["mla_layers"], c["latent_per_layer"], c["latent"]) == (7, 1_152, 8_064)
+    s = state_bytes_per_sequence(kl)
+    assert s["kda_layers"] == 20
+    assert s["recurrent_per_layer"] == 2 * MiB == 32 * 128 * 128 * 4
+    assert s["recurrent"] == 40 * MiB
+    assert s["conv_per_layer"] == 73_728 == 3 * 4096 * 3 * 2
+    assert s["total"] == 20 * (2 * MiB + 73_728)
+    assert state_bytes_per_sequence(kl, dtype_bytes=4)["conv_per_layer"] == 2 * 73_728
+    assert state_bytes_per_sequence(kl, dtype_bytes=4)["recurrent_per_layer"] == 2 * MiB  # always fp32
+
+
+# ---- Kimi K3 (MODEL_SPEC §3.9, §4) -----------------------------------------------------------
+
+K3_H = 7168
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return load_config(K3_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def k3_report(k3) -> ParamReport:
+    return count_params(k3)
+
+
+def test_k3_per_module(k3_report):
+    r = k3_report
+    assert (r.n_kda_layers, r.n_mla_layers, r.n_dense_layers, r.n_moe_layers) == (69, 24, 1, 92)
+    assert (r.mla_per_layer, r.q_lora, r.mla_output_gate) == (232_196_096, True, True)
+    assert (r.kda_per_layer, r.kda_full_rank_gate) == (443_740_384, True)
+    assert r.moe_routed_experts == 29_595_009_024
+    assert r.moe_shared_experts == 132_120_576
+    assert r.moe_router == 6_423_424
+    assert r.moe_latent_proj == 51_383_808 == 2 * 25_690_112 + 3_584
+    assert r.latent_up_proj_per_moe_layer == 25_690_112
+    assert r.moe_block == 29_784_936_832
+    assert r.dense_mlp_per_layer == 726_663_168
+    assert (r.attn_res_per_layer, r.attn_res_model) == (4 * K3_H, 2 * K3_H)
+
+
+def test_k3_total(k3_report):
+    r = k3_report
+    assert 92 * r.latent_up_proj_per_moe_layer == 2_363_490_304
+    assert r.total == 2_779_484_476_000
+    assert r.total == 2 * 163840 * K3_H + K3_H + 2 * K3_H + 69 * 443_740_384 + 24 * 232_196_096 \
+        + 92 * 29_784_936_832 + 726_663_168 + 93 * 6 * K3_H
+    assert r.layers[0].attention_kind == "kda" and r.layers[0].attn_res == 4 * K3_H
+    assert r.layers[92].attention_kind == "mla" and r.layers[91].attention_kind == "mla"
+    assert r.layers[90].attention_kind == "kda"
+    assert round(r.activated_per_token / 1e9, 2) == 105.36  # §4
+    assert round(r.activated_per_token_excl_embedding / 1e9, 2) == 104.19
+
+
+def test_k3_switches_one_at_a_time(k3):
+    """Each K3 switch changes the count by its §4 term."""
+    raw = dict(k3.raw)
+    base = count_params(k3).total
+    lac = raw["linear_attn_config"]
+    low_rank = count_params(parse_config({**raw, "linear_attn_config": {**lac, "use_full_rank_gate": False}}))
+    assert base - low_rank.total == 69 * (K3_H * 12288 - (K3_H * 128 + 128 * 12288))
+    ungated = count_params(parse_config({**raw, "mla_use_output_gate": False}))
+    assert base - ungated.total == 24 * K3_H * 96 * 128
+    no_res = count_params(parse_config({**raw, "attn_res_block_size": None}))
+    assert base - no_res.total == 93 * 4 * K3_H + 2 * K3_H and no_res.attn_res_model == 0
+    no_norm = count_params(parse_config({**raw, "latent_moe_use_norm": False}))
+    assert base - no_norm.total == 92 * 3_584
+
+
+def test_k3_cache_and_state(k3):
+    c = cache_bytes_per_token(k3)
+    assert (c["mla_layers"], c["latent"]) == (24, 27_648)
+    s = state_bytes_per_sequence(k3)
+    assert (s["kda_layers"], s["recurrent_per_layer"], s["conv_per_layer"]) == (69, 6 * MiB, 221_184)
+    assert s["recurrent"] == 414 * MiB and s["total"] == 69 * (6 * MiB + 221_184)
+
+
+def test_k2_has_no_kda_state(k2, report):
+    assert state_bytes_per_sequence(k2)["total"] == 0 and state_bytes_per_sequence(k2)["kda_layers"] == 0
+    assert (report.n_mla_layers, report.n_kda_layers, report.kda_per_layer) == (61, 0, 0)
+    assert report.attn_res_model == report.moe_latent_proj == 0
+
+
+K2_KEYS = [  # the JSON keys the K2 report had before Kimi Linear: stable, in this order
+    "embedding", "lm_head", "final_norm", "mla_per_layer", "q_lora", "dense_mlp_per_layer", "moe_routed_experts",
+    "moe_shared_experts", "moe_router", "moe_block", "moe_block_activated", "layer_norms_per_layer",
+    "dense_decoder_layer", "moe_decoder_layer", "n_dense_layers", "n_moe_layers", "dense_layers_total",
+    "moe_layers_total", "total", "activated_per_token", "activated_per_token_excl_embedding",
+]
+
+
+@pytest.mark.parametrize("which", ["k2", "kl", "k3"])
+def test_json_keys_stable_and_extended(which, report, kl_report, k3_report):
+    r = {"k2": report, "kl": kl_report, "k3": k3_report}[which]
+    data = json.loads(format_report(r, json=True))
+    assert list(data)[: len(K2_KEYS)] == K2_KEYS
+    for key in ("n_kda_layers", "n_mla_layers", "kda_per_layer", "latent_up_proj_per_moe_layer",
+                "moe_latent_proj", "attn_res_per_layer", "attn_res_model", "mla_output_gate"):
+        assert key in data, key
+    assert data == r.to_dict() and "layers" not in data
+
+
+def test_format_tables_for_kimi_linear_and_k3(kl_report, k3_report):
+    kl_text = format_report(kl_report)
+    assert "49,122,681,728" in kl_text and "39,514,272" in kl_text and "29,114,880" in kl_text
+    assert "KDA" in kl_text and "(×20)" in kl_text and "(×7)" in kl_text and "latent" not in kl_text
+    k3_text = format_report(k3_report)
+    for n in ("2,779,484,476,000", "232,196,096", "443,740,384", "29,784,936,832", "25,690,112", "726,663,168"):
+        assert n in k3_text, n
+    assert "output gate" in k3_text and "full-rank" in k3_text
+    for r, text in ((kl_report, kl_text), (k3_report, k3_text)):
+        for _, count in r.rows():
+            assert f"{count:,}" in text
