@@ -132,9 +132,14 @@ def generate(
     dtype: str = typer.Option("float32", help="Compute dtype: float32 or bfloat16."),
     biased_gate: bool = typer.Option(False, "--kimi-linear-biased-gate",
                                      help="Reproduce the original Kimi Linear HF code's biased gate weights."),
+    attention: Optional[int] = typer.Option(None, help="Run on a Ray cluster with N attention replicas."),
+    experts: Optional[int] = typer.Option(None, help="Run on a Ray cluster with M expert actors."),
+    nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine for the run."),
+    address: Optional[str] = typer.Option(None, help="Use an existing Ray cluster at ADDR instead of starting one."),
     as_json: bool = typer.Option(False, "--json", help='Print one line {"token_ids": [...], "text": "..."}.'),
 ):
-    """Offline generation in this process."""
+    """Offline generation: in this process, or on a Ray cluster of attention and expert actors
+    (--attention/--experts, on --nodes local nodes or the cluster at --address)."""
     from model.config import load_config
     from model.loader import load_model, parse_dtype
     from model.runner import ModelRunner
@@ -163,15 +168,33 @@ def generate(
     if len(ids) + max_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens ({max_tokens}) exceeds the context "
                          f"({cfg.max_position_embeddings})")
-    net = load_model(path, dtype=parse_dtype(dtype), cfg=cfg, progress=sys.stderr.isatty())
-    block = 16
-    runner = ModelRunner(net, num_blocks=-(-(len(ids) + max_tokens) // block) + 1, block_size=block)
-    seq = run_generate(runner, [ids], sp, stop_ids=tok.stop_token_ids | set(cfg.eos_token_ids))[0]
-    text = tok.decode(seq.output_ids)
+    stop_ids = tok.stop_token_ids | set(cfg.eos_token_ids)
+    if any(v is not None for v in (attention, experts, nodes, address)):
+        output_ids = _cluster_generate(path, ids, sp, stop_ids, dtype, attention or 1, experts or 1, nodes, address)
+    else:
+        net = load_model(path, dtype=parse_dtype(dtype), cfg=cfg, progress=sys.stderr.isatty())
+        block = 16
+        runner = ModelRunner(net, num_blocks=-(-(len(ids) + max_tokens) // block) + 1, block_size=block)
+        output_ids = run_generate(runner, [ids], sp, stop_ids=stop_ids)[0].output_ids
+    text = tok.decode(output_ids)
     if as_json:
-        print(json.dumps({"token_ids": seq.output_ids, "text": text}))
+        print(json.dumps({"token_ids": output_ids, "text": text}))
     else:
         print(text)
+
+
+def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes, address) -> list[int]:
+    from cluster.engine import Engine, EngineConfig
+    from cluster.launch import connected
+    from cluster.topology import ClusterSpec
+
+    spec = ClusterSpec(attention=attention, experts=experts)
+    blocks = -(-(len(ids) + sp.max_tokens) // 16) + 1
+    with err.status(f"starting {spec.describe()}") as status, connected(spec, nodes=nodes, address=address):
+        status.update(f"loading {path.name} onto {spec.describe()}")
+        with Engine(EngineConfig(model=str(path), dtype=dtype, num_blocks=blocks), spec, stop_ids=stop_ids) as eng:
+            status.update("generating")
+            return eng.generate([ids], sp)[0].output_ids
 
 
 def main() -> None:

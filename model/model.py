@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .kda import KimiDeltaAttention
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, glu_activation
 from .mla import MLA
-from .moe import MoE
+from .moe import MoE, RoutedExperts
 
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>w13|w2)$")
 
@@ -149,6 +149,22 @@ def _expert_names(cfg: ModelConfig, prefix: str, e: int) -> tuple[str, str, str]
     return tuple(f"{prefix}.{e}.{p}.weight" for p in EXPERT_WEIGHT_NAMES[cfg.family])
 
 
+def experts_prefix(cfg: ModelConfig, layer: int) -> str:
+    """Checkpoint name prefix of a MoE layer's routed experts."""
+    return f"model.layers.{layer}.{ffn_name(cfg, layer)}.experts"
+
+
+@torch.no_grad()
+def fill_experts(experts: RoutedExperts, cfg: ModelConfig, prefix: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Stack the per-expert checkpoint tensors of experts [lo, hi) into ``w13`` / ``w2``."""
+    I = experts.w2.shape[-1]
+    for j, e in enumerate(range(experts.lo, experts.hi)):
+        gate, up, down = _expert_names(cfg, prefix, e)
+        experts.w13[j, :I].copy_(tensors[gate])
+        experts.w13[j, I:].copy_(tensors[up])
+        experts.w2[j].copy_(tensors[down])
+
+
 @torch.no_grad()
 def load_hf_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors (HF logical names, already dequantised) into the model.
@@ -158,16 +174,8 @@ def load_hf_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
         m = EXPERT_PARAM.match(name)
         if m is None:
             p.copy_(tensors[name])
-            continue
-        experts = model.get_submodule(m["prefix"])
-        I = experts.w2.shape[-1]
-        for j, e in enumerate(range(experts.lo, experts.hi)):
-            gate, up, down = _expert_names(model.cfg, m["prefix"], e)
-            if m["which"] == "w13":
-                p[j, :I].copy_(tensors[gate])
-                p[j, I:].copy_(tensors[up])
-            else:
-                p[j].copy_(tensors[down])
+        elif m["which"] == "w13":  # w2 is filled together with w13
+            fill_experts(model.get_submodule(m["prefix"]), model.cfg, m["prefix"], tensors)
 
 
 @torch.no_grad()

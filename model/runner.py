@@ -16,7 +16,7 @@ import torch
 
 from .cache import BlockAllocator, CacheFull, build_attn_meta
 from .model import CausalLM
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, draw_seed, sample
 
 
 @dataclass
@@ -28,7 +28,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None  # KDA slot (hybrid models)
     num_cached: int = 0  # tokens whose latents (and KDA state) are in the cache
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
 
     @property
@@ -124,12 +123,13 @@ def generate(runner: ModelRunner, prompts: Iterable[list[int]], params: Sampling
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     max_context = max_context or runner.cfg.max_position_embeddings
     stops = frozenset(stop_ids)
-    seqs = [Sequence(i, p, len(p), sp, generator=make_generator(sp)) for i, (p, sp) in enumerate(zip(prompts, plist))]
+    seqs = [Sequence(i, p, len(p), sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
     running = list(seqs)
     try:
         while running:
             logits = runner.forward(running, [s.num_uncached for s in running])
-            tokens = sample(logits, [s.params for s in running], [s.generator for s in running]).tolist()
+            seeds = [draw_seed(s.params, len(s.token_ids)) for s in running]
+            tokens = sample(logits, [s.params for s in running], seeds).tolist()
             for seq, tok in zip(running, tokens):
                 seq.token_ids.append(tok)
                 seq.finish_reason = check_stop(seq, stops, max_context)

@@ -41,11 +41,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request generator when the request is seeded (reproducible alone or batched)."""
+def draw_seed(params: SamplingParams, context_len: int) -> int | None:
+    """The seed of one draw of a seeded request: a function of the request's seed and the length
+    of the context the token follows, nothing else. So a seeded request samples the same tokens
+    alone or batched, before or after a preemption, on any replica — no sampler state to carry."""
     if params.greedy or params.seed is None:
         return None
-    return torch.Generator().manual_seed(params.seed)
+    return (params.seed * 0x9E3779B1 + context_len * 0x85EBCA77) % (1 << 63)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -62,9 +64,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] fp32 → next token ids [B]."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
+    """logits [B, V] fp32 → next token ids [B]. ``seeds[b]`` from :func:`draw_seed` (None: unseeded)."""
     out = logits.argmax(-1)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -75,7 +76,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     top_p = torch.tensor([params[b].top_p for b in rows], dtype=sub.dtype)
     probs = _filter(sub / temp[:, None], top_k, top_p).softmax(-1)
     for i, b in enumerate(rows):  # one draw per sequence, each from its own generator
-        out[b] = torch.multinomial(probs[i], 1, generator=generators[b]).item()
+        gen = None if seeds[b] is None else torch.Generator().manual_seed(seeds[b])
+        out[b] = torch.multinomial(probs[i], 1, generator=gen).item()
     return out
 
 

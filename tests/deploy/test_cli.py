@@ -177,3 +177,15 @@ def test_k3_preset_mxfp4_checkpoint_generates(tmp_path):
     lin = json.loads(moeray("generate", "--model", "kimi-linear-tiny", "--prompt", "Hi", "--max-tokens", "3",
                             "--ignore-eos", "--json", env_extra={"MOERAY_CACHE_DIR": str(tmp_path / "c")}).stdout)
     assert len(lin["token_ids"]) == 3
+
+
+def test_generate_on_a_three_node_cluster_equals_single_process(k2_dir):
+    args = ["generate", "--model", str(k2_dir), "--prompt", "Hello world", "--max-tokens", "6", "--ignore-eos", "--json"]
+    alone = json.loads(moeray(*args).stdout)
+    on_cluster = json.loads(moeray(*args, "--attention", "2", "--experts", "3", "--nodes", "3").stdout)
+    assert on_cluster == alone
+
+
+def test_cluster_flag_errors_are_clear(k2_dir):
+    proc = moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1", "--experts", "99", "--nodes", "1", check=False)
+    _assert_clear_error(proc, "expert actors")

@@ -1,0 +1,130 @@
+"""AttentionWorker: one attention data-parallel replica.
+
+Owns: the embedding, every layer's attention (MLA, KDA), norms, gates, shared experts, dense
+layers and the lm_head — but no routed experts; the paged latent cache and KDA slots of the
+sequences the engine pinned here. Sampling is stateless (seeds derive from the request's seed and
+the context length), so nothing else per sequence lives here.
+Never: decides which sequences run, which blocks or slots they use (the engine's scheduler does
+and sends them in :class:`~actors.messages.SeqChunk`), or talks to Ray per layer — MoE layers
+exchange tokens with the expert actors through the process group.
+
+A plain class: :mod:`actors.remote` makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from model.cache import build_attn_meta
+from model.loader import load_model, parse_dtype
+from model.sampling import draw_seed, sample, top_logprobs
+
+from .dispatch import DistDispatcher, LocalDispatcher
+from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
+
+
+class AttentionWorker:
+    def __init__(self, model_path: str, *, index: int, table: PlacementTable, num_blocks: int,
+                 block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
+                 threads: int | None = 1):
+        if threads:
+            torch.set_num_threads(threads)
+        self.index, self.name = index, f"attention[{index}]"
+        self.table, self.impl, self.block_size = table, impl, block_size
+        self.dtype = parse_dtype(dtype)
+        self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False)
+        self.cfg = self.model.cfg
+        self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype)
+        self.moe_layers = sorted(self.model.moe_blocks())
+        self.dispatcher: DistDispatcher | None = None
+
+    # ---- control plane -----------------------------------------------------------------
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and free port on this node for the epoch's process group (rank 0 calls)."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def init_group(self, info: GroupInfo) -> None:
+        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=self.index,
+                                world_size=info.world_size, timeout=timedelta(seconds=info.timeout_s))
+        self.dispatcher = DistDispatcher(self.name, self.table, info.num_attention, self.cfg.expert_hidden_size,
+                                         self.dtype)
+        for layer, moe in self.model.moe_blocks().items():
+            moe.routed = self.dispatcher.for_layer(layer)
+
+    def use_local_experts(self, dispatcher: LocalDispatcher) -> None:
+        """In-process mode (tests, single process): route through local shards instead."""
+        for layer, moe in self.model.moe_blocks().items():
+            moe.routed = dispatcher.for_layer(layer)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- data plane ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, req: StepRequest) -> StepResult:
+        if self.dispatcher is not None:
+            self.dispatcher.begin_step(req.step)
+        t0 = time.perf_counter()
+        tokens = self._run(req.chunks) if req.chunks else self._idle()
+        counts = ()
+        if self.dispatcher is not None and req.chunks:
+            counts = tuple(tuple(self.dispatcher.expert_tokens[l].tolist()) for l in self.moe_layers)
+        return StepResult(step=req.step, actor=self.name, tokens=tokens, expert_tokens=counts,
+                          forward_s=time.perf_counter() - t0,
+                          exchange_s=self.dispatcher.exchange_s if self.dispatcher else 0.0)
+
+    def _idle(self) -> tuple:
+        if self.dispatcher is not None:
+            for layer in self.moe_layers:
+                self.dispatcher.idle(layer)
+        return ()
+
+    def _run(self, chunks: tuple[SeqChunk, ...]) -> tuple[SampledToken, ...]:
+        for c in chunks:
+            if c.reset_state and self.cache.kda is not None:
+                self.cache.kda.reset(c.state_slot)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids])
+        meta = build_attn_meta(
+            [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
+            [list(c.block_table) for c in chunks], self.block_size,
+            state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None)
+        h = self.model(ids, meta, self.cache, self.impl)
+        rows = [b for b, c in enumerate(chunks) if c.sample]
+        if not rows:
+            return ()
+        logits = self.model.logits(h[meta.last_token_index[rows]])
+        params = [chunks[b].params for b in rows]
+        seeds = [draw_seed(chunks[b].params, chunks[b].num_cached + len(chunks[b].token_ids)) for b in rows]
+        next_ids = sample(logits, params, seeds)
+        return self._package([chunks[b].seq_id for b in rows], logits, next_ids, params)
+
+    @staticmethod
+    def _package(seq_ids, logits, next_ids, params) -> tuple[SampledToken, ...]:
+        k = max((p.logprobs or 0) for p in params)
+        want = any(p.logprobs is not None for p in params)
+        chosen, top_ids, top_vals = top_logprobs(logits, next_ids, k) if want else (None, None, None)
+        out = []
+        for i, (sid, tok, p) in enumerate(zip(seq_ids, next_ids.tolist(), params)):
+            if p.logprobs is None:
+                out.append(SampledToken(sid, tok))
+                continue
+            top = tuple(zip(top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist()))
+            out.append(SampledToken(sid, tok, float(chosen[i]), top))
+        return tuple(out)

@@ -1,0 +1,150 @@
+"""Dispatch / combine: the data half of the router (ARCHITECTURE.md).
+
+Inside an attention worker every MoE layer calls ``routed(x, topk_idx, topk_w)``; a dispatcher
+groups the (token, expert) pairs by the expert actor the placement table assigns, exchanges them,
+and combines the weighted results. Two implementations of one interface:
+
+* :class:`LocalDispatcher` — all shards in this process; the oracle for the distributed path.
+* :class:`DistDispatcher` — ``torch.distributed`` over the epoch's process group (gloo on CPU,
+  nccl on GPU). Per MoE layer, three ``all_to_all_single`` calls: per-(actor, local expert)
+  counts, the token rows, and the result rows back. :class:`ExpertExchange` is its expert-side
+  peer. The weights never leave the attention worker; expert actors return unweighted rows.
+
+Every collective runs under the group's timeout; a failure raises :class:`ExchangeError`
+naming the actor, the step, the layer and the phase.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from model.moe import RoutedExperts, grouped_expert_ffn
+
+from .messages import PlacementTable
+
+
+class ExchangeError(RuntimeError):
+    """A collective of the expert exchange failed or timed out (a peer is gone or stuck)."""
+
+
+def _route(table: PlacementTable, topk_idx: torch.Tensor):
+    """(token, slot) pairs sorted by (expert actor, local expert): order, actor, local ids."""
+    owner = torch.tensor(table.owner(), dtype=torch.long)  # [E, 2]
+    flat = topk_idx.reshape(-1)
+    actor, local = owner[flat, 0], owner[flat, 1]
+    order = torch.argsort(actor * table.max_local + local, stable=True)
+    return order, actor, local
+
+
+class LocalDispatcher:
+    """All expert shards in one process, routed exactly as the distributed path routes them.
+
+    ``shards[layer][j]`` is expert actor j's :class:`RoutedExperts` for that MoE layer."""
+
+    def __init__(self, table: PlacementTable, shards: dict[int, list[RoutedExperts]]):
+        self.table, self.shards = table, shards
+
+    def for_layer(self, layer: int) -> Callable:
+        def routed(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+            k = topk_idx.shape[1]
+            order, actor, local = _route(self.table, topk_idx)
+            tok = (torch.arange(x.shape[0]).repeat_interleave(k))[order]
+            rows = torch.empty(order.numel(), x.shape[1], dtype=x.dtype)
+            for j, shard in enumerate(self.shards[layer]):
+                sel = actor[order] == j
+                rows[sel] = grouped_expert_ffn(x[tok[sel]], local[order][sel], shard.w13, shard.w2, shard.act)
+            out = torch.zeros_like(x)
+            out.index_add_(0, tok, rows * topk_w.reshape(-1)[order, None].to(rows.dtype))
+            return out
+
+        return routed
+
+
+class _Collectives:
+    """The three exchanges of one MoE layer, shared by both sides, with timing and clear errors."""
+
+    def __init__(self, actor: str, table: PlacementTable, num_attention: int, group=None):
+        self.actor, self.table, self.num_attention, self.group = actor, table, num_attention, group
+        self.world = num_attention + table.num_actors
+        self.step, self.exchange_s = -1, 0.0
+
+    def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, layer: int, phase: str):
+        t0 = time.perf_counter()
+        try:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        except Exception as e:  # gloo raises RuntimeError on timeout or a closed peer
+            raise ExchangeError(
+                f"{self.actor}: expert exchange failed at step {self.step}, MoE layer {layer}, phase {phase!r} "
+                f"(a peer actor is gone or stuck; collective timeout applies): {e}") from e
+        finally:
+            self.exchange_s += time.perf_counter() - t0
+
+    def counts(self, send: torch.Tensor, layer: int) -> torch.Tensor:
+        """send [world, L] int64 → received [world, L] (what each source sends me per local expert)."""
+        recv = torch.empty_like(send)
+        self.a2a(recv.view(-1), send.reshape(-1), None, None, layer, "counts")
+        return recv
+
+
+class DistDispatcher(_Collectives):
+    """Attention-worker side. Records per-layer token counts per logical expert for the stats."""
+
+    def __init__(self, actor: str, table: PlacementTable, num_attention: int, hidden: int,
+                 dtype: torch.dtype, group=None):
+        super().__init__(actor, table, num_attention, group)
+        self.hidden, self.dtype = hidden, dtype
+        self.expert_tokens: dict[int, torch.Tensor] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.exchange_s, self.expert_tokens = step, 0.0, {}
+
+    def for_layer(self, layer: int) -> Callable:
+        def routed(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+            return self.exchange(layer, x, topk_idx, topk_w)
+
+        return routed
+
+    def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        T, k = topk_idx.shape
+        self.expert_tokens[layer] = torch.bincount(topk_idx.reshape(-1), minlength=self.table.num_experts)
+        order, actor, local = _route(self.table, topk_idx)
+        A, L = self.num_attention, self.table.max_local
+        send = torch.zeros(self.world, L, dtype=torch.long)
+        send[A:].index_put_((actor, local), torch.ones_like(actor), accumulate=True)
+        self.counts(send, layer)  # attention workers receive nothing; the call keeps ranks in step
+        rows_to = send.sum(1).tolist()
+        tok = torch.arange(T).repeat_interleave(k)[order]
+        payload = x[tok].to(self.dtype).contiguous()
+        none = [0] * self.world
+        self.a2a(torch.empty(0, self.hidden, dtype=self.dtype), payload, none, rows_to, layer, "dispatch")
+        back = torch.empty(len(tok), self.hidden, dtype=self.dtype)
+        self.a2a(back, torch.empty(0, self.hidden, dtype=self.dtype), rows_to, none, layer, "combine")
+        out = torch.zeros(T, x.shape[1], dtype=x.dtype)
+        out.index_add_(0, tok, back.to(x.dtype) * topk_w.reshape(-1)[order, None].to(x.dtype))
+        return out
+
+    def idle(self, layer: int) -> None:
+        """Take part in a layer's exchange with no tokens (a replica with nothing to run)."""
+        self.exchange(layer, torch.empty(0, self.hidden, dtype=self.dtype),
+                      torch.empty(0, 1, dtype=torch.long), torch.empty(0, 1))
+
+
+class ExpertExchange(_Collectives):
+    """Expert-worker side of one MoE layer: receive rows, run the local experts, send rows back."""
+
+    def serve(self, layer: int, experts: RoutedExperts) -> int:
+        hidden, dtype = experts.w13.shape[-1], experts.w13.dtype
+        L = self.table.max_local
+        recv = self.counts(torch.zeros(self.world, L, dtype=torch.long), layer)  # [source, local]
+        rows_from = recv.sum(1).tolist()
+        none = [0] * self.world
+        x = torch.empty(sum(rows_from), hidden, dtype=dtype)
+        self.a2a(x, torch.empty(0, hidden, dtype=dtype), rows_from, none, layer, "dispatch")
+        local = torch.arange(L).repeat(self.world).repeat_interleave(recv.reshape(-1))
+        y = grouped_expert_ffn(x, local, experts.w13, experts.w2, experts.act)
+        self.a2a(torch.empty(0, hidden, dtype=dtype), y.contiguous(), none, rows_from, layer, "combine")
+        return x.shape[0]

@@ -1,0 +1,91 @@
+"""ExpertWorker: the routed experts ``[lo, hi)`` of every MoE layer (expert parallelism).
+
+Owns: those experts' weights, read lazily from the checkpoint — only their bytes.
+Never: holds attention, caches or any per-sequence state (stateless across steps: it can be
+restarted or moved and only reloads weights), or takes Ray calls per layer — one ``step`` call
+serves every MoE layer's exchange through the process group.
+
+A plain class: :mod:`actors.remote` makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from model.checkpoint import read_checkpoint
+from model.config import load_config
+from model.layers import glu_activation
+from model.loader import parse_dtype
+from model.model import experts_prefix, fill_experts
+from model.moe import RoutedExperts
+
+from .dispatch import ExpertExchange
+from .messages import ExpertStepResult, GroupInfo, PlacementTable
+
+
+class ExpertWorker:
+    def __init__(self, model_path: str, *, index: int, table: PlacementTable, dtype: str = "float32",
+                 threads: int | None = 1):
+        if threads:
+            torch.set_num_threads(threads)
+        self.index, self.name, self.table = index, f"expert[{index}]", table
+        cfg = load_config(model_path)
+        self.cfg, self.lo, self.hi = cfg, *table.ranges[index]
+        dt = parse_dtype(dtype)
+        tensors = read_checkpoint(model_path, cfg, experts=range(self.lo, self.hi), include_non_expert=False,
+                                  dtype=dt, progress=False)
+        act = glu_activation(cfg)
+        self.experts: dict[int, RoutedExperts] = {}
+        for layer in cfg.moe_layers:
+            with torch.device("meta"):
+                ex = RoutedExperts(cfg.expert_hidden_size, cfg.moe_intermediate_size, self.lo, self.hi, act)
+            ex = ex.to_empty(device="cpu").to(dt)
+            fill_experts(ex, cfg, experts_prefix(cfg, layer), tensors)
+            self.experts[layer] = ex.eval()
+        self.exchange: ExpertExchange | None = None
+
+    # ---- control plane -------------------------------------------------------------------
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def shard(self) -> tuple[int, int]:
+        return self.lo, self.hi
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for ex in self.experts.values() for p in ex.parameters())
+
+    def resident_bytes(self) -> int:
+        """This process's resident set size (VmRSS)."""
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def init_group(self, info: GroupInfo) -> None:
+        rank = info.num_attention + self.index
+        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=rank,
+                                world_size=info.world_size, timeout=timedelta(seconds=info.timeout_s))
+        self.exchange = ExpertExchange(self.name, self.table, info.num_attention)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- data plane -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, step: int) -> ExpertStepResult:
+        """Serve every MoE layer's exchange of one engine step, in layer order."""
+        assert self.exchange is not None, f"{self.name}: step before init_group"
+        self.exchange.step, self.exchange.exchange_s = step, 0.0
+        t0 = time.perf_counter()
+        rows = tuple(self.exchange.serve(layer, ex) for layer, ex in self.experts.items())
+        total = time.perf_counter() - t0
+        return ExpertStepResult(step=step, actor=self.name, rows_per_layer=rows,
+                                compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s)

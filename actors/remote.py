@@ -1,0 +1,13 @@
+"""The one place that wraps the actor classes with ``ray.remote``."""
+
+from __future__ import annotations
+
+import ray
+
+from .attention import AttentionWorker
+from .expert import ExpertWorker
+from .router import Router
+
+RemoteAttention = ray.remote(max_restarts=0)(AttentionWorker)
+RemoteExpert = ray.remote(max_restarts=0)(ExpertWorker)
+RemoteRouter = ray.remote(num_cpus=0)(Router)

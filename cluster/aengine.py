@@ -1,0 +1,167 @@
+"""An async token stream per request over the (synchronous) engine.
+
+:class:`AsyncEngine` owns one background thread, the only one that touches the :class:`Engine`:
+it admits submitted requests, runs steps while there is work, and hands each request's new
+tokens — detokenised incrementally — to that request's asyncio queue. A consumer that stops
+iterating (a client that disconnected) aborts its request, which frees its cache at once.
+If a step fails, every open request gets the error and the engine is marked unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from model.sampling import SamplingParams
+from model.tokenizer import IncrementalDecoder, Tokenizer
+
+from .engine import Engine, TokenEvent
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """What a consumer sees: new token ids, the text they complete, and the finish reason at the end."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    sampled: tuple = ()
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, decoder: IncrementalDecoder | None):
+        self.loop, self.queue, self.decoder = loop, asyncio.Queue(), decoder
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, *, idle_wait_s: float = 0.05):
+        self.engine, self.tokenizer, self.idle_wait_s = engine, tokenizer, idle_wait_s
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[int, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="moeray-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        """Stream one request. Raises ValueError for bad input before anything is queued."""
+        if not self.healthy:
+            raise RuntimeError(f"engine is not running: {self.error}")
+        self.engine.validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
+        stream = _Stream(loop, decoder)
+        ready: asyncio.Future = loop.create_future()
+        self._inbox.put(("add", prompt_ids, params, stream, ready))
+        try:
+            seq_id = await asyncio.shield(ready)
+        except asyncio.CancelledError:  # gone before admission: abort as soon as it is admitted
+            ready.add_done_callback(self._abort_when_admitted)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away: free the sequence now
+                self._inbox.put(("abort", seq_id))
+
+    def _abort_when_admitted(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._inbox.put(("abort", fut.result()))
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work)
+            if self._stop.is_set() or not self.engine.has_work:
+                continue
+            try:
+                events = self.engine.step()
+            except BaseException as e:  # noqa: BLE001 — delivered to every waiting request
+                self.error = e
+                for s in self._streams.values():
+                    s.push(e)
+                self._streams.clear()
+                return
+            for ev in events:
+                self._deliver(ev)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        if item[0] == "add":
+            _, prompt_ids, params, stream, ready = item
+            try:
+                seq_id = self.engine.add_request(prompt_ids, params)
+            except BaseException as e:  # noqa: BLE001
+                stream.loop.call_soon_threadsafe(_set_exception, ready, e)
+                return
+            self._streams[seq_id] = stream
+            stream.loop.call_soon_threadsafe(_set_result, ready, seq_id)
+        elif item[0] == "abort":
+            self._streams.pop(item[1], None)
+            self.engine.abort(item[1])
+            self.engine.requests.pop(item[1], None)
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        stream = self._streams.get(ev.seq_id)
+        if stream is None:
+            return
+        text = ""
+        if stream.decoder is not None:
+            text = "".join(stream.decoder.push(t) for t in ev.token_ids)
+            if ev.finish_reason is not None:
+                text += stream.decoder.flush()
+        stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled))
+        if ev.finish_reason is not None:
+            self._streams.pop(ev.seq_id, None)
+            self.engine.requests.pop(ev.seq_id, None)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

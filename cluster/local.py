@@ -1,0 +1,146 @@
+"""A throwaway multi-node Ray cluster on this machine, for tests and `moeray generate --nodes K`.
+
+Owns the Ray node processes it starts (head + K-1 workers via `ray.cluster_utils.Cluster`) and
+stops every one of them. It does not connect a driver: callers do `ray.init(address=...)`.
+
+Each node gets its own loopback IP (127.0.0.2, .3, ...) so that nodes are told apart by IP as
+on a real cluster, explicit resources (each node would otherwise claim the whole machine; the
+object store would take ~7.5 GB of /dev/shm), no dashboard, random ports, and a custom resource
+`moeray_node_<i>` naming it. Token auth is left as the calling process has it (off unless
+RAY_AUTH_MODE=token is set, which a bare `ray.init()` earlier in the process also does); GCS,
+raylets and driver read the same environment, so they agree.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+from ray.cluster_utils import Cluster
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+
+
+def _check_auth() -> None:
+    # In token mode a GCS without a token never comes up: Ray's own error is a timeout waiting
+    # for a port file. ray.init() would write ~/.ray/auth_token; this throwaway cluster won't.
+    if get_authentication_mode() == AuthenticationMode.TOKEN and not AuthenticationTokenLoader.instance().has_token(
+        ignore_auth_mode=True
+    ):
+        raise RuntimeError(
+            "Ray token authentication is on (RAY_AUTH_MODE=token) but no token exists: "
+            "create one with `ray get-auth-token --generate`, or set RAY_AUTH_MODE=disabled for throwaway clusters"
+        )
+
+
+class LocalCluster:
+    """K Ray nodes on one machine. `start()`/`shutdown()` or use as a context manager."""
+
+    def __init__(
+        self,
+        nodes: int = 3,
+        *,
+        num_cpus: float = 4,
+        num_gpus: float = 0,
+        object_store_mb: int = 80,
+        memory_mb: int = 2048,
+        env: dict[str, str] | None = None,
+        wait_s: float = 60,
+    ) -> None:
+        """`num_cpus`, `num_gpus`, `memory_mb` are logical, per node. `env` is added to each
+        raylet's environment and so reaches every worker process (not the GCS or this driver)."""
+        if nodes < 1 or nodes > 250:
+            raise ValueError(f"nodes must be in [1, 250] (one loopback IP each), got {nodes}")
+        for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("memory_mb", memory_mb)):
+            if value < 0:
+                raise ValueError(f"{name} must be ≥ 0, got {value}")
+        if object_store_mb < 75:  # Ray's minimum object store is 75 MiB
+            raise ValueError(f"object_store_mb must be ≥ 75, got {object_store_mb}")
+        self.nodes = nodes
+        self.node_ips = [f"127.0.0.{i + 2}" for i in range(nodes)]  # 127.0.0.1 is rewritten by Ray
+        self._node_args = dict(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_mb * MiB,
+            memory=memory_mb * MiB,
+            env_vars=dict(env) if env else None,
+        )
+        self._wait_s = wait_s
+        self._cluster: Cluster | None = None
+
+    def _args(self, i: int) -> dict:
+        return dict(self._node_args, node_ip_address=self.node_ips[i], resources={f"moeray_node_{i}": 1.0})
+
+    def start(self) -> LocalCluster:
+        if self._cluster is not None:
+            raise RuntimeError("LocalCluster already started")
+        _check_auth()
+        head = dict(self._args(0), include_dashboard=False, dashboard_agent_listen_port=None)
+        try:
+            self._cluster = Cluster(initialize_head=True, head_node_args=head, shutdown_at_exit=True)
+            for i in range(1, self.nodes):
+                self._cluster.add_node(wait=False, **self._args(i))
+            self._cluster.wait_for_nodes(timeout=self._wait_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._forget_address_file()
+        return self
+
+    def _forget_address_file(self) -> None:
+        # Cluster writes its address to /tmp/ray/ray_current_cluster, where a bare `ray.init()`
+        # anywhere on the machine would find it and join this throwaway cluster. Nothing here
+        # needs the file: callers connect with `address`.
+        if ray._private.utils.read_ray_address() == self.address:
+            ray._common.utils.reset_ray_address()
+
+    @property
+    def address(self) -> str:
+        """The GCS address ("ip:port") to pass to `ray.init(address=...)`."""
+        if self._cluster is None or self._cluster.address is None:
+            raise RuntimeError("LocalCluster is not running: call start() first")
+        return self._cluster.address
+
+    def process_ids(self) -> list[int]:
+        """PIDs of the Ray processes (GCS, raylets, agents) of every node it started."""
+        if self._cluster is None:
+            return []
+        return [
+            info.process.pid
+            for node in self._cluster.list_all_nodes()
+            for infos in node.all_processes.values()
+            for info in infos
+        ]
+
+    def shutdown(self) -> None:
+        """Stop every node it started (workers first, head last). Idempotent. Disconnects this
+        process's driver first if it is connected here; raises after trying every node if a node
+        would not stop."""
+        cluster, self._cluster = self._cluster, None
+        if cluster is None:
+            return
+        if ray.is_initialized() and cluster.address and ray.get_runtime_context().gcs_address == cluster.address:
+            ray.shutdown()
+        errors = []
+        for node in list(cluster.worker_nodes) + [cluster.head_node]:
+            if node is None:
+                continue
+            try:
+                cluster.remove_node(node, allow_graceful=True)
+            except Exception as e:  # keep going: every node must be stopped
+                errors.append(f"{node.node_ip_address}: {e!r}")
+                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        # What Cluster.shutdown() does after removing nodes: forget the dead GCS.
+        ray.experimental.internal_kv._internal_kv_reset()
+        ray._private.services.find_gcs_addresses.cache_clear()
+        if errors:
+            raise RuntimeError("LocalCluster.shutdown: nodes did not stop cleanly: " + "; ".join(errors))
+
+    def __enter__(self) -> LocalCluster:
+        return self if self._cluster is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

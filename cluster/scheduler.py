@@ -1,0 +1,173 @@
+"""The scheduler: which sequences run each step, how many of their tokens, and where their cache
+lives (continuous batching, ARCHITECTURE.md "Engine").
+
+Owns: the waiting queue and running set, each attention replica's block and KDA-slot allocators,
+and each sequence's block table. Every step mixes decodes and (chunked) prefills under a token
+budget; a decode that finds its replica's cache full preempts the replica's newest sequence,
+whose blocks are freed and which is recomputed later from its prompt plus the tokens it has
+already produced. New sequences go to the least-loaded replica and stay there for life.
+Never: touches tensors or talks to actors — the engine turns a :class:`Plan` into messages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from actors.messages import SeqChunk
+from model.cache import BlockAllocator
+from model.sampling import SamplingParams
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    replica: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    num_cached: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+
+@dataclass
+class Plan:
+    """One step: the chunks per replica, and the sequences preempted while planning it."""
+
+    chunks: list[list[SeqChunk]]
+    preempted: list[Seq] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for r in self.chunks for c in r)
+
+
+class Scheduler:
+    def __init__(self, *, num_replicas: int, num_blocks: int, block_size: int, num_slots: int | None,
+                 max_num_seqs: int, max_tokens_per_step: int):
+        if max_tokens_per_step < 1 or max_num_seqs < 1:
+            raise ValueError("max_tokens_per_step and max_num_seqs must be >= 1")
+        self.block_size, self.max_num_seqs, self.budget = block_size, max_num_seqs, max_tokens_per_step
+        self.blocks = [BlockAllocator(num_blocks, block_size) for _ in range(num_replicas)]
+        self.slots = [BlockAllocator(num_slots, 1) for _ in range(num_replicas)] if num_slots else None
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+
+    # ---- queue --------------------------------------------------------------------------
+    def add(self, seq: Seq) -> None:
+        need = self.blocks[0].blocks_needed(len(seq.token_ids) + 1, 0)
+        if need > self.blocks[0].num_blocks:
+            raise ValueError(f"sequence {seq.seq_id} needs {need} cache blocks; a replica has {self.blocks[0].num_blocks}")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Seq, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def load(self, replica: int) -> int:
+        return sum(1 for s in self.running if s.replica == replica)
+
+    # ---- planning ------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        plan = Plan([[] for _ in self.blocks])
+        budget = self.budget
+        for seq in [s for s in self.running if s.num_uncached == 1]:  # decodes first
+            if budget == 0:
+                break
+            if seq not in self.running or not self._grow(seq, 1, plan):
+                continue
+            plan.chunks[seq.replica].append(self._chunk(seq, 1, reset=False))
+            budget -= 1
+        for seq in [s for s in self.running if s.num_uncached > 1]:  # prefills in progress
+            n = min(seq.num_uncached, budget)
+            if n == 0 or not self._fits(seq.replica, seq, n):
+                continue
+            self._take(seq, n)
+            plan.chunks[seq.replica].append(self._chunk(seq, n, reset=False))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncached, budget)
+            replica = self._pick_replica(seq, n)
+            if replica is None:
+                break
+            self.waiting.popleft()
+            seq.replica = replica
+            if self.slots is not None:
+                (seq.state_slot,) = self.slots[replica].allocate(1)
+            self._take(seq, n)
+            self.running.append(seq)
+            plan.chunks[replica].append(self._chunk(seq, n, reset=True))
+            budget -= n
+        return plan
+
+    def _chunk(self, seq: Seq, n: int, reset: bool) -> SeqChunk:
+        start = seq.num_cached - n  # _take already advanced num_cached
+        sample = seq.num_cached == len(seq.token_ids)
+        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start : start + n]), start, tuple(seq.block_table),
+                        seq.state_slot, reset, sample, seq.params if sample else None)
+
+    def _fits(self, replica: int, seq: Seq | None, n: int) -> bool:
+        have = len(seq.block_table) if seq is not None and seq.replica == replica else 0
+        cached = seq.num_cached if seq is not None and seq.replica == replica else 0
+        need = self.blocks[replica].blocks_needed(cached + n, have)
+        return self.blocks[replica].can_allocate(need)
+
+    def _take(self, seq: Seq, n: int) -> None:
+        alloc = self.blocks[seq.replica]
+        seq.block_table.extend(alloc.allocate(alloc.blocks_needed(seq.num_cached + n, len(seq.block_table))))
+        seq.num_cached += n
+
+    def _grow(self, seq: Seq, n: int, plan: Plan) -> bool:
+        """Make room for ``n`` more tokens of a running sequence, preempting the replica's newest
+        sequences (possibly ``seq`` itself) until it fits. False if ``seq`` was preempted."""
+        while not self._fits(seq.replica, seq, n):
+            victim = next(s for s in reversed(self.running) if s.replica == seq.replica)
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        self._take(seq, n)
+        return True
+
+    def _pick_replica(self, seq: Seq, n: int) -> int | None:
+        fits = [r for r in range(len(self.blocks))
+                if self._fits(r, None, n) and (self.slots is None or self.slots[r].num_free > 0)]
+        return min(fits, key=lambda r: (self.load(r), -self.blocks[r].num_free), default=None)
+
+    def _preempt(self, seq: Seq, plan: Plan) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+        for chunks in plan.chunks:  # it may already hold a chunk in this plan
+            chunks[:] = [c for c in chunks if c.seq_id != seq.seq_id]
+
+    def _free(self, seq: Seq) -> None:
+        self.blocks[seq.replica].free(seq.block_table)
+        if self.slots is not None and seq.state_slot is not None:
+            self.slots[seq.replica].free([seq.state_slot])
+        seq.block_table, seq.state_slot, seq.num_cached, seq.replica = [], None, 0, None

@@ -1,0 +1,85 @@
+"""Per-step statistics of the engine: token counts per logical expert and per expert actor, load
+imbalance, exchange and compute times, latencies. Owned by the engine; read by the metrics
+exporter and the benchmarks. Plain numbers only (no Prometheus objects here)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from actors.messages import ExpertStepResult, PlacementTable, StepResult
+
+
+@dataclass
+class StepTimes:
+    step_s: float
+    tokens: int
+    attention_exchange_s: tuple[float, ...]
+    expert_exchange_s: tuple[float, ...]
+    expert_compute_s: tuple[float, ...]
+
+
+@dataclass
+class EngineStats:
+    moe_layers: list[int]
+    num_experts: int
+    steps: int = 0
+    tokens_computed: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    last_expert_tokens: list[list[int]] | None = None
+    expert_tokens_total: list[list[int]] = field(default_factory=list)
+    actor_tokens_total: list[int] = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=512))
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    listeners: list = field(default_factory=list)  # callables(event: str, **values), e.g. metrics
+
+    def __post_init__(self):
+        self.expert_tokens_total = [[0] * self.num_experts for _ in self.moe_layers]
+
+    def record_step(self, tokens: int, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float,
+                    table: PlacementTable) -> None:
+        self.steps += 1
+        self.tokens_computed += tokens
+        counts = [r.expert_tokens for r in attn if r.expert_tokens]
+        if counts:
+            summed = [[sum(c[i][e] for c in counts) for e in range(self.num_experts)] for i in range(len(self.moe_layers))]
+            self.last_expert_tokens = summed
+            for tot, row in zip(self.expert_tokens_total, summed):
+                for e, n in enumerate(row):
+                    tot[e] += n
+            per_actor = [sum(sum(row[lo:hi]) for row in summed) for lo, hi in table.ranges]
+            if not self.actor_tokens_total:
+                self.actor_tokens_total = [0] * len(per_actor)
+            self.actor_tokens_total = [a + b for a, b in zip(self.actor_tokens_total, per_actor)]
+        else:
+            self.last_expert_tokens = None
+        times = StepTimes(step_s, tokens, tuple(r.exchange_s for r in attn), tuple(r.exchange_s for r in expert),
+                          tuple(r.compute_s for r in expert))
+        self.recent.append(times)
+        for fn in self.listeners:
+            fn("step", times=times, expert_tokens=self.last_expert_tokens, table=table)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft_s.append(seconds)
+        for fn in self.listeners:
+            fn("ttft", seconds=seconds)
+
+    def observe_finished(self, seconds: float, seq) -> None:
+        self.finished += 1
+        self.e2e_s.append(seconds)
+        self.generation_tokens += len(seq.output_ids)
+        self.prompt_tokens += seq.num_prompt_tokens
+        for fn in self.listeners:
+            fn("finished", seconds=seconds, seq=seq)
+
+    def imbalance(self) -> list[float]:
+        """Per MoE layer: max / mean tokens per expert over the engine's life."""
+        out = []
+        for row in self.expert_tokens_total:
+            mean = sum(row) / len(row) if row else 0.0
+            out.append(max(row) / mean if mean else 0.0)
+        return out

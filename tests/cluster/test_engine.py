@@ -1,0 +1,156 @@
+"""Oracle 3: the disaggregated cluster (attention actors + expert actors over a gloo process
+group, on several Ray nodes) == the single-process model, token for token."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+import torch
+
+from cluster.aengine import AsyncEngine
+from cluster.engine import Engine, EngineConfig, EngineError
+from cluster.topology import ClusterSpec
+from model.config import load_config
+from model.loader import load_model
+from model.presets import build_preset
+from model.runner import ModelRunner, generate
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def presets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("presets")
+    return {name: build_preset(name, root / name, seed=2, dtype="float32", progress=False)
+            for name in ("kimi-k2-tiny", "deepseek-v3-tiny", "kimi-k3-tiny")}
+
+
+def _prompts(n, lo=2, hi=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 760, (k,), generator=g).tolist() for k in lens]
+
+
+def _alone(path, prompts, params):
+    """Each prompt alone through the single-process model (the oracle)."""
+    net = load_model(path, progress=False)
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    return [generate(ModelRunner(net, num_blocks=64, block_size=16, num_slots=2), [p], [sp])[0].output_ids
+            for p, sp in zip(prompts, plist)]
+
+
+def _engine(path, attention, experts, **kw):
+    return Engine(EngineConfig(model=str(path), **kw), ClusterSpec(attention=attention, experts=experts)).start()
+
+
+@pytest.fixture(scope="module")
+def k2_2x4(ray_cluster, presets):
+    eng = _engine(presets["kimi-k2-tiny"], 2, 4, max_tokens_per_step=24)
+    yield eng
+    eng.shutdown()
+
+
+def test_one_attention_one_expert_equals_single_process(ray_cluster, presets):
+    path = presets["kimi-k2-tiny"]
+    prompts = _prompts(3)
+    with Engine(EngineConfig(model=str(path)), ClusterSpec(attention=1, experts=1)) as eng:
+        got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
+    assert got == _alone(path, prompts, GREEDY)
+
+
+def test_two_by_four_on_three_nodes_equals_single_process(k2_2x4, presets, ray_cluster):
+    prompts = _prompts(4, seed=1)
+    assert [s.output_ids for s in k2_2x4.generate(prompts, GREEDY)] == _alone(presets["kimi-k2-tiny"], prompts, GREEDY)
+    assert k2_2x4.stats.actor_tokens_total and all(n > 0 for n in k2_2x4.stats.actor_tokens_total)
+
+
+def test_expert_actors_hold_only_their_shard_on_their_node(k2_2x4, presets):
+    cfg = load_config(presets["kimi-k2-tiny"])
+    res = k2_2x4.reservation
+    nodes = ray.get([e.node_id.remote() for e in k2_2x4.experts])
+    assert nodes == [res.node_of("expert", j) for j in range(4)]
+    assert len(set(nodes)) == 3  # spread over the three nodes
+    attn_nodes = ray.get([a.node_id.remote() for a in k2_2x4.attention])
+    assert attn_nodes == [res.node_of("attention", i) for i in range(2)] and len(set(attn_nodes)) == 1
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4  # fp32 gate+up+down
+    for j, e in enumerate(k2_2x4.experts):
+        lo, hi = ray.get(e.shard.remote())
+        assert (lo, hi) == k2_2x4.table.ranges[j]
+        assert ray.get(e.param_bytes.remote()) == (hi - lo) * len(cfg.moe_layers) * per_expert
+
+
+def test_sixteen_concurrent_requests_batched_continuously(k2_2x4, presets):
+    prompts = _prompts(16, lo=1, hi=60, seed=3)
+    params = [SamplingParams(max_tokens=8 + i % 5, ignore_eos=True) if i % 3 else
+              SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(16)]
+    steps0 = k2_2x4.stats.steps
+    got = [s.output_ids for s in k2_2x4.generate(prompts, params)]
+    assert got == _alone(presets["kimi-k2-tiny"], prompts, params)
+    mixed = [t for t in list(k2_2x4.stats.recent)[-(k2_2x4.stats.steps - steps0):] if t.tokens > 16]
+    assert mixed, "no step batched prefill and decode together"
+
+
+@pytest.mark.parametrize("preset,attention,experts", [("deepseek-v3-tiny", 2, 3), ("kimi-k3-tiny", 1, 3)])
+def test_other_architectures_and_uneven_shards(ray_cluster, presets, preset, attention, experts):
+    path = presets[preset]
+    prompts = _prompts(3, seed=4, hi=80)  # K3: prefill crosses a KDA chunk
+    with _engine(path, attention, experts, max_tokens_per_step=48) as eng:
+        sizes = [hi - lo for lo, hi in eng.table.ranges]
+        assert len(set(sizes)) > 1  # 16 experts over 3 actors
+        got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
+    assert got == _alone(path, prompts, GREEDY)
+
+
+def test_preempted_and_recomputed_requests_produce_the_same_tokens(ray_cluster, presets):
+    path = presets["kimi-k3-tiny"]  # KDA state must be rebuilt too
+    prompts = _prompts(4, lo=6, hi=12, seed=5)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    with _engine(path, 1, 1, num_blocks=8, block_size=4, num_slots=4) as eng:  # 32 token slots for ~90 tokens
+        got = [s.output_ids for s in eng.generate(prompts, params)]
+        assert eng.stats.preemptions > 0
+    assert got == _alone(path, prompts, params)
+
+
+def test_async_stream_and_disconnect_frees_the_cache(k2_2x4, presets):
+    tok = Tokenizer.from_dir(presets["kimi-k2-tiny"])
+    aeng = AsyncEngine(k2_2x4, tok).start()
+    prompt = _prompts(1, seed=6)[0]
+
+    async def run():
+        chunks = [c async for c in aeng.generate(prompt, GREEDY)]
+        agen = aeng.generate(prompt, SamplingParams(max_tokens=500, ignore_eos=True))
+        await agen.__anext__()
+        await agen.aclose()  # the client went away after one token
+        return chunks
+
+    try:
+        chunks = asyncio.run(run())
+        ids = [t for c in chunks for t in c.token_ids]
+        assert ids == _alone(presets["kimi-k2-tiny"], [prompt], GREEDY)[0]
+        assert "".join(c.text for c in chunks) == tok.decode(ids) and chunks[-1].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while k2_2x4.scheduler.has_work and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not k2_2x4.scheduler.has_work
+        assert all(a.num_free == a.num_blocks for a in k2_2x4.scheduler.blocks)
+    finally:
+        aeng.stop()
+
+
+def test_dead_expert_actor_gives_a_clear_error_not_a_hang(ray_cluster, presets):
+    eng = _engine(presets["kimi-k2-tiny"], 1, 2, collective_timeout_s=5, step_timeout_s=30)
+    try:
+        eng.generate(_prompts(1), SamplingParams(max_tokens=2, ignore_eos=True))
+        ray.kill(eng.experts[1], no_restart=True)
+        eng.add_request([1, 2, 3], GREEDY)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            while eng.has_work:
+                eng.step()
+        assert time.monotonic() - t0 < 30
+        assert "step" in str(err.value) and ("expert" in str(err.value) or "actor" in str(err.value))
+    finally:
+        eng.shutdown()
