@@ -86,9 +86,11 @@ class AttentionWorker:
         counts = ()
         if self.dispatcher is not None and req.chunks:
             counts = tuple(tuple(self.dispatcher.expert_tokens[l].tolist()) for l in self.moe_layers)
+        d = self.dispatcher
         return StepResult(step=req.step, actor=self.name, tokens=tokens, expert_tokens=counts,
-                          forward_s=time.perf_counter() - t0,
-                          exchange_s=self.dispatcher.exchange_s if self.dispatcher else 0.0)
+                          forward_s=time.perf_counter() - t0, exchange_s=d.exchange_s if d else 0.0,
+                          dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"] if d else 0.0,
+                          combine_s=d.phase_s["combine"] if d else 0.0)
 
     def _idle(self) -> tuple:
         if self.dispatcher is not None:

@@ -71,6 +71,7 @@ class _Collectives:
         self.actor, self.table, self.num_attention, self.group = actor, table, num_attention, group
         self.world = num_attention + table.num_actors
         self.step, self.exchange_s = -1, 0.0
+        self.phase_s = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
 
     def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, layer: int, phase: str):
         t0 = time.perf_counter()
@@ -81,7 +82,13 @@ class _Collectives:
                 f"{self.actor}: expert exchange failed at step {self.step}, MoE layer {layer}, phase {phase!r} "
                 f"(a peer actor is gone or stuck; collective timeout applies): {e}") from e
         finally:
-            self.exchange_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.exchange_s += dt
+            self.phase_s[phase] += dt
+
+    def reset_timers(self, step: int) -> None:
+        self.step, self.exchange_s = step, 0.0
+        self.phase_s = dict.fromkeys(self.phase_s, 0.0)
 
     def counts(self, send: torch.Tensor, layer: int) -> torch.Tensor:
         """send [world, L] int64 → received [world, L] (what each source sends me per local expert)."""
@@ -100,7 +107,8 @@ class DistDispatcher(_Collectives):
         self.expert_tokens: dict[int, torch.Tensor] = {}
 
     def begin_step(self, step: int) -> None:
-        self.step, self.exchange_s, self.expert_tokens = step, 0.0, {}
+        self.reset_timers(step)
+        self.expert_tokens = {}
 
     def for_layer(self, layer: int) -> Callable:
         def routed(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:

@@ -83,9 +83,11 @@ class ExpertWorker:
     def step(self, step: int) -> ExpertStepResult:
         """Serve every MoE layer's exchange of one engine step, in layer order."""
         assert self.exchange is not None, f"{self.name}: step before init_group"
-        self.exchange.step, self.exchange.exchange_s = step, 0.0
+        self.exchange.reset_timers(step)
         t0 = time.perf_counter()
         rows = tuple(self.exchange.serve(layer, ex) for layer, ex in self.experts.items())
         total = time.perf_counter() - t0
+        ph = self.exchange.phase_s
         return ExpertStepResult(step=step, actor=self.name, rows_per_layer=rows,
-                                compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s)
+                                compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s,
+                                dispatch_s=ph["counts"] + ph["dispatch"], combine_s=ph["combine"])

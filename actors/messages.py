@@ -95,6 +95,8 @@ class StepResult:
     expert_tokens: tuple[tuple[int, ...], ...] = ()
     forward_s: float = 0.0
     exchange_s: float = 0.0  # time inside collectives (dispatch + combine)
+    dispatch_s: float = 0.0  # counts + token rows out
+    combine_s: float = 0.0  # result rows back
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ class ExpertStepResult:
     rows_per_layer: tuple[int, ...] = ()
     compute_s: float = 0.0
     exchange_s: float = 0.0
+    dispatch_s: float = 0.0
+    combine_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class Request:
     logprobs: list[SampledToken] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_token: float | None = None
 
 
 @dataclass(frozen=True)
@@ -199,9 +200,13 @@ class Engine:
                 continue
             seq = req.seq
             seq.token_ids.append(tok.token_id)
+            now = time.monotonic()
             if req.first_token is None:
-                req.first_token = time.monotonic()
-                self.stats.observe_ttft(req.first_token - req.arrival)
+                req.first_token = now
+                self.stats.observe_ttft(now - req.arrival)
+            else:
+                self.stats.observe_itl(now - req.last_token)
+            req.last_token = now
             if seq.params.logprobs is not None:
                 req.logprobs.append(tok)
             reason = check_stop(seq, req.stop_ids, max_ctx)

@@ -17,6 +17,8 @@ class StepTimes:
     attention_exchange_s: tuple[float, ...]
     expert_exchange_s: tuple[float, ...]
     expert_compute_s: tuple[float, ...]
+    attention_dispatch_s: tuple[float, ...] = ()
+    attention_combine_s: tuple[float, ...] = ()
 
 
 @dataclass
@@ -58,7 +60,8 @@ class EngineStats:
         else:
             self.last_expert_tokens = None
         times = StepTimes(step_s, tokens, tuple(r.exchange_s for r in attn), tuple(r.exchange_s for r in expert),
-                          tuple(r.compute_s for r in expert))
+                          tuple(r.compute_s for r in expert), tuple(r.dispatch_s for r in attn),
+                          tuple(r.combine_s for r in attn))
         self.recent.append(times)
         for fn in self.listeners:
             fn("step", times=times, expert_tokens=self.last_expert_tokens, table=table)
@@ -67,6 +70,10 @@ class EngineStats:
         self.ttft_s.append(seconds)
         for fn in self.listeners:
             fn("ttft", seconds=seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        for fn in self.listeners:
+            fn("itl", seconds=seconds)
 
     def observe_finished(self, seconds: float, seq) -> None:
         self.finished += 1

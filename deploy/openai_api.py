@@ -1,0 +1,358 @@
+"""The OpenAI protocol between HTTP bytes and the engine: errors in OpenAI's envelope, request
+parsing, request → :class:`SamplingParams`, prompts → token ids, stop strings over streamed
+text, and response / SSE chunk builders.
+
+Pure protocol: no Ray, no engine, no FastAPI app. The app module owns the routes and the one
+exception handler that turns :class:`APIError` into a response (``err.status``,
+``err.body()``, ``err.headers``). Nothing here may raise anything but :class:`APIError` for
+user input: a 500 is never the answer to a bad request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from actors.messages import SampledToken
+from deploy.openai_models import ChatCompletionRequest, CompletionRequest
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+
+__all__ = [
+    "APIError", "error_body", "from_validation_error", "parse_request", "resolve_model",
+    "sampling_params", "choice_params", "prompt_token_lists", "chat_prompt_ids", "StopStrings",
+    "ChoiceResult", "usage", "new_request_id", "completion_logprobs", "chat_logprobs",
+    "completion_response", "chat_response", "completion_chunk", "chat_chunk", "usage_chunk",
+    "models_response", "sse", "SSE_DONE", "CompletionRequest", "ChatCompletionRequest",
+]
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 503: "service_unavailable"}
+SSE_DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's floor
+M = TypeVar("M", bound=BaseModel)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's shape. ``retry_after_s`` (503) becomes a Retry-After header."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.type, self.param, self.code)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+def error_body(status: int, message: str, type: str | None = None, param: str | None = None,
+               code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``; ``type`` defaults from the status."""
+    return {"error": {"message": message, "type": type or ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def _loc_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """400 naming the first failing field's path and what is wrong; ``param`` is the top-level field."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(first["loc"])
+    path = _loc_path(loc)
+    if first["type"] == "extra_forbidden":
+        message = f"unknown field {path!r}: it is not part of this API"
+    elif first["type"] == "missing":
+        message = f"{path}: field required"
+    else:
+        why = first["msg"].removeprefix("Value error, ")
+        message = f"{path}: {why} (got {first.get('input')!r:.80})"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    return APIError(400, message, param=param)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_request(model_cls: type[M], raw: bytes, max_body_bytes: int) -> M:
+    """Body bytes → a validated request; 413 over ``max_body_bytes``, 400 for anything malformed."""
+    if len(raw) > max_body_bytes:
+        raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {max_body_bytes}",
+                       code="request_too_large")
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"request body must be a JSON object, got a JSON {type(obj).__name__}",
+                       code="invalid_json")
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def resolve_model(requested: str, served: list[str]) -> str:
+    if requested not in served:
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+    return requested
+
+
+# ---------------------------------------------------------------- request → engine
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_token_ids: tuple[int, ...] = (),
+                    prompt_len: int | None = None, max_model_len: int | None = None) -> SamplingParams:
+    """The request's sampling parameters for one prompt. With ``prompt_len`` and ``max_model_len``
+    an unset chat max_tokens becomes the rest of the context, and a prompt plus max_tokens over
+    the context is a 400 (code ``context_length_exceeded``)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    max_tokens = req.max_output_tokens if chat else req.max_tokens
+    max_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    if prompt_len is not None and max_model_len is not None:
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt is {prompt_len} tokens, which leaves no room in this model's "
+                                f"context of {max_model_len} tokens", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) plus {max_param} ({max_tokens}) is over this "
+                                f"model's context length of {max_model_len} tokens", param=max_param,
+                           code="context_length_exceeded")
+    if chat:
+        logprobs = (0 if req.top_logprobs is None else req.top_logprobs) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    try:
+        return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
+                              temperature=float(req.temperature), top_p=float(req.top_p),
+                              top_k=max(req.top_k, 0), seed=req.seed, stop_token_ids=tuple(stop_token_ids),
+                              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs)
+    except ValueError as e:
+        found = re.search(r"sampling parameter '(\w+)'", str(e))
+        param = found.group(1) if found else None
+        if param == "logprobs" and chat:
+            param = "top_logprobs"
+        elif param == "max_tokens":
+            param = max_param
+        raise APIError(400, str(e), param=param) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One params per choice. Seeded choice i uses ``seed + i``: the n choices differ, and the
+    same request reproduces them all."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def prompt_token_lists(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """The completion request's prompts as token ids, each id checked against the vocabulary."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    out: list[list[int]] = []
+    for i, p in enumerate(prompt):
+        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, f"prompt[{i}]: must not be empty", param="prompt")
+        for j, t in enumerate(ids):
+            if not 0 <= t < tokenizer.vocab_size:
+                raise APIError(400, f"prompt[{i}][{j}]: token id {t} is outside the vocabulary "
+                                    f"[0, {tokenizer.vocab_size})", param="prompt")
+        out.append(ids)
+    return out
+
+
+def _template_message(msg) -> dict:
+    content = msg.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    out = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(msg, key) is not None:
+            out[key] = getattr(msg, key)
+    return out
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """Render the checkpoint's chat template (text parts joined, developer → system) and encode it."""
+    messages = [_template_message(m) for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return tokenizer.encode(text, allow_special=True)
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+class StopStrings:
+    """Per-choice stop-string matcher over streamed text. Owns the text held back because it may
+    be the start of a stop string; never emits a stop string or anything after it (OpenAI
+    excludes the stop string from the output)."""
+
+    def __init__(self, stops: list[str]):
+        if any(not s for s in stops):
+            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
+        self.stops = list(stops)
+        self.held = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """New text → (text safe to emit now, whether a stop string was reached)."""
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return delta, False
+        text = self.held + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """End of the stream without a stop: the held-back text is output after all."""
+        held, self.held = ("" if self.stopped else self.held), ""
+        return held
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice, filled by the app. ``logprobs`` is None when not requested."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[SampledToken] | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def new_request_id(prefix: str) -> str:
+    """``cmpl-<hex>`` for completions, ``chatcmpl-<hex>`` for chat."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _lp(value: float | None) -> float:
+    return MIN_LOGPROB if value is None or math.isnan(value) else max(float(value), MIN_LOGPROB)
+
+
+def completion_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer, *, text_offset: int = 0) -> dict:
+    """Legacy completions format; ``text_offset`` counts from the start of the choice's text."""
+    tokens = [tokenizer.decode([s.token_id]) for s in sampled]
+    offsets = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": [_lp(s.logprob) for s in sampled],
+            "top_logprobs": [{tokenizer.decode([i]): _lp(lp) for i, lp in s.top_logprobs} for s in sampled],
+            "text_offset": offsets}
+
+
+def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> dict:
+    return {"token": tokenizer.decode([token_id]), "logprob": _lp(logprob),
+            "bytes": list(tokenizer.token_bytes(token_id))}
+
+
+def chat_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer) -> dict:
+    return {"content": [{**_chat_token(tokenizer, s.token_id, s.logprob),
+                         "top_logprobs": [_chat_token(tokenizer, i, lp) for i, lp in s.top_logprobs]}
+                        for s in sampled]}
+
+
+def completion_response(model: str, choices: list[ChoiceResult], usage: dict, *, tokenizer: Tokenizer | None = None,
+                        request_id: str | None = None, created: int | None = None) -> dict:
+    return {"id": request_id or new_request_id("cmpl"), "object": "text_completion",
+            "created": created or int(time.time()), "model": model,
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                         "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, tokenizer)}
+                        for c in choices],
+            "usage": usage}
+
+
+def chat_response(model: str, choices: list[ChoiceResult], usage: dict, *, tokenizer: Tokenizer | None = None,
+                  request_id: str | None = None, created: int | None = None) -> dict:
+    return {"id": request_id or new_request_id("chatcmpl"), "object": "chat.completion",
+            "created": created or int(time.time()), "model": model,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "finish_reason": c.finish_reason,
+                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, tokenizer)}
+                        for c in choices],
+            "usage": usage}
+
+
+def completion_chunk(request_id: str, model: str, created: int, *, index: int, text: str,
+                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    """One streamed piece of one choice; ``logprobs`` from :func:`completion_logprobs`."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+
+
+def chat_chunk(request_id: str, model: str, created: int, *, index: int, text: str = "", first: bool = False,
+               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    """One streamed delta of one choice. The ``first`` chunk of each choice carries the role;
+    a final chunk with only a finish reason has an empty delta."""
+    delta: dict = {"role": "assistant"} if first else {}
+    if text or first:
+        delta["content"] = text
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, usage: dict, *, chat: bool) -> dict:
+    """The last chunk before [DONE] with ``stream_options.include_usage``: no choices, only usage."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def models_response(model_names: list[str], created: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "moeray"}
+                                       for name in model_names]}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
