@@ -65,6 +65,11 @@ class AsyncEngine:
     def num_open(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted but not yet running (queued here or in the scheduler)."""
+        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
         if not self.healthy:

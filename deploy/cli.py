@@ -197,6 +197,80 @@ def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes,
             return eng.generate([ids], sp)[0].output_ids
 
 
+@app.command()
+@user_errors
+def up(
+    model: str = typer.Option("kimi-k2-tiny", help=MODEL_HELP),
+    attention: int = typer.Option(1, help="Attention data-parallel replicas."),
+    experts: int = typer.Option(1, help="Expert actors."),
+    nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine (default: 1)."),
+    address: Optional[str] = typer.Option(None, help="Serve on the existing Ray cluster at ADDR."),
+    host: str = typer.Option("127.0.0.1", help="HTTP host."),
+    port: int = typer.Option(8000, help="HTTP port."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    config: Optional[Path] = typer.Option(None, help="A YAML serving config (flags given here override it)."),
+    detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
+):
+    """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
+    a local Ray, at http://127.0.0.1:8000."""
+    from .config import ServeConfig
+    from .server import serve_foreground, start_detached
+    from .settings import cache_root
+
+    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key)
+    cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
+    root = cache_root()
+    if detach:
+        argv = [a for a in sys.argv[2:] if a != "--detach"]
+        with err.status("starting moeray in the background"):
+            info = start_detached(argv, root, f"http://{cfg.host}:{cfg.port}")
+        err.print(f"moeray is serving at http://{cfg.host}:{cfg.port}/v1 (pid {info['pid']}, log {info['log']}); "
+                  "stop it with: moeray down")
+        return
+    with err.status("starting Ray") as status:
+        serve_foreground(cfg, root, nodes=nodes, address=address, status=status)
+
+
+@app.command()
+@user_errors
+def down():
+    """Stop what `moeray up` started (its Serve application and the local Ray nodes), nothing else."""
+    from .server import stop_running
+    from .settings import cache_root
+
+    state = stop_running(cache_root())
+    err.print("nothing to stop: no server started by `moeray up` is running" if state is None
+              else f"stopped moeray at {state['url']} (pid {state['pid']})")
+
+
+@app.command()
+@user_errors
+def status(
+    api_key: Optional[str] = typer.Option(None, help="API key, if the server needs one."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Actors, nodes, expert placement and cache use of the running server."""
+    from rich.table import Table
+
+    from .server import fetch_status
+    from .settings import cache_root
+
+    st = fetch_status(cache_root(), api_key)
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    out = Console()
+    out.print(f"{st['model']} at {st['url']}: {st['shape']}; running {st['running']}, waiting {st['waiting']}, "
+              f"steps {st['steps']}, epoch {st['epoch']}")
+    t = Table("actor", "node", "placement / cache")
+    for a in st["attention"]:
+        t.add_row(f"attention[{a['index']}]", a["node"], f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks")
+    for e in st["experts"]:
+        t.add_row(f"expert[{e['index']}]", e["node"], f"experts [{e['experts'][0]}, {e['experts'][1]}), "
+                                                       f"{e['tokens']:,} tokens")
+    out.print(t)
+
+
 def main() -> None:
     app()
 

@@ -283,6 +283,7 @@ def _lp(value: float | None) -> float:
 
 def completion_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer, *, text_offset: int = 0) -> dict:
     """Legacy completions format; ``text_offset`` counts from the start of the choice's text."""
+    assert tokenizer is not None, "rendering logprobs needs the tokenizer"
     tokens = [tokenizer.decode([s.token_id]) for s in sampled]
     offsets = []
     for tok in tokens:
@@ -299,6 +300,7 @@ def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> d
 
 
 def chat_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer) -> dict:
+    assert tokenizer is not None, "rendering logprobs needs the tokenizer"
     return {"content": [{**_chat_token(tokenizer, s.token_id, s.logprob),
                          "top_logprobs": [_chat_token(tokenizer, i, lp) for i, lp in s.top_logprobs]}
                         for s in sampled]}

@@ -1,0 +1,52 @@
+"""The serving configuration: read once at the edge (YAML, CLI flags, Serve args) into a pydantic
+model with ``extra="forbid"``, then handed down as frozen dataclasses (EngineConfig, ClusterSpec)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("kimi-k2-tiny", description="Checkpoint directory or preset name.")
+    served_model_name: str | None = Field(None, description="Name clients use; default: the preset or directory name.")
+    attention: int = Field(1, ge=1, description="Attention data-parallel replicas.")
+    experts: int = Field(1, ge=1, description="Expert actors.")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
+    max_tokens_per_step: int = Field(256, ge=1, description="Token budget of one engine step.")
+    num_blocks: int = Field(256, ge=1, description="Latent-cache blocks per attention replica.")
+    block_size: int = Field(16, ge=1)
+    num_slots: int = Field(64, ge=1, description="KDA state slots per attention replica (hybrid models).")
+    max_queue: int = Field(256, ge=1, description="Requests waiting for a slot before new ones get 503.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "ServeConfig":
+        p = Path(path)
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"{p}: cannot read the serving config: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{p}: the serving config must be a mapping of settings")
+        return cls.parse({**raw, **{k: v for k, v in overrides.items() if v is not None}}, where=str(p))
+
+    @classmethod
+    def parse(cls, raw: dict, where: str = "serving config") -> "ServeConfig":
+        try:
+            return cls(**raw)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"{where}: {problems}") from None
+
+    def name_for(self, model_path: Path) -> str:
+        return self.served_model_name or (self.model if "/" not in self.model else model_path.name)

@@ -1,0 +1,261 @@
+"""Prometheus metrics of one engine, rendered by the Serve ingress on ``/metrics``.
+
+:class:`EngineMetrics` owns a private :class:`prometheus_client.CollectorRegistry` (never the
+process-global one, so two engines in one process — tests, benchmarks — never collide) and the
+running totals it derives from the engine's statistics events. It listens on
+``engine.stats.listeners``: callbacks arrive on the engine thread, scrapes on another, so its own
+state sits behind one lock; prometheus-client's metric objects are thread-safe on their own.
+
+Names follow vLLM's (``vllm:x`` → ``moeray:x``) where the meaning is the same, so existing
+dashboards carry over; the expert plane adds per-expert / per-expert-actor tokens, load imbalance,
+dispatch / combine / compute latency and the placement epoch. Units are in the names. Labels are
+bounded: ``model_name``, ``layer`` (model layer id), ``expert`` (logical expert id), ``actor``
+(actor index; the metric name says which kind), ``kind``, ``finished_reason`` — never request ids.
+
+Never: mutates the engine, calls an actor, or blocks the engine thread on anything but its lock.
+Scrape-time gauges read the scheduler with single ``len()``-sized reads (atomic under the GIL).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from collections import deque
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "moeray:"
+IMBALANCE_WINDOW_STEPS = 64
+FINISHED_REASONS = ("stop", "length")  # what model.runner.check_stop returns; pre-created at 0
+
+# Buckets: vLLM's (v1 loggers) for the request latencies; the per-step ones reach down to 100 µs
+# because a decode step on GPUs, and one layer's all-to-all, are sub-millisecond.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0, 120.0)
+EXCHANGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.scheduler``
+    (``waiting``, ``running``, ``blocks``: allocators with ``num_free``/``num_blocks``) and ``.table``
+    (the current PlacementTable)."""
+
+    def __init__(self, engine: Any, model_name: str, *, imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS):
+        if not model_name:
+            raise ValueError("model_name must be a non-empty string")
+        if imbalance_window_steps < 1:
+            raise ValueError(f"imbalance_window_steps must be >= 1, got {imbalance_window_steps}")
+        self.engine, self.model_name = engine, model_name
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._moe_layers: list[int] = list(engine.stats.moe_layers)
+        num_experts = engine.stats.num_experts
+        # [moe layer i][logical expert e] tokens routed, over the engine's life and over the window
+        self._expert_total = [[0] * num_experts for _ in self._moe_layers]
+        self._window: deque[list[list[int]]] = deque(maxlen=imbalance_window_steps)
+        self._window_sum = [[0] * num_experts for _ in self._moe_layers]
+        self._actor_total: list[int] = []  # [expert actor j] tokens over all layers
+        self._make_metrics()
+        self.registry.register(_ScrapeCollector(self))
+        engine.stats.listeners.append(self._on_event)
+
+    # ---- public ------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """Prometheus text exposition of this engine's registry (serve with :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        """Stop listening to the engine (the registry still renders the last values)."""
+        try:
+            self.engine.stats.listeners.remove(self._on_event)
+        except ValueError:  # not registered (closed twice)
+            pass
+
+    # ---- series owned by prometheus-client ---------------------------------------------------
+    def _make_metrics(self) -> None:
+        r, m = self.registry, ("model_name",)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, m + labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, m + labels, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated (counted as sampled).")
+        self.request_success = counter("request_success_total", "Finished requests, by finish reason.",
+                                       ("finished_reason",))
+        self.steps = counter("engine_steps_total", "Engine steps run.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token of finished requests.",
+                             E2E_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+        self.dispatch = histogram("moe_dispatch_latency_seconds",
+                                  "Per step and attention actor: time sending token rows to experts, "
+                                  "summed over MoE layers.", EXCHANGE_BUCKETS, ("actor",))
+        self.combine = histogram("moe_combine_latency_seconds",
+                                 "Per step and attention actor: time receiving expert outputs back, "
+                                 "summed over MoE layers.", EXCHANGE_BUCKETS, ("actor",))
+        self.exchange = histogram("moe_exchange_seconds",
+                                  "Per step and actor: time inside the dispatch/combine collectives, "
+                                  "summed over MoE layers.", EXCHANGE_BUCKETS, ("kind", "actor"))
+        self.expert_compute = histogram("expert_compute_seconds",
+                                        "Per step and expert actor: time computing experts, summed over MoE layers.",
+                                        EXCHANGE_BUCKETS, ("actor",))
+        for reason in FINISHED_REASONS:  # so rate() works before the first request of each kind
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason)
+        for series in (self.prompt_tokens, self.generation_tokens, self.steps, self.ttft, self.itl, self.e2e,
+                       self.step_duration):
+            series.labels(model_name=self.model_name)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _on_event(self, event: str, **values: Any) -> None:
+        """EngineStats listener. A metrics fault is logged and must never fail the engine step."""
+        try:
+            handler = self._handlers.get(event)
+            if handler is not None:  # events added later are ignored until mapped here
+                handler(self, **values)
+        except Exception:
+            log.exception("moeray metrics: dropping %r event after an error", event)
+
+    def _on_step(self, times, expert_tokens: list[list[int]] | None, table) -> None:
+        name = self.model_name
+        self.steps.labels(model_name=name).inc()
+        self.step_duration.labels(model_name=name).observe(times.step_s)
+        for hist, series in ((self.dispatch, times.attention_dispatch_s), (self.combine, times.attention_combine_s),
+                             (self.expert_compute, times.expert_compute_s)):
+            for actor, seconds in enumerate(series):
+                hist.labels(model_name=name, actor=str(actor)).observe(seconds)
+        for kind, series in (("attention", times.attention_exchange_s), ("expert", times.expert_exchange_s)):
+            for actor, seconds in enumerate(series):
+                self.exchange.labels(model_name=name, kind=kind, actor=str(actor)).observe(seconds)
+        if expert_tokens is not None:
+            self._add_expert_tokens(expert_tokens, table.ranges)
+
+    def _add_expert_tokens(self, counts: list[list[int]], ranges: Iterable[tuple[int, int]]) -> None:
+        """counts[i][e]: tokens routed to logical expert e at the i-th MoE layer in this step.
+        O(layers × experts) list arithmetic in C (``map(add)``): ~1 ms per step at Kimi K2 scale."""
+        rows = [list(row) for row in counts]
+        per_actor = [sum(sum(row[lo:hi]) for row in rows) for lo, hi in ranges]
+        add, sub = operator.add, operator.sub
+        with self._lock:
+            self._expert_total = [list(map(add, t, row)) for t, row in zip(self._expert_total, rows)]
+            if len(self._window) == self._window.maxlen:
+                old = self._window[0]
+                self._window_sum = [list(map(sub, s, row)) for s, row in zip(self._window_sum, old)]
+            self._window.append(rows)
+            self._window_sum = [list(map(add, s, row)) for s, row in zip(self._window_sum, rows)]
+            if len(per_actor) > len(self._actor_total):
+                self._actor_total += [0] * (len(per_actor) - len(self._actor_total))
+            for j, n in enumerate(per_actor):
+                self._actor_total[j] += n
+
+    def _on_ttft(self, seconds: float) -> None:
+        self.ttft.labels(model_name=self.model_name).observe(seconds)
+        self.generation_tokens.labels(model_name=self.model_name).inc()  # the first sampled token
+
+    def _on_itl(self, seconds: float) -> None:
+        self.itl.labels(model_name=self.model_name).observe(seconds)
+        self.generation_tokens.labels(model_name=self.model_name).inc()  # every later sampled token
+
+    def _on_finished(self, seconds: float, seq) -> None:
+        name = self.model_name
+        self.e2e.labels(model_name=name).observe(seconds)
+        self.prompt_tokens.labels(model_name=name).inc(seq.num_prompt_tokens)
+        self.request_success.labels(model_name=name, finished_reason=str(seq.finish_reason)).inc()
+
+    _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished}
+
+    # ---- scrape thread -----------------------------------------------------------------------
+    def snapshot(self) -> tuple[list[list[int]], list[int], list[float]]:
+        """(expert tokens total [moe layer][expert], tokens total [expert actor], imbalance [moe layer])
+        — consistent with each other, copied under the lock."""
+        with self._lock:
+            totals = [list(row) for row in self._expert_total]
+            actors = list(self._actor_total)
+            imbalance = [_max_over_mean(row) for row in self._window_sum]
+        return totals, actors, imbalance
+
+
+def _max_over_mean(row: list[int]) -> float:
+    total = sum(row)
+    return max(row) * len(row) / total if total else 0.0
+
+
+class _ScrapeCollector:
+    """Series computed when scraped: scheduler and cache gauges, the epoch, preemptions (the engine
+    counts them on ``stats`` without an event), and the per-expert families (tens of thousands of
+    series at Kimi K2 scale — built once per scrape instead of touched per step)."""
+
+    def __init__(self, owner: EngineMetrics):
+        self.owner = owner
+
+    def collect(self) -> Iterable[Metric]:
+        o = self.owner
+        engine, name, m = o.engine, o.model_name, ["model_name"]
+        sched = engine.scheduler
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=m)
+            g.add_metric([name], value)
+            return g
+
+        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running))
+        yield gauge("num_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting))
+        free = [a.num_free for a in sched.blocks]
+        total = [a.num_blocks for a in sched.blocks]
+        used = [t - f for t, f in zip(total, free)]
+        yield gauge("kv_cache_usage_perc", "Fraction of cache blocks in use over all attention replicas (0..1).",
+                    sum(used) / sum(total) if sum(total) else 0.0)
+        for metric, doc, values in (("cache_blocks_used", "Cache blocks in use, per attention replica.", used),
+                                    ("cache_blocks_free", "Cache blocks free, per attention replica.", free)):
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=m + ["actor"])
+            for actor, v in enumerate(values):
+                g.add_metric([name, str(actor)], v)
+            yield g
+        yield gauge("epoch", "Placement-table epoch (increments when experts are re-placed).", engine.table.epoch)
+        pre = CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted for lack of cache blocks.",
+                                  labels=m)
+        pre.add_metric([name], engine.stats.preemptions)
+        yield pre
+        yield from self._expert_families(o, name)
+
+    @staticmethod
+    def _expert_families(o: EngineMetrics, name: str) -> Iterable[Metric]:
+        totals, actors, imbalance = o.snapshot()
+        layers = [str(layer) for layer in o._moe_layers]
+        experts = CounterMetricFamily(PREFIX + "expert_tokens", "Tokens routed to each logical expert, per MoE layer.",
+                                      labels=["model_name", "layer", "expert"])
+        for layer, row in zip(layers, totals):
+            for e, n in enumerate(row):
+                experts.add_metric([name, layer, str(e)], n)
+        yield experts
+        per_actor = CounterMetricFamily(PREFIX + "expert_actor_tokens",
+                                        "Token-expert pairs computed by each expert actor, over all MoE layers.",
+                                        labels=["model_name", "actor"])
+        for j, n in enumerate(actors):
+            per_actor.add_metric([name, str(j)], n)
+        yield per_actor
+        imb = GaugeMetricFamily(PREFIX + "moe_load_imbalance",
+                                f"Max over mean tokens per expert of a MoE layer over the last "
+                                f"{o._window.maxlen} steps (1 = balanced; 0 = no tokens).",
+                                labels=["model_name", "layer"])
+        for layer, v in zip(layers, imbalance):
+            imb.add_metric([name, layer], v)
+        yield imb

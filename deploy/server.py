@@ -1,0 +1,177 @@
+"""`moeray up` / `down` / `status`: run the Serve app on a Ray cluster and keep track of what was
+started, so that `down` stops exactly that and nothing else.
+
+The `up` process owns what it starts (the local Ray nodes when no cluster is given, the Serve
+application) and records itself in a state file; `down` signals that process, which shuts
+everything down in order. `--detach` re-runs `up` in the background and waits for /health.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from .config import ServeConfig
+
+APP_NAME = "moeray"
+
+
+def state_file(root: Path) -> Path:
+    return root / "up.json"
+
+
+def read_state(root: Path) -> dict | None:
+    try:
+        state = json.loads(state_file(root).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if _alive(state.get("pid")) else None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ensure_not_running(root: Path) -> None:
+    state = read_state(root)
+    if state is not None:
+        raise ValueError(f"moeray is already serving at {state['url']} (pid {state['pid']}); "
+                         "stop it with `moeray down` first")
+
+
+def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ValueError(f"the server exited during start-up (code {proc.returncode})")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise ValueError(f"the server did not become healthy at {url} within {timeout_s:.0f}s")
+
+
+def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address: str | None, status=None) -> None:
+    """Start everything, print nothing but progress, block until SIGTERM/SIGINT, then stop it all."""
+    from ray import serve
+
+    from cluster.launch import connected
+    from cluster.topology import ClusterSpec
+
+    from .app import build_app
+
+    ensure_not_running(root)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    spec = ClusterSpec(attention=cfg.attention, experts=cfg.experts)
+    url = f"http://{cfg.host}:{cfg.port}"
+    with connected(spec, nodes=nodes, address=address):
+        _update(status, "building the model and the Serve application")
+        app = build_app(cfg.model_dump())
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        _update(status, f"loading the model onto {spec.describe()}")
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            root.mkdir(parents=True, exist_ok=True)
+            state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": cfg.model,
+                                                    "auth": cfg.api_key is not None}))
+            wait_ready(url, timeout_s=600)
+            _update(status, None)
+            _ready_message(url, cfg)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            try:
+                serve.shutdown()
+            finally:
+                state_file(root).unlink(missing_ok=True)
+
+
+def _update(status, text: str | None) -> None:
+    if status is not None:
+        if text is None:
+            status.stop()
+        else:
+            status.update(text)
+
+
+def _ready_message(url: str, cfg: ServeConfig) -> None:
+    name = cfg.served_model_name or cfg.model
+    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+    print(f"moeray is serving {name} at {url}/v1", flush=True)
+    print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+          f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+    print("  stop it with: moeray down", flush=True)
+
+
+def start_detached(argv: list[str], root: Path, url: str) -> dict:
+    """Run `moeray up ARGS` in the background (its own session), wait until it is healthy."""
+    ensure_not_running(root)
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "up.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", *argv], stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_ready(url, timeout_s=600, proc=proc)
+    except ValueError as e:
+        if proc.poll() is None:
+            proc.terminate()
+        raise ValueError(f"{e}; see {log}") from None
+    return {"pid": proc.pid, "log": str(log)}
+
+
+def stop_running(root: Path, *, timeout_s: float = 60) -> dict | None:
+    """Signal the `up` process recorded in the state file and wait for it to finish."""
+    state = read_state(root)
+    if state is None:
+        state_file(root).unlink(missing_ok=True)
+        return None
+    pid = state["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        try:  # reap it if it is our child (detached runs are not)
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    state_file(root).unlink(missing_ok=True)
+    return state
+
+
+def fetch_status(root: Path, api_key: str | None) -> dict:
+    state = read_state(root)
+    if state is None:
+        raise ValueError("no server started by `moeray up` is running; start one with `moeray up`")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{state['url']}/status", headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        raise ValueError(f"the server at {state['url']} did not answer: {e}") from None
+    if r.status_code == 401:
+        raise ValueError("the server needs an API key: pass --api-key")
+    if r.status_code != 200:
+        raise ValueError(f"the server at {state['url']} answered {r.status_code}: {r.text[:300]}")
+    return {"url": state["url"], **r.json()}
