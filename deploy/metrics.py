@@ -26,11 +26,13 @@ from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# All names and labels here are legacy-valid, so the classic text format describes the output exactly and
+# every Prometheus (2.x included) parses it.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 PREFIX = "moeray:"
 IMBALANCE_WINDOW_STEPS = 64
 FINISHED_REASONS = ("stop", "length")  # what model.runner.check_stop returns; pre-created at 0
@@ -53,6 +55,8 @@ class EngineMetrics:
     """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.scheduler``
     (``waiting``, ``running``, ``blocks``: allocators with ``num_free``/``num_blocks``) and ``.table``
     (the current PlacementTable)."""
+
+    CONTENT_TYPE = CONTENT_TYPE
 
     def __init__(self, engine: Any, model_name: str, *, imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS):
         if not model_name:

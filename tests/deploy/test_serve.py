@@ -1,0 +1,235 @@
+"""The Serve app over real HTTP with the official `openai` client (Must show 1-4 of the serving
+issue): completions and chat, streaming and not, n > 1, stop strings, logprobs; concurrency;
+every bad input's status and envelope; /metrics; the API key."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from deploy.app import build_app
+from deploy.config import ServeConfig
+from model.presets import build_preset
+
+KEY = "test-key-123"
+NAME = "k2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tmp_path_factory):
+    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("serve") / "k2", seed=4, progress=False)
+    port = _free_port()
+    cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=2, experts=2, api_key=KEY, port=port,
+                      max_queue=20, max_num_seqs=8, max_body_bytes=64 * 1024, max_tokens_per_step=64)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg.model_dump()), name="moeray-test", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "server never became healthy"
+        time.sleep(0.5)
+    yield {"url": url, "path": path}
+    serve.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0)
+
+
+def _generate_cli(path, ids, n):
+    exe = Path(sys.executable).parent / "moeray"
+    out = subprocess.run([str(exe), "generate", "--model", str(path), "--prompt-ids", ",".join(map(str, ids)),
+                          "--max-tokens", str(n), "--ignore-eos", "--json"], capture_output=True, text=True,
+                         check=True, env=os.environ)
+    return json.loads(out.stdout)
+
+
+def test_greedy_completion_equals_moeray_generate(client, server):
+    ids = [5, 77, 300, 12, 9]
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    ref = _generate_cli(server["path"], ids, 8)
+    assert got.choices[0].text == ref["text"]
+    assert got.usage.completion_tokens == 8 and got.usage.prompt_tokens == 5 and got.choices[0].finish_reason == "length"
+
+
+def test_streaming_equals_non_streaming_with_usage(client):
+    kw = dict(model=NAME, prompt="The cat sat on", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+
+
+def test_chat_streaming_and_not_n_and_logprobs(client):
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0.9, seed=7, n=3,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 6 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
+    again = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0.9, seed=7, n=3,
+                                           extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # seeded
+    stream = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert deltas[0].role == "assistant"
+    greedy = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(d.content or "" for d in deltas) == greedy.choices[0].message.content
+
+
+def test_stop_strings(client):
+    kw = dict(model=NAME, prompt=[5, 77, 300], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) > 4
+    stop = full[2:4]
+    cut = client.completions.create(**kw, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == full[: full.index(stop)]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=NAME, prompt="Hi", max_tokens=4, logprobs=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.top_logprobs[0]) <= 3 and max(lp.top_logprobs[0].values()) >= lp.token_logprobs[0]
+
+
+def test_sixteen_concurrent_streams_equal_their_solo_output(server):
+    aclient = openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0)
+    prompts = [[(i * 37 + j) % 700 + 1 for j in range(3 + i * 3)] for i in range(16)]
+
+    async def one(p, stream):
+        kw = dict(model=NAME, prompt=p, max_tokens=6 + len(p) % 5, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await aclient.completions.create(**kw)).choices[0].text
+        return "".join([c.choices[0].text async for c in await aclient.completions.create(**kw, stream=True)])
+
+    async def run():
+        solo = [await one(p, False) for p in prompts]
+        together = await asyncio.gather(*(one(p, True) for p in prompts))
+        return solo, together
+
+    solo, together = asyncio.run(run())
+    assert together == solo
+
+
+BAD = [  # (route, body, status, param)
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "x", "temperature": 7}, 400, "temperature"),
+    ("completions", {"model": NAME, "prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"model": NAME, "prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("completions", {"model": NAME, "prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "bot", "content": "x"}]}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [], "max_tokens": 2}, 400, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+]
+
+
+def _headers():
+    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD)
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, client, route, body, status, param):
+    r = httpx.post(f"{server['url']}/v1/{route}", headers=_headers(), content=json.dumps(body), timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    assert client.completions.create(model=NAME, prompt="ok", max_tokens=1).choices[0].text is not None
+
+
+def test_malformed_json_oversized_body_and_missing_key(server):
+    url = f"{server['url']}/v1/completions"
+    r = httpx.post(url, headers=_headers(), content=b'{"model": "k2", "prompt": ', timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url, headers=_headers(), content=json.dumps({"model": NAME, "prompt": "x" * 70000}), timeout=30)
+    assert r.status_code == 413 and "error" in r.json()
+    for path in ("/v1/models", "/metrics", "/v1/completions"):
+        r = httpx.request("POST" if "completions" in path else "GET", server["url"] + path, timeout=30,
+                          headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server['url']}/health").status_code == 200  # /health needs no key
+
+
+def test_full_queue_gets_503_with_retry_after(server):
+    body = json.dumps({"model": NAME, "prompt": "x" * 40, "max_tokens": 200, "ignore_eos": True})
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(f"{server['url']}/v1/completions", headers=_headers(), content=body)
+                                          for _ in range(48)))
+
+    responses = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}, codes
+    busy = next(r for r in responses if r.status_code == 503)
+    assert busy.headers["retry-after"] and busy.json()["error"]["type"] == "service_unavailable"
+
+
+def test_disconnect_frees_the_sequence(server):
+    body = {"model": NAME, "prompt": "go", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server['url']}/v1/completions", headers=_headers(), json=body, timeout=60) as r:
+        for _ in zip(range(3), r.iter_lines()):
+            pass
+    deadline = time.monotonic() + 20
+    while True:
+        st = httpx.get(f"{server['url']}/status", headers=_headers(), timeout=30).json()
+        if st["running"] == 0 and st["waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert all(a["cache_blocks_used"] == 0 for a in st["attention"])
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(f"{server['url']}/metrics", headers=_headers(), timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_metrics_series_move_with_traffic(server, client):
+    before = _metrics(server)
+    client.completions.create(model=NAME, prompt="metrics please", max_tokens=5, extra_body={"ignore_eos": True})
+    after = _metrics(server)
+
+    def total(m, name):
+        return sum(v for _, v in m.get(name, []))
+
+    for name in ("moeray:generation_tokens_total", "moeray:prompt_tokens_total", "moeray:engine_steps_total",
+                 "moeray:expert_tokens_total", "moeray:expert_actor_tokens_total",
+                 "moeray:time_to_first_token_seconds_count", "moeray:e2e_request_latency_seconds_count",
+                 "moeray:moe_dispatch_latency_seconds_count", "moeray:moe_combine_latency_seconds_count"):
+        assert total(after, name) > total(before, name), name
+    for name in ("moeray:num_requests_running", "moeray:num_requests_waiting", "moeray:kv_cache_usage_perc",
+                 "moeray:moe_load_imbalance", "moeray:epoch"):
+        assert name in after, name
+    labels = {k for series in after.values() for lab, _ in series for k in lab}
+    assert not labels & {"request_id", "seq_id", "id"}

@@ -1,0 +1,35 @@
+"""The README's commands, exactly as written: CI's .ci/run installs with the README's set-up command
+into a fresh virtual environment, and this test runs the README's quick-start block in a shell."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def _blocks(section: str) -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", body, re.S)
+
+
+def test_ci_runs_the_readme_setup_and_test_commands():
+    ci = (ROOT / ".ci" / "run").read_text()
+    setup = _blocks("Set up")[0].strip()
+    test = _blocks("Test")[0].strip()
+    assert setup in ci and test in ci.splitlines()[-1]
+
+
+def test_readme_quick_start_serves_and_stops(tmp_path):
+    script = _blocks("Run")[0]
+    bindir = str(Path(sys.executable).parent)  # the environment the README's set-up installed into
+    env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path), "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '"object":"text_completion"' in proc.stdout and '"completion_tokens":16' in proc.stdout, proc.stdout
+    assert "stopped moeray" in proc.stderr
+    assert not (tmp_path / "up.json").exists()
