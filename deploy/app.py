@@ -19,7 +19,6 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
 from model.config import load_config
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
@@ -49,7 +48,7 @@ class EngineServer:
             EngineConfig(model=model_path, dtype=cfg.dtype, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
                          num_slots=cfg.num_slots, max_num_seqs=cfg.max_num_seqs,
                          max_tokens_per_step=cfg.max_tokens_per_step),
-            ClusterSpec(attention=cfg.attention, experts=cfg.experts), stop_ids=tok.stop_token_ids).start()
+            cfg.cluster_spec(), stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
         self.metrics = EngineMetrics(self.engine, self.name)
 

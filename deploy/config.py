@@ -17,6 +17,7 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name clients use; default: the preset or directory name.")
     attention: int = Field(1, ge=1, description="Attention data-parallel replicas.")
     experts: int = Field(1, ge=1, description="Expert actors.")
+    gpus_per_actor: float = Field(0, ge=0, description="GPUs each attention and expert actor reserves (NCCL then).")
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
     max_tokens_per_step: int = Field(256, ge=1, description="Token budget of one engine step.")
@@ -47,6 +48,13 @@ class ServeConfig(BaseModel):
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
             raise ValueError(f"{where}: {problems}") from None
+
+    def cluster_spec(self):
+        from cluster.topology import ClusterSpec
+
+        res = {"CPU": 1, **({"GPU": self.gpus_per_actor} if self.gpus_per_actor else {})}
+        return ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,
+                           expert_resources=dict(res))
 
     def name_for(self, model_path: Path) -> str:
         return self.served_model_name or (self.model if "/" not in self.model else model_path.name)

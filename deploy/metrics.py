@@ -51,6 +51,17 @@ EXCHANGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
                     5.0, 10.0, 30.0, 60.0)
 
 
+class _Registry(CollectorRegistry):
+    """A registry without the ``*_created`` timestamp series. They are an OpenMetrics notion; in the
+    classic text format they become extra gauge series per counter / histogram child (as vLLM,
+    which disables them process-wide; this keeps the change to our own registry)."""
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in super().collect():  # fresh Metric objects per collect: safe to filter
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
 class EngineMetrics:
     """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.scheduler``
     (``waiting``, ``running``, ``blocks``: allocators with ``num_free``/``num_blocks``) and ``.table``
@@ -64,7 +75,7 @@ class EngineMetrics:
         if imbalance_window_steps < 1:
             raise ValueError(f"imbalance_window_steps must be >= 1, got {imbalance_window_steps}")
         self.engine, self.model_name = engine, model_name
-        self.registry = CollectorRegistry()
+        self.registry = _Registry()
         self._lock = threading.Lock()
         self._moe_layers: list[int] = list(engine.stats.moe_layers)
         num_experts = engine.stats.num_experts
@@ -79,7 +90,8 @@ class EngineMetrics:
 
     # ---- public ------------------------------------------------------------------------------
     def render(self) -> bytes:
-        """Prometheus text exposition of this engine's registry (serve with :data:`CONTENT_TYPE`)."""
+        """Prometheus text exposition of this engine's registry (serve with :data:`CONTENT_TYPE`).
+        At Kimi K2 scale (~23k series, ~1.7 MB) this takes ~0.25 s of CPU: keep it off event loops."""
         return generate_latest(self.registry)
 
     def close(self) -> None:
@@ -154,7 +166,8 @@ class EngineMetrics:
 
     def _add_expert_tokens(self, counts: list[list[int]], ranges: Iterable[tuple[int, int]]) -> None:
         """counts[i][e]: tokens routed to logical expert e at the i-th MoE layer in this step.
-        O(layers × experts) list arithmetic in C (``map(add)``): ~1 ms per step at Kimi K2 scale."""
+        O(layers × experts) list arithmetic in C (``map(add)``): ~1-3 ms per step at Kimi K2 scale
+        (60 MoE layers × 384 experts; EngineStats.record_step itself takes ~7 ms there)."""
         rows = [list(row) for row in counts]
         per_actor = [sum(sum(row[lo:hi]) for row in rows) for lo, hi in ranges]
         add, sub = operator.add, operator.sub

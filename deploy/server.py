@@ -74,7 +74,6 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
     from ray import serve
 
     from cluster.launch import connected
-    from cluster.topology import ClusterSpec
 
     from .app import build_app
 
@@ -82,7 +81,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    spec = ClusterSpec(attention=cfg.attention, experts=cfg.experts)
+    spec = cfg.cluster_spec()
     url = f"http://{cfg.host}:{cfg.port}"
     with connected(spec, nodes=nodes, address=address):
         _update(status, "building the model and the Serve application")
