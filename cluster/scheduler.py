@@ -16,29 +16,15 @@ from dataclasses import dataclass, field
 
 from actors.messages import SeqChunk
 from model.cache import BlockAllocator
-from model.sampling import SamplingParams
+from model.runner import Sequence
 
 
 @dataclass
-class Seq:
-    seq_id: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    replica: int | None = None
-    block_table: list[int] = field(default_factory=list)
-    state_slot: int | None = None
-    num_cached: int = 0
+class Seq(Sequence):
+    """A sequence as the scheduler sees it: the runner's sequence plus where it lives."""
+
+    replica: int | None = None  # the attention replica it is pinned to while it has cache
     num_preemptions: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_uncached(self) -> int:
-        return len(self.token_ids) - self.num_cached
 
 
 @dataclass
