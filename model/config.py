@@ -193,13 +193,16 @@ _MISSING = object()
 class _Fields:
     """Typed access to a raw config dict; every error names the field."""
 
-    def __init__(self, raw: dict, where: str):
-        self.raw, self.where = raw, where
+    def __init__(self, raw: dict, where: str, spelled: dict[str, str] | None = None):
+        self.raw, self.where, self.spelled = raw, where, spelled or {}
+
+    def label(self, name: str) -> str:
+        return repr(self.spelled.get(name, name))
 
     def get(self, name: str, kind: type | tuple, default: Any = _MISSING, *, nullable=False):
         if name not in self.raw or (self.raw[name] is None and not nullable):
             if default is _MISSING:
-                raise ValueError(f"{self.where}: missing required field {name!r}")
+                raise ValueError(f"{self.where}: missing required field {self.label(name)}")
             return default
         value = self.raw[name]
         if value is None and nullable:
@@ -207,16 +210,14 @@ class _Fields:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if isinstance(value, bool) and bool not in kinds:
-            raise ValueError(f"{self.where}: field {name!r} must be {_names(kinds)}, got {value!r}")
-        if not isinstance(value, kinds):
-            raise ValueError(f"{self.where}: field {name!r} must be {_names(kinds)}, got {value!r}")
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise ValueError(f"{self.where}: field {self.label(name)} must be {_names(kinds)}, got {value!r}")
         return value
 
     def positive(self, name: str, default: Any = _MISSING, *, zero_ok=False) -> int:
         value = self.get(name, int, default)
         if value < 0 or (value == 0 and not zero_ok):
-            raise ValueError(f"{self.where}: field {name!r} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+            raise ValueError(f"{self.where}: field {self.label(name)} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
         return value
 
 
@@ -296,16 +297,17 @@ def _parse_quant(f: _Fields) -> QuantConfig | None:
     )
 
 
-def _canonical(raw: dict) -> dict:
-    """Copy of ``raw`` with Kimi Linear's field names mapped to the DeepSeek names."""
-    out = dict(raw)
+def _canonical(raw: dict) -> tuple[dict, dict[str, str]]:
+    """Copy of ``raw`` with Kimi Linear's field names mapped to the DeepSeek names, and which
+    spelling each mapped field had (so errors name the field as the file spells it)."""
+    out, spelled = dict(raw), {}
     for name, aliases in FIELD_ALIASES.items():
         if out.get(name) is None:
             for alias in aliases:
                 if out.get(alias) is not None:
-                    out[name] = out[alias]
+                    out[name], spelled[name] = out[alias], alias
                     break
-    return out
+    return out, spelled
 
 
 def _parse_moe(f: _Fields) -> dict:
@@ -403,7 +405,8 @@ def parse_config(raw: dict, where: str = "config.json", *, gate_bias_in_weights:
     if isinstance(raw.get("text_config"), dict):  # K3's multimodal wrapper: read the text model
         raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k == "quantization_config"}}
         where = f"{where}: text_config"
-    f = _Fields(_canonical(raw), where)
+    canonical, spelled = _canonical(raw)
+    f = _Fields(canonical, where, spelled)
     model_type = f.get("model_type", str)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

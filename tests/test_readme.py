@@ -31,5 +31,6 @@ def test_readme_quick_start_serves_and_stops(tmp_path):
                           timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert '"object":"text_completion"' in proc.stdout and '"completion_tokens":16' in proc.stdout, proc.stdout
+    assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
     assert "stopped moeray" in proc.stderr
     assert not (tmp_path / "up.json").exists()
