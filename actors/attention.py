@@ -36,9 +36,10 @@ class AttentionWorker:
         self.index, self.name = index, f"attention[{index}]"
         self.table, self.impl, self.block_size = table, impl, block_size
         self.dtype = parse_dtype(dtype)
-        self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the GPU Ray assigned, if any
+        self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False).to(self.device)
         self.cfg = self.model.cfg
-        self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype)
+        self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device)
         self.moe_layers = sorted(self.model.moe_blocks())
         self.dispatcher: DistDispatcher | None = None
 
@@ -63,7 +64,7 @@ class AttentionWorker:
         dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=self.index,
                                 world_size=info.world_size, timeout=timedelta(seconds=info.timeout_s))
         self.dispatcher = DistDispatcher(self.name, self.table, info.num_attention, self.cfg.expert_hidden_size,
-                                         self.dtype)
+                                         self.dtype, device=self.device)
         for layer, moe in self.model.moe_blocks().items():
             moe.routed = self.dispatcher.for_layer(layer)
 
@@ -102,16 +103,16 @@ class AttentionWorker:
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
                 self.cache.kda.reset(c.state_slot)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids])
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
         meta = build_attn_meta(
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
-            [list(c.block_table) for c in chunks], self.block_size,
+            [list(c.block_table) for c in chunks], self.block_size, device=self.device,
             state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None)
         h = self.model(ids, meta, self.cache, self.impl)
         rows = [b for b, c in enumerate(chunks) if c.sample]
         if not rows:
             return ()
-        logits = self.model.logits(h[meta.last_token_index[rows]])
+        logits = self.model.logits(h[meta.last_token_index[rows].to(h.device)]).cpu()
         params = [chunks[b].params for b in rows]
         seeds = [draw_seed(chunks[b].params, chunks[b].num_cached + len(chunks[b].token_ids)) for b in rows]
         next_ids = sample(logits, params, seeds)

@@ -33,7 +33,7 @@ class ExchangeError(RuntimeError):
 
 def _route(table: PlacementTable, topk_idx: torch.Tensor):
     """(token, slot) pairs sorted by (expert actor, local expert): order, actor, local ids."""
-    owner = torch.tensor(table.owner(), dtype=torch.long)  # [E, 2]
+    owner = torch.tensor(table.owner(), dtype=torch.long, device=topk_idx.device)  # [E, 2]
     flat = topk_idx.reshape(-1)
     actor, local = owner[flat, 0], owner[flat, 1]
     order = torch.argsort(actor * table.max_local + local, stable=True)
@@ -67,8 +67,10 @@ class LocalDispatcher:
 class _Collectives:
     """The three exchanges of one MoE layer, shared by both sides, with timing and clear errors."""
 
-    def __init__(self, actor: str, table: PlacementTable, num_attention: int, group=None):
+    def __init__(self, actor: str, table: PlacementTable, num_attention: int, group=None,
+                 device: str | torch.device = "cpu"):
         self.actor, self.table, self.num_attention, self.group = actor, table, num_attention, group
+        self.device = torch.device(device)  # nccl needs the exchanged tensors on the GPU
         self.world = num_attention + table.num_actors
         self.step, self.exchange_s = -1, 0.0
         self.phase_s = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
@@ -101,8 +103,8 @@ class DistDispatcher(_Collectives):
     """Attention-worker side. Records per-layer token counts per logical expert for the stats."""
 
     def __init__(self, actor: str, table: PlacementTable, num_attention: int, hidden: int,
-                 dtype: torch.dtype, group=None):
-        super().__init__(actor, table, num_attention, group)
+                 dtype: torch.dtype, group=None, device: str | torch.device = "cpu"):
+        super().__init__(actor, table, num_attention, group, device)
         self.hidden, self.dtype = hidden, dtype
         self.expert_tokens: dict[int, torch.Tensor] = {}
 
@@ -121,38 +123,42 @@ class DistDispatcher(_Collectives):
         self.expert_tokens[layer] = torch.bincount(topk_idx.reshape(-1), minlength=self.table.num_experts)
         order, actor, local = _route(self.table, topk_idx)
         A, L = self.num_attention, self.table.max_local
-        send = torch.zeros(self.world, L, dtype=torch.long)
-        send[A:].index_put_((actor, local), torch.ones_like(actor), accumulate=True)
+        dev = self.device
+        send = torch.zeros(self.world, L, dtype=torch.long, device=dev)
+        send[A:].index_put_((actor.to(dev), local.to(dev)), torch.ones_like(actor, device=dev), accumulate=True)
         self.counts(send, layer)  # attention workers receive nothing; the call keeps ranks in step
         rows_to = send.sum(1).tolist()
-        tok = torch.arange(T).repeat_interleave(k)[order]
-        payload = x[tok].to(self.dtype).contiguous()
+        tok = torch.arange(T, device=x.device).repeat_interleave(k)[order]
+        payload = x[tok].to(dev, self.dtype).contiguous()
         none = [0] * self.world
-        self.a2a(torch.empty(0, self.hidden, dtype=self.dtype), payload, none, rows_to, layer, "dispatch")
-        back = torch.empty(len(tok), self.hidden, dtype=self.dtype)
-        self.a2a(back, torch.empty(0, self.hidden, dtype=self.dtype), rows_to, none, layer, "combine")
-        out = torch.zeros(T, x.shape[1], dtype=x.dtype)
-        out.index_add_(0, tok, back.to(x.dtype) * topk_w.reshape(-1)[order, None].to(x.dtype))
+        empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
+        self.a2a(empty, payload, none, rows_to, layer, "dispatch")
+        back = torch.empty(len(tok), self.hidden, dtype=self.dtype, device=dev)
+        self.a2a(back, empty, rows_to, none, layer, "combine")
+        out = torch.zeros(T, x.shape[1], dtype=x.dtype, device=x.device)
+        out.index_add_(0, tok, back.to(x.device, x.dtype) * topk_w.reshape(-1)[order, None].to(x.dtype))
         return out
 
     def idle(self, layer: int) -> None:
         """Take part in a layer's exchange with no tokens (a replica with nothing to run)."""
-        self.exchange(layer, torch.empty(0, self.hidden, dtype=self.dtype),
-                      torch.empty(0, 1, dtype=torch.long), torch.empty(0, 1))
+        dev = self.device
+        self.exchange(layer, torch.empty(0, self.hidden, dtype=self.dtype, device=dev),
+                      torch.empty(0, 1, dtype=torch.long, device=dev), torch.empty(0, 1, device=dev))
 
 
 class ExpertExchange(_Collectives):
     """Expert-worker side of one MoE layer: receive rows, run the local experts, send rows back."""
 
     def serve(self, layer: int, experts: RoutedExperts) -> int:
-        hidden, dtype = experts.w13.shape[-1], experts.w13.dtype
+        hidden, dtype, dev = experts.w13.shape[-1], experts.w13.dtype, experts.w13.device
         L = self.table.max_local
-        recv = self.counts(torch.zeros(self.world, L, dtype=torch.long), layer)  # [source, local]
+        recv = self.counts(torch.zeros(self.world, L, dtype=torch.long, device=dev), layer)  # [source, local]
         rows_from = recv.sum(1).tolist()
         none = [0] * self.world
-        x = torch.empty(sum(rows_from), hidden, dtype=dtype)
-        self.a2a(x, torch.empty(0, hidden, dtype=dtype), rows_from, none, layer, "dispatch")
-        local = torch.arange(L).repeat(self.world).repeat_interleave(recv.reshape(-1))
+        x = torch.empty(sum(rows_from), hidden, dtype=dtype, device=dev)
+        empty = torch.empty(0, hidden, dtype=dtype, device=dev)
+        self.a2a(x, empty, rows_from, none, layer, "dispatch")
+        local = torch.arange(L, device=dev).repeat(self.world).repeat_interleave(recv.reshape(-1))
         y = grouped_expert_ffn(x, local, experts.w13, experts.w2, experts.act)
-        self.a2a(torch.empty(0, hidden, dtype=dtype), y.contiguous(), none, rows_from, layer, "combine")
+        self.a2a(empty, y.contiguous(), none, rows_from, layer, "combine")
         return x.shape[0]

@@ -36,6 +36,7 @@ class ExpertWorker:
         cfg = load_config(model_path)
         self.cfg, self.lo, self.hi = cfg, *table.ranges[index]
         dt = parse_dtype(dtype)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the GPU Ray assigned, if any
         tensors = read_checkpoint(model_path, cfg, experts=range(self.lo, self.hi), include_non_expert=False,
                                   dtype=dt, progress=False)
         act = glu_activation(cfg)
@@ -43,7 +44,7 @@ class ExpertWorker:
         for layer in cfg.moe_layers:
             with torch.device("meta"):
                 ex = RoutedExperts(cfg.expert_hidden_size, cfg.moe_intermediate_size, self.lo, self.hi, act)
-            ex = ex.to_empty(device="cpu").to(dt)
+            ex = ex.to_empty(device=self.device).to(dt)
             fill_experts(ex, cfg, experts_prefix(cfg, layer), tensors)
             self.experts[layer] = ex.eval()
         self.exchange: ExpertExchange | None = None

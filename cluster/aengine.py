@@ -35,8 +35,9 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop, decoder: IncrementalDecoder | None):
         self.loop, self.queue, self.decoder = loop, asyncio.Queue(), decoder
 
-    def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def push(self, item) -> bool:
+        """Hand an item to the consumer's loop; False when that loop is gone (consumer vanished)."""
+        return _call(self.loop, self.queue.put_nowait, item)
 
 
 class AsyncEngine:
@@ -138,10 +139,13 @@ class AsyncEngine:
             try:
                 seq_id = self.engine.add_request(prompt_ids, params)
             except BaseException as e:  # noqa: BLE001
-                stream.loop.call_soon_threadsafe(_set_exception, ready, e)
+                _call(stream.loop, _set_exception, ready, e)
                 return
-            self._streams[seq_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, ready, seq_id)
+            if _call(stream.loop, _set_result, ready, seq_id):
+                self._streams[seq_id] = stream
+            else:  # the consumer's loop is already gone
+                self.engine.abort(seq_id)
+                self.engine.requests.pop(seq_id, None)
         elif item[0] == "abort":
             self._streams.pop(item[1], None)
             self.engine.abort(item[1])
@@ -156,10 +160,21 @@ class AsyncEngine:
             text = "".join(stream.decoder.push(t) for t in ev.token_ids)
             if ev.finish_reason is not None:
                 text += stream.decoder.flush()
-        stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled))
+        delivered = stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled))
+        if not delivered and ev.finish_reason is None:  # nobody will read it: free the sequence now
+            self._handle(("abort", ev.seq_id))
+            return
         if ev.finish_reason is not None:
             self._streams.pop(ev.seq_id, None)
             self.engine.requests.pop(ev.seq_id, None)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # closed loop
+        return False
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

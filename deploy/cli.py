@@ -223,7 +223,7 @@ def up(
     if detach:
         argv = [a for a in sys.argv[2:] if a != "--detach"]
         with err.status("starting moeray in the background"):
-            info = start_detached(argv, root, f"http://{cfg.host}:{cfg.port}")
+            info = start_detached(argv, root, cfg.host, cfg.port)
         err.print(f"moeray is serving at http://{cfg.host}:{cfg.port}/v1 (pid {info['pid']}, log {info['log']}); "
                   "stop it with: moeray down")
         return

@@ -48,16 +48,26 @@ def _alive(pid) -> bool:
     return True
 
 
-def ensure_not_running(root: Path) -> None:
+def ensure_not_running(root: Path, host: str | None = None, port: int | None = None) -> None:
     state = read_state(root)
     if state is not None:
         raise ValueError(f"moeray is already serving at {state['url']} (pid {state['pid']}); "
                          "stop it with `moeray down` first")
+    if host is not None and port is not None:
+        import socket
+
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex((host, port)) == 0:
+                raise ValueError(f"something is already listening on {host}:{port}; choose another --port")
 
 
-def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = None,
+               stop: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return
         if proc is not None and proc.poll() is not None:
             raise ValueError(f"the server exited during start-up (code {proc.returncode})")
         try:
@@ -77,32 +87,34 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
 
     from .app import build_app
 
-    ensure_not_running(root)
+    ensure_not_running(root, cfg.host, cfg.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     spec = cfg.cluster_spec()
     url = f"http://{cfg.host}:{cfg.port}"
-    with connected(spec, nodes=nodes, address=address):
-        _update(status, "building the model and the Serve application")
-        app = build_app(cfg.model_dump())
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        _update(status, f"loading the model onto {spec.describe()}")
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-            root.mkdir(parents=True, exist_ok=True)
-            state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": cfg.model,
-                                                    "auth": cfg.api_key is not None}))
-            wait_ready(url, timeout_s=600)
-            _update(status, None)
-            _ready_message(url, cfg)
-            while not stop.wait(0.5):
-                pass
-        finally:
+    root.mkdir(parents=True, exist_ok=True)
+    # recorded first, so that `moeray down` finds this process at every stage of its start-up
+    state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": cfg.model,
+                                            "auth": cfg.api_key is not None}))
+    try:
+        with connected(spec, nodes=nodes, address=address):
+            _update(status, "building the model and the Serve application")
+            app = build_app(cfg.model_dump())
+            serve.start(http_options={"host": cfg.host, "port": cfg.port})
+            _update(status, f"loading the model onto {spec.describe()}")
             try:
-                serve.shutdown()
+                if not stop.is_set():
+                    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+                    wait_ready(url, timeout_s=600, stop=stop)
+                    _update(status, None)
+                    _ready_message(url, cfg)
+                while not stop.wait(0.5):
+                    pass
             finally:
-                state_file(root).unlink(missing_ok=True)
+                serve.shutdown()
+    finally:
+        state_file(root).unlink(missing_ok=True)
 
 
 def _update(status, text: str | None) -> None:
@@ -122,9 +134,10 @@ def _ready_message(url: str, cfg: ServeConfig) -> None:
     print("  stop it with: moeray down", flush=True)
 
 
-def start_detached(argv: list[str], root: Path, url: str) -> dict:
+def start_detached(argv: list[str], root: Path, host: str, port: int) -> dict:
     """Run `moeray up ARGS` in the background (its own session), wait until it is healthy."""
-    ensure_not_running(root)
+    ensure_not_running(root, host, port)
+    url = f"http://{host}:{port}"
     root.mkdir(parents=True, exist_ok=True)
     log = root / "up.log"
     with open(log, "ab") as out:
@@ -139,7 +152,7 @@ def start_detached(argv: list[str], root: Path, url: str) -> dict:
     return {"pid": proc.pid, "log": str(log)}
 
 
-def stop_running(root: Path, *, timeout_s: float = 60) -> dict | None:
+def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
     """Signal the `up` process recorded in the state file and wait for it to finish."""
     state = read_state(root)
     if state is None:

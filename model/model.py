@@ -110,15 +110,16 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg, self.rotary, experts)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype) -> ModelCache:
+    def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> ModelCache:
         """The cache this model needs: latent blocks for its MLA layers, KDA slots for its KDA layers."""
         cfg = self.cfg
         mla, kda = cfg.mla_layers, cfg.kda_layers
-        latent = LatentCache(len(mla), num_blocks, block_size, cfg.latent_dim, dtype) if mla else None
+        latent = LatentCache(len(mla), num_blocks, block_size, cfg.latent_dim, dtype, device) if mla else None
         states = None
         if kda:
             k = cfg.kda
-            states = KDAStateCache(len(kda), num_slots, k.num_heads, k.head_dim, k.conv_kernel, dtype)
+            states = KDAStateCache(len(kda), num_slots, k.num_heads, k.head_dim, k.conv_kernel, dtype, device)
         return ModelCache(latent, states, {l: i for i, l in enumerate(mla)}, {l: i for i, l in enumerate(kda)})
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache,
@@ -132,6 +133,10 @@ class CausalLM(nn.Module):
         if self.cfg.attn_res_block_size:
             h = attn_res(blocks + [h], self.model.output_attn_res_norm, self.model.output_attn_res_proj)
         return self.model.norm(h)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

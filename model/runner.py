@@ -56,7 +56,8 @@ class ModelRunner:
         self.model, self.cfg, self.impl = model, model.cfg, impl
         dtype = dtype or next(model.parameters()).dtype
         self.block_size = block_size
-        self.cache = model.make_cache(num_blocks, block_size, num_slots, dtype)
+        self.device = model.device
+        self.cache = model.make_cache(num_blocks, block_size, num_slots, dtype, self.device)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.slots = BlockAllocator(num_slots, 1) if self.cache.kda is not None else None
 
@@ -89,12 +90,12 @@ class ModelRunner:
             self.reserve(seq, seq.num_cached + n)
             ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
             ctx.append(seq.num_cached + n)
-        meta = build_attn_meta(num_new, ctx, [s.block_table for s in seqs], self.block_size,
+        meta = build_attn_meta(num_new, ctx, [s.block_table for s in seqs], self.block_size, device=self.device,
                                state_slots=self._slots(seqs))
-        h = self.model(torch.tensor(ids), meta, self.cache, self.impl)
+        h = self.model(torch.tensor(ids, device=self.device), meta, self.cache, self.impl)
         for seq, n in zip(seqs, num_new):
             seq.num_cached += n
-        return self.model.logits(h[meta.last_token_index])
+        return self.model.logits(h[meta.last_token_index.to(self.device)]).cpu()
 
     @torch.no_grad()
     def full_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -103,8 +104,9 @@ class ModelRunner:
         try:
             self.reserve(seq, len(token_ids))
             meta = build_attn_meta([len(token_ids)], [len(token_ids)], [seq.block_table], self.block_size,
-                                   state_slots=self._slots([seq]))
-            return self.model.logits(self.model(torch.tensor(token_ids), meta, self.cache, self.impl))
+                                   device=self.device, state_slots=self._slots([seq]))
+            ids = torch.tensor(token_ids, device=self.device)
+            return self.model.logits(self.model(ids, meta, self.cache, self.impl)).cpu()
         finally:
             self.release(seq)
 

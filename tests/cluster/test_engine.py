@@ -136,6 +136,7 @@ def test_async_stream_and_disconnect_frees_the_cache(k2_2x4, presets):
             time.sleep(0.05)
         assert not k2_2x4.scheduler.has_work
         assert all(a.num_free == a.num_blocks for a in k2_2x4.scheduler.blocks)
+        assert aeng.healthy  # tokens for a consumer whose event loop is gone must not kill the engine thread
     finally:
         aeng.stop()
 
