@@ -23,7 +23,7 @@ from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
 from model.sampling import draw_seed, sample, top_logprobs
 
-from .dispatch import DistDispatcher, LocalDispatcher
+from .dispatch import DistDispatcher
 from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
 
 
@@ -67,11 +67,6 @@ class AttentionWorker:
                                          self.dtype, device=self.device)
         for layer, moe in self.model.moe_blocks().items():
             moe.routed = self.dispatcher.for_layer(layer)
-
-    def use_local_experts(self, dispatcher: LocalDispatcher) -> None:
-        """In-process mode (tests, single process): route through local shards instead."""
-        for layer, moe in self.model.moe_blocks().items():
-            moe.routed = dispatcher.for_layer(layer)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
