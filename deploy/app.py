@@ -28,6 +28,9 @@ from .config import ServeConfig
 from .metrics import EngineMetrics
 
 
+CONTROL_TIMEOUT_S = 15.0
+
+
 @dataclass(frozen=True)
 class Reject:
     """EngineServer → Ingress instead of a first chunk: the request was not admitted."""
@@ -208,16 +211,24 @@ class Ingress:
         self._auth(request)
         return oa.models_response([self.name], self.created)
 
+    async def _ask_engine(self, call, what: str):
+        """A control call to the engine replica, bounded in time (503 rather than a hang)."""
+        try:
+            return await asyncio.wait_for(call.remote(), timeout=CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise oa.APIError(503, f"the engine did not answer {what} within {CONTROL_TIMEOUT_S:.0f}s",
+                              retry_after_s=1) from None
+
     @api.get("/metrics")
     async def metrics(self, request: Request):
         self._auth(request)
-        text = await self.engine.metrics_text.remote()
+        text = await self._ask_engine(self.engine.metrics_text, "/metrics")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @api.get("/status")
     async def status(self, request: Request):
         self._auth(request)
-        return await self.engine.status.remote()
+        return await self._ask_engine(self.engine.status, "/status")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
