@@ -31,9 +31,20 @@ class ExchangeError(RuntimeError):
     """A collective of the expert exchange failed or timed out (a peer is gone or stuck)."""
 
 
+_OWNERS: dict[tuple[PlacementTable, torch.device], torch.Tensor] = {}
+
+
+def _owner(table: PlacementTable, device: torch.device) -> torch.Tensor:
+    """logical expert → (expert actor, local slot) as a [E, 2] tensor, built once per table."""
+    key = (table, device)
+    if key not in _OWNERS:
+        _OWNERS[key] = torch.tensor(table.owner(), dtype=torch.long, device=device)
+    return _OWNERS[key]
+
+
 def _route(table: PlacementTable, topk_idx: torch.Tensor):
     """(token, slot) pairs sorted by (expert actor, local expert): order, actor, local ids."""
-    owner = torch.tensor(table.owner(), dtype=torch.long, device=topk_idx.device)  # [E, 2]
+    owner = _owner(table, topk_idx.device)  # [E, 2]
     flat = topk_idx.reshape(-1)
     actor, local = owner[flat, 0], owner[flat, 1]
     order = torch.argsort(actor * table.max_local + local, stable=True)

@@ -19,7 +19,7 @@ from model.cache import BlockAllocator
 from model.runner import Sequence
 
 
-@dataclass
+@dataclass(eq=False)
 class Seq(Sequence):
     """A sequence as the scheduler sees it: the runner's sequence plus where it lives."""
 

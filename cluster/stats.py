@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from actors.messages import ExpertStepResult, PlacementTable, StepResult
 
 
@@ -32,7 +34,7 @@ class EngineStats:
     generation_tokens: int = 0
     prompt_tokens: int = 0
     last_expert_tokens: list[list[int]] | None = None
-    expert_tokens_total: list[list[int]] = field(default_factory=list)
+    expert_tokens_total: torch.Tensor | None = None  # [moe layers, experts], over the engine's life
     actor_tokens_total: list[int] = field(default_factory=list)
     recent: deque = field(default_factory=lambda: deque(maxlen=512))
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -40,7 +42,7 @@ class EngineStats:
     listeners: list = field(default_factory=list)  # callables(event: str, **values), e.g. metrics
 
     def __post_init__(self):
-        self.expert_tokens_total = [[0] * self.num_experts for _ in self.moe_layers]
+        self.expert_tokens_total = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long)
 
     def record_step(self, tokens: int, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float,
                     table: PlacementTable) -> None:
@@ -48,12 +50,12 @@ class EngineStats:
         self.tokens_computed += tokens
         counts = [r.expert_tokens for r in attn if r.expert_tokens]
         if counts:
-            summed = [[sum(c[i][e] for c in counts) for e in range(self.num_experts)] for i in range(len(self.moe_layers))]
+            step = torch.tensor(counts, dtype=torch.long).sum(0)  # [moe layers, experts]
+            summed = step.tolist()
             self.last_expert_tokens = summed
-            for tot, row in zip(self.expert_tokens_total, summed):
-                for e, n in enumerate(row):
-                    tot[e] += n
-            per_actor = [sum(sum(row[lo:hi]) for row in summed) for lo, hi in table.ranges]
+            self.expert_tokens_total += step
+            per_layer_actor = step.sum(0)
+            per_actor = [int(per_layer_actor[lo:hi].sum()) for lo, hi in table.ranges]
             if not self.actor_tokens_total:
                 self.actor_tokens_total = [0] * len(per_actor)
             self.actor_tokens_total = [a + b for a, b in zip(self.actor_tokens_total, per_actor)]
@@ -82,11 +84,3 @@ class EngineStats:
         self.prompt_tokens += seq.num_prompt_tokens
         for fn in self.listeners:
             fn("finished", seconds=seconds, seq=seq)
-
-    def imbalance(self) -> list[float]:
-        """Per MoE layer: max / mean tokens per expert over the engine's life."""
-        out = []
-        for row in self.expert_tokens_total:
-            mean = sum(row) / len(row) if row else 0.0
-            out.append(max(row) / mean if mean else 0.0)
-        return out

@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .kda import KimiDeltaAttention
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, glu_activation
 from .mla import MLA
+from .names import EXPERT_WEIGHT_NAMES, ffn_name
 from .moe import MoE, RoutedExperts
 
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>w13|w2)$")
@@ -33,11 +34,6 @@ def attn_res(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> tor
     query = norm.weight.float() * proj.weight[0].float()  # [H]
     p = (kappa @ query).softmax(0)  # [m, T]
     return (p[..., None] * v).sum(0).to(sources[0].dtype)
-
-
-def ffn_name(cfg: ModelConfig, layer: int) -> str:
-    """Checkpoint module name of a layer's FFN: Kimi Linear / K3 call the MoE ``block_sparse_moe``."""
-    return "block_sparse_moe" if cfg.family == "kimi_linear" and cfg.is_moe_layer(layer) else "mlp"
 
 
 class DecoderLayer(nn.Module):
@@ -144,9 +140,6 @@ class CausalLM(nn.Module):
 
     def moe_blocks(self) -> dict[int, MoE]:
         return {l.index: l.ffn for l in self.model.layers if isinstance(l.ffn, MoE)}
-
-
-EXPERT_WEIGHT_NAMES = {"deepseek_v3": ("gate_proj", "up_proj", "down_proj"), "kimi_linear": ("w1", "w3", "w2")}
 
 
 def _expert_names(cfg: ModelConfig, prefix: str, e: int) -> tuple[str, str, str]:

@@ -131,37 +131,24 @@ def is_fp32(name: str) -> bool:
 # ---- expected tensors -----------------------------------------------------------------
 
 
+# Checkpoint module names that differ between the families (MODEL_SPEC §1.9, §3.8).
+EXPERT_WEIGHT_NAMES = {"deepseek_v3": ("gate_proj", "up_proj", "down_proj"), "kimi_linear": ("w1", "w3", "w2")}
+
+
+def ffn_name(cfg: ModelConfig, layer: int) -> str:
+    """Module name of a layer's FFN: Kimi Linear / K3 call the MoE ``block_sparse_moe``."""
+    return "block_sparse_moe" if cfg.family == "kimi_linear" and cfg.is_moe_layer(layer) else "mlp"
+
+
 def tensor_specs(cfg: ModelConfig, experts: range | None = None) -> Specs:
     """Logical name → shape of every tensor the model needs. ``experts`` restricts the routed
-    experts of each MoE layer to those ids (``range(0)``: none); None means all."""
-    if cfg.family == "deepseek_v3":
-        return deepseek_v3_specs(cfg, experts)
-    if cfg.family == "kimi_linear":
-        return kimi_linear_specs(cfg, experts)
-    raise ValueError(f"no tensor naming for model_type {cfg.model_type!r}")
+    experts of each MoE layer to those ids (``range(0)``: none); None means all.
 
-
-def deepseek_v3_specs(cfg: ModelConfig, experts: range | None = None) -> Specs:
-    """DeepSeek-V3 / Kimi K2 names, MODEL_SPEC §1.9."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    specs: Specs = {"model.embed_tokens.weight": (v, h)}
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        specs[p + "input_layernorm.weight"] = (h,)
-        specs[p + "post_attention_layernorm.weight"] = (h,)
-        specs.update(mla_specs(cfg, p + "self_attn."))
-        if cfg.is_moe_layer(layer):
-            specs.update(moe_specs(cfg, p + "mlp.", experts))
-        else:
-            specs.update(swiglu_specs(p + "mlp.", h, cfg.intermediate_size))
-    specs["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        specs["lm_head.weight"] = (v, h)
-    return specs
-
-
-def kimi_linear_specs(cfg: ModelConfig, experts: range | None = None) -> Specs:
-    """Kimi Linear / K3 names, MODEL_SPEC §3.8 and §3.11 (K3's switches follow the config)."""
+    One layout serves both families (DeepSeek-V3 / K2 §1.9, Kimi Linear / K3 §3.8, §3.11): they
+    differ only in the FFN module name, the expert weight names, and the switches only Kimi
+    Linear / K3 configs turn on (KDA layers, attention residuals)."""
+    if cfg.family not in EXPERT_WEIGHT_NAMES:
+        raise ValueError(f"no tensor naming for model_type {cfg.model_type!r}")
     h, v = cfg.hidden_size, cfg.vocab_size
     specs: Specs = {"model.embed_tokens.weight": (v, h)}
     for layer in range(cfg.num_hidden_layers):
@@ -171,14 +158,13 @@ def kimi_linear_specs(cfg: ModelConfig, experts: range | None = None) -> Specs:
         if cfg.attn_res_block_size is not None:
             for which in ("self_attention_res", "mlp_res"):
                 specs.update(attn_res_specs(cfg, f"{p}{which}_"))
-        if cfg.is_kda_layer(layer):
-            specs.update(kda_specs(cfg, p + "self_attn."))
-        else:
-            specs.update(mla_specs(cfg, p + "self_attn."))
+        attn = kda_specs if cfg.is_kda_layer(layer) else mla_specs
+        specs.update(attn(cfg, p + "self_attn."))
+        ffn = f"{p}{ffn_name(cfg, layer)}."
         if cfg.is_moe_layer(layer):
-            specs.update(moe_specs(cfg, p + "block_sparse_moe.", experts, ("w1", "w3", "w2")))
+            specs.update(moe_specs(cfg, ffn, experts, EXPERT_WEIGHT_NAMES[cfg.family]))
         else:
-            specs.update(swiglu_specs(p + "mlp.", h, cfg.intermediate_size))
+            specs.update(swiglu_specs(ffn, h, cfg.intermediate_size))
     specs["model.norm.weight"] = (h,)
     if cfg.attn_res_block_size is not None:
         specs.update(attn_res_specs(cfg, "model.output_attn_res_"))

@@ -19,7 +19,7 @@ from .model import CausalLM
 from .sampling import SamplingParams, draw_seed, sample
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: compared and found in lists by identity
 class Sequence:
     seq_id: int
     token_ids: list[int]

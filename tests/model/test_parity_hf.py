@@ -6,7 +6,6 @@ load it through our own reader."""
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
 from model.loader import load_model  # noqa: E402

@@ -4,7 +4,6 @@ transformers wrote (fp32), through the chunked KDA prefill and the recurrent dec
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 from model.loader import load_model  # noqa: E402
