@@ -30,7 +30,7 @@ def _shards(table: PlacementTable, layers=(1, 2)):
     for layer in layers:
         out[layer] = []
         for lo, hi in table.ranges:
-            ex = RoutedExperts(H, I, lo, hi, silu_glu)
+            ex = RoutedExperts(H, I, range(lo, hi), silu_glu)
             with torch.no_grad():
                 ex.w13.copy_(torch.randn(ex.w13.shape, generator=g) * 0.3)
                 ex.w2.copy_(torch.randn(ex.w2.shape, generator=g) * 0.3)
