@@ -14,16 +14,17 @@ data is read, and reported together in one :class:`CheckpointError`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+import os
 import re
 import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -40,13 +41,15 @@ from .names import (
     split_stored,
     tensor_specs,
 )
-from .quant import dequant_fp8_block, pack_int4, pack_mxfp4, quant_fp8_block, unpack_int4, unpack_mxfp4
+from .qweights import QuantTensor
+from .quant import pack_int4, pack_mxfp4, quant_fp8_block
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _FLOATS = ("F64", "F32", "F16", "BF16")
 _MAX_REPORTED = 20  # problems listed in one error; the rest are counted
+DEFAULT_READ_THREADS = 4  # concurrent tensor reads per process (a disk wants several reads in flight)
 
 
 class CheckpointError(ValueError):
@@ -223,9 +226,13 @@ def read_checkpoint(
     include_non_expert: bool = True,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
-) -> dict[str, Tensor]:
+    keep_quantized: bool = False,
+    threads: int = DEFAULT_READ_THREADS,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Tensor | QuantTensor]:
     """Load logical HF name → dequantised tensor in ``dtype`` (router bias, KDA A_log and dt_bias
-    stay fp32).
+    stay fp32); with ``keep_quantized`` a quantised tensor comes back as a :class:`QuantTensor` in
+    its checkpoint format instead (its ``dequant()`` is the dequantised tensor, in fp32).
 
     ``experts`` selects the routed experts of every MoE layer (None: all; ``range(0)``: none; or a
     mapping MoE layer → ids);
@@ -236,7 +243,13 @@ def read_checkpoint(
     :class:`CheckpointError` before reading any data if a needed tensor is missing or misshapen,
     any tensor is not part of the model, or a needed file is missing; also for a quant method the
     model family has no layout for (fp8 Kimi Linear).
+
+    ``threads`` readers ``pread`` the tensors' byte ranges concurrently (the GIL is released while
+    reading); ``on_progress(bytes_read, bytes_total)`` is called after each tensor, from the
+    calling thread.
     """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     try:
         check_quant_method(cfg, cfg.quant.method if cfg.quant else None)
     except ValueError as e:
@@ -248,31 +261,106 @@ def read_checkpoint(
     }
     plans = _plan_reads(layout, cfg, wanted)
     order = sorted(plans, key=lambda n: (layout.weight_map[next(iter(plans[n].parts.values()))], n))
-    files = sorted({layout.weight_map[s] for p in plans.values() for s in p.parts.values()})
-    result: dict[str, Tensor] = {}
-    with contextlib.ExitStack() as stack, _progress_bar(progress) as bar:
-        handles = {f: stack.enter_context(safe_open(str(layout.root / f), framework="pt")) for f in files}
-        task = bar.add_task("loading checkpoint", total=len(order))
-        for logical in order:
+    total = sum(_stored_bytes(layout, s) for p in plans.values() for s in p.parts.values())
+    result: dict[str, Tensor | QuantTensor] = {}
+    with _Files(layout) as files, ThreadPoolExecutor(threads) as pool, _progress_bar(progress) as bar:
+        def load(logical: str) -> tuple[str, Tensor | QuantTensor, int]:
             plan = plans[logical]
-            parts = {sfx: handles[layout.weight_map[s]].get_tensor(s) for sfx, s in plan.parts.items()}
-            result[logical] = _decode(logical, plan, parts, cfg).to(torch.float32 if is_fp32(logical) else dtype)
+            parts = {sfx: files.read(s) for sfx, s in plan.parts.items()}
+            q = _decode(logical, plan, parts, cfg)
+            if isinstance(q, QuantTensor) and not keep_quantized:
+                q = q.dequant()
+            if isinstance(q, Tensor):
+                q = q.to(torch.float32 if is_fp32(logical) else dtype)
+            return logical, q, sum(t.numel() * t.element_size() for t in parts.values())
+
+        task = bar.add_task("loading checkpoint", total=len(order))
+        done = 0
+        for logical, tensor, nbytes in pool.map(load, order):
+            result[logical] = tensor
+            done += nbytes
             bar.advance(task)
+            if on_progress is not None:
+                on_progress(done, total)
     return {name: result[name] for name in wanted}
 
 
-def _decode(logical: str, plan: _Plan, parts: dict[str, Tensor], cfg: ModelConfig) -> Tensor:
+def checkpoint_bytes(path: str | Path, cfg: ModelConfig, *, experts: ExpertSelection = None,
+                     include_non_expert: bool = True) -> int:
+    """Bytes :func:`read_checkpoint` with the same selection would read (from headers only)."""
+    layout = _layout(Path(path))
+    wanted = {name: shape for name, shape in tensor_specs(cfg, experts).items()
+              if include_non_expert or is_routed_expert(name) is not None}
+    plans = _plan_reads(layout, cfg, wanted)
+    return sum(_stored_bytes(layout, s) for p in plans.values() for s in p.parts.values())
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _stored_bytes(layout: _Layout, stored: str) -> int:
+    start, end = layout.headers[layout.weight_map[stored]][stored]["data_offsets"]
+    return end - start
+
+
+def _open(file: Path) -> int:
+    """The one place a checkpoint file is opened for reading (tests count the calls)."""
+    return os.open(file, os.O_RDONLY)
+
+
+class _Files:
+    """Open descriptors of a read's files; ``read(stored)`` preads one tensor's bytes (thread-safe)."""
+
+    def __init__(self, layout: _Layout):
+        self.layout, self.fds, self.data_start = layout, {}, {}
+
+    def __enter__(self) -> "_Files":
+        for file in sorted(self.layout.headers):
+            fd = _open(self.layout.root / file)
+            self.fds[file] = fd
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            self.data_start[file] = 8 + n
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+    def read(self, stored: str) -> Tensor:
+        file = self.layout.weight_map[stored]
+        info = self.layout.headers[file][stored]
+        start, end = info["data_offsets"]
+        dtype, shape = _DTYPES.get(info["dtype"]), tuple(info["shape"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {stored!r} in {file}: unsupported dtype {info['dtype']}")
+        buf = bytearray(end - start)
+        got, offset = 0, self.data_start[file] + start
+        while got < len(buf):
+            n = os.preadv(self.fds[file], [memoryview(buf)[got:]], offset + got)
+            if n <= 0:
+                raise CheckpointError(f"tensor {stored!r}: {file} ends before its data ({got} of {len(buf)} bytes)")
+            got += n
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _decode(logical: str, plan: _Plan, parts: dict[str, Tensor], cfg: ModelConfig) -> Tensor | QuantTensor:
+    """A plain tensor as stored, or a quantised one as a :class:`QuantTensor` (checked, not decoded)."""
     if plan.fmt == "plain":
         return parts[""]
     assert cfg.quant is not None, "a quantised plan needs a quant config"
+    block, group = cfg.quant.block_size, cfg.quant.group_size
     if plan.fmt == "fp8":
-        return dequant_fp8_block(parts[""], parts["_scale_inv"], cfg.quant.block_size, name=logical)
+        return QuantTensor("fp8", parts[""], parts["_scale_inv"], plan.shape, block, group, logical)
     if plan.fmt == "int4":
         shape = tuple(int(x) for x in parts["_shape"].tolist())
         if shape != plan.shape:
             raise CheckpointError(f"tensor {logical + '_shape'!r}: holds {shape}, expected {plan.shape}")
-        return unpack_int4(parts["_packed"], parts["_scale"], shape, cfg.quant.group_size, name=logical)
-    return unpack_mxfp4(parts["_packed"], parts["_scale"], cfg.quant.group_size, name=logical)
+        return QuantTensor("int4", parts["_packed"], parts["_scale"], plan.shape, block, group, logical)
+    return QuantTensor("mxfp4", parts["_packed"], parts["_scale"], plan.shape, block, group, logical)
 
 
 def _progress_bar(enabled: bool):

@@ -59,28 +59,37 @@ class Gate(nn.Module):
         return idx, w * self.scaling
 
 
-def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def grouped_ffn(x: torch.Tensor, expert_ids: torch.Tensor, n: int,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Rows of ``x`` [N, H] go through local expert ``expert_ids`` [N] (0..n-1); returns [N, H].
 
-    Rows are sorted by expert; each expert with rows does one GEMM pair."""
+    Rows are sorted by expert; ``expert(e, rows [c, H]) -> [c, H]`` runs once per expert with rows."""
     out = torch.empty_like(x)
     if x.shape[0] == 0:
         return out
     order = expert_ids.argsort(stable=True)
-    counts = torch.bincount(expert_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(expert_ids, minlength=n).tolist()
     xs = x[order]
     ys = torch.empty_like(xs)
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
             continue
-        h = xs[start : start + c] @ w13[e].t()  # [c, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        ys[start : start + c] = act(gate, up) @ w2[e].t()
+        ys[start : start + c] = expert(e, xs[start : start + c])
         start += c
     out[order] = ys
     return out
+
+
+def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """:func:`grouped_ffn` over stacked dense weights: one GEMM pair per expert with rows."""
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = (xs @ w13[e].t()).chunk(2, dim=-1)  # [c, 2I] → 2 × [c, I]
+        return act(gate, up) @ w2[e].t()
+
+    return grouped_ffn(x, expert_ids, w13.shape[0], expert)
 
 
 class RoutedExperts(nn.Module):
@@ -95,6 +104,18 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate))
         self.act = act
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w13.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
 
     def grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Row r of ``x`` [N, H] through local slot ``local_ids[r]``; returns [N, H] (unweighted)."""

@@ -286,13 +286,13 @@ def test_sharded_checkpoint_opens_only_needed_shards(tmp_path, raw, cfg, weights
     assert all(torch.equal(got[k], w) for k, w in weights.items())
 
     opened: list[str] = []
-    real = ckpt.safe_open
+    real = ckpt._open
 
-    def spy(filename, *args, **kwargs):
+    def spy(filename):
         opened.append(Path(filename).name)
-        return real(filename, *args, **kwargs)
+        return real(filename)
 
-    monkeypatch.setattr(ckpt, "safe_open", spy)
+    monkeypatch.setattr(ckpt, "_open", spy)
     sub = read_checkpoint(tmp_path, cfg, experts=range(2, 5), include_non_expert=False, progress=False)
     needed = {index["weight_map"][k] for k in sub}
     assert sorted(opened) == sorted(needed) and len(needed) < n
