@@ -23,6 +23,7 @@ from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
 from model.sampling import draw_seed, sample, top_logprobs
 
+from .device import choose_device
 from .dispatch import DistDispatcher
 from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
 
@@ -36,7 +37,8 @@ class AttentionWorker:
         self.index, self.name = index, f"attention[{index}]"
         self.table, self.impl, self.block_size = table, impl, block_size
         self.dtype = parse_dtype(dtype)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the GPU Ray assigned, if any
+        self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
+        self.device = torch.device(self.placement.device)
         self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False).to(self.device)
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from model.moe import RoutedExperts, grouped_expert_ffn
+from model.moe import RoutedExperts
 
 from .messages import PlacementTable
 
@@ -67,7 +67,7 @@ class LocalDispatcher:
             rows = torch.empty(order.numel(), x.shape[1], dtype=x.dtype)
             for j, shard in enumerate(self.shards[layer]):
                 sel = actor[order] == j
-                rows[sel] = grouped_expert_ffn(x[tok[sel]], local[order][sel], shard.w13, shard.w2, shard.act)
+                rows[sel] = shard.grouped(x[tok[sel]], local[order][sel])
             out = torch.zeros_like(x)
             out.index_add_(0, tok, rows * topk_w.reshape(-1)[order, None].to(rows.dtype))
             return out
@@ -161,7 +161,7 @@ class ExpertExchange(_Collectives):
     """Expert-worker side of one MoE layer: receive rows, run the local experts, send rows back."""
 
     def serve(self, layer: int, experts: RoutedExperts) -> int:
-        hidden, dtype, dev = experts.w13.shape[-1], experts.w13.dtype, experts.w13.device
+        hidden, dtype, dev = experts.hidden_size, experts.dtype, experts.device
         L = self.table.max_local
         recv = self.counts(torch.zeros(self.world, L, dtype=torch.long, device=dev), layer)  # [source, local]
         rows_from = recv.sum(1).tolist()
@@ -170,6 +170,6 @@ class ExpertExchange(_Collectives):
         empty = torch.empty(0, hidden, dtype=dtype, device=dev)
         self.a2a(x, empty, rows_from, none, layer, "dispatch")
         local = torch.arange(L, device=dev).repeat(self.world).repeat_interleave(recv.reshape(-1))
-        y = grouped_expert_ffn(x, local, experts.w13, experts.w2, experts.act)
+        y = experts.grouped(x, local)
         self.a2a(empty, y.contiguous(), none, rows_from, layer, "combine")
         return x.shape[0]

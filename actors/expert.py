@@ -16,37 +16,30 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from model.checkpoint import read_checkpoint
+from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
-from model.layers import glu_activation
-from model.loader import parse_dtype
-from model.model import experts_prefix, fill_experts
-from model.moe import RoutedExperts
+from model.loader import load_routed_experts, parse_dtype
 
+from .device import Placement, choose_device
 from .dispatch import ExpertExchange
 from .messages import ExpertStepResult, GroupInfo, PlacementTable
+from .progress import LoadProgress
 
 
 class ExpertWorker:
     def __init__(self, model_path: str, *, index: int, table: PlacementTable, dtype: str = "float32",
-                 threads: int | None = 1):
+                 threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS):
         if threads:
             torch.set_num_threads(threads)
         self.index, self.name, self.table = index, f"expert[{index}]", table
         cfg = load_config(model_path)
         self.cfg, self.lo, self.hi = cfg, *table.ranges[index]
-        dt = parse_dtype(dtype)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the GPU Ray assigned, if any
-        tensors = read_checkpoint(model_path, cfg, experts=range(self.lo, self.hi), include_non_expert=False,
-                                  dtype=dt, progress=False)
-        act = glu_activation(cfg)
-        self.experts: dict[int, RoutedExperts] = {}
-        for layer in cfg.moe_layers:
-            with torch.device("meta"):
-                ex = RoutedExperts(cfg.expert_hidden_size, cfg.moe_intermediate_size, self.lo, self.hi, act)
-            ex = ex.to_empty(device=self.device).to(dt)
-            fill_experts(ex, cfg, experts_prefix(cfg, layer), tensors)
-            self.experts[layer] = ex.eval()
+        self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
+        self.device = torch.device(self.placement.device)
+        self.progress = LoadProgress()
+        self.experts = load_routed_experts(model_path, cfg, {l: list(range(self.lo, self.hi)) for l in cfg.moe_layers},
+                                           dtype=parse_dtype(dtype), device=self.device, dequantize=dequantize,
+                                           threads=read_threads, on_progress=self.progress.update)
         self.exchange: ExpertExchange | None = None
 
     # ---- control plane -------------------------------------------------------------------
@@ -58,8 +51,18 @@ class ExpertWorker:
     def shard(self) -> tuple[int, int]:
         return self.lo, self.hi
 
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for ex in self.experts.values() for p in ex.parameters())
+    def weight_bytes(self) -> int:
+        """Bytes of the expert weights held: checkpoint bytes (+ scales) when they stay quantised."""
+        return sum(ex.weight_bytes() for ex in self.experts.values())
+
+    param_bytes = weight_bytes
+
+    def device_placement(self) -> Placement:
+        return self.placement
+
+    def load_progress(self) -> tuple[int, int]:
+        """(bytes read, bytes to read) of this actor's weights."""
+        return self.progress.done, self.progress.total
 
     def resident_bytes(self) -> int:
         """This process's resident set size (VmRSS)."""

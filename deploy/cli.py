@@ -109,6 +109,52 @@ def params(
                   "independent of length")
 
 
+@app.command()
+@user_errors
+def plan(
+    model: str = typer.Option(..., help=MODEL_HELP + " Or a config.json file: only the config is read."),
+    gpu: str = typer.Option("h200", help="Device kind: h100, h200, b200, a100 or cpu."),
+    nodes: int = typer.Option(1, help="Nodes."),
+    gpus_per_node: int = typer.Option(8, help="Devices per node."),
+    attention: Optional[int] = typer.Option(None, help="Attention replicas (with --experts; default: propose)."),
+    experts: Optional[int] = typer.Option(None, help="Expert actors (with --attention; default: propose)."),
+    context: Optional[int] = typer.Option(None, help="Tokens per sequence (default: the model's context, "
+                                                     "at most 131072)."),
+    dtype: str = typer.Option("bfloat16", help="Serving dtype of unquantised weights and caches."),
+    utilization: float = typer.Option(0.9, help="Fraction of each device's memory to use."),
+    link_gbps: float = typer.Option(400.0, help="All-to-all link bandwidth per attention replica, Gb/s."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Will the model fit this cluster? Weight and cache bytes per actor kind, concurrent sequences,
+    expert actors per device, a decode roofline, and the smallest shape that fits."""
+    from cluster.planner import DEVICES, format_plan, plan_shape, propose
+    from model.config import load_config, parse_config
+    from model.presets import PRESETS, preset_config
+
+    if gpu not in DEVICES:
+        raise ValueError(f"--gpu must be one of {', '.join(DEVICES)}, got {gpu!r}")
+    if (attention is None) != (experts is None):
+        raise ValueError("give both --attention and --experts, or neither (then a shape is proposed)")
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
+    kw = dict(model=Path(model).name if model not in PRESETS else model, device=DEVICES[gpu],
+              context=context or min(cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
+              utilization=utilization, link_gbps=link_gbps)
+    proposal = propose(cfg, nodes=nodes, gpus_per_node=gpus_per_node, **kw)
+    if attention is None:
+        shown = proposal or plan_shape(cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=1,
+                                       experts=max(nodes * gpus_per_node - 1, 1), **kw)
+    else:
+        shown = plan_shape(cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=attention, experts=experts, **kw)
+    if as_json:
+        out = shown.to_dict()
+        out["proposal"] = None if proposal is None else {"attention": proposal.attention, "experts": proposal.experts}
+        print(json.dumps(out, indent=2))
+        return
+    print(format_plan(shown, proposal))
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]

@@ -1,0 +1,225 @@
+"""Capacity planner: will a model fit a cluster shape, and what would? Pure arithmetic on the config.
+
+Owns: per-tensor weight bytes in the checkpoint's real format (``quantization_config``) and as
+resident on each actor kind (quantised weights stay in checkpoint format, :mod:`model.qweights`;
+everything else in the serving dtype; ``kv_b_proj`` dequantised for the absorbed path), the
+per-sequence cache/state bytes, the device layout of a shape, and a decode roofline.
+Never: talks to Ray, reads files other than a config, or decides anything at run time —
+:mod:`cluster.preflight` applies it to a live cluster.
+
+Layout of a shape on ``nodes × gpus_per_node`` devices: each attention replica takes one whole
+device; the expert actors share the remaining devices evenly (``experts_per_device`` actors each
+reserving ``1 / experts_per_device`` of a GPU). A device can use ``utilization`` of its memory;
+an attention device's rest after weights and workspace is its latent cache / KDA state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from model.config import ModelConfig
+from model.names import is_fp32, is_quantized, is_routed_expert, tensor_specs
+from model.params import cache_bytes_per_token, state_bytes_per_sequence
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: int  # HBM (or RAM for "cpu") per device
+    bandwidth: float  # bytes/s
+
+
+DEVICES = {
+    "a100": Device("A100 80GB", 80 * GB, 2.0e12),
+    "h100": Device("H100 SXM", 80 * GB, 3.35e12),
+    "h200": Device("H200", 141 * GB, 4.8e12),
+    "b200": Device("B200", 192 * GB, 8.0e12),
+    "cpu": Device("CPU node", 512 * GB, 0.2e12),
+}
+DENSE_RESIDENT = ("kv_b_proj.weight",)  # kept dequantised on the attention side (MODEL_SPEC §1.9)
+ATTENTION_WORKSPACE = 4 * 2**30  # activations, logits, NCCL buffers of one attention replica
+EXPERT_WORKSPACE = 2**30  # activations and a dequantised tile of one expert actor
+
+
+def stored_bytes(name: str, shape: tuple[int, ...], cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of one logical tensor in the checkpoint: quantised parts (+ scales) or ``dtype_bytes``
+    per element (fp32 for the router bias and KDA's A_log/dt_bias)."""
+    method = cfg.quant.method if cfg.quant else None
+    if not is_quantized(name, method):
+        return math.prod(shape) * (4 if is_fp32(name) else dtype_bytes)
+    out, inp = shape
+    if method == "fp8":
+        bo, bi = cfg.quant.block_size
+        return out * inp + 4 * math.ceil(out / bo) * math.ceil(inp / bi)
+    g = cfg.quant.group_size
+    if method == "int4":  # int32 words of 8 nibbles + bf16 group scales
+        return 4 * out * math.ceil(inp / 8) + 2 * out * math.ceil(inp / g)
+    return out * (inp // 2) + out * math.ceil(inp / g)  # mxfp4: byte pairs + E8M0 scales
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """``total``: the checkpoint's weight bytes. ``routed_experts``/``per_expert``: all routed experts /
+    one logical expert over every MoE layer, as stored and as resident. ``attention``: what one
+    attention replica holds (everything but routed experts), resident in the serving dtype."""
+
+    total: int
+    routed_experts: int
+    per_expert: int
+    attention: int
+    n_experts: int
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> WeightBytes:
+    total = routed = attention = 0
+    for name, shape in tensor_specs(cfg).items():
+        stored = stored_bytes(name, shape, cfg)
+        total += stored
+        if is_routed_expert(name) is not None:
+            routed += stored
+            continue
+        quant = is_quantized(name, cfg.quant.method if cfg.quant else None)
+        dense = not quant or name.endswith(DENSE_RESIDENT)
+        attention += math.prod(shape) * (4 if is_fp32(name) else dtype_bytes) if dense else stored
+    n = cfg.n_routed_experts
+    return WeightBytes(total, routed, routed // n if n else 0, attention, n)
+
+
+def sequence_bytes(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> dict:
+    """Cache/state bytes of one sequence at ``context`` tokens: the MLA latent cache grows with it,
+    the KDA state (K3, Kimi Linear) does not."""
+    latent = cache_bytes_per_token(cfg, dtype_bytes)["latent"]
+    kda = state_bytes_per_sequence(cfg, dtype_bytes)["total"]
+    return {"latent_per_token": latent, "kda_state": kda, "total": context * latent + kda}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    quant: str
+    device: str
+    nodes: int
+    gpus_per_node: int
+    attention: int
+    experts: int
+    experts_per_device: int
+    gpus_per_expert_actor: float
+    context: int
+    total_weight_bytes: int
+    routed_expert_bytes: int
+    attention_weight_bytes: int  # per attention replica, resident
+    expert_actor_weight_bytes: int  # the most loaded expert actor, resident
+    expert_device_bytes: int  # weights + workspace on the fullest expert device
+    usable_device_bytes: int
+    cache_bytes: int  # per attention replica, left for sequences
+    sequence_bytes: dict
+    concurrent_sequences: int
+    decode: dict
+    fits: bool
+    problems: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, attention: int,
+               experts: int, context: int, dtype_bytes: int = 2, utilization: float = 0.9,
+               link_gbps: float = 400.0, max_num_seqs: int = 256) -> Plan:
+    """The arithmetic of one shape; ``problems`` says why it does not fit (empty when it does)."""
+    for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("attention", attention),
+                    ("experts", experts), ("context", context)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    w = weight_bytes(cfg, dtype_bytes)
+    devices, usable = nodes * gpus_per_node, int(device.memory_bytes * utilization)
+    problems = []
+    expert_devices = devices - attention
+    if expert_devices < 1:
+        problems.append(f"{attention} attention replicas take all {devices} devices, none is left for experts")
+        expert_devices = 1
+    per_device = math.ceil(experts / expert_devices)
+    per_actor = math.ceil(w.n_experts / experts) * w.per_expert
+    expert_device = per_device * (per_actor + EXPERT_WORKSPACE)
+    if expert_device > usable:
+        problems.append(f"an expert device would hold {per_device} actor(s) × {per_actor / GB:.1f} GB of experts "
+                        f"+ workspace = {expert_device / GB:.1f} GB > {usable / GB:.1f} GB usable")
+    cache = usable - w.attention - ATTENTION_WORKSPACE
+    seq = sequence_bytes(cfg, context, dtype_bytes)
+    concurrent = max(cache, 0) // seq["total"]
+    if concurrent < 1:
+        problems.append(f"an attention device has {max(cache, 0) / GB:.1f} GB for caches after "
+                        f"{w.attention / GB:.1f} GB of weights: not one sequence of {context:,} tokens "
+                        f"({seq['total'] / GB:.2f} GB)")
+    batch = max(1, min(concurrent, max_num_seqs))
+    return Plan(
+        model=model, quant=cfg.quant.method if cfg.quant else "none", device=device.name, nodes=nodes,
+        gpus_per_node=gpus_per_node, attention=attention, experts=experts, experts_per_device=per_device,
+        gpus_per_expert_actor=round(1 / per_device, 6), context=context, total_weight_bytes=w.total,
+        routed_expert_bytes=w.routed_experts, attention_weight_bytes=w.attention, expert_actor_weight_bytes=per_actor,
+        expert_device_bytes=expert_device, usable_device_bytes=usable, cache_bytes=max(cache, 0),
+        sequence_bytes=seq, concurrent_sequences=int(concurrent),
+        decode=decode_roofline(cfg, w, device, attention, expert_devices, batch, context, dtype_bytes, link_gbps),
+        fits=not problems, problems=tuple(problems))
+
+
+def decode_roofline(cfg: ModelConfig, w: WeightBytes, device: Device, attention: int, expert_devices: int,
+                    batch: int, context: int, dtype_bytes: int, link_gbps: float) -> dict:
+    """One decode step with ``batch`` sequences per attention replica at ``context`` tokens: bytes each
+    device must read (attention: weights + caches; experts: the distinct experts the step's tokens
+    touch, expected value under uniform routing) ÷ HBM bandwidth, and the all-to-all bytes each
+    attention replica sends and receives (dispatch + combine of k rows per token per MoE layer)
+    ÷ the link bandwidth."""
+    tokens = batch * attention
+    n, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    moe_layers = len(cfg.moe_layers)
+    touched = n * (1 - (1 - k / n) ** tokens) if n else 0  # distinct experts per layer
+    expert_bytes = touched * w.per_expert / expert_devices  # per_expert spans every MoE layer
+    attn_bytes = w.attention + batch * sequence_bytes(cfg, context, dtype_bytes)["total"]
+    hbm_s = max(attn_bytes, expert_bytes) / device.bandwidth
+    a2a_bytes = batch * k * cfg.expert_hidden_size * dtype_bytes * 2 * moe_layers
+    link_s = a2a_bytes / (link_gbps * 1e9 / 8)
+    step_s = hbm_s + link_s
+    return {"batch_per_replica": batch, "attention_bytes_per_step": int(attn_bytes),
+            "expert_bytes_per_step_per_device": int(expert_bytes), "hbm_s": hbm_s,
+            "all_to_all_bytes_per_step_per_replica": int(a2a_bytes), "link_gbps": link_gbps, "link_s": link_s,
+            "step_s": step_s, "tokens_per_s": tokens / step_s}
+
+
+def propose(cfg: ModelConfig, *, nodes: int, gpus_per_node: int, **kw) -> Plan | None:
+    """The smallest shape that fits: one attention replica and the fewest expert actors (one per
+    remaining device) whose experts fit; None when none does."""
+    for experts in range(1, nodes * gpus_per_node):
+        plan = plan_shape(cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=1, experts=experts, **kw)
+        if plan.fits:
+            return plan
+    return None
+
+
+def format_plan(plan: Plan, proposal: Plan | None) -> str:
+    d = plan.decode
+    lines = [
+        f"{plan.model} ({plan.quant}) on {plan.nodes} × {plan.gpus_per_node} {plan.device}: "
+        f"{plan.attention} attention + {plan.experts} expert actors "
+        f"({plan.experts_per_device} per device, {plan.gpus_per_expert_actor:g} GPU each)",
+        f"  weights: {plan.total_weight_bytes:,} B in the checkpoint, routed experts {plan.routed_expert_bytes:,} B",
+        f"  attention replica: {plan.attention_weight_bytes / GB:.1f} GB weights, {plan.cache_bytes / GB:.1f} GB "
+        f"for sequences; {plan.sequence_bytes['total'] / 2**20:,.1f} MiB per sequence at {plan.context:,} tokens "
+        f"(latent {plan.sequence_bytes['latent_per_token']:,} B/token, KDA state {plan.sequence_bytes['kda_state']:,} B)"
+        f" → {plan.concurrent_sequences:,} concurrent sequences",
+        f"  expert actor: {plan.expert_actor_weight_bytes / GB:.1f} GB weights; fullest expert device "
+        f"{plan.expert_device_bytes / GB:.1f} of {plan.usable_device_bytes / GB:.1f} GB usable",
+        f"  decode roofline (batch {d['batch_per_replica']} per replica): HBM {d['hbm_s'] * 1e3:.2f} ms + "
+        f"all-to-all {d['link_s'] * 1e3:.2f} ms at {d['link_gbps']:g} Gb/s → ~{d['tokens_per_s']:,.0f} tok/s",
+        "  fits: yes" if plan.fits else "  fits: NO — " + "; ".join(plan.problems),
+    ]
+    if proposal is not None:
+        lines.append(f"  smallest shape that fits: --attention {proposal.attention} --experts {proposal.experts} "
+                     f"({proposal.attention + proposal.experts} devices)")
+    elif not plan.fits:
+        lines.append("  no shape fits these devices")
+    return "\n".join(lines)
