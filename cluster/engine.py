@@ -22,7 +22,9 @@ from model.config import ModelConfig, load_config
 from model.runner import check_stop
 from model.sampling import SamplingParams
 
+from .preflight import preflight
 from .scheduler import Scheduler, Seq
+from .startup import default_load_timeout_s
 from .stats import EngineStats
 from .topology import ClusterSpec, reserve
 
@@ -46,7 +48,8 @@ class EngineConfig:
     backend: str | None = None  # None: nccl when actors have GPUs, else gloo
     collective_timeout_s: float = 60.0
     step_timeout_s: float = 120.0
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 300.0  # reserving the placement group
+    load_timeout_s: float | None = None  # actors loading weights; None: scales with the bytes to read
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step"):
@@ -99,6 +102,7 @@ class Engine:
             raise RuntimeError("engine already started")
         c, spec = self.config, self.spec
         path = str(Path(c.model).resolve())
+        preflight(self.cfg, spec, c.dtype)  # refuse a shape this cluster cannot hold, before reserving
         self.reservation = reserve(spec, timeout_s=c.start_timeout_s)
         try:
             self.router = RemoteRouter.remote(self.cfg.n_routed_experts, spec.experts, self.cfg.moe_layers)
@@ -111,11 +115,12 @@ class Engine:
                 RemoteExpert.options(**self.reservation.expert_options(j)).remote(
                     path, index=j, table=self.table, dtype=c.dtype)
                 for j in range(spec.experts)]
-            addr, port = self._get(self.attention[0].rendezvous.remote(), c.start_timeout_s, "starting attention[0]")
+            load_s = c.load_timeout_s or default_load_timeout_s(self.cfg, spec.attention)
+            addr, port = self._get(self.attention[0].rendezvous.remote(), load_s, "starting attention[0]")
             backend = c.backend or ("nccl" if spec.gpus else "gloo")
             info = GroupInfo(epoch=0, world_size=spec.attention + spec.experts, address=addr, port=port,
                              backend=backend, timeout_s=c.collective_timeout_s, num_attention=spec.attention)
-            self._get([a.init_group.remote(info) for a in self.attention + self.experts], c.start_timeout_s,
+            self._get([a.init_group.remote(info) for a in self.attention + self.experts], load_s,
                       "joining the process group")
         except BaseException:
             self.shutdown()
@@ -132,6 +137,10 @@ class Engine:
         if self.reservation is not None:
             self.reservation.release()
             self.reservation = None
+
+    def expert_weight_bytes(self, timeout_s: float = 15.0) -> list[int]:
+        """Resident weight bytes of each expert actor (checkpoint bytes + scales when quantised)."""
+        return self._get([e.weight_bytes.remote() for e in self.experts], timeout_s, "weight bytes")
 
     def __enter__(self) -> "Engine":
         return self if self.attention else self.start()

@@ -81,6 +81,7 @@ class EngineServer:
     def status(self) -> dict:
         eng, res = self.engine, self.engine.reservation
         sched = eng.scheduler
+        weights = eng.expert_weight_bytes(CONTROL_TIMEOUT_S)
         return {
             "model": self.name, "healthy": self.aengine.healthy, "shape": eng.spec.describe(),
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
@@ -88,7 +89,8 @@ class EngineServer:
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}
                           for i, a in enumerate(sched.blocks)],
             "experts": [{"index": j, "node": res.node_ip_of("expert", j), "experts": list(r),
-                         "tokens": (eng.stats.actor_tokens_total or [0] * len(eng.table.ranges))[j]}
+                         "tokens": (eng.stats.actor_tokens_total or [0] * len(eng.table.ranges))[j],
+                         "weight_bytes": weights[j]}
                         for j, r in enumerate(eng.table.ranges)],
             "epoch": eng.table.epoch,
         }
@@ -169,6 +171,7 @@ class Ingress:
         self.tok = Tokenizer.from_dir(model_path)
         mcfg = load_config(model_path)
         self.context = mcfg.max_position_embeddings
+        self.cache_tokens = self.cfg.num_blocks * self.cfg.block_size  # one replica's cache
         self.name = self.cfg.name_for(Path(model_path))
         self.created = int(time.time())
 
@@ -238,7 +241,8 @@ class Ingress:
         prompts = oa.prompt_token_lists(req, self.tok)
         jobs = []
         for p_i, ids in enumerate(prompts):
-            params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context)
+            params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
+                                        cache_tokens=self.cache_tokens)
             jobs += [(p_i * req.n + j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
         return await self._respond(req, jobs, sum(len(p) for p in prompts), chat=False)
 
@@ -248,7 +252,8 @@ class Ingress:
         req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request), self.cfg.max_body_bytes)
         oa.resolve_model(req.model, [self.name])
         ids = oa.chat_prompt_ids(req, self.tok)
-        params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context)
+        params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
+                                    cache_tokens=self.cache_tokens)
         jobs = [(j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
         return await self._respond(req, jobs, len(ids), chat=True)
 

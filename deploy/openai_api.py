@@ -129,10 +129,13 @@ def resolve_model(requested: str, served: list[str]) -> str:
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_token_ids: tuple[int, ...] = (),
-                    prompt_len: int | None = None, max_model_len: int | None = None) -> SamplingParams:
+                    prompt_len: int | None = None, max_model_len: int | None = None,
+                    cache_tokens: int | None = None) -> SamplingParams:
     """The request's sampling parameters for one prompt. With ``prompt_len`` and ``max_model_len``
-    an unset chat max_tokens becomes the rest of the context, and a prompt plus max_tokens over
-    the context is a 400 (code ``context_length_exceeded``)."""
+    an unset max_tokens becomes the largest that fits both the rest of the context and, when
+    ``cache_tokens`` (one replica's cache) is given, the rest of the cache — as vLLM caps it by
+    its max_model_len; a prompt plus max_tokens over the context is a 400 (code
+    ``context_length_exceeded``)."""
     chat = isinstance(req, ChatCompletionRequest)
     max_tokens = req.max_output_tokens if chat else req.max_tokens
     max_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
@@ -143,7 +146,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_toke
                                 f"context of {max_model_len} tokens", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = room if cache_tokens is None else min(room, cache_tokens - prompt_len)
+            if max_tokens < 1:
+                raise APIError(400, f"the prompt is {prompt_len} tokens, which leaves no room in one replica's "
+                                    f"cache of {cache_tokens} tokens", param="messages" if chat else "prompt",
+                               code="context_length_exceeded")
         elif max_tokens > room:
             raise APIError(400, f"the prompt ({prompt_len} tokens) plus {max_param} ({max_tokens}) is over this "
                                 f"model's context length of {max_model_len} tokens", param=max_param,

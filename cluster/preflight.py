@@ -1,0 +1,120 @@
+"""Preflight: refuse, before reserving anything, a cluster shape the live cluster cannot hold.
+
+Owns: the check of a :class:`ClusterSpec` against the cluster's *total* resources (an empty
+cluster's view: what could ever be placed) — bundle counts per node (the same planning
+:func:`~cluster.topology.plan_bundles` does) and memory (each node's weights: RAM for CPU
+actors, HBM of the GPU kind for GPU actors, with :mod:`cluster.planner`'s bytes) — and a
+suggested shape that fits. Never: reserves, creates or kills anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from model.config import ModelConfig
+
+from .planner import ATTENTION_WORKSPACE, DEVICES, EXPERT_WORKSPACE, GB, weight_bytes
+from .topology import ClusterSpec, NodeInfo, plan_bundles
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GPU_UTILIZATION = 0.9
+
+
+class PreflightError(ValueError):
+    """The shape cannot fit this cluster; the message has the numbers and a shape that fits."""
+
+
+def _actor_bytes(cfg: ModelConfig, spec: ClusterSpec, dtype_bytes: int) -> tuple[int, int]:
+    """Resident weight bytes of one attention replica and of the most loaded expert actor."""
+    w = weight_bytes(cfg, dtype_bytes)
+    per_actor = math.ceil(w.n_experts / spec.experts) * w.per_expert
+    return w.attention + ATTENTION_WORKSPACE * spec.gpus, per_actor + EXPERT_WORKSPACE * spec.gpus
+
+
+def _device_memory(node: NodeInfo) -> int | None:
+    """HBM per GPU of a node whose Ray ``accelerator_type:<KIND>`` resource names a known kind."""
+    for key in node.available:
+        if key.startswith("accelerator_type:"):
+            kind = key.split(":", 1)[1].lower()
+            for name, dev in DEVICES.items():
+                if name in kind:
+                    return dev.memory_bytes
+    return None
+
+
+def problems(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype_bytes: int) -> list[str]:
+    """Why ``spec`` cannot fit ``nodes`` (their total resources); empty when it can."""
+    plan = plan_bundles(spec, nodes)
+    if None in plan:
+        need = {k: sum(b.get(k, 0.0) for b in spec.bundles) for k in set().union(*spec.bundles)}
+        have = {k: sum(n.available.get(k, 0.0) for n in nodes) for k in need}
+        return [f"{plan.count(None)} of {len(plan)} actors cannot be placed: the shape needs "
+                + ", ".join(f"{k} {need[k]:g}" for k in sorted(need)) + f" ({spec.describe()}); "
+                + f"the cluster has " + ", ".join(f"{k} {have[k]:g}" for k in sorted(have))
+                + f" over {len(nodes)} node(s)"]
+    attn, expert = _actor_bytes(cfg, spec, dtype_bytes)
+    by_id = {n.node_id: n for n in nodes}
+    load: dict[str, int] = {}
+    out = []
+    for i, node_id in enumerate(plan):
+        kind, res = ("attention", spec.attention_resources) if i < spec.attention else ("expert", spec.expert_resources)
+        need = attn if kind == "attention" else expert
+        gpus = res.get("GPU", 0.0)
+        hbm = _device_memory(by_id[node_id]) if gpus else None
+        if gpus and hbm is not None:
+            usable = int(gpus * hbm * GPU_UTILIZATION)
+            if need > usable:
+                out.append(f"a {kind} actor needs {need / GB:.2f} GB of weights and workspace but {gpus:g} GPU "
+                           f"holds {usable / GB:.2f} GB usable")
+        elif not gpus:
+            load[node_id] = load.get(node_id, 0) + need
+    for node_id, used in load.items():
+        mem = by_id[node_id].available.get("memory", 0.0)
+        if mem and used > mem:
+            out.append(f"node {by_id[node_id].ip} would hold {used / GB:.2f} GB of weights but has "
+                       f"{mem / GB:.2f} GB of memory")
+    return out
+
+
+def suggest(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype_bytes: int) -> ClusterSpec | None:
+    """The largest shape no bigger than ``spec`` (attention first, then experts) that fits."""
+    for attention in range(spec.attention, 0, -1):
+        for experts in range(spec.experts, 0, -1):
+            candidate = ClusterSpec(**{**_fields(spec), "attention": attention, "experts": experts})
+            if not problems(cfg, candidate, nodes, dtype_bytes):
+                return candidate
+    return None
+
+
+def _fields(spec: ClusterSpec) -> dict:
+    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+
+
+def check(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype: str = "bfloat16") -> None:
+    """Raise :class:`PreflightError` with the numbers and a suggested shape when ``spec`` cannot fit."""
+    dtype_bytes = DTYPE_BYTES.get(dtype, 2)
+    found = problems(cfg, spec, nodes, dtype_bytes)
+    if not found:
+        return
+    attn, expert = _actor_bytes(cfg, spec, dtype_bytes)
+    w = weight_bytes(cfg, dtype_bytes)
+    better = suggest(cfg, spec, nodes, dtype_bytes)
+    hint = (f"a shape that fits: --attention {better.attention} --experts {better.experts}" if better
+            else "no smaller shape fits either; add nodes or memory (see `moeray plan`)")
+    raise PreflightError(
+        f"the cluster cannot hold {spec.describe()}: " + "; ".join(found)
+        + f". Planner: {w.total:,} B of weights in the checkpoint; {attn:,} B per attention replica, "
+        f"{expert:,} B per expert actor. {hint}")
+
+
+def cluster_nodes() -> list[NodeInfo]:
+    """Alive nodes of the connected Ray cluster with their *total* resources."""
+    import ray
+
+    return [NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"])) for n in ray.nodes() if n["Alive"]]
+
+
+def preflight(cfg: ModelConfig, spec: ClusterSpec, dtype: str = "bfloat16") -> None:
+    """:func:`check` against the connected cluster (what ``Engine.start`` and ``moeray up`` call first)."""
+    check(cfg, spec, cluster_nodes(), dtype)
