@@ -50,7 +50,7 @@ class EngineServer:
         self.engine = Engine(
             EngineConfig(model=model_path, dtype=cfg.dtype, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
                          num_slots=cfg.num_slots, max_num_seqs=cfg.max_num_seqs,
-                         max_tokens_per_step=cfg.max_tokens_per_step),
+                         max_tokens_per_step=cfg.max_tokens_per_step, load_timeout_s=cfg.load_timeout_s),
             cfg.cluster_spec(), stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
         self.metrics = EngineMetrics(self.engine, self.name)

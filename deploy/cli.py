@@ -249,6 +249,8 @@ def up(
     model: str = typer.Option("kimi-k2-tiny", help=MODEL_HELP),
     attention: int = typer.Option(1, help="Attention data-parallel replicas."),
     experts: int = typer.Option(1, help="Expert actors."),
+    gpus_per_actor: Optional[float] = typer.Option(None, help="GPUs each attention and expert actor reserves; "
+                                                              "fractions let expert actors share a GPU (NCCL then)."),
     nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine (default: 1)."),
     address: Optional[str] = typer.Option(None, help="Serve on the existing Ray cluster at ADDR."),
     host: str = typer.Option("127.0.0.1", help="HTTP host."),
@@ -263,8 +265,11 @@ def up(
     from .server import serve_foreground, start_detached
     from .settings import cache_root
 
-    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key)
-    cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
+    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
+                 gpus_per_actor=gpus_per_actor)
+    cfg = (ServeConfig.from_yaml(config, **flags) if config
+           else ServeConfig.parse({k: v for k, v in flags.items() if v is not None or k == "api_key"},
+                                  where="moeray up"))
     root = cache_root()
     if detach:
         argv = [a for a in sys.argv[2:] if a != "--detach"]
@@ -313,7 +318,8 @@ def status(
         t.add_row(f"attention[{a['index']}]", a["node"], f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks")
     for e in st["experts"]:
         t.add_row(f"expert[{e['index']}]", e["node"], f"experts [{e['experts'][0]}, {e['experts'][1]}), "
-                                                       f"{e['tokens']:,} tokens")
+                                                       f"{e['tokens']:,} tokens, "
+                                                       f"{e.get('weight_bytes', 0) / 2**20:,.1f} MiB of weights")
     out.print(t)
 
 

@@ -17,7 +17,10 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name clients use; default: the preset or directory name.")
     attention: int = Field(1, ge=1, description="Attention data-parallel replicas.")
     experts: int = Field(1, ge=1, description="Expert actors.")
-    gpus_per_actor: float = Field(0, ge=0, description="GPUs each attention and expert actor reserves (NCCL then).")
+    gpus_per_actor: float = Field(0, ge=0, description="GPUs each attention and expert actor reserves (NCCL then); "
+                                                       "a fraction lets several actors share one GPU.")
+    load_timeout_s: float | None = Field(None, gt=0, description="How long the actors may take to load the "
+                                                                 "weights; default: scales with the bytes to read.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
     max_tokens_per_step: int = Field(256, ge=1, description="Token budget of one engine step.")

@@ -99,6 +99,8 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
                                             "auth": cfg.api_key is not None}))
     try:
         with connected(spec, nodes=nodes, address=address):
+            _update(status, "checking that the cluster can hold the model")
+            load_s = preflight_serve_config(cfg, root)  # refuse before anything is reserved
             _update(status, "building the model and the Serve application")
             app = build_app(cfg.model_dump())
             serve.start(http_options={"host": cfg.host, "port": cfg.port})
@@ -106,7 +108,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
             try:
                 if not stop.is_set():
                     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-                    wait_ready(url, timeout_s=600, stop=stop)
+                    wait_ready(url, timeout_s=load_s + 300, stop=stop)
                     _update(status, None)
                     _ready_message(url, cfg)
                 while not stop.wait(0.5):
@@ -115,6 +117,19 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
                 serve.shutdown()
     finally:
         state_file(root).unlink(missing_ok=True)
+
+
+def preflight_serve_config(cfg: ServeConfig, root: Path) -> float:
+    """The engine's preflight (planner vs the connected cluster's resources), run by `moeray up`;
+    returns the load timeout (the config's, or one scaled by the bytes to read)."""
+    from cluster.preflight import preflight
+    from cluster.startup import default_load_timeout_s
+    from model.config import load_config
+    from model.presets import resolve_model
+
+    model_cfg = load_config(resolve_model(cfg.model, root))
+    preflight(model_cfg, cfg.cluster_spec(), cfg.dtype)
+    return cfg.load_timeout_s or default_load_timeout_s(model_cfg, cfg.attention)
 
 
 def _update(status, text: str | None) -> None:
