@@ -3,49 +3,20 @@
 of the dequantised single-process model, and each expert actor's resident weight bytes are its
 experts' checkpoint bytes (+ scales), read from the safetensors headers."""
 
-import json
-import struct
-
 import pytest
 import ray
 import torch
 
 from cluster.engine import Engine, EngineConfig
 from cluster.topology import ClusterSpec
-from model.config import load_config
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+from quant_bytes import expert_checkpoint_bytes
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 CASES = [("kimi-k2-tiny", "fp8"), ("kimi-k2-tiny", "int4"), ("kimi-k3-tiny", "mxfp4")]
-
-
-def stored_sizes(path) -> dict[str, int]:
-    sizes = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        sizes.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()})
-    return sizes
-
-
-def expert_checkpoint_bytes(path, lo: int, hi: int) -> int:
-    """Bytes of routed experts [lo, hi) of every MoE layer in the checkpoint (weights + scales;
-    INT4's 8-byte weight_shape is metadata, not resident)."""
-    cfg = load_config(path)
-    ffn = "block_sparse_moe" if cfg.family == "kimi_linear" else "mlp"
-    total = 0
-    for name, size in stored_sizes(path).items():
-        for layer in cfg.moe_layers:
-            prefix = f"model.layers.{layer}.{ffn}.experts."
-            if name.startswith(prefix) and lo <= int(name[len(prefix):].split(".")[0]) < hi \
-                    and not name.endswith("weight_shape"):
-                total += size
-    return total
 
 
 @pytest.mark.parametrize("preset,quant", CASES, ids=[q for _, q in CASES])

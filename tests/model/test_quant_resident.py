@@ -1,9 +1,6 @@
 """Quantised residency: FP8 / INT4 / MXFP4 weights stay in checkpoint format, and the model, the
 routed experts and the linears give bit-identical outputs to load-time dequantisation (CPU fp32)."""
 
-import json
-import struct
-
 import pytest
 import torch
 
@@ -14,6 +11,7 @@ from model.presets import build_preset
 from model.qweights import QuantLinear, QuantRoutedExperts, QuantStack
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+from quant_bytes import stored_sizes
 
 CASES = [("kimi-k2-tiny", "fp8"), ("kimi-k2-tiny", "int4"), ("kimi-k3-tiny", "mxfp4")]
 
@@ -22,18 +20,6 @@ CASES = [("kimi-k2-tiny", "fp8"), ("kimi-k2-tiny", "int4"), ("kimi-k3-tiny", "mx
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("qres")
     return {q: build_preset(p, root / q, quant=q, seed=4, progress=False) for p, q in CASES}
-
-
-def _stored_sizes(path) -> dict[str, int]:
-    """Stored tensor name → bytes, from the safetensors headers (independent of the reader)."""
-    sizes = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        sizes.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()})
-    return sizes
 
 
 @pytest.mark.parametrize("quant", [q for _, q in CASES])
@@ -65,7 +51,7 @@ def test_routed_experts_resident_bytes_and_outputs(ckpts, quant):
     wanted = {a: [5, 0, 2], b: [1]}
     quantised = load_routed_experts(path, cfg, wanted)
     dense = load_routed_experts(path, cfg, wanted, dequantize=True)
-    sizes = _stored_sizes(path)
+    sizes = stored_sizes(path)
     for layer, ids in wanted.items():
         q, d = quantised[layer], dense[layer]
         assert isinstance(q, QuantRoutedExperts) and isinstance(d, RoutedExperts)
@@ -115,7 +101,7 @@ def test_reader_threads_give_the_same_tensors(ckpts):
     one = read_checkpoint(path, cfg, progress=False, threads=1)
     four = read_checkpoint(path, cfg, progress=False, threads=4, on_progress=lambda done, total: seen.append((done, total)))
     assert one.keys() == four.keys() and all(torch.equal(one[k], four[k]) for k in one)
-    total = sum(_stored_sizes(path).values())
+    total = sum(stored_sizes(path).values())
     assert seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         read_checkpoint(path, cfg, progress=False, threads=0)

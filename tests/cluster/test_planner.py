@@ -1,0 +1,105 @@
+"""The capacity planner against hand arithmetic (issue 11, Must show 3) and the preflight that
+refuses a shape the cluster cannot hold before reserving anything (Must show 4)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from ray.util.placement_group import placement_group_table
+
+from cluster.engine import Engine, EngineConfig
+from cluster.planner import DEVICES, plan_shape, propose, sequence_bytes, weight_bytes
+from cluster.preflight import PreflightError, check
+from cluster.topology import ClusterSpec, NodeInfo
+from model.config import load_config
+from model.presets import build_preset
+
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
+K2 = load_config(CONFIGS / "kimi-k2-instruct.json")
+K3 = load_config(CONFIGS / "kimi-k3-text.json")
+H200 = DEVICES["h200"]
+
+
+def test_k2_fp8_weight_bytes_by_hand():
+    # routed experts: 60 MoE layers × 384 experts × (gate, up, down) of 2048 × 7168 fp8 bytes, plus one
+    # fp32 weight_scale_inv of 16 × 56 (or 56 × 16) blocks per matrix
+    per_matrix = 2048 * 7168 + 4 * 16 * 56
+    routed = 60 * 384 * 3 * per_matrix
+    assert routed == 1_014_933_749_760
+    # everything else: fp8 linears (+ 128×128 block scales), bf16 norms / router / embeddings, fp32 bias
+    fp8 = lambda o, i: o * i + 4 * math.ceil(o / 128) * math.ceil(i / 128)
+    mla = fp8(1536, 7168) + fp8(12288, 1536) + fp8(576, 7168) + fp8(16384, 512) + fp8(7168, 8192) + 2 * (1536 + 512)
+    norms = 2 * 2 * 7168
+    dense = 2 * fp8(18432, 7168) + fp8(7168, 18432)
+    shared = 2 * fp8(2048, 7168) + fp8(7168, 2048)
+    router = 2 * 384 * 7168 + 4 * 384
+    rest = 61 * (mla + norms) + dense + 60 * (shared + router) + 2 * 2 * 163840 * 7168 + 2 * 7168
+    w = weight_bytes(K2)
+    assert (w.routed_experts, w.total) == (routed, routed + rest) == (1_014_933_749_760, 1_029_173_249_888)
+
+
+def test_k2_fp8_does_not_fit_one_h200_node_and_fits_two_with_the_proposed_shape():
+    kw = dict(model="k2", device=H200, context=32768)
+    one = plan_shape(K2, nodes=1, gpus_per_node=8, attention=1, experts=7, **kw)
+    assert not one.fits and "expert device" in one.problems[0]
+    assert propose(K2, nodes=1, gpus_per_node=8, **kw) is None
+    best = propose(K2, nodes=2, gpus_per_node=8, **kw)
+    assert best is not None and best.fits and best.attention + best.experts <= 16
+    # the proposal is the smallest: one expert actor fewer does not fit
+    fewer = plan_shape(K2, nodes=2, gpus_per_node=8, attention=1, experts=best.experts - 1, **kw)
+    assert not fewer.fits
+    # its numbers: ceil(384 / E) experts per actor, each 1,014,933,749,760 / 384 bytes over 60 layers
+    assert best.expert_actor_weight_bytes == math.ceil(384 / best.experts) * (1_014_933_749_760 // 384)
+    assert best.total_weight_bytes == 1_029_173_249_888
+    assert best.concurrent_sequences == best.cache_bytes // (32768 * 61 * 576 * 2)
+
+
+def test_k3_per_sequence_bytes_include_the_kda_state():
+    seq = sequence_bytes(K3, 4096)
+    kda_layers = len(K3.kda_layers)
+    k = K3.kda
+    state = kda_layers * (k.num_heads * k.head_dim * k.head_dim * 4 + 3 * k.num_heads * k.head_dim * (k.conv_kernel - 1) * 2)
+    assert seq["kda_state"] == state > 0
+    assert seq["total"] == 4096 * len(K3.mla_layers) * K3.latent_dim * 2 + state
+    plan = plan_shape(K3, model="k3", device=H200, nodes=2, gpus_per_node=8, attention=2, experts=14, context=4096)
+    assert plan.sequence_bytes == seq and plan.concurrent_sequences == plan.cache_bytes // seq["total"]
+
+
+def test_moeray_plan_json(tmp_path):
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "moeray"
+    run = subprocess.run([str(exe), "plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
+                          "--nodes", "1", "--gpus-per-node", "8", "--json"], capture_output=True, text=True)
+    out = json.loads(run.stdout)
+    assert out["fits"] is False and out["total_weight_bytes"] == 1_029_173_249_888 and out["proposal"] is None
+    run = subprocess.run([str(exe), "plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
+                          "--nodes", "2", "--gpus-per-node", "8", "--json"], capture_output=True, text=True)
+    out = json.loads(run.stdout)
+    assert out["fits"] is True and out["proposal"] == {"attention": out["attention"], "experts": out["experts"]}
+    bad = subprocess.run([str(exe), "plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "tpu"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--gpu must be one of" in bad.stderr
+
+
+def test_preflight_refuses_k2_on_one_h200_node_with_numbers():
+    nodes = [NodeInfo("n0", "10.0.0.1", {"CPU": 64, "GPU": 8, "accelerator_type:H200": 1, "memory": 1e12})]
+    spec = ClusterSpec(attention=1, experts=7, attention_resources={"CPU": 1, "GPU": 1},
+                       expert_resources={"CPU": 1, "GPU": 1})
+    with pytest.raises(PreflightError, match=r"expert actor needs .* GB .* 1 GPU holds 126\.90 GB usable") as e:
+        check(K2, spec, nodes, "bfloat16")
+    assert "1,029,173,249,888 B of weights" in str(e.value)
+
+
+def test_preflight_refuses_before_reserving_on_the_local_cluster(ray_cluster, tmp_path):
+    path = build_preset("kimi-k2-tiny", tmp_path / "k2", seed=1, progress=False)
+    before = placement_group_table()
+    eng = Engine(EngineConfig(model=str(path)), ClusterSpec(attention=6, experts=8))  # 14 CPUs > 3 × 4
+    with pytest.raises(PreflightError) as e:
+        eng.start()
+    msg = str(e.value)
+    assert "cannot be placed" in msg and "CPU 14" in msg and "CPU 12" in msg
+    assert "a shape that fits: --attention 6 --experts 6" in msg
+    assert placement_group_table() == before and eng.reservation is None and not eng.experts

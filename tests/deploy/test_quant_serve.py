@@ -1,0 +1,72 @@
+"""Serving an FP8 checkpoint with the experts resident in FP8 (issue 11): `moeray status --json`
+reports each expert actor's weight bytes — its experts' checkpoint bytes (Must show 1) — and a chat
+request without max_tokens succeeds on a config whose context (4096) exceeds one replica's cache
+(Must show 5)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from deploy.app import build_app
+from deploy.config import ServeConfig
+from model.config import load_config
+from model.presets import build_preset
+from quant_bytes import expert_checkpoint_bytes
+
+BLOCKS, BLOCK = 6, 16  # 96 tokens of cache per replica, against a 4096-token context
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tmp_path_factory):
+    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("qserve") / "k2", quant="fp8", seed=6,
+                        progress=False)
+    port = _free_port()
+    cfg = ServeConfig(model=str(path), served_model_name="k2", attention=1, experts=2, port=port,
+                      num_blocks=BLOCKS, block_size=BLOCK, max_num_seqs=4)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg.model_dump()), name="moeray-quant-test", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "server never became healthy"
+        time.sleep(0.5)
+    yield {"url": url, "path": path}
+    serve.shutdown()
+
+
+def test_chat_without_max_tokens_fits_the_cache(server):
+    assert load_config(server["path"]).max_position_embeddings > BLOCKS * BLOCK
+    client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(model="k2", messages=[{"role": "user", "content": "hello there"}],
+                                       extra_body={"ignore_eos": True}, timeout=300)
+    prompt = r.usage.prompt_tokens
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == BLOCKS * BLOCK - prompt  # the largest that fits the cache
+
+
+def test_moeray_status_json_reports_expert_weight_bytes(server, tmp_path):
+    (tmp_path / "up.json").write_text(json.dumps({"pid": os.getpid(), "url": server["url"], "model": "k2",
+                                                  "auth": False}))
+    exe = Path(sys.executable).parent / "moeray"
+    run = subprocess.run([str(exe), "status", "--json"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    st = json.loads(run.stdout)
+    got = [e["weight_bytes"] for e in st["experts"]]
+    expect = [expert_checkpoint_bytes(server["path"], *e["experts"]) for e in st["experts"]]
+    assert got == expect and all(b > 0 for b in got)
