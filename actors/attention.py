@@ -26,6 +26,7 @@ from model.sampling import draw_seed, sample, top_logprobs
 from .device import choose_device
 from .dispatch import DistDispatcher
 from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
+from .progress import LoadProgress
 
 
 class AttentionWorker:
@@ -39,7 +40,9 @@ class AttentionWorker:
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
-        self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False).to(self.device)
+        self.progress = LoadProgress(self.name)
+        self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False,
+                                on_progress=self.progress.update).to(self.device)
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device)
         self.moe_layers = sorted(self.model.moe_blocks())

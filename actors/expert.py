@@ -36,7 +36,7 @@ class ExpertWorker:
         self.cfg, self.lo, self.hi = cfg, *table.ranges[index]
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
-        self.progress = LoadProgress()
+        self.progress = LoadProgress(self.name)
         self.experts = load_routed_experts(model_path, cfg, {l: list(range(self.lo, self.hi)) for l in cfg.moe_layers},
                                            dtype=parse_dtype(dtype), device=self.device, dequantize=dequantize,
                                            threads=read_threads, on_progress=self.progress.update)

@@ -19,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
 from cluster.engine import Engine, EngineConfig
+from cluster.progress import load_progress, still_loading
 from model.config import load_config
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
@@ -231,6 +232,9 @@ class Ingress:
     @api.get("/status")
     async def status(self, request: Request):
         self._auth(request)
+        loading = load_progress()  # the engine replica is still in its constructor while actors load
+        if still_loading(loading):
+            return {"model": self.name, "loading": loading}
         return await self._ask_engine(self.engine.status, "/status")
 
     @api.post("/v1/completions")

@@ -311,6 +311,11 @@ def status(
         print(json.dumps(st, indent=2))
         return
     out = Console()
+    if "loading" in st:
+        out.print(f"{st['model']} at {st['url']}: loading the weights")
+        for actor, p in sorted(st["loading"].items()):
+            out.print(f"  {actor}: {p['bytes_read'] / 2**30:,.2f} / {p['bytes_total'] / 2**30:,.2f} GiB")
+        return
     out.print(f"{st['model']} at {st['url']}: {st['shape']}; running {st['running']}, waiting {st['waiting']}, "
               f"steps {st['steps']}, epoch {st['epoch']}")
     t = Table("actor", "node", "placement / cache")

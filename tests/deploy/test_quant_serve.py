@@ -70,3 +70,27 @@ def test_moeray_status_json_reports_expert_weight_bytes(server, tmp_path):
     got = [e["weight_bytes"] for e in st["experts"]]
     expect = [expert_checkpoint_bytes(server["path"], *e["experts"]) for e in st["experts"]]
     assert got == expect and all(b > 0 for b in got)
+
+
+def test_status_shows_load_progress_per_actor_while_loading(server, tmp_path):
+    from ray.experimental import internal_kv
+    from ray.util.placement_group import placement_group_table
+
+    from cluster.progress import load_progress
+
+    done = load_progress()  # every actor of the running engine published its completed load
+    assert {"attention[0]", "expert[0]", "expert[1]"} <= set(done)
+    assert all(p["bytes_read"] == p["bytes_total"] > 0 for p in done.values())
+    pg = next(pg for pg, info in placement_group_table().items() if info["state"] == "CREATED")
+    key = f"moeray/load/{pg}/expert[9]"  # an actor of the same start-up, halfway through
+    internal_kv._internal_kv_put(key, json.dumps({"bytes_read": 1 << 30, "bytes_total": 2 << 30}), overwrite=True)
+    try:
+        (tmp_path / "up.json").write_text(json.dumps({"pid": os.getpid(), "url": server["url"], "model": "k2",
+                                                      "auth": False}))
+        exe = Path(sys.executable).parent / "moeray"
+        run = subprocess.run([str(exe), "status"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)})
+    finally:
+        internal_kv._internal_kv_del(key)
+    assert run.returncode == 0, run.stderr
+    assert "loading the weights" in run.stdout and "expert[9]: 1.00 / 2.00 GiB" in run.stdout, run.stdout
