@@ -105,3 +105,19 @@ def test_reader_threads_give_the_same_tensors(ckpts):
     assert seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         read_checkpoint(path, cfg, progress=False, threads=0)
+
+
+def test_the_fp8_scaled_mm_path_agrees_with_dequantised_weights():
+    """The CUDA path (torch._scaled_mm per 128-wide K block with row-wise scales) runs on CPU too:
+    its block and scale layout must reproduce x @ dequant(W).T up to the e4m3 rounding of x."""
+    from model.quant import dequant_fp8_block, quant_fp8_block
+    from model.qweights import fp8_block_matmul
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g) * torch.linspace(0.1, 3, 256)[:, None]  # scales differ per block
+    wq, s = quant_fp8_block(w)
+    x = torch.randn(5, 384, generator=g) * torch.linspace(0.5, 2, 384)
+    ref = x @ dequant_fp8_block(wq, s).t()
+    got = fp8_block_matmul(x, wq, s)
+    assert got.shape == ref.shape
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
