@@ -140,12 +140,6 @@ def fp8_block_matmul(x: Tensor, wq: Tensor, scale_inv: Tensor) -> Tensor:
     return acc[:M].to(x.dtype)
 
 
-def _linear(x: Tensor, stack: QuantStack, j: int, dtype: torch.dtype) -> Tensor:
-    if fp8_fast_path(x, stack):
-        return fp8_block_matmul(x, *stack.part(j))
-    return x @ stack.dequant(j).to(dtype).t()
-
-
 class QuantLinear(nn.Module):
     """A bias-free ``nn.Linear`` whose weight stays in checkpoint format; computes in ``dtype``."""
 
@@ -171,7 +165,12 @@ class QuantLinear(nn.Module):
 
 class QuantRoutedExperts(nn.Module):
     """Logical experts ``expert_ids`` of one MoE layer, local slot i holding ``expert_ids[i]``, with
-    gate/up/down projections in checkpoint format. Same interface as :class:`RoutedExperts`."""
+    gate/up/down projections in checkpoint format. Same interface as :class:`RoutedExperts`.
+
+    Its six buffers (``{gate,up,down}_{data,scale}``) are its own and stacked per expert on dim 0,
+    so :func:`model.moe.gather_experts` regroups slots of dense and quantised experts alike."""
+
+    PROJS = ("gate", "up", "down")
 
     def __init__(self, expert_ids: Sequence[int], gate: QuantStack, up: QuantStack, down: QuantStack, act,
                  dtype: torch.dtype):
@@ -182,13 +181,33 @@ class QuantRoutedExperts(nn.Module):
         if not len(gate) == len(up) == len(down) == len(self.expert_ids):
             raise ValueError(f"gate/up/down hold {len(gate)}/{len(up)}/{len(down)} experts, "
                              f"expected {len(self.expert_ids)}")
-        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+        self.meta = {}  # proj → (fmt, shape, block, group, data dtype, scale dtype)
+        for proj, stack in zip(self.PROJS, (gate, up, down)):
+            self.register_buffer(f"{proj}_data", stack.data)
+            self.register_buffer(f"{proj}_scale", stack.scale)
+            self.meta[proj] = (stack.fmt, stack.shape, stack.block, stack.group, stack.data_dtype, stack.scale_dtype)
         self.act, self.dtype = act, dtype
         self.hidden_size = down.shape[0]
 
     @property
     def device(self) -> torch.device:
-        return self.gate_proj.data.device
+        return self.gate_data.device
+
+    def part(self, proj: str, e: int) -> tuple[Tensor, Tensor]:
+        """(data, scale) of projection ``proj`` of local expert ``e`` in their checkpoint dtypes."""
+        *_, data_dtype, scale_dtype = self.meta[proj]
+        return getattr(self, f"{proj}_data")[e].view(data_dtype), getattr(self, f"{proj}_scale")[e].view(scale_dtype)
+
+    def dequant(self, proj: str, e: int) -> Tensor:
+        """Projection ``proj`` of local expert ``e`` as fp32 ``[out, in]`` (the load-time values)."""
+        fmt, shape, block, group, *_ = self.meta[proj]
+        return dequantize(fmt, *self.part(proj, e), shape, block, group)
+
+    def _linear(self, x: Tensor, proj: str, e: int) -> Tensor:
+        fmt, (out, inp), block, *_ = self.meta[proj]
+        if x.is_cuda and fmt == "fp8" and block == (128, 128) and out % 128 == 0 and inp % 128 == 0:
+            return fp8_block_matmul(x, *self.part(proj, e))
+        return x @ self.dequant(proj, e).to(self.dtype).t()
 
     def grouped(self, x: Tensor, local_ids: Tensor) -> Tensor:
         """Row r of ``x`` [N, H] through local slot ``local_ids[r]``; returns [N, H] (unweighted).
@@ -196,16 +215,16 @@ class QuantRoutedExperts(nn.Module):
         return grouped_ffn(x, local_ids, len(self.expert_ids), self._expert)
 
     def _expert(self, e: int, xs: Tensor) -> Tensor:
-        if fp8_fast_path(xs, self.gate_proj):
-            h = torch.cat([_linear(xs, self.gate_proj, e, self.dtype), _linear(xs, self.up_proj, e, self.dtype)], -1)
+        if xs.is_cuda and self.meta["gate"][0] == "fp8":
+            h = torch.cat([self._linear(xs, "gate", e), self._linear(xs, "up", e)], -1)
         else:  # the exact load-time weight: [gate; up] rows in the compute dtype, one GEMM
-            w13 = torch.cat([self.gate_proj.dequant(e).to(self.dtype), self.up_proj.dequant(e).to(self.dtype)])
+            w13 = torch.cat([self.dequant("gate", e).to(self.dtype), self.dequant("up", e).to(self.dtype)])
             h = xs @ w13.t()  # [c, 2I]
         gate, up = h.chunk(2, dim=-1)
-        return _linear(self.act(gate, up), self.down_proj, e, self.dtype)
+        return self._linear(self.act(gate, up), "down", e)
 
     def weight_bytes(self) -> int:
         """Checkpoint bytes of the experts held (weights + scales)."""
-        return sum(s.nbytes() for s in (self.gate_proj, self.up_proj, self.down_proj))
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     forward = RoutedExperts.forward

@@ -8,7 +8,7 @@ from model.config import load_config
 from model.loader import load_model, load_routed_experts, weight_bytes
 from model.moe import RoutedExperts
 from model.presets import build_preset
-from model.qweights import QuantLinear, QuantRoutedExperts, QuantStack
+from model.qweights import QuantLinear, QuantRoutedExperts
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 from quant_bytes import stored_sizes
@@ -73,8 +73,8 @@ def test_only_experts_with_rows_are_dequantised(ckpts, monkeypatch):
     layer = cfg.moe_layers[0]
     ex = load_routed_experts(path, cfg, {layer: [0, 1, 2, 3]})[layer]
     seen = []
-    real = QuantStack.dequant
-    monkeypatch.setattr(QuantStack, "dequant", lambda self, j: seen.append(j) or real(self, j))
+    real = QuantRoutedExperts.dequant
+    monkeypatch.setattr(QuantRoutedExperts, "dequant", lambda self, proj, e: seen.append(e) or real(self, proj, e))
     ex.grouped(torch.randn(4, cfg.expert_hidden_size), torch.tensor([2, 2, 0, 2]))
     assert sorted(set(seen)) == [0, 2]
 
