@@ -5,20 +5,23 @@ it admits submitted requests, runs steps while there is work, and hands each req
 tokens — detokenised incrementally — to that request's asyncio queue. A consumer that stops
 iterating (a client that disconnected) aborts its request, which frees its cache at once.
 If a step fails, every open request gets the error and the engine is marked unhealthy.
+Control calls (epoch changes, status) reach the engine only through this thread too
+(:meth:`AsyncEngine.control`), between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from model.sampling import SamplingParams
 from model.tokenizer import IncrementalDecoder, Tokenizer
 
-from .engine import Engine, TokenEvent
+from .engine import Engine, EpochChange, TokenEvent, Transition
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,21 @@ class AsyncEngine:
             if not finished:  # the consumer went away: free the sequence now
                 self._inbox.put(("abort", seq_id))
 
+    def control(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread at the next step boundary; the future holds its
+        result or its exception (which does not stop the engine)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.healthy:
+            fut.set_exception(RuntimeError(f"engine is not running: {self.error}"))
+            return fut
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    async def change(self, begin: Callable[[Engine], Transition], timeout_s: float) -> EpochChange:
+        """Begin an epoch change on the engine thread and wait until it happened (steps go on)."""
+        transition = await asyncio.wait_for(asyncio.wrap_future(self.control(begin)), timeout_s)
+        return await asyncio.wait_for(asyncio.wrap_future(transition.done), timeout_s)
+
     def _abort_when_admitted(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self._inbox.put(("abort", fut.result()))
@@ -108,9 +126,12 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_work)
-            if self._stop.is_set() or not self.engine.has_work:
+            if self._stop.is_set():
                 continue
             try:
+                if not self.engine.has_work:
+                    self.engine.advance()  # an epoch change can happen while idle too
+                    continue
                 events = self.engine.step()
             except BaseException as e:  # noqa: BLE001 — delivered to every waiting request
                 self.error = e
@@ -146,6 +167,12 @@ class AsyncEngine:
             else:  # the consumer's loop is already gone
                 self.engine.abort(seq_id)
                 self.engine.requests.pop(seq_id, None)
+        elif item[0] == "call":
+            _, fn, fut = item
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
+                fut.set_exception(e)
         elif item[0] == "abort":
             self._streams.pop(item[1], None)
             self.engine.abort(item[1])

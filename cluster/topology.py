@@ -62,10 +62,12 @@ class ClusterSpec:
     attention_nodes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("attention", "experts"):
+        for name in ("attention", "experts"):  # 0 of one kind: a reservation that adds actors to a running shape
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+        if self.attention + self.experts == 0:
+            raise ValueError("a cluster spec needs at least one actor (attention or experts ≥ 1)")
         _check_resources("attention_resources", self.attention_resources)
         _check_resources("expert_resources", self.expert_resources)
         for name in ("attention_placement", "expert_placement"):

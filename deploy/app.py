@@ -14,11 +14,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
-from cluster.engine import Engine, EngineConfig
+from cluster.engine import Engine
 from model.config import load_config
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
@@ -29,6 +30,23 @@ from .metrics import EngineMetrics
 
 
 CONTROL_TIMEOUT_S = 15.0
+ADMIN_TIMEOUT_S = 900.0  # an epoch change waits for new actors to load their weights
+
+
+class ScaleRequest(BaseModel):
+    """Body of POST /admin/scale/experts and /admin/scale/attention."""
+
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(..., ge=1, le=4096, description="The number of actors of that kind after the change.")
+
+
+class RebalanceRequest(BaseModel):
+    """Body of POST /admin/rebalance."""
+
+    model_config = ConfigDict(extra="forbid")
+    redundant_slots: int | None = Field(None, ge=0, le=65536,
+                                        description="Spare physical slots per MoE layer for copies of hot "
+                                                    "experts; default: the serving config's.")
 
 
 @dataclass(frozen=True)
@@ -47,11 +65,7 @@ class EngineServer:
         tok = Tokenizer.from_dir(model_path)
         self.name = cfg.name_for(Path(model_path))
         self.max_queue = cfg.max_queue
-        self.engine = Engine(
-            EngineConfig(model=model_path, dtype=cfg.dtype, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-                         num_slots=cfg.num_slots, max_num_seqs=cfg.max_num_seqs,
-                         max_tokens_per_step=cfg.max_tokens_per_step),
-            cfg.cluster_spec(), stop_ids=tok.stop_token_ids).start()
+        self.engine = Engine(cfg.engine_config(model_path), cfg.cluster_spec(), stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
         self.metrics = EngineMetrics(self.engine, self.name)
 
@@ -78,19 +92,39 @@ class EngineServer:
     def health(self) -> dict:
         return {"healthy": self.aengine.healthy, "error": None if self.aengine.error is None else str(self.aengine.error)}
 
+    async def change(self, kind: str, value: int | None) -> dict:
+        """An epoch change (``kind``: experts, attention, rebalance), waited for; ``{"ok", "change"}`` or
+        ``{"ok": False, "status", "error"}`` (a shape the router refuses is the caller's error)."""
+        begin = {"experts": lambda e: e.begin_scale_experts(value),
+                 "attention": lambda e: e.begin_scale_attention(value),
+                 "rebalance": lambda e: e.begin_rebalance(value)}[kind]
+        try:
+            change = await self.aengine.change(begin, ADMIN_TIMEOUT_S)
+        except ValueError as e:
+            return {"ok": False, "status": 400, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 — the change did not happen; the engine serves on
+            return {"ok": False, "status": 503, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "change": change.as_dict()}
+
     def status(self) -> dict:
-        eng, res = self.engine, self.engine.reservation
-        sched = eng.scheduler
+        eng, sched, workers = self.engine, self.engine.scheduler, self.engine.workers
+        table, tokens = eng.table, list(eng.stats.actor_tokens_total)
+        attention, experts = list(workers.attention), list(workers.experts)
+        replicated = [set(table.replicated(i)) for i in range(len(table.moe_layers))]
+        last = eng.changes[-1].as_dict() if eng.changes else None
         return {
-            "model": self.name, "healthy": self.aengine.healthy, "shape": eng.spec.describe(),
+            "model": self.name, "healthy": self.aengine.healthy, "shape": table.shape(),
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
-            "attention": [{"index": i, "node": res.node_ip_of("attention", i),
+            "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
+            "attention": [{"index": i, "node": workers.node_ip(m),
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}
-                          for i, a in enumerate(sched.blocks)],
-            "experts": [{"index": j, "node": res.node_ip_of("expert", j), "experts": list(r),
-                         "tokens": (eng.stats.actor_tokens_total or [0] * len(eng.table.ranges))[j]}
-                        for j, r in enumerate(eng.table.ranges)],
-            "epoch": eng.table.epoch,
+                          for i, (m, a) in enumerate(zip(attention, sched.blocks))],
+            "experts": [{"index": j, "node": workers.node_ip(m),
+                         "slots": {str(layer): list(ids) for layer, ids in table.experts_of(j).items()},
+                         "replicas": {str(layer): [e for e in ids if e in replicated[i]]
+                                      for i, (layer, ids) in enumerate(table.experts_of(j).items())},
+                         "tokens": tokens[j] if j < len(tokens) else 0}
+                        for j, m in enumerate(experts)],
         }
 
     def __del__(self):
@@ -229,6 +263,36 @@ class Ingress:
     async def status(self, request: Request):
         self._auth(request)
         return await self._ask_engine(self.engine.status, "/status")
+
+    async def _admin(self, request: Request, kind: str, value: int | None):
+        """An epoch change through the engine replica: its report, or the engine's refusal as an error."""
+        try:
+            out = await asyncio.wait_for(self.engine.change.remote(kind, value), timeout=ADMIN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise oa.APIError(503, f"the {kind} change did not finish within {ADMIN_TIMEOUT_S:.0f}s",
+                              retry_after_s=5) from None
+        if not out["ok"]:
+            raise oa.APIError(out["status"], out["error"], param="n" if kind != "rebalance" else "redundant_slots",
+                              retry_after_s=5 if out["status"] == 503 else None)
+        return out["change"]
+
+    @api.post("/admin/scale/experts")
+    async def scale_experts(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
+        return await self._admin(request, "experts", body.n)
+
+    @api.post("/admin/scale/attention")
+    async def scale_attention(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
+        return await self._admin(request, "attention", body.n)
+
+    @api.post("/admin/rebalance")
+    async def rebalance(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(RebalanceRequest, await self._body(request), self.cfg.max_body_bytes)
+        return await self._admin(request, "rebalance", body.redundant_slots)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
