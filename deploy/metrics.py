@@ -281,3 +281,10 @@ class _ScrapeCollector:
         for layer, v in zip(layers, imbalance):
             imb.add_metric([name, layer], v)
         yield imb
+        actor_imb = GaugeMetricFamily(PREFIX + "expert_actor_imbalance",
+                                      f"Max over mean tokens per expert actor of a MoE layer over the last "
+                                      f"{o._window.maxlen} steps of the current epoch (1 = balanced; 0 = no "
+                                      f"tokens); `moeray rebalance` lowers it.", labels=["model_name", "layer"])
+        for layer, v in zip(layers, o.engine.stats.actor_imbalance(o._window.maxlen)):
+            actor_imb.add_metric([name, layer], v)
+        yield actor_imb
