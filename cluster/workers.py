@@ -65,6 +65,7 @@ class EpochChange:
     old_shape: str
     new_shape: str
     pause_s: float  # no steps ran for this long (the commit at the step boundary)
+    regroup_s: float  # of the pause: leaving the old process group and joining the new one
     prepare_s: float  # creating actors and staging weights, while steps went on
     experts_loaded: int  # (layer, expert) weights read from the checkpoint by kept actors
     moved_sequences: int = 0  # sequences re-prefilled on another attention replica
@@ -208,7 +209,9 @@ class WorkerGroup:
         t0 = time.monotonic()
         try:
             loaded = sum(self._get(t.staging, self.config.step_timeout_s, "staged weights"))
+            t1 = time.monotonic()
             self._form_group(t.table, t.attention, t.experts, f"entering epoch {t.table.epoch}")
+            regroup = time.monotonic() - t1
         except BaseException:
             self.abort(t)
             raise
@@ -220,8 +223,8 @@ class WorkerGroup:
         self._release_unused()
         pause = time.monotonic() - t0
         p = t.proposal
-        return EpochChange(t.table.epoch, t.kind, t.old.shape(), t.table.shape(), pause, t0 - t.started, loaded,
-                           moved, p.imbalance_before, p.imbalance_after)
+        return EpochChange(t.table.epoch, t.kind, t.old.shape(), t.table.shape(), pause, regroup, t0 - t.started,
+                           loaded, moved, p.imbalance_before, p.imbalance_after)
 
     def abort(self, t: Transition) -> None:
         """Undo a change that did not happen: kill the actors it made, free their bundles."""

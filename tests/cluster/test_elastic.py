@@ -161,6 +161,20 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
     assert before_out == after_out == _alone(path, prompts, params)
 
 
+def test_automatic_policy_rebalances_by_itself_when_on(ray_cluster, presets):
+    path = presets["kimi-k2-tiny"]
+    prompts = _skewed(6, seed=6)
+    with _engine(path, 1, 2, auto_rebalance=True, window_steps=4, rebalance_threshold=1.0,
+                 rebalance_interval_s=0.0, redundant_slots=2) as eng:
+        got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
+        assert eng.changes and eng.changes[0].kind == "rebalance"  # no one asked for it
+        assert eng.table.num_physical() == 16 + 2
+    with _engine(path, 1, 2, window_steps=4, rebalance_threshold=1.0, rebalance_interval_s=0.0) as eng:
+        eng.generate(prompts, GREEDY)
+        assert not eng.changes and eng.table.epoch == 0  # off by default
+    assert got == _alone(path, prompts, GREEDY)
+
+
 def test_refused_shapes_say_why_and_change_nothing(ray_cluster, presets):
     cfg = load_config(presets["kimi-k2-tiny"])
     with _engine(presets["kimi-k2-tiny"], 1, 2) as eng:

@@ -121,6 +121,15 @@ def _metrics(url) -> dict:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def _imbalance(url) -> float:
+    """Mean over MoE layers of the measured max/mean tokens per expert actor, from /metrics."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    values = [s.value for f in text_string_to_metric_families(text) if f.name == "moeray:expert_actor_imbalance"
+              for s in f.samples]
+    assert values
+    return sum(values) / len(values)
+
+
 def _prompts(n):
     return [[(i * 53 + j * 7) % 700 + 3 for j in range(4 + 3 * i)] for i in range(n)]
 
@@ -178,10 +187,17 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     st = json.loads(_moeray("status", "--url", url, "--api-key", KEY, "--json").stdout)
     assert [len(e["slots"][next(iter(e["slots"]))]) for e in st["experts"]] == [6, 5, 5]
 
+    skewed = [[t] * 30 for t in (5, 5, 9, 5, 9, 5)]  # a skewed mix: the same experts win again and again
+    skewed_expected = _oracle(path, skewed, 12)
+    assert _finish(_streams(url, "k3", skewed, 12)) == skewed_expected
+    before = _imbalance(url)
     out, _ = _scale(url, "rebalance", "--redundant-slots", "2")
     assert "imbalance (max/mean tokens per expert actor" in out and "→" in out, out
     st = json.loads(_moeray("status", "--url", url, "--api-key", KEY, "--json").stdout)
     assert st["epoch"] == 2 and any(r for e in st["experts"] for r in e["replicas"].values())
+    assert _finish(_streams(url, "k3", skewed, 12)) == skewed_expected  # the same mix, re-placed experts
+    after = _imbalance(url)  # the gauge's window holds the current epoch's steps only
+    assert 0 < after < before, (before, after)
     assert _finish(_streams(url, "k3", prompts, N_TOKENS)) == expected
     bad = httpx.post(f"{url}/admin/scale/experts", json={"n": 0}, headers={"Authorization": f"Bearer {KEY}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
