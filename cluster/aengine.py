@@ -4,7 +4,11 @@
 it admits submitted requests, runs steps while there is work, and hands each request's new
 tokens — detokenised incrementally — to that request's asyncio queue. A consumer that stops
 iterating (a client that disconnected) aborts its request, which frees its cache at once.
-If a step fails, every open request gets the error and the engine is marked unhealthy.
+A failed step is recovered inside the engine (dead actors replaced, the step redone), invisible to
+the streams. When recovery is impossible for now (no capacity), every open and queued request gets
+the error, new ones are refused with the reason (``unavailable``), and the thread retries the
+recovery every ``heal_every_s`` until it succeeds. Any other failure of a step is fatal: every open
+request gets the error and the engine is marked unhealthy (Serve's health check replaces it).
 Control calls (epoch changes, status) reach the engine only through this thread too
 (:meth:`AsyncEngine.control`), between steps.
 """
@@ -15,13 +19,14 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from model.sampling import SamplingParams
 from model.tokenizer import IncrementalDecoder, Tokenizer
 
-from .engine import Engine, EpochChange, TokenEvent, Transition
+from .engine import Engine, EpochChange, NoCapacity, TokenEvent, Transition
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, *, idle_wait_s: float = 0.05):
-        self.engine, self.tokenizer, self.idle_wait_s = engine, tokenizer, idle_wait_s
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, *, idle_wait_s: float = 0.05,
+                 heal_every_s: float = 2.0):
+        self.engine, self.tokenizer, self.idle_wait_s, self.heal_every_s = engine, tokenizer, idle_wait_s, heal_every_s
+        self.unavailable: str | None = None  # why new requests are refused (no capacity to recover), or None
+        self._next_heal = 0.0
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
         self._stop = threading.Event()
@@ -62,8 +70,13 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
-    def healthy(self) -> bool:
+    def alive(self) -> bool:
+        """The engine runs (it may be waiting for capacity to recover); False once a step failed fatally."""
         return self.error is None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self.unavailable is None
 
     @property
     def num_open(self) -> int:
@@ -77,7 +90,8 @@ class AsyncEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
         if not self.healthy:
-            raise RuntimeError(f"engine is not running: {self.error}")
+            raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
+                               else f"engine is not running: {self.error}")
         self.engine.validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
@@ -129,18 +143,42 @@ class AsyncEngine:
             if self._stop.is_set():
                 continue
             try:
+                if self.error is not None:  # failed for good: only answer what still arrives
+                    continue
+                if self.unavailable is not None:
+                    self._heal()
+                    continue
                 if not self.engine.has_work:
                     self.engine.advance()  # an epoch change can happen while idle too
                     continue
                 events = self.engine.step()
+            except NoCapacity as e:  # recovery must wait for room: fail what is open, refuse new work
+                self.unavailable = str(e)
+                self._next_heal = time.monotonic() + self.heal_every_s
+                self._fail_all(e)
+                continue
             except BaseException as e:  # noqa: BLE001 — delivered to every waiting request
                 self.error = e
-                for s in self._streams.values():
-                    s.push(e)
-                self._streams.clear()
-                return
+                self._fail_all(e)
+                continue
             for ev in events:
                 self._deliver(ev)
+
+    def _heal(self) -> None:
+        if time.monotonic() < self._next_heal:
+            return
+        self._next_heal = time.monotonic() + self.heal_every_s
+        self.engine.heal()  # raises NoCapacity again while there is still no room
+        self.unavailable = None
+
+    def _fail_all(self, err: BaseException) -> None:
+        """Every open request (running or queued) ends with ``err``; the scheduler is emptied."""
+        for seq_id, stream in list(self._streams.items()):
+            stream.push(err)
+            self.engine.abort(seq_id)
+        self._streams.clear()
+        for seq_id in list(self.engine.requests):
+            self.engine.abort(seq_id)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -157,6 +195,11 @@ class AsyncEngine:
     def _handle(self, item) -> None:
         if item[0] == "add":
             _, prompt_ids, params, stream, ready = item
+            if self.error is not None or self.unavailable is not None:  # queued at the failure: answered
+                why = f"engine is not running: {self.error}" if self.error is not None else \
+                    f"engine is unavailable: {self.unavailable}"
+                _call(stream.loop, _set_exception, ready, RuntimeError(why))
+                return
             try:
                 seq_id = self.engine.add_request(prompt_ids, params)
             except BaseException as e:  # noqa: BLE001
@@ -166,7 +209,6 @@ class AsyncEngine:
                 self._streams[seq_id] = stream
             else:  # the consumer's loop is already gone
                 self.engine.abort(seq_id)
-                self.engine.requests.pop(seq_id, None)
         elif item[0] == "call":
             _, fn, fut = item
             try:
@@ -176,7 +218,6 @@ class AsyncEngine:
         elif item[0] == "abort":
             self._streams.pop(item[1], None)
             self.engine.abort(item[1])
-            self.engine.requests.pop(item[1], None)
 
     def _deliver(self, ev: TokenEvent) -> None:
         stream = self._streams.get(ev.seq_id)
@@ -193,7 +234,7 @@ class AsyncEngine:
             return
         if ev.finish_reason is not None:
             self._streams.pop(ev.seq_id, None)
-            self.engine.requests.pop(ev.seq_id, None)
+            self.engine.release(ev.seq_id)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -26,6 +26,9 @@ class EngineConfig:
     rebalance_threshold: float = 1.5  # mean over MoE layers of max/mean tokens per expert actor
     rebalance_interval_s: float = 300.0  # at least this long between two automatic rebalances
     redundant_slots: int = 0  # spare physical slots per MoE layer for copies of hot experts
+    # names this deployment's placement groups "<owner>/..."; an engine with an owner removes the ones an
+    # earlier incarnation left behind (a Serve replica that died) before reserving
+    owner: str | None = None
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps"):

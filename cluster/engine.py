@@ -25,9 +25,10 @@ from .config import EngineConfig
 from .scheduler import Scheduler, Seq
 from .stats import EngineStats
 from .topology import ClusterSpec
-from .workers import EngineError, EpochChange, Transition, WorkerGroup
+from .workers import EngineError, EpochChange, NoCapacity, StepFailed, Transition, WorkerGroup
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "Request", "TokenEvent", "Transition"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request", "TokenEvent",
+           "Transition"]
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Engine:
         self.transition: Transition | None = None
         self.changes: list[EpochChange] = []  # every epoch change so far, oldest first
         self._last_auto = time.monotonic()
+        self.unrecovered: list[tuple[str, int]] | None = None  # dead actors not yet replaced (no capacity)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -126,6 +128,11 @@ class Engine:
         if req is not None and req.seq.finish_reason is None:
             self.scheduler.finish(req.seq, "abort")
 
+    def release(self, seq_id: int) -> Request | None:
+        """Forget a finished request once its last tokens were delivered (``requests`` has this one
+        writer: the engine)."""
+        return self.requests.pop(seq_id, None)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -140,12 +147,60 @@ class Engine:
         self.step_no += 1
         t0 = time.perf_counter()
         reqs = [StepRequest(self.step_no, self.table.epoch, tuple(chunks)) for chunks in plan.chunks]
-        attn, expert = self.workers.step(self.step_no, reqs)
+        try:
+            attn, expert = self.workers.step(self.step_no, reqs)
+        except StepFailed as failure:
+            self._recover(plan, failure)
+            return []
         self.stats.record_step(plan.num_tokens, attn, expert, time.perf_counter() - t0, self.table)
         if self.stats.last_expert_tokens is not None:
             self.workers.report(self.stats.last_expert_tokens)
         self._auto_rebalance()
         return self._apply([t for r in attn for t in r.tokens])
+
+    # ---- recovery -------------------------------------------------------------------------------
+    def _recover(self, plan, failure: StepFailed) -> None:
+        """An actor died or a collective failed: undo the failed step in the scheduler, replace the
+        dead actors in a recovery epoch, and let the next step redo the work. Raises NoCapacity (the
+        engine is then unavailable until :meth:`heal` succeeds)."""
+        t0 = time.monotonic()
+        for kind, _ in failure.dead:
+            self.stats.observe_failure(kind)
+        if self.transition is not None:  # the change in progress is off; its requester hears why
+            self.workers.abort(self.transition)
+            self._finish_transition(EngineError(f"the epoch change was interrupted: {failure}"))
+        self._undo(plan, {i for kind, i in failure.dead if kind == "attention"})
+        self.unrecovered = list(failure.dead)
+        self.heal()
+        self.stats.observe_recovery(time.monotonic() - t0)
+
+    def _undo(self, plan, dead_replicas: set[int]) -> None:
+        """Make the scheduler state what it was before the failed step. Latent-cache writes are
+        idempotent (a retry rewrites the same positions with the same values), so MLA-only models
+        just recompute the step's tokens; a KDA state update is not (layers before the failure
+        already advanced it), so on hybrid models the step's sequences are re-prefilled from zero,
+        as are all sequences of a dead attention replica (their cache is gone)."""
+        by_id = {s.seq_id: s for s in self.scheduler.running}
+        redo = [s for s in self.scheduler.running if s.replica in dead_replicas]
+        for replica, chunks in enumerate(plan.chunks):
+            for c in chunks:
+                seq = by_id.get(c.seq_id)
+                if seq is None or seq in redo:
+                    continue
+                if self.cfg.kda_layers:
+                    redo.append(seq)
+                else:
+                    seq.num_cached -= len(c.token_ids)
+        self.scheduler.requeue(sorted(redo, key=self.scheduler.running.index))
+
+    def heal(self) -> None:
+        """Replace the actors still missing after a failure; raises NoCapacity while there is no room."""
+        if self.unrecovered is None:
+            return
+        change = self.workers.recover(self.unrecovered)
+        self.unrecovered = None
+        self.changes.append(change)
+        self.stats.observe_epoch(change.epoch, change.pause_s)
 
     # ---- epoch changes ------------------------------------------------------------------------
     def begin_scale_experts(self, n: int) -> Transition:
@@ -260,4 +315,4 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.has_work:
             self.step()
-        return [self.requests.pop(i).seq for i in ids]
+        return [self.release(i).seq for i in ids]

@@ -85,6 +85,15 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} needs {need} cache blocks; a replica has {self.blocks[0].num_blocks}")
         self.waiting.append(seq)
 
+    def requeue(self, seqs: list[Seq]) -> None:
+        """Back to the front of the queue, in order, for a full re-prefill from prompt plus generated
+        tokens (their replica died, or a failed step left their KDA state half-advanced)."""
+        for seq in reversed(seqs):
+            if seq in self.running:
+                self.running.remove(seq)
+                self._free(seq)
+                self.waiting.appendleft(seq)
+
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         if seq in self.running:

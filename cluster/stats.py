@@ -39,6 +39,8 @@ class EngineStats:
     actor_tokens_total: list[int] = field(default_factory=list)  # per expert actor index, over all epochs
     actor_window: deque = field(default_factory=lambda: deque(maxlen=4096))  # (epoch, [layers, actors]) per step
     epoch_pauses: list = field(default_factory=list)  # (epoch, pause seconds) per epoch change
+    actor_failures: dict = field(default_factory=dict)  # actor kind → failures seen
+    recoveries: list = field(default_factory=list)  # seconds from a failed step to the recovered cluster
     # since the current epoch began, [layers, expert actors, local slots]: rows the attention workers sent
     # to each physical slot, and rows the expert workers computed there (a replica's copies counted apart)
     epoch: int = -1
@@ -104,6 +106,16 @@ class EngineStats:
         load = torch.stack(rows).sum(0).double()  # [layers, actors]
         mean = load.mean(1)
         return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(1).values, mean)]
+
+    def observe_failure(self, kind: str) -> None:
+        self.actor_failures[kind] = self.actor_failures.get(kind, 0) + 1
+        for fn in self.listeners:
+            fn("failure", kind=kind)
+
+    def observe_recovery(self, seconds: float) -> None:
+        self.recoveries.append(seconds)
+        for fn in self.listeners:
+            fn("recovery", seconds=seconds)
 
     def observe_epoch(self, epoch: int, pause_s: float) -> None:
         self.epoch_pauses.append((epoch, pause_s))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
+from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -215,7 +216,19 @@ def _wait_created(pg, deadline: float) -> bool:
         time.sleep(0.1)
 
 
-def reserve(spec: ClusterSpec, *, timeout_s: float = 60) -> Reservation:
+def remove_orphans(owner: str) -> int:
+    """Remove the placement groups named ``owner/...`` left by an earlier incarnation of the same
+    owner (a Serve replica that died: its actors die with it, its placement groups do not). Returns
+    how many were removed. Only for an owner that holds no reservation of its own yet."""
+    removed = 0
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(f"{owner}/") and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed
+
+
+def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "") -> Reservation:
     """Reserve every attention and expert bundle of `spec` in one placement group (all or none).
 
     Needs a connected driver (`ray.init(address=...)`). Raises ValueError for `*_nodes` that
@@ -238,7 +251,7 @@ def reserve(spec: ClusterSpec, *, timeout_s: float = 60) -> Reservation:
         plan = plan_bundles(spec, nodes)
     if None not in plan:
         selectors = [{NODE_ID_LABEL: node_id} for node_id in plan]
-        pg = placement_group(spec.bundles, strategy="PACK", bundle_label_selector=selectors)
+        pg = placement_group(spec.bundles, strategy="PACK", bundle_label_selector=selectors, name=name)
         if _wait_created(pg, deadline):
             return Reservation(spec, pg)
         remove_placement_group(pg)

@@ -32,11 +32,24 @@ from actors.router import Proposal
 from model.config import ModelConfig
 
 from .config import EngineConfig
-from .topology import ClusterSpec, Kind, Reservation, reserve
+from .topology import ClusterSpec, Kind, Reservation, ReservationTimeoutError, remove_orphans, reserve
 
 
 class EngineError(RuntimeError):
     """The cluster failed: an actor died, a collective timed out, or a step got no answer."""
+
+
+class StepFailed(EngineError):
+    """A step failed. ``dead``: the members that died or never answered (to replace); the others
+    answered, possibly with an exchange error, and only need a new process group."""
+
+    def __init__(self, message: str, dead: list[tuple[str, int]]):
+        super().__init__(message)
+        self.dead = dead  # (kind, index) with kind "attention" or "expert"
+
+
+class NoCapacity(EngineError):
+    """Recovery needs a replacement actor that the cluster has no room for right now."""
 
 
 @dataclass
@@ -112,7 +125,9 @@ class WorkerGroup:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         c, spec = self.config, self.spec
-        res = reserve(spec, timeout_s=c.start_timeout_s)
+        if c.owner:
+            remove_orphans(c.owner)
+        res = self._reserve(spec, c.start_timeout_s)
         self.reservations.append(res)
         try:
             self.router = RemoteRouter.remote(self.cfg.n_routed_experts, self.cfg.moe_layers,
@@ -146,10 +161,36 @@ class WorkerGroup:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, step_no: int, reqs: list[StepRequest]) -> tuple[list, list]:
+        """One Ray call per actor. Raises :class:`StepFailed` naming the dead (or stuck) actors
+        once every actor has answered or been given up on."""
         refs = [m.actor.step.remote(r) for m, r in zip(self.attention, reqs)]
         refs += [m.actor.step.remote(step_no) for m in self.experts]
-        results = self._get(refs, self.config.step_timeout_s, f"step {step_no}")
+        try:
+            results = ray.get(refs, timeout=self.config.step_timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise self._failure(step_no, refs, e) from None
         return results[: len(self.attention)], results[len(self.attention):]
+
+    def _failure(self, step_no: int, refs: list, first: Exception) -> StepFailed:
+        """Wait (bounded by the collective timeout) until every actor of the failed step answered:
+        an actor that died, or still has not answered, is to be replaced."""
+        names = _names(len(self.attention), len(self.experts))
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.collective_timeout_s + 5)
+        dead, causes = [], []
+        for name, ref in zip(names, refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                dead.append(name)
+                causes.append(f"{name} did not answer")
+            except ray.exceptions.RayActorError:
+                dead.append(name)
+                causes.append(f"{name} died")
+            except ray.exceptions.RayTaskError as e:
+                causes.append(f"{name}: {str(e.cause if e.cause is not None else e).splitlines()[0]}")
+        kinds = [("attention" if n.startswith("attention") else "expert", int(n.split("[")[1][:-1])) for n in dead]
+        detail = "; ".join(causes[:4]) or str(first).splitlines()[0]
+        return StepFailed(f"step {step_no} failed: {detail}", kinds)
 
     def report(self, expert_tokens: list[list[int]]) -> None:
         self.router.report.remote(expert_tokens)  # fire and forget: off the hot path
@@ -240,6 +281,51 @@ class WorkerGroup:
         except Exception:  # noqa: BLE001 — the router is gone too; shutdown follows
             pass
 
+    # ---- recovery ----------------------------------------------------------------------------
+    def recover(self, dead: list[tuple[str, int]], *, reserve_timeout_s: float = 10.0) -> EpochChange:
+        """A recovery epoch (an epoch change nobody asked for): the same shape and placement, each
+        dead actor replaced at its index — in its own bundle while its node lives, else in a new
+        reservation on a node with room (:class:`NoCapacity` when there is none) — and every actor
+        in a new process group. Survivors keep their weights, caches and KDA state."""
+        t0 = time.monotonic()
+        old = self.table
+        proposal = self._get(self.router.propose.remote(), self.config.step_timeout_s, "the recovery table")
+        table = proposal.table
+        attention, experts = list(self.attention), list(self.experts)
+        made: list[Member] = []
+        try:
+            for kind, i in sorted(set(dead)):
+                members = attention if kind == "attention" else experts
+                _kill(members[i].actor)
+                home = members[i].home if _node_alive(members[i].home) else self._fresh_home(kind, reserve_timeout_s)
+                members[i] = (self._new_attention if kind == "attention" else self._new_expert)(home, table, i)
+                made.append(members[i])
+            self._get([m.actor.node_id.remote() for m in made], self.config.start_timeout_s, "starting replacements")
+            t1 = time.monotonic()
+            self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
+            regroup = time.monotonic() - t1
+        except BaseException:
+            for m in made:
+                _kill(m.actor)
+            self.router.abort.remote(table.epoch)
+            raise
+        self.attention, self.experts = attention, experts
+        self.table = self._get(self.router.commit.remote(table.epoch), self.config.step_timeout_s, "publishing")
+        self._release_unused()
+        took = time.monotonic() - t0
+        return EpochChange(table.epoch, "recovery", old.shape(), table.shape(), took, regroup, 0.0,
+                           sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values()))
+
+    def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:
+        spec = dataclasses.replace(self.spec, attention=1 if kind == "attention" else 0,
+                                   experts=1 if kind == "expert" else 0)
+        try:
+            res = self._reserve(spec, timeout_s)
+        except (ReservationTimeoutError, ValueError) as e:  # ValueError: a pinned node is gone
+            raise NoCapacity(f"no node has room for a replacement {kind} actor: {str(e).splitlines()[0]}") from None
+        self.reservations.append(res)
+        return Home(res, kind, 0)
+
     # ---- helpers -------------------------------------------------------------------------------
     def _homes(self, kind: Kind, count: int, t: Transition) -> list[Home]:
         """``count`` bundles for new actors of ``kind``: spare ones first, then one new reservation."""
@@ -254,13 +340,17 @@ class WorkerGroup:
         spec = dataclasses.replace(self.spec, attention=more if kind == "attention" else 0,
                                    experts=more if kind == "expert" else 0)
         try:
-            res = reserve(spec, timeout_s=self.config.start_timeout_s)
+            res = self._reserve(spec, self.config.start_timeout_s)
         except BaseException:
             self.spare += reuse
             raise
         self.reservations.append(res)
         t.reservations.append(res)
         return reuse + [Home(res, kind, i) for i in range(more)]
+
+    def _reserve(self, spec: ClusterSpec, timeout_s: float) -> Reservation:
+        name = f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
+        return reserve(spec, timeout_s=timeout_s, name=name)
 
     def _release_unused(self) -> None:
         """Release reservations none of whose bundles hold a live actor any more."""
@@ -311,6 +401,11 @@ class WorkerGroup:
 
 def _names(num_attention: int, num_experts: int) -> list[str]:
     return [f"attention[{i}]" for i in range(num_attention)] + [f"expert[{j}]" for j in range(num_experts)]
+
+
+def _node_alive(home: Home) -> bool:
+    node = home.reservation.node_of(home.kind, home.index)
+    return any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
 
 
 def _kill(actor) -> None:

@@ -342,6 +342,42 @@ def scale_attention(
     _change("/admin/scale/attention", {"n": n}, url, api_key, as_json)
 
 
+chaos_app = typer.Typer(help="Fault injection against your own running app: a real `ray.kill` of one actor. "
+                             "The app recovers by itself; watch `moeray status` and /metrics.", no_args_is_help=True)
+app.add_typer(chaos_app, name="chaos")
+
+
+def _kill(kind: str, index: int, url: str | None, api_key: str | None) -> None:
+    from .server import call_app
+    from .settings import cache_root
+
+    out = call_app(cache_root(), "POST", "/admin/chaos", url=url, api_key=api_key,
+                   body={"kind": kind, "index": index}, timeout_s=30)
+    err.print(f"killed {out['killed']} at {out['url']}; the app recovers by itself (see `moeray status`)")
+
+
+@chaos_app.command("kill-expert")
+@user_errors
+def chaos_kill_expert(
+    index: int = typer.Argument(..., help="Which expert actor (as `moeray status` numbers them)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+):
+    """Kill expert actor INDEX."""
+    _kill("expert", index, url, api_key)
+
+
+@chaos_app.command("kill-attention")
+@user_errors
+def chaos_kill_attention(
+    index: int = typer.Argument(..., help="Which attention replica (as `moeray status` numbers them)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+):
+    """Kill attention replica INDEX."""
+    _kill("attention", index, url, api_key)
+
+
 @app.command()
 @user_errors
 def rebalance(

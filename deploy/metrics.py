@@ -137,10 +137,15 @@ class EngineMetrics:
                                         EXCHANGE_BUCKETS, ("actor",))
         self.epoch_pause = histogram("epoch_pause_seconds", "Steps paused by one epoch change (scale, rebalance).",
                                      PAUSE_BUCKETS)
+        self.recovery = histogram("recovery_seconds", "From a failed step (an actor died or a collective failed) "
+                                  "to the cluster serving again in a recovery epoch.", PAUSE_BUCKETS)
+        self.actor_failures = counter("actor_failures_total", "Actors found dead or stuck, by kind.", ("kind",))
+        for kind in ("attention", "expert"):
+            self.actor_failures.labels(model_name=self.model_name, kind=kind)
         for reason in FINISHED_REASONS:  # so rate() works before the first request of each kind
             self.request_success.labels(model_name=self.model_name, finished_reason=reason)
         for series in (self.prompt_tokens, self.generation_tokens, self.steps, self.ttft, self.itl, self.e2e,
-                       self.step_duration, self.epoch_pause):
+                       self.step_duration, self.epoch_pause, self.recovery):
             series.labels(model_name=self.model_name)
 
     # ---- engine thread -----------------------------------------------------------------------
@@ -169,6 +174,12 @@ class EngineMetrics:
 
     def _on_epoch(self, epoch: int, pause_s: float) -> None:
         self.epoch_pause.labels(model_name=self.model_name).observe(pause_s)
+
+    def _on_failure(self, kind: str) -> None:
+        self.actor_failures.labels(model_name=self.model_name, kind=kind).inc()
+
+    def _on_recovery(self, seconds: float) -> None:
+        self.recovery.labels(model_name=self.model_name).observe(seconds)
 
     def _add_expert_tokens(self, counts: list[list[int]], per_actor: list[int]) -> None:
         """counts[i][e]: tokens routed to logical expert e at the i-th MoE layer in this step.
@@ -202,7 +213,8 @@ class EngineMetrics:
         self.prompt_tokens.labels(model_name=name).inc(seq.num_prompt_tokens)
         self.request_success.labels(model_name=name, finished_reason=str(seq.finish_reason)).inc()
 
-    _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished, "epoch": _on_epoch}
+    _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished, "epoch": _on_epoch,
+                 "failure": _on_failure, "recovery": _on_recovery}
 
     # ---- scrape thread -----------------------------------------------------------------------
     def snapshot(self) -> tuple[list[list[int]], list[int], list[float]]:
