@@ -13,6 +13,7 @@ tokens with expert actors (parallelism is a transform applied afterwards).
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -140,6 +141,22 @@ class RoutedExperts(nn.Module):
         out = torch.zeros_like(x)
         out.index_add_(0, tok, y)
         return out
+
+
+def gather_experts(parts: Sequence[tuple[RoutedExperts, int]]) -> RoutedExperts:
+    """A module holding ``parts[i] = (module, local slot)`` at local slot i, reusing held weights
+    (an expert actor keeping the experts it already has across an epoch change). Works for any
+    experts module whose tensors are all stacked per expert along dim 0 (dense or quantised)."""
+    if not parts:
+        raise ValueError("gather_experts needs at least one expert")
+    first = parts[0][0]
+    out = copy.copy(first)  # shallow: then every tensor is replaced, never shared with the sources
+    out._parameters = {name: nn.Parameter(torch.cat([m._parameters[name][i : i + 1] for m, i in parts]),
+                                          requires_grad=False)
+                       for name in first._parameters}
+    out._buffers = {name: torch.cat([m._buffers[name][i : i + 1] for m, i in parts]) for name in first._buffers}
+    out.expert_ids = tuple(m.expert_ids[i] for m, i in parts)
+    return out
 
 
 class MoE(nn.Module):

@@ -19,16 +19,16 @@ def stored_sizes(path) -> dict[str, int]:
     return sizes
 
 
-def expert_checkpoint_bytes(path, lo: int, hi: int) -> int:
-    """Bytes of routed experts [lo, hi) of every MoE layer in the checkpoint (weights + scales;
-    INT4's 8-byte weight_shape is metadata, not resident)."""
+def expert_checkpoint_bytes(path, held: dict) -> int:
+    """Bytes of the routed experts ``held`` (MoE layer → logical ids) in the checkpoint (weights +
+    scales; INT4's 8-byte weight_shape is metadata, not resident)."""
     cfg = load_config(path)
     ffn = "block_sparse_moe" if cfg.family == "kimi_linear" else "mlp"
     total = 0
     for name, size in stored_sizes(path).items():
-        for layer in cfg.moe_layers:
+        for layer, ids in held.items():
             prefix = f"model.layers.{layer}.{ffn}.experts."
-            if name.startswith(prefix) and lo <= int(name[len(prefix):].split(".")[0]) < hi \
+            if name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) in set(ids) \
                     and not name.endswith("weight_shape"):
                 total += size
     return total

@@ -102,4 +102,4 @@ def test_preflight_refuses_before_reserving_on_the_local_cluster(ray_cluster, tm
     msg = str(e.value)
     assert "cannot be placed" in msg and "CPU 14" in msg and "CPU 12" in msg
     assert "a shape that fits: --attention 6 --experts 6" in msg
-    assert placement_group_table() == before and eng.reservation is None and not eng.experts
+    assert placement_group_table() == before and not eng.workers.reservations and not eng.workers.started

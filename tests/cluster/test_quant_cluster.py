@@ -32,9 +32,9 @@ def test_quantised_experts_on_2x3_equal_the_dequantised_single_process_model(ray
     try:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
         weights = eng.expert_weight_bytes()
-        ranges = [ray.get(e.shard.remote(), timeout=30) for e in eng.experts]
+        held = [ray.get(m.actor.held.remote(), timeout=30) for m in eng.workers.experts]
     finally:
         eng.shutdown()
     assert got == expect
-    assert weights == [expert_checkpoint_bytes(path, lo, hi) for lo, hi in ranges]
+    assert weights == [expert_checkpoint_bytes(path, h) for h in held]
     assert all(w > 0 for w in weights)

@@ -68,7 +68,8 @@ def test_moeray_status_json_reports_expert_weight_bytes(server, tmp_path):
     assert run.returncode == 0, run.stderr
     st = json.loads(run.stdout)
     got = [e["weight_bytes"] for e in st["experts"]]
-    expect = [expert_checkpoint_bytes(server["path"], *e["experts"]) for e in st["experts"]]
+    expect = [expert_checkpoint_bytes(server["path"], {int(l): ids for l, ids in e["slots"].items()})
+              for e in st["experts"]]
     assert got == expect and all(b > 0 for b in got)
 
 
