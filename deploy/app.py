@@ -166,6 +166,13 @@ class EngineServer:
             self.engine.shutdown()
 
 
+def _stream_error(err: Exception) -> dict:
+    """The error event that ends a stream whose engine failed (OpenAI's envelope, status 503)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return oa.error_body(503, f"the request failed while generating ({type(err).__name__}: {first}); "
+                              "retry it", code="engine_failed")
+
+
 class _Choice:
     """One choice of a request: its stream from the engine, with stop strings applied."""
 
@@ -267,7 +274,7 @@ class Ingress:
     @api.get("/health")
     async def health(self):
         try:
-            h = await asyncio.wait_for(self.engine.health.remote(), timeout=5)
+            h = await asyncio.wait_for(self.engine.health.remote(), timeout=3)  # inside a client's 5 s default
         except Exception as e:  # noqa: BLE001 — any failure to answer is "not ready"
             return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
         if not h["healthy"]:
@@ -421,13 +428,6 @@ class Ingress:
         lp = oa.completion_logprobs(sampled, self.tok) if choice.want_logprobs and sampled else None
         return oa.completion_chunk(rid, self.name, created, index=choice.index, text=text, finish_reason=finish,
                                    logprobs=lp)
-
-
-def _stream_error(err: Exception) -> dict:
-    """The error event that ends a stream whose engine failed (OpenAI's envelope, status 503)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return oa.error_body(503, f"the request failed while generating ({type(err).__name__}: {first}); "
-                              "retry it", code="engine_failed")
 
 
 def build_app(args: dict):

@@ -200,13 +200,13 @@ def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes,
 @app.command()
 @user_errors
 def up(
-    model: str = typer.Option("kimi-k2-tiny", help=MODEL_HELP),
-    attention: int = typer.Option(1, help="Attention data-parallel replicas."),
-    experts: int = typer.Option(1, help="Expert actors."),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP + " [default: kimi-k2-tiny]"),
+    attention: Optional[int] = typer.Option(None, help="Attention data-parallel replicas. [default: 1]"),
+    experts: Optional[int] = typer.Option(None, help="Expert actors. [default: 1]"),
     nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine (default: 1)."),
     address: Optional[str] = typer.Option(None, help="Serve on the existing Ray cluster at ADDR."),
-    host: str = typer.Option("127.0.0.1", help="HTTP host."),
-    port: int = typer.Option(8000, help="HTTP port."),
+    host: Optional[str] = typer.Option(None, help="HTTP host. [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="HTTP port. [default: 8000]"),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but /health."),
     config: Optional[Path] = typer.Option(None, help="A YAML serving config (flags given here override it)."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
@@ -217,7 +217,8 @@ def up(
     from .server import serve_foreground, start_detached
     from .settings import cache_root
 
-    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key)
+    given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key)
+    flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     root = cache_root()
     if detach:
