@@ -84,3 +84,8 @@ class EngineStats:
         self.prompt_tokens += seq.num_prompt_tokens
         for fn in self.listeners:
             fn("finished", seconds=seconds, seq=seq)
+
+    def observe_epoch(self, epoch: int, pause_s: float) -> None:
+        """A placement-epoch change took effect after serving paused for ``pause_s`` seconds."""
+        for fn in self.listeners:
+            fn("epoch", epoch=epoch, pause_s=pause_s)
