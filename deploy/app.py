@@ -53,7 +53,8 @@ class EngineServer:
                          max_tokens_per_step=cfg.max_tokens_per_step),
             cfg.cluster_spec(), stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
-        self.metrics = EngineMetrics(self.engine, self.name)
+        self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
+                                     expert_metrics=cfg.expert_metrics)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams):
         if self.aengine.num_waiting >= self.max_queue:
@@ -74,6 +75,9 @@ class EngineServer:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def experts(self) -> dict:
+        return self.metrics.expert_distribution()
 
     def health(self) -> dict:
         return {"healthy": self.aengine.healthy, "error": None if self.aengine.error is None else str(self.aengine.error)}
@@ -229,6 +233,12 @@ class Ingress:
     async def status(self, request: Request):
         self._auth(request)
         return await self._ask_engine(self.engine.status, "/status")
+
+    @api.get("/admin/experts")
+    async def experts(self, request: Request):
+        """The full token distribution over (MoE layer, logical expert), as JSON."""
+        self._auth(request)
+        return await self._ask_engine(self.engine.experts, "/admin/experts")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

@@ -209,6 +209,10 @@ def up(
     port: int = typer.Option(8000, help="HTTP port."),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but /health."),
     config: Optional[Path] = typer.Option(None, help="A YAML serving config (flags given here override it)."),
+    metrics_prefix: Optional[str] = typer.Option(None, help="moeray (default) or vllm: serve the serving series "
+                                                            "under vLLM's names, for vLLM's dashboards."),
+    expert_metrics: Optional[str] = typer.Option(None, help="summary (default) or full: also export the "
+                                                            "per-(layer, expert) token counter."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
@@ -217,8 +221,10 @@ def up(
     from .server import serve_foreground, start_detached
     from .settings import cache_root
 
-    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key)
-    cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
+    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
+                 metrics_prefix=metrics_prefix, expert_metrics=expert_metrics)
+    cfg = (ServeConfig.from_yaml(config, **flags) if config
+           else ServeConfig.parse({k: v for k, v in flags.items() if v is not None}, where="moeray up"))
     root = cache_root()
     if detach:
         argv = [a for a in sys.argv[2:] if a != "--detach"]
@@ -268,6 +274,34 @@ def status(
     for e in st["experts"]:
         t.add_row(f"expert[{e['index']}]", e["node"], f"experts [{e['experts'][0]}, {e['experts'][1]}), "
                                                        f"{e['tokens']:,} tokens")
+    out.print(t)
+
+
+@app.command()
+@user_errors
+def experts(
+    api_key: Optional[str] = typer.Option(None, help="API key, if the server needs one."),
+    url: Optional[str] = typer.Option(None, help="The server's base URL (default: the one `moeray up` started)."),
+    top: int = typer.Option(4, min=1, help="Hottest experts shown per MoE layer."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full distribution (every layer and expert)."),
+):
+    """Tokens routed to each expert of each MoE layer (GET /admin/experts of the running server)."""
+    from rich.table import Table
+
+    from .server import fetch_app_json
+    from .settings import cache_root
+
+    d = fetch_app_json(cache_root(), "/admin/experts", api_key, url=url)
+    if as_json:
+        print(json.dumps(d))
+        return
+    out = Console()
+    out.print(f"{d['model']} at {d['url']}: epoch {d['epoch']}, {d['steps_in_window']} of the last "
+              f"{d['window_steps']} steps in the window; tokens per expert actor {d['expert_actor_tokens_total']}")
+    t = Table("layer", "imbalance (max/mean)", f"hottest {top} (expert: tokens in window)", "tokens total")
+    for layer, row, imb, total in zip(d["moe_layers"], d["tokens_window"], d["imbalance_window"], d["tokens_total"]):
+        hot = sorted(range(len(row)), key=lambda e: (-row[e], e))[:top]
+        t.add_row(str(layer), f"{imb:.2f}", ", ".join(f"{e}: {row[e]:,}" for e in hot if row[e]), f"{sum(total):,}")
     out.print(t)
 
 

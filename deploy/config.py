@@ -29,6 +29,10 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
+    metrics_prefix: Literal["moeray", "vllm"] = Field(
+        "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
+    expert_metrics: Literal["summary", "full"] = Field(
+        "summary", description="full: also the per-(layer, expert) token counter (~23k series for K2).")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "ServeConfig":

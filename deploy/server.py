@@ -187,3 +187,25 @@ def fetch_status(root: Path, api_key: str | None) -> dict:
     if r.status_code != 200:
         raise ValueError(f"the server at {state['url']} answered {r.status_code}: {r.text[:300]}")
     return {"url": state["url"], **r.json()}
+
+
+def fetch_app_json(root: Path, route: str, api_key: str | None, *, url: str | None = None,
+                   timeout_s: float = 30) -> dict:
+    """GET ``route`` of the server at ``url``, else of the one `moeray up` started; ``url`` is added."""
+    if url is None:
+        state = read_state(root)
+        if state is None:
+            raise ValueError("no server started by `moeray up` is running; start one with `moeray up`, "
+                             "or pass --url")
+        url = state["url"]
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}{route}", headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ValueError(f"the server at {url} did not answer: {e}") from None
+    if r.status_code == 401:
+        raise ValueError("the server needs an API key: pass --api-key")
+    if r.status_code != 200:
+        raise ValueError(f"the server at {url} answered {r.status_code} on {route}: {r.text[:300]}")
+    return {"url": url, **r.json()}
