@@ -406,3 +406,23 @@ def test_moeray_prefix_names_every_vllm_counterpart(metrics):
         for s in fams[ours].samples:
             assert set(s.labels) - {"le"} == labels - {"engine"}, (ours, s.labels)
 
+
+
+def test_serving_config_and_moeray_up_carry_the_metrics_fields(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from deploy.config import ServeConfig
+
+    cfg = ServeConfig.parse({"metrics_prefix": "vllm", "expert_metrics": "full"})
+    assert (cfg.metrics_prefix, cfg.expert_metrics) == ("vllm", "full")
+    assert (ServeConfig().metrics_prefix, ServeConfig().expert_metrics) == ("moeray", "summary")
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        ServeConfig.parse({"metrics_prefix": "sglang"})
+    (tmp_path / "c.yaml").write_text("expert_metrics: full\n")
+    assert ServeConfig.from_yaml(tmp_path / "c.yaml", metrics_prefix="vllm").expert_metrics == "full"
+    env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--metrics-prefix", "sglang"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "metrics_prefix" in out.stderr, out.stderr  # refused before anything starts

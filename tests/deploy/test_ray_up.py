@@ -8,7 +8,7 @@ scraping the app and both nodes' Ray metrics ports (every dashboard query names 
 What is rewritten for the test, and why, is in rayup.py (addresses, ports, the throwaway login, the
 install step); everything else runs as shipped. It needs root, openssh-server and rsync, which .ci/run
 installs; when they are missing it fails — never skips. Tests run in file order; the last one is the
-teardown under test. Bounded: ~2-3 min on a 2-core machine.
+teardown under test. Bounded: ~2-3 min on an idle 2-core machine (more when other work shares the cores).
 """
 
 import shutil
@@ -54,6 +54,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _ray_up(c: RayUpCluster, *flags: str) -> None:
+    up = c.ray("up", "-y", "--no-config-cache", *flags, str(c.cluster_yaml), timeout=300)
+    assert up.returncode == 0, f"ray up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = RayUpCluster()  # raises (the test errors, never skips) when sshd / rsync / root are missing
@@ -62,16 +67,21 @@ def cluster():
         serve_cfg = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
         serve_cfg["http_options"]["port"] = c.serve_port  # the only change: a free port
         c.prepare(serve_cfg)
-        up = c.ray("up", "-y", "--no-config-cache", str(c.cluster_yaml), timeout=300)
-        assert up.returncode == 0, f"ray up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
-        _wait("the worker's Ray node (its metrics port)", lambda: _listening(WORKER_IP, c.metrics_worker), 180)
-        _wait("2 alive Ray nodes", lambda: _alive_nodes(c) == 2, 180, every_s=2)
+        _ray_up(c)
+        try:
+            _wait("2 alive Ray nodes", lambda: _alive_nodes(c) == 2, 120, every_s=2)
+        except AssertionError:
+            # Ray gives a starting raylet 30 s (hard-coded); on an overloaded machine the worker can miss
+            # it, and the autoscaler then leaves it "update-failed". One restart, as an operator would do.
+            _ray_up(c, "--restart-only")
+            _wait("2 alive Ray nodes (after one `ray up --restart-only`)", lambda: _alive_nodes(c) == 2, 150,
+                  every_s=2)
         # as deploy/ray-cluster-local.yaml documents it (the dashboard port is the rewritten one)
         dep = c.exec_on_head(f"cd ~/moeray && serve deploy ~/serve_config.yaml -a http://127.0.0.1:{c.dash_port}",
                              timeout=180)
         assert dep.returncode == 0, f"serve deploy failed:\n{dep.stdout[-3000:]}\n{dep.stderr[-3000:]}"
         c.url = f"http://{HEAD_IP}:{c.serve_port}"
-        _wait("the app's /health through the head's proxy", lambda: _healthy(c.url), 300)
+        _wait("the app's /health through the head's proxy", lambda: _healthy(c.url), 240)
         yield c
     finally:
         if not c.downed:
