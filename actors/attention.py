@@ -3,7 +3,8 @@
 Owns: the embedding, every layer's attention (MLA, KDA), norms, gates, shared experts, dense
 layers and the lm_head — but no routed experts; the paged latent cache and KDA slots of the
 sequences the engine pinned here. Sampling is stateless (seeds derive from the request's seed and
-the context length), so nothing else per sequence lives here.
+the context length), so nothing else per sequence lives here. An epoch change (:meth:`enter_epoch`)
+swaps the process group and the dispatch table only.
 Never: decides which sequences run, which blocks or slots they use (the engine's scheduler does
 and sends them in :class:`~actors.messages.SeqChunk`), or talks to Ray per layer — MoE layers
 exchange tokens with the expert actors through the process group.
@@ -41,7 +42,7 @@ class AttentionWorker:
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device)
         self.moe_layers = sorted(self.model.moe_blocks())
-        self.dispatcher: DistDispatcher | None = None
+        self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
 
     # ---- control plane -----------------------------------------------------------------
     def node_id(self) -> str:
@@ -60,11 +61,16 @@ class AttentionWorker:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
-    def init_group(self, info: GroupInfo) -> None:
-        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=self.index,
-                                world_size=info.world_size, timeout=timedelta(seconds=info.timeout_s))
-        self.dispatcher = DistDispatcher(self.name, self.table, info.num_attention, self.cfg.expert_hidden_size,
-                                         self.dtype, device=self.device)
+    def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
+        """Leave the old process group and join the epoch's as attention rank ``index``, dispatching
+        by the epoch's table. The cache and KDA state are untouched."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.index, self.name, self.table = index, f"attention[{index}]", table
+        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=index,
+                                world_size=table.world_size, timeout=timedelta(seconds=info.timeout_s))
+        self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
+                                         device=self.device)
         for layer, moe in self.model.moe_blocks().items():
             moe.routed = self.dispatcher.for_layer(layer)
 
@@ -75,23 +81,26 @@ class AttentionWorker:
     # ---- data plane ----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, req: StepRequest) -> StepResult:
-        if self.dispatcher is not None:
-            self.dispatcher.begin_step(req.step)
+        d = self.dispatcher
+        assert d is not None, f"{self.name}: step before enter_epoch"
+        if req.epoch != self.table.epoch:
+            raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
+                               f"epoch {self.table.epoch}")
+        d.begin_step(req.step)
         t0 = time.perf_counter()
         tokens = self._run(req.chunks) if req.chunks else self._idle()
-        counts = ()
-        if self.dispatcher is not None and req.chunks:
-            counts = tuple(tuple(self.dispatcher.expert_tokens[l].tolist()) for l in self.moe_layers)
-        d = self.dispatcher
-        return StepResult(step=req.step, actor=self.name, tokens=tokens, expert_tokens=counts,
-                          forward_s=time.perf_counter() - t0, exchange_s=d.exchange_s if d else 0.0,
-                          dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"] if d else 0.0,
-                          combine_s=d.phase_s["combine"] if d else 0.0)
+        counts = slots = ()
+        if req.chunks:  # one host sync for the whole step's statistics
+            counts = tuple(map(tuple, torch.stack([d.expert_tokens[l] for l in self.moe_layers]).tolist()))
+            slots = tuple(tuple(map(tuple, per_layer))
+                          for per_layer in torch.stack([d.slot_tokens[l] for l in self.moe_layers]).tolist())
+        return StepResult(step=req.step, actor=self.name, tokens=tokens, expert_tokens=counts, slot_tokens=slots,
+                          forward_s=time.perf_counter() - t0, exchange_s=d.exchange_s,
+                          dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"])
 
     def _idle(self) -> tuple:
-        if self.dispatcher is not None:
-            for layer in self.moe_layers:
-                self.dispatcher.idle(layer)
+        for layer in self.moe_layers:
+            self.dispatcher.idle(layer)
         return ()
 
     def _run(self, chunks: tuple[SeqChunk, ...]) -> tuple[SampledToken, ...]:

@@ -1,11 +1,15 @@
-"""ExpertWorker: the routed experts ``[lo, hi)`` of every MoE layer (expert parallelism).
+"""ExpertWorker: some routed experts of every MoE layer (expert parallelism), as its epoch's
+placement table assigns them — a contiguous shard, or any set with replicas of hot experts.
 
-Owns: those experts' weights, read lazily from the checkpoint — only their bytes.
-Never: holds attention, caches or any per-sequence state (stateless across steps: it can be
-restarted or moved and only reloads weights), or takes Ray calls per layer — one ``step`` call
-serves every MoE layer's exchange through the process group.
+Owns: those experts' weights, read lazily from the checkpoint (only their bytes), and the weights
+staged for the next epoch. Never: holds attention, caches or any per-sequence state (stateless
+across steps: it can be restarted or moved and only reloads weights), or takes Ray calls per layer
+— one ``step`` call serves every MoE layer's exchange through the epoch's process group.
 
-A plain class: :mod:`actors.remote` makes it a Ray actor.
+An epoch change comes in two calls: :meth:`prepare` (in the actor's ``control`` concurrency group,
+so steps go on meanwhile) stages the experts of the new slots — kept ones are reused, missing
+ones read from the checkpoint — and :meth:`enter_epoch` (at the engine's step boundary) swaps them
+in and joins the new process group. A plain class: :mod:`actors.remote` makes it a Ray actor.
 """
 
 from __future__ import annotations
@@ -16,12 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from model.checkpoint import read_checkpoint
 from model.config import load_config
-from model.layers import glu_activation
-from model.loader import parse_dtype
-from model.model import experts_prefix, fill_experts
-from model.moe import RoutedExperts
+from model.loader import load_routed_experts, parse_dtype
+from model.moe import RoutedExperts, gather_experts
 
 from .dispatch import ExpertExchange
 from .messages import ExpertStepResult, GroupInfo, PlacementTable
@@ -32,21 +33,13 @@ class ExpertWorker:
                  threads: int | None = 1):
         if threads:
             torch.set_num_threads(threads)
-        self.index, self.name, self.table = index, f"expert[{index}]", table
-        cfg = load_config(model_path)
-        self.cfg, self.lo, self.hi = cfg, *table.ranges[index]
-        dt = parse_dtype(dtype)
+        self.path, self.index, self.name, self.table = model_path, index, f"expert[{index}]", table
+        self.cfg = load_config(model_path)
+        self.dtype = parse_dtype(dtype)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the GPU Ray assigned, if any
-        tensors = read_checkpoint(model_path, cfg, experts=range(self.lo, self.hi), include_non_expert=False,
-                                  dtype=dt, progress=False)
-        act = glu_activation(cfg)
-        self.experts: dict[int, RoutedExperts] = {}
-        for layer in cfg.moe_layers:
-            with torch.device("meta"):
-                ex = RoutedExperts(cfg.expert_hidden_size, cfg.moe_intermediate_size, self.lo, self.hi, act)
-            ex = ex.to_empty(device=self.device).to(dt)
-            fill_experts(ex, cfg, experts_prefix(cfg, layer), tensors)
-            self.experts[layer] = ex.eval()
+        self.experts = load_routed_experts(model_path, self.cfg, table.experts_of(index), dtype=self.dtype,
+                                           device=self.device)
+        self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
         self.exchange: ExpertExchange | None = None
 
     # ---- control plane -------------------------------------------------------------------
@@ -55,11 +48,12 @@ class ExpertWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def shard(self) -> tuple[int, int]:
-        return self.lo, self.hi
+    def held(self) -> dict[int, tuple[int, ...]]:
+        """MoE layer → the logical experts in this actor's physical slots."""
+        return {layer: ex.expert_ids for layer, ex in self.experts.items()}
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for ex in self.experts.values() for p in ex.parameters())
+        return sum(ex.weight_bytes() for ex in self.experts.values())
 
     def resident_bytes(self) -> int:
         """This process's resident set size (VmRSS)."""
@@ -69,11 +63,36 @@ class ExpertWorker:
                     return int(line.split()[1]) * 1024
         return 0
 
-    def init_group(self, info: GroupInfo) -> None:
-        rank = info.num_attention + self.index
-        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=rank,
-                                world_size=info.world_size, timeout=timedelta(seconds=info.timeout_s))
-        self.exchange = ExpertExchange(self.name, self.table, info.num_attention)
+    def prepare(self, table: PlacementTable, index: int) -> int:
+        """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
+        checkpoint (the rest are reused from what this actor holds)."""
+        want = table.experts_of(index)
+        missing = {layer: [e for e in ids if e not in self.experts[layer].expert_ids] for layer, ids in want.items()}
+        missing = {layer: ids for layer, ids in missing.items() if ids}
+        fresh = load_routed_experts(self.path, self.cfg, missing, dtype=self.dtype, device=self.device)
+        staged = {}
+        for layer, ids in want.items():
+            old, new = self.experts[layer], fresh.get(layer)
+            parts = [(old, old.expert_ids.index(e)) if e in old.expert_ids else (new, new.expert_ids.index(e))
+                     for e in ids]
+            staged[layer] = gather_experts(parts)
+        self.staged = (table.epoch, index, staged)
+        return sum(len(ids) for ids in missing.values())
+
+    def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
+        """Leave the old process group, hold the new slots, join the epoch's group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if table.experts_of(index) != self.held():
+            if self.staged is None or self.staged[:2] != (table.epoch, index):
+                self.prepare(table, index)
+            self.experts = self.staged[2]
+        self.staged = None
+        self.index, self.name, self.table = index, f"expert[{index}]", table
+        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}",
+                                rank=table.num_attention + index, world_size=table.world_size,
+                                timeout=timedelta(seconds=info.timeout_s))
+        self.exchange = ExpertExchange(self.name, table, device=self.device)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -83,12 +102,16 @@ class ExpertWorker:
     @torch.no_grad()
     def step(self, step: int) -> ExpertStepResult:
         """Serve every MoE layer's exchange of one engine step, in layer order."""
-        assert self.exchange is not None, f"{self.name}: step before init_group"
+        assert self.exchange is not None, f"{self.name}: step before enter_epoch"
         self.exchange.reset_timers(step)
         t0 = time.perf_counter()
-        rows = tuple(self.exchange.serve(layer, ex) for layer, ex in self.experts.items())
+        hidden = self.cfg.expert_hidden_size
+        per_slot = [self.exchange.serve(layer, self.experts[layer], hidden, self.dtype)
+                    for layer in self.table.moe_layers]
         total = time.perf_counter() - t0
         ph = self.exchange.phase_s
-        return ExpertStepResult(step=step, actor=self.name, rows_per_layer=rows,
+        slots = torch.stack(per_slot).tolist() if per_slot else []
+        return ExpertStepResult(step=step, actor=self.name, rows_per_layer=tuple(sum(r) for r in slots),
+                                rows_per_slot=tuple(tuple(r) for r in slots),
                                 compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s,
                                 dispatch_s=ph["counts"] + ph["dispatch"], combine_s=ph["combine"])

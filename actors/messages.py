@@ -4,50 +4,84 @@ does — it moves through the process group (see :mod:`actors.dispatch`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from model.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class PlacementTable:
-    """Where every logical expert lives, for one epoch. Created by the Router; read by attention
-    workers (to dispatch) and expert workers (to know their shard).
+    """The shape of one epoch: where every logical expert lives, per MoE layer. Built only by the
+    Router (:mod:`actors.router`); read by the engine, attention workers (to dispatch) and expert
+    workers (to know which experts to hold).
 
-    Expert actor ``j`` owns the contiguous logical experts ``ranges[j] = (lo, hi)``; the physical
-    slot of logical expert e is (actor j, local index e - lo)."""
+    ``slots[i][j]`` are the logical experts in expert actor j's physical slots at the i-th MoE layer
+    (``moe_layers[i]``), in local-slot order. A logical expert has one or more copies per layer
+    (replicas of hot experts); an actor never holds two copies of one expert in one layer. The
+    process group of the epoch is ``num_attention`` attention ranks, then the expert actors."""
 
     epoch: int
     num_experts: int
-    ranges: tuple[tuple[int, int], ...]
+    num_attention: int
+    moe_layers: tuple[int, ...]
+    slots: tuple[tuple[tuple[int, ...], ...], ...]
 
-    @staticmethod
-    def even(num_experts: int, num_actors: int, epoch: int = 0) -> PlacementTable:
-        """Contiguous shards as equal as possible (the first ``num_experts % num_actors`` get one more)."""
-        if not 1 <= num_actors <= num_experts:
-            raise ValueError(f"expert actors must be in 1..{num_experts} (the routed experts), got {num_actors}")
-        base, extra = divmod(num_experts, num_actors)
-        ranges, lo = [], 0
-        for j in range(num_actors):
-            hi = lo + base + (1 if j < extra else 0)
-            ranges.append((lo, hi))
-            lo = hi
-        return PlacementTable(epoch, num_experts, tuple(ranges))
+    def __post_init__(self):
+        if len(self.slots) != len(self.moe_layers) or not self.slots:
+            raise ValueError(f"placement: {len(self.slots)} slot layouts for {len(self.moe_layers)} MoE layers")
+        if self.num_attention < 1:
+            raise ValueError(f"placement: num_attention must be >= 1, got {self.num_attention}")
+        for layer, per_actor in zip(self.moe_layers, self.slots):
+            if len(per_actor) != len(self.slots[0]) or not per_actor:
+                raise ValueError(f"placement: MoE layer {layer} has {len(per_actor)} expert actors, "
+                                 f"layer {self.moe_layers[0]} has {len(self.slots[0])}")
+            held = [e for ids in per_actor for e in ids]
+            if set(held) != set(range(self.num_experts)):
+                missing = sorted(set(range(self.num_experts)) - set(held))
+                raise ValueError(f"placement: MoE layer {layer} leaves logical experts {missing[:8]} without a "
+                                 f"slot (or names ids outside 0..{self.num_experts - 1})")
+            for j, ids in enumerate(per_actor):
+                if len(set(ids)) != len(ids):
+                    raise ValueError(f"placement: expert actor {j} holds one expert twice in MoE layer {layer}")
 
     @property
     def num_actors(self) -> int:
-        return len(self.ranges)
+        return len(self.slots[0])
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention + self.num_actors
 
     @property
     def max_local(self) -> int:
-        return max(hi - lo for lo, hi in self.ranges)
+        """The most physical slots any expert actor has in any layer."""
+        return max(len(ids) for per_actor in self.slots for ids in per_actor)
 
-    def owner(self) -> list[tuple[int, int]]:
-        """logical expert → (expert actor, local slot)."""
-        out = []
-        for j, (lo, hi) in enumerate(self.ranges):
-            out.extend((j, e - lo) for e in range(lo, hi))
+    def layer_index(self, layer: int) -> int:
+        return self.moe_layers.index(layer)
+
+    def experts_of(self, actor: int) -> dict[int, tuple[int, ...]]:
+        """MoE layer → the logical experts expert actor ``actor`` holds, in local-slot order."""
+        return {layer: per_actor[actor] for layer, per_actor in zip(self.moe_layers, self.slots)}
+
+    def copies(self, layer_index: int) -> list[list[tuple[int, int]]]:
+        """logical expert → its copies as (expert actor, local slot), at the i-th MoE layer."""
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.num_experts)]
+        for j, ids in enumerate(self.slots[layer_index]):
+            for local, e in enumerate(ids):
+                out[e].append((j, local))
         return out
+
+    def replicated(self, layer_index: int) -> list[int]:
+        """Logical experts with more than one copy at the i-th MoE layer."""
+        return [e for e, c in enumerate(self.copies(layer_index)) if len(c) > 1]
+
+    def num_physical(self) -> int:
+        """Physical expert slots over all actors, per layer (the largest layer)."""
+        return max(sum(len(ids) for ids in per_actor) for per_actor in self.slots)
+
+    def shape(self) -> str:
+        return f"{self.num_attention} attention × {self.num_actors} expert actors"
 
 
 @dataclass(frozen=True)
@@ -87,12 +121,14 @@ class SampledToken:
 @dataclass(frozen=True)
 class StepResult:
     """Attention worker → engine. ``expert_tokens[i][e]``: tokens this worker routed to logical
-    expert e at its i-th MoE layer in this step."""
+    expert e at the i-th MoE layer in this step; ``slot_tokens[i][j][s]``: the rows it sent to
+    expert actor j's local slot s there (a replicated expert's copies counted apart)."""
 
     step: int
     actor: str
     tokens: tuple[SampledToken, ...] = ()
     expert_tokens: tuple[tuple[int, ...], ...] = ()
+    slot_tokens: tuple[tuple[tuple[int, ...], ...], ...] = ()
     forward_s: float = 0.0
     exchange_s: float = 0.0  # time inside collectives (dispatch + combine)
     dispatch_s: float = 0.0  # counts + token rows out
@@ -101,11 +137,12 @@ class StepResult:
 
 @dataclass(frozen=True)
 class ExpertStepResult:
-    """Expert worker → engine: rows computed per MoE layer, and where the time went."""
+    """Expert worker → engine: rows computed per MoE layer (and per local slot), and where the time went."""
 
     step: int
     actor: str
     rows_per_layer: tuple[int, ...] = ()
+    rows_per_slot: tuple[tuple[int, ...], ...] = ()
     compute_s: float = 0.0
     exchange_s: float = 0.0
     dispatch_s: float = 0.0
@@ -114,13 +151,11 @@ class ExpertStepResult:
 
 @dataclass(frozen=True)
 class GroupInfo:
-    """The process group of one epoch: all attention then all expert actors."""
+    """The process group of one epoch (all attention then all expert actors; sizes in the epoch's
+    :class:`PlacementTable`): a fresh rendezvous per epoch. Created by the engine's worker group."""
 
     epoch: int
-    world_size: int
     address: str
     port: int
     backend: str = "gloo"
     timeout_s: float = 60.0
-    num_attention: int = 1
-    extra: dict = field(default_factory=dict, compare=False, hash=False)

@@ -9,5 +9,6 @@ from .expert import ExpertWorker
 from .router import Router
 
 RemoteAttention = ray.remote(max_restarts=0)(AttentionWorker)
-RemoteExpert = ray.remote(max_restarts=0)(ExpertWorker)
+# `control`: epoch preparation (staging the next slots' weights) runs beside the steps
+RemoteExpert = ray.remote(max_restarts=0, concurrency_groups={"control": 1})(ExpertWorker)
 RemoteRouter = ray.remote(num_cpus=0)(Router)

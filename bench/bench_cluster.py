@@ -129,7 +129,7 @@ def main() -> None:
                                  "moe_exchange_median_ms": round(1000 * statistics.median(per_layer), 3),
                                  "bare_a2a_one_way_median_ms": round(1000 * floor, 3)})
                     print(json.dumps(rows[-1]), flush=True)
-                mem = [(ray.get(e.resident_bytes.remote()), ray.get(e.param_bytes.remote())) for e in eng.experts]
+                mem = [(ray.get(e.resident_bytes.remote()), ray.get(e.param_bytes.remote())) for e in (m.actor for m in eng.workers.experts)]
                 for j, (rss, shard) in enumerate(mem):
                     print(json.dumps({"shape": f"{A}x{E}", "expert_actor": j, "rss_MiB": round(rss / 2**20, 1),
                                       "shard_MiB": round(shard / 2**20, 3)}), flush=True)

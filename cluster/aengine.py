@@ -4,21 +4,29 @@
 it admits submitted requests, runs steps while there is work, and hands each request's new
 tokens — detokenised incrementally — to that request's asyncio queue. A consumer that stops
 iterating (a client that disconnected) aborts its request, which frees its cache at once.
-If a step fails, every open request gets the error and the engine is marked unhealthy.
+A failed step is recovered inside the engine (dead actors replaced, the step redone), invisible to
+the streams. When recovery is impossible for now (no capacity), every open and queued request gets
+the error, new ones are refused with the reason (``unavailable``), and the thread retries the
+recovery every ``heal_every_s`` until it succeeds. Any other failure of a step is fatal: every open
+request gets the error and the engine is marked unhealthy (Serve's health check replaces it).
+Control calls (epoch changes, status) reach the engine only through this thread too
+(:meth:`AsyncEngine.control`), between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from model.sampling import SamplingParams
 from model.tokenizer import IncrementalDecoder, Tokenizer
 
-from .engine import Engine, TokenEvent
+from .engine import Engine, EpochChange, NoCapacity, TokenEvent, Transition
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, *, idle_wait_s: float = 0.05):
-        self.engine, self.tokenizer, self.idle_wait_s = engine, tokenizer, idle_wait_s
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, *, idle_wait_s: float = 0.05,
+                 heal_every_s: float = 2.0):
+        self.engine, self.tokenizer, self.idle_wait_s, self.heal_every_s = engine, tokenizer, idle_wait_s, heal_every_s
+        self.unavailable: str | None = None  # why new requests are refused (no capacity to recover), or None
+        self._next_heal = 0.0
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
         self._stop = threading.Event()
@@ -59,8 +70,13 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
-    def healthy(self) -> bool:
+    def alive(self) -> bool:
+        """The engine runs (it may be waiting for capacity to recover); False once a step failed fatally."""
         return self.error is None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self.unavailable is None
 
     @property
     def num_open(self) -> int:
@@ -74,7 +90,8 @@ class AsyncEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
         if not self.healthy:
-            raise RuntimeError(f"engine is not running: {self.error}")
+            raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
+                               else f"engine is not running: {self.error}")
         self.engine.validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
@@ -100,6 +117,21 @@ class AsyncEngine:
             if not finished:  # the consumer went away: free the sequence now
                 self._inbox.put(("abort", seq_id))
 
+    def control(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread at the next step boundary; the future holds its
+        result or its exception (which does not stop the engine)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.healthy:
+            fut.set_exception(RuntimeError(f"engine is not running: {self.error}"))
+            return fut
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    async def change(self, begin: Callable[[Engine], Transition], timeout_s: float) -> EpochChange:
+        """Begin an epoch change on the engine thread and wait until it happened (steps go on)."""
+        transition = await asyncio.wait_for(asyncio.wrap_future(self.control(begin)), timeout_s)
+        return await asyncio.wait_for(asyncio.wrap_future(transition.done), timeout_s)
+
     def _abort_when_admitted(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self._inbox.put(("abort", fut.result()))
@@ -108,18 +140,45 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_work)
-            if self._stop.is_set() or not self.engine.has_work:
+            if self._stop.is_set():
                 continue
             try:
+                if self.error is not None:  # failed for good: only answer what still arrives
+                    continue
+                if self.unavailable is not None:
+                    self._heal()
+                    continue
+                if not self.engine.has_work:
+                    self.engine.advance()  # an epoch change can happen while idle too
+                    continue
                 events = self.engine.step()
+            except NoCapacity as e:  # recovery must wait for room: fail what is open, refuse new work
+                self.unavailable = str(e)
+                self._next_heal = time.monotonic() + self.heal_every_s
+                self._fail_all(e)
+                continue
             except BaseException as e:  # noqa: BLE001 — delivered to every waiting request
                 self.error = e
-                for s in self._streams.values():
-                    s.push(e)
-                self._streams.clear()
-                return
+                self._fail_all(e)
+                continue
             for ev in events:
                 self._deliver(ev)
+
+    def _heal(self) -> None:
+        if time.monotonic() < self._next_heal:
+            return
+        self._next_heal = time.monotonic() + self.heal_every_s
+        self.engine.heal()  # raises NoCapacity again while there is still no room
+        self.unavailable = None
+
+    def _fail_all(self, err: BaseException) -> None:
+        """Every open request (running or queued) ends with ``err``; the scheduler is emptied."""
+        for seq_id, stream in list(self._streams.items()):
+            stream.push(err)
+            self.engine.abort(seq_id)
+        self._streams.clear()
+        for seq_id in list(self.engine.requests):
+            self.engine.abort(seq_id)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -136,6 +195,11 @@ class AsyncEngine:
     def _handle(self, item) -> None:
         if item[0] == "add":
             _, prompt_ids, params, stream, ready = item
+            if self.error is not None or self.unavailable is not None:  # queued at the failure: answered
+                why = f"engine is not running: {self.error}" if self.error is not None else \
+                    f"engine is unavailable: {self.unavailable}"
+                _call(stream.loop, _set_exception, ready, RuntimeError(why))
+                return
             try:
                 seq_id = self.engine.add_request(prompt_ids, params)
             except BaseException as e:  # noqa: BLE001
@@ -145,11 +209,15 @@ class AsyncEngine:
                 self._streams[seq_id] = stream
             else:  # the consumer's loop is already gone
                 self.engine.abort(seq_id)
-                self.engine.requests.pop(seq_id, None)
+        elif item[0] == "call":
+            _, fn, fut = item
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
+                fut.set_exception(e)
         elif item[0] == "abort":
             self._streams.pop(item[1], None)
             self.engine.abort(item[1])
-            self.engine.requests.pop(item[1], None)
 
     def _deliver(self, ev: TokenEvent) -> None:
         stream = self._streams.get(ev.seq_id)
@@ -166,7 +234,7 @@ class AsyncEngine:
             return
         if ev.finish_reason is not None:
             self._streams.pop(ev.seq_id, None)
-            self.engine.requests.pop(ev.seq_id, None)
+            self.engine.release(ev.seq_id)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

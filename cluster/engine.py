@@ -1,10 +1,13 @@
 """The engine: one per model deployment. Turns a :class:`ClusterSpec` into running actors, then
 runs the step loop — scheduler plan → one Ray call per actor → sampled tokens → stop checks.
 
-Owns: the actors, the placement reservation, the scheduler, per-request state and the step
-statistics. It is the only component the Serve ingress talks to (through :mod:`cluster.aengine`).
+Owns: the scheduler, per-request state, the step statistics and the epoch change in progress;
+its actors through one seam, :class:`~cluster.workers.WorkerGroup`. It is the only component the
+Serve ingress talks to (through :mod:`cluster.aengine`). Epoch changes (scale experts or
+attention, rebalance) begin at once and happen at the first step boundary where their actors are
+ready (:meth:`Engine.advance`), so requests keep streaming while new actors load.
 Never: computes a layer or moves a token between actors (the attention workers' process group
-does), or waits on an actor without a timeout.
+does), builds a placement table (the Router does), or waits on an actor without a timeout.
 """
 
 from __future__ import annotations
@@ -12,46 +15,20 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import ray
-
-from actors.messages import GroupInfo, PlacementTable, SampledToken, StepRequest
-from actors.remote import RemoteAttention, RemoteExpert, RemoteRouter
+from actors.messages import PlacementTable, SampledToken, StepRequest
 from model.config import ModelConfig, load_config
 from model.runner import check_stop
 from model.sampling import SamplingParams
 
+from .config import EngineConfig
 from .scheduler import Scheduler, Seq
 from .stats import EngineStats
-from .topology import ClusterSpec, reserve
+from .topology import ClusterSpec
+from .workers import EngineError, EpochChange, NoCapacity, StepFailed, Transition, WorkerGroup
 
-
-class EngineError(RuntimeError):
-    """The cluster failed: an actor died, a collective timed out, or a step got no answer."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Runtime knobs of one deployment (the architecture comes from the checkpoint)."""
-
-    model: str
-    dtype: str = "float32"
-    block_size: int = 16
-    num_blocks: int = 256  # per attention replica
-    num_slots: int = 64  # KDA slots per attention replica (hybrid models)
-    max_num_seqs: int = 64
-    max_tokens_per_step: int = 256
-    impl: str = "absorbed"
-    backend: str | None = None  # None: nccl when actors have GPUs, else gloo
-    collective_timeout_s: float = 60.0
-    step_timeout_s: float = 120.0
-    start_timeout_s: float = 300.0
-
-    def __post_init__(self):
-        for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
+__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request", "TokenEvent",
+           "Transition"]
 
 
 @dataclass
@@ -80,6 +57,9 @@ class Engine:
         self.cfg: ModelConfig = load_config(config.model)
         if self.cfg.n_routed_experts == 0:
             raise ValueError(f"{config.model}: the model has no routed experts to place on expert actors")
+        if spec.attention < 1 or not 1 <= spec.experts <= self.cfg.n_routed_experts:
+            raise ValueError(f"expert actors must be in 1..{self.cfg.n_routed_experts} (the routed experts) and "
+                             f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
         self.model_stop_ids = frozenset(stop_ids) | frozenset(self.cfg.eos_token_ids)
         self.scheduler = Scheduler(
             num_replicas=spec.attention, num_blocks=config.num_blocks, block_size=config.block_size,
@@ -89,55 +69,35 @@ class Engine:
         self.stats = EngineStats(self.cfg.moe_layers, self.cfg.n_routed_experts)
         self._ids = itertools.count()
         self.step_no = 0
-        self.table = PlacementTable.even(self.cfg.n_routed_experts, spec.experts)
-        self.reservation = None
-        self.attention, self.experts, self.router = [], [], None
+        self.workers = WorkerGroup(config, spec, self.cfg)
+        self.transition: Transition | None = None
+        self.changes: list[EpochChange] = []  # every epoch change so far, oldest first
+        self._last_auto = time.monotonic()
+        self.unrecovered: list[tuple[str, int]] | None = None  # dead actors not yet replaced (no capacity)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
-        if self.attention:
+        if self.workers.started:
             raise RuntimeError("engine already started")
-        c, spec = self.config, self.spec
-        path = str(Path(c.model).resolve())
-        self.reservation = reserve(spec, timeout_s=c.start_timeout_s)
-        try:
-            self.router = RemoteRouter.remote(self.cfg.n_routed_experts, spec.experts, self.cfg.moe_layers)
-            self.attention = [
-                RemoteAttention.options(**self.reservation.attention_options(i)).remote(
-                    path, index=i, table=self.table, num_blocks=c.num_blocks, block_size=c.block_size,
-                    num_slots=c.num_slots, dtype=c.dtype, impl=c.impl)
-                for i in range(spec.attention)]
-            self.experts = [
-                RemoteExpert.options(**self.reservation.expert_options(j)).remote(
-                    path, index=j, table=self.table, dtype=c.dtype)
-                for j in range(spec.experts)]
-            addr, port = self._get(self.attention[0].rendezvous.remote(), c.start_timeout_s, "starting attention[0]")
-            backend = c.backend or ("nccl" if spec.gpus else "gloo")
-            info = GroupInfo(epoch=0, world_size=spec.attention + spec.experts, address=addr, port=port,
-                             backend=backend, timeout_s=c.collective_timeout_s, num_attention=spec.attention)
-            self._get([a.init_group.remote(info) for a in self.attention + self.experts], c.start_timeout_s,
-                      "joining the process group")
-        except BaseException:
-            self.shutdown()
-            raise
+        self.workers.start()
         return self
 
     def shutdown(self) -> None:
-        for a in self.attention + self.experts + ([self.router] if self.router else []):
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # already gone
-                pass
-        self.attention, self.experts, self.router = [], [], None
-        if self.reservation is not None:
-            self.reservation.release()
-            self.reservation = None
+        if self.transition is not None:
+            self.workers.abort(self.transition)
+            self._finish_transition(EngineError("the engine shut down during the epoch change"))
+        self.workers.shutdown()
 
     def __enter__(self) -> "Engine":
-        return self if self.attention else self.start()
+        return self if self.workers.started else self.start()
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    @property
+    def table(self) -> PlacementTable:
+        """The current epoch's placement, as the Router published it."""
+        return self.workers.table
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -168,12 +128,18 @@ class Engine:
         if req is not None and req.seq.finish_reason is None:
             self.scheduler.finish(req.seq, "abort")
 
+    def release(self, seq_id: int) -> Request | None:
+        """Forget a finished request once its last tokens were delivered (``requests`` has this one
+        writer: the engine)."""
+        return self.requests.pop(seq_id, None)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        self.advance()  # a step boundary: an epoch change whose actors are ready happens here
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if plan.empty:
@@ -181,15 +147,142 @@ class Engine:
         self.step_no += 1
         t0 = time.perf_counter()
         reqs = [StepRequest(self.step_no, self.table.epoch, tuple(chunks)) for chunks in plan.chunks]
-        refs = [a.step.remote(r) for a, r in zip(self.attention, reqs)]
-        refs += [e.step.remote(self.step_no) for e in self.experts]
-        results = self._get(refs, self.config.step_timeout_s, f"step {self.step_no}")
-        attn, expert = results[: len(self.attention)], results[len(self.attention):]
+        try:
+            attn, expert = self.workers.step(self.step_no, reqs)
+        except StepFailed as failure:
+            self._recover(plan, failure)
+            return []
         self.stats.record_step(plan.num_tokens, attn, expert, time.perf_counter() - t0, self.table)
-        counts = self.stats.last_expert_tokens
-        if counts is not None:
-            self.router.report.remote(counts)  # fire and forget: off the hot path
+        if self.stats.last_expert_tokens is not None:
+            self.workers.report(self.stats.last_expert_tokens)
+        self._auto_rebalance()
         return self._apply([t for r in attn for t in r.tokens])
+
+    # ---- recovery -------------------------------------------------------------------------------
+    def _recover(self, plan, failure: StepFailed) -> None:
+        """An actor died or a collective failed: undo the failed step in the scheduler, replace the
+        dead actors in a recovery epoch, and let the next step redo the work. Raises NoCapacity (the
+        engine is then unavailable until :meth:`heal` succeeds)."""
+        t0 = time.monotonic()
+        for kind, _ in failure.dead:
+            self.stats.observe_failure(kind)
+        if self.transition is not None:  # the change in progress is off; its requester hears why
+            self.workers.abort(self.transition)
+            self._finish_transition(EngineError(f"the epoch change was interrupted: {failure}"))
+        self._undo(plan, {i for kind, i in failure.dead if kind == "attention"})
+        self.unrecovered = list(failure.dead)
+        self.heal()
+        self.stats.observe_recovery(time.monotonic() - t0)
+
+    def _undo(self, plan, dead_replicas: set[int]) -> None:
+        """Make the scheduler state what it was before the failed step. Latent-cache writes are
+        idempotent (a retry rewrites the same positions with the same values), so MLA-only models
+        just recompute the step's tokens; a KDA state update is not (layers before the failure
+        already advanced it), so on hybrid models the step's sequences are re-prefilled from zero,
+        as are all sequences of a dead attention replica (their cache is gone)."""
+        by_id = {s.seq_id: s for s in self.scheduler.running}
+        redo = [s for s in self.scheduler.running if s.replica in dead_replicas]
+        for replica, chunks in enumerate(plan.chunks):
+            for c in chunks:
+                seq = by_id.get(c.seq_id)
+                if seq is None or seq in redo:
+                    continue
+                if self.cfg.kda_layers:
+                    redo.append(seq)
+                else:
+                    seq.num_cached -= len(c.token_ids)
+        self.scheduler.requeue(sorted(redo, key=self.scheduler.running.index))
+
+    def heal(self) -> None:
+        """Replace the actors still missing after a failure; raises NoCapacity while there is no room."""
+        if self.unrecovered is None:
+            return
+        change = self.workers.recover(self.unrecovered)
+        self.unrecovered = None
+        self.changes.append(change)
+        self.stats.observe_epoch(change.epoch, change.pause_s)
+
+    # ---- epoch changes ------------------------------------------------------------------------
+    def begin_scale_experts(self, n: int) -> Transition:
+        """Start moving to ``n`` expert actors; it completes at a later step boundary."""
+        return self._begin("experts", num_actors=n)
+
+    def begin_scale_attention(self, n: int) -> Transition:
+        return self._begin("attention", num_attention=n)
+
+    def begin_rebalance(self, redundant_slots: int | None = None) -> Transition:
+        """Re-place experts over the same actors from the router's window of token counts, with
+        ``redundant_slots`` copies of hot experts per MoE layer (default: the configured number)."""
+        r = self.config.redundant_slots if redundant_slots is None else redundant_slots
+        return self._begin("rebalance", redundant_slots=r)
+
+    def scale_experts(self, n: int) -> EpochChange:
+        return self.wait(self.begin_scale_experts(n))
+
+    def scale_attention(self, n: int) -> EpochChange:
+        return self.wait(self.begin_scale_attention(n))
+
+    def rebalance(self, redundant_slots: int | None = None) -> EpochChange:
+        return self.wait(self.begin_rebalance(redundant_slots))
+
+    def wait(self, t: Transition) -> EpochChange:
+        """Run steps (when there is work) until ``t`` has happened; for callers that own the step loop."""
+        while not t.done.done():
+            if self.has_work:
+                self.step()
+            else:
+                self.advance()
+                time.sleep(0.01)
+        return t.done.result()
+
+    def advance(self) -> None:
+        """Commit the epoch change in progress if its actors are ready (call at step boundaries)."""
+        t = self.transition
+        if t is None:
+            return
+        try:
+            if not self.workers.ready(t):
+                return
+        except EngineError as e:  # the new actors never came up: the change is off, serving goes on
+            self._finish_transition(e)
+            return
+        try:
+            moved = self.scheduler.resize(t.table.num_attention) if t.table.num_attention < t.old.num_attention else []
+            change = self.workers.commit(t, moved=len(moved))
+            if t.table.num_attention > t.old.num_attention:
+                self.scheduler.resize(t.table.num_attention)
+        except BaseException as e:  # the old group is gone: fatal until recovery exists (issue 9)
+            self._finish_transition(e)
+            raise
+        self.changes.append(change)
+        self.stats.observe_epoch(change.epoch, change.pause_s)
+        self._finish_transition(change)
+
+    def _begin(self, kind: str, **shape) -> Transition:
+        if self.transition is not None:
+            raise ValueError(f"epoch {self.transition.table.epoch} is still being applied; retry when it is done")
+        self.transition = self.workers.begin(kind, **shape)
+        return self.transition
+
+    def _finish_transition(self, outcome) -> None:
+        t, self.transition = self.transition, None
+        if t is not None and not t.done.done():
+            if isinstance(outcome, BaseException):
+                t.done.set_exception(outcome)
+            else:
+                t.done.set_result(outcome)
+
+    def _auto_rebalance(self) -> None:
+        """The automatic policy (off by default): every window of steps, rebalance when the measured
+        imbalance passed the threshold and the last change is old enough."""
+        c = self.config
+        if not c.auto_rebalance or self.transition is not None or self.stats.steps % c.window_steps:
+            return
+        imbalance = self.stats.actor_imbalance(c.window_steps)
+        if imbalance and sum(imbalance) / len(imbalance) > c.rebalance_threshold and \
+                time.monotonic() - self._last_auto >= c.rebalance_interval_s:
+            self._last_auto = time.monotonic()
+            self.begin_rebalance()
 
     def _apply(self, sampled: list[SampledToken]) -> list[TokenEvent]:
         events = []
@@ -222,24 +315,4 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.has_work:
             self.step()
-        return [self.requests.pop(i).seq for i in ids]
-
-    def _get(self, refs, timeout: float, what: str):
-        try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            refs_list = refs if isinstance(refs, list) else [refs]
-            _, pending = ray.wait(refs_list, num_returns=len(refs_list), timeout=0)
-            names = self._names(refs_list, pending)
-            raise EngineError(f"{what}: no answer within {timeout:.0f}s from {', '.join(names)}") from None
-        except ray.exceptions.RayTaskError as e:
-            raise EngineError(f"{what}: {e.cause if e.cause is not None else e}") from None
-        except ray.exceptions.RayActorError as e:
-            raise EngineError(f"{what}: an actor died: {e}") from None
-
-    def _names(self, refs, pending) -> list[str]:
-        actors = [f"attention[{i}]" for i in range(len(self.attention))] + \
-                 [f"expert[{j}]" for j in range(len(self.experts))]
-        if len(refs) != len(actors):
-            return [f"{len(pending)} of {len(refs)} actors"]
-        return [name for name, r in zip(actors, refs) if r in pending]
+        return [self.release(i).seq for i in ids]

@@ -97,6 +97,23 @@ class LocalCluster:
         if ray._private.utils.read_ray_address() == self.address:
             ray._common.utils.reset_ray_address()
 
+    def add_node(self, ip: str, *, num_cpus: float | None = None):
+        """One more node at loopback ``ip`` (a node that joins later, or comes back); its handle."""
+        if self._cluster is None:
+            raise RuntimeError("LocalCluster is not running: call start() first")
+        args = dict(self._node_args, node_ip_address=ip)
+        if num_cpus is not None:
+            args["num_cpus"] = num_cpus
+        node = self._cluster.add_node(wait=True, **args)
+        self._cluster.wait_for_nodes(timeout=self._wait_s)
+        return node
+
+    def remove_node(self, node) -> None:
+        """Stop one node (as if its machine died): every actor on it dies with it."""
+        if self._cluster is None:
+            raise RuntimeError("LocalCluster is not running: call start() first")
+        self._cluster.remove_node(node, allow_graceful=False)
+
     @property
     def address(self) -> str:
         """The GCS address ("ip:port") to pass to `ray.init(address=...)`."""

@@ -49,10 +49,34 @@ class Scheduler:
         if max_tokens_per_step < 1 or max_num_seqs < 1:
             raise ValueError("max_tokens_per_step and max_num_seqs must be >= 1")
         self.block_size, self.max_num_seqs, self.budget = block_size, max_num_seqs, max_tokens_per_step
-        self.blocks = [BlockAllocator(num_blocks, block_size) for _ in range(num_replicas)]
-        self.slots = [BlockAllocator(num_slots, 1) for _ in range(num_replicas)] if num_slots else None
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.blocks: list[BlockAllocator] = []
+        self.slots: list[BlockAllocator] | None = [] if num_slots else None
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        self.resize(num_replicas)
+
+    # ---- replicas (an epoch change, at a step boundary) ------------------------------------
+    def resize(self, num_replicas: int) -> list[Seq]:
+        """Grow to, or shrink to, ``num_replicas`` attention replicas. A new replica starts empty
+        and takes new sequences at once (least loaded first); the running sequences of a removed
+        one go back to the front of the queue, in order, to be re-prefilled from their prompt plus
+        the tokens already generated on the replicas that remain. Returns those sequences."""
+        if num_replicas < 1:
+            raise ValueError(f"attention replicas must be >= 1, got {num_replicas}")
+        while len(self.blocks) < num_replicas:
+            self.blocks.append(BlockAllocator(self.num_blocks, self.block_size))
+            if self.slots is not None:
+                self.slots.append(BlockAllocator(self.num_slots, 1))
+        moved = [s for s in self.running if s.replica is not None and s.replica >= num_replicas]
+        for seq in reversed(moved):
+            self.running.remove(seq)
+            self._free(seq)
+            self.waiting.appendleft(seq)
+        del self.blocks[num_replicas:]
+        if self.slots is not None:
+            del self.slots[num_replicas:]
+        return moved
 
     # ---- queue --------------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
@@ -60,6 +84,15 @@ class Scheduler:
         if need > self.blocks[0].num_blocks:
             raise ValueError(f"sequence {seq.seq_id} needs {need} cache blocks; a replica has {self.blocks[0].num_blocks}")
         self.waiting.append(seq)
+
+    def requeue(self, seqs: list[Seq]) -> None:
+        """Back to the front of the queue, in order, for a full re-prefill from prompt plus generated
+        tokens (their replica died, or a failed step left their KDA state half-advanced)."""
+        for seq in reversed(seqs):
+            if seq in self.running:
+                self.running.remove(seq)
+                self._free(seq)
+                self.waiting.appendleft(seq)
 
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason

@@ -34,8 +34,18 @@ class EngineStats:
     generation_tokens: int = 0
     prompt_tokens: int = 0
     last_expert_tokens: list[list[int]] | None = None
+    last_slot_tokens: torch.Tensor | None = None  # [moe layers, expert actors, max local slots] of the last step
     expert_tokens_total: torch.Tensor | None = None  # [moe layers, experts], over the engine's life
-    actor_tokens_total: list[int] = field(default_factory=list)
+    actor_tokens_total: list[int] = field(default_factory=list)  # per expert actor index, over all epochs
+    actor_window: deque = field(default_factory=lambda: deque(maxlen=4096))  # (epoch, [layers, actors]) per step
+    epoch_pauses: list = field(default_factory=list)  # (epoch, pause seconds) per epoch change
+    actor_failures: dict = field(default_factory=dict)  # actor kind → failures seen
+    recoveries: list = field(default_factory=list)  # seconds from a failed step to the recovered cluster
+    # since the current epoch began, [layers, expert actors, local slots]: rows the attention workers sent
+    # to each physical slot, and rows the expert workers computed there (a replica's copies counted apart)
+    epoch: int = -1
+    epoch_slot_tokens: torch.Tensor | None = None
+    epoch_slot_rows: torch.Tensor | None = None
     recent: deque = field(default_factory=lambda: deque(maxlen=512))
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -48,25 +58,69 @@ class EngineStats:
                     table: PlacementTable) -> None:
         self.steps += 1
         self.tokens_computed += tokens
+        if table.epoch != self.epoch:
+            self.epoch, self.epoch_slot_tokens, self.epoch_slot_rows = table.epoch, None, None
+        rows = [r.rows_per_slot for r in expert if r.rows_per_slot]
+        if rows and len(rows) == len(expert):
+            step_rows = torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
+            self.epoch_slot_rows = step_rows if self.epoch_slot_rows is None else self.epoch_slot_rows + step_rows
         counts = [r.expert_tokens for r in attn if r.expert_tokens]
+        slots = [r.slot_tokens for r in attn if r.slot_tokens]
+        per_actor = None
         if counts:
             step = torch.tensor(counts, dtype=torch.long).sum(0)  # [moe layers, experts]
-            summed = step.tolist()
-            self.last_expert_tokens = summed
+            self.last_expert_tokens = step.tolist()
             self.expert_tokens_total += step
-            per_layer_actor = step.sum(0)
-            per_actor = [int(per_layer_actor[lo:hi].sum()) for lo, hi in table.ranges]
-            if not self.actor_tokens_total:
-                self.actor_tokens_total = [0] * len(per_actor)
-            self.actor_tokens_total = [a + b for a, b in zip(self.actor_tokens_total, per_actor)]
         else:
             self.last_expert_tokens = None
+        if slots:
+            self.last_slot_tokens = torch.tensor(slots, dtype=torch.long).sum(0)  # [layers, actors, slots]
+            self.epoch_slot_tokens = (self.last_slot_tokens if self.epoch_slot_tokens is None
+                                      else self.epoch_slot_tokens + self.last_slot_tokens)
+            layer_actor = self.last_slot_tokens.sum(2)  # [layers, actors]
+            self.actor_window.append((table.epoch, layer_actor))
+            per_actor = layer_actor.sum(0).tolist()
+            if len(self.actor_tokens_total) < len(per_actor):
+                self.actor_tokens_total += [0] * (len(per_actor) - len(self.actor_tokens_total))
+            for j, n in enumerate(per_actor):
+                self.actor_tokens_total[j] += n
+        else:
+            self.last_slot_tokens = None
         times = StepTimes(step_s, tokens, tuple(r.exchange_s for r in attn), tuple(r.exchange_s for r in expert),
                           tuple(r.compute_s for r in expert), tuple(r.dispatch_s for r in attn),
                           tuple(r.combine_s for r in attn))
         self.recent.append(times)
         for fn in self.listeners:
-            fn("step", times=times, expert_tokens=self.last_expert_tokens, table=table)
+            fn("step", times=times, expert_tokens=self.last_expert_tokens, actor_tokens=per_actor)
+
+    def actor_imbalance(self, steps: int, epoch: int | None = None) -> list[float]:
+        """Measured, per MoE layer: max over mean tokens per expert actor over the last ``steps``
+        steps of ``epoch`` (default: the latest epoch seen). Empty when there is no traffic."""
+        recent = list(self.actor_window)[-steps:]
+        if not recent:
+            return []
+        epoch = recent[-1][0] if epoch is None else epoch
+        rows = [t for e, t in recent if e == epoch]
+        if not rows:
+            return []
+        load = torch.stack(rows).sum(0).double()  # [layers, actors]
+        mean = load.mean(1)
+        return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(1).values, mean)]
+
+    def observe_failure(self, kind: str) -> None:
+        self.actor_failures[kind] = self.actor_failures.get(kind, 0) + 1
+        for fn in self.listeners:
+            fn("failure", kind=kind)
+
+    def observe_recovery(self, seconds: float) -> None:
+        self.recoveries.append(seconds)
+        for fn in self.listeners:
+            fn("recovery", seconds=seconds)
+
+    def observe_epoch(self, epoch: int, pause_s: float) -> None:
+        self.epoch_pauses.append((epoch, pause_s))
+        for fn in self.listeners:
+            fn("epoch", epoch=epoch, pause_s=pause_s)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_s.append(seconds)
@@ -84,8 +138,3 @@ class EngineStats:
         self.prompt_tokens += seq.num_prompt_tokens
         for fn in self.listeners:
             fn("finished", seconds=seconds, seq=seq)
-
-    def observe_epoch(self, epoch: int, pause_s: float) -> None:
-        """A placement-epoch change took effect after serving paused for ``pause_s`` seconds."""
-        for fn in self.listeners:
-            fn("epoch", epoch=epoch, pause_s=pause_s)

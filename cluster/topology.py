@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
+from ray._raylet import PlacementGroupID
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -62,10 +63,12 @@ class ClusterSpec:
     attention_nodes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("attention", "experts"):
+        for name in ("attention", "experts"):  # 0 of one kind: a reservation that adds actors to a running shape
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+        if self.attention + self.experts == 0:
+            raise ValueError("a cluster spec needs at least one actor (attention or experts ≥ 1)")
         _check_resources("attention_resources", self.attention_resources)
         _check_resources("expert_resources", self.expert_resources)
         for name in ("attention_placement", "expert_placement"):
@@ -213,7 +216,19 @@ def _wait_created(pg, deadline: float) -> bool:
         time.sleep(0.1)
 
 
-def reserve(spec: ClusterSpec, *, timeout_s: float = 60) -> Reservation:
+def remove_orphans(owner: str) -> int:
+    """Remove the placement groups named ``owner/...`` left by an earlier incarnation of the same
+    owner (a Serve replica that died: its actors die with it, its placement groups do not). Returns
+    how many were removed. Only for an owner that holds no reservation of its own yet."""
+    removed = 0
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(f"{owner}/") and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed
+
+
+def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "") -> Reservation:
     """Reserve every attention and expert bundle of `spec` in one placement group (all or none).
 
     Needs a connected driver (`ray.init(address=...)`). Raises ValueError for `*_nodes` that
@@ -236,7 +251,7 @@ def reserve(spec: ClusterSpec, *, timeout_s: float = 60) -> Reservation:
         plan = plan_bundles(spec, nodes)
     if None not in plan:
         selectors = [{NODE_ID_LABEL: node_id} for node_id in plan]
-        pg = placement_group(spec.bundles, strategy="PACK", bundle_label_selector=selectors)
+        pg = placement_group(spec.bundles, strategy="PACK", bundle_label_selector=selectors, name=name)
         if _wait_created(pg, deadline):
             return Reservation(spec, pg)
         remove_placement_group(pg)

@@ -8,17 +8,20 @@ directly, and every error leaves as OpenAI's envelope.
 """
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
-from cluster.engine import Engine, EngineConfig
+from cluster.engine import Engine
 from model.config import load_config
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
@@ -29,6 +32,31 @@ from .metrics import EngineMetrics
 
 
 CONTROL_TIMEOUT_S = 15.0
+ADMIN_TIMEOUT_S = 900.0  # an epoch change waits for new actors to load their weights
+
+
+class ScaleRequest(BaseModel):
+    """Body of POST /admin/scale/experts and /admin/scale/attention."""
+
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(..., ge=1, le=4096, description="The number of actors of that kind after the change.")
+
+
+class ChaosRequest(BaseModel):
+    """Body of POST /admin/chaos: which actor to kill."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["expert", "attention"]
+    index: int = Field(..., ge=0, le=65535)
+
+
+class RebalanceRequest(BaseModel):
+    """Body of POST /admin/rebalance."""
+
+    model_config = ConfigDict(extra="forbid")
+    redundant_slots: int | None = Field(None, ge=0, le=65536,
+                                        description="Spare physical slots per MoE layer for copies of hot "
+                                                    "experts; default: the serving config's.")
 
 
 @dataclass(frozen=True)
@@ -40,18 +68,17 @@ class Reject:
     param: str | None = None
 
 
-@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}, health_check_period_s=2,
+                  health_check_timeout_s=10)
 class EngineServer:
     def __init__(self, raw: dict, model_path: str):
         cfg = ServeConfig.parse(raw)
         tok = Tokenizer.from_dir(model_path)
         self.name = cfg.name_for(Path(model_path))
         self.max_queue = cfg.max_queue
-        self.engine = Engine(
-            EngineConfig(model=model_path, dtype=cfg.dtype, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-                         num_slots=cfg.num_slots, max_num_seqs=cfg.max_num_seqs,
-                         max_tokens_per_step=cfg.max_tokens_per_step),
-            cfg.cluster_spec(), stop_ids=tok.stop_token_ids).start()
+        owner = f"moeray-{serve.get_replica_context().app_name}"  # names its placement groups; cleans up orphans
+        self.engine = Engine(cfg.engine_config(model_path, owner), cfg.cluster_spec(),
+                             stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
         self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
                                      expert_metrics=cfg.expert_metrics)
@@ -80,21 +107,60 @@ class EngineServer:
         return self.metrics.expert_distribution()
 
     def health(self) -> dict:
-        return {"healthy": self.aengine.healthy, "error": None if self.aengine.error is None else str(self.aengine.error)}
+        a = self.aengine
+        why = a.unavailable if a.alive else f"the engine failed: {a.error}"
+        return {"healthy": a.healthy, "error": why}
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine failed for good is replaced. One waiting for
+        capacity to recover stays (it heals itself and answers 503 meanwhile)."""
+        if not self.aengine.alive:
+            raise RuntimeError(f"the engine failed: {self.aengine.error}")
+
+    def chaos(self, kind: str, index: int) -> dict:
+        """Fault injection: ``ray.kill`` of one attention or expert actor (``moeray chaos``)."""
+        import ray
+
+        members = self.engine.workers.attention if kind == "attention" else self.engine.workers.experts
+        if not 0 <= index < len(members):
+            return {"ok": False, "status": 400, "error": f"there is no {kind}[{index}]: the app has {len(members)}"}
+        ray.kill(members[index].actor, no_restart=True)
+        return {"ok": True, "killed": f"{kind}[{index}]"}
+
+    async def change(self, kind: str, value: int | None) -> dict:
+        """An epoch change (``kind``: experts, attention, rebalance), waited for; ``{"ok", "change"}`` or
+        ``{"ok": False, "status", "error"}`` (a shape the router refuses is the caller's error)."""
+        begin = {"experts": lambda e: e.begin_scale_experts(value),
+                 "attention": lambda e: e.begin_scale_attention(value),
+                 "rebalance": lambda e: e.begin_rebalance(value)}[kind]
+        try:
+            change = await self.aengine.change(begin, ADMIN_TIMEOUT_S)
+        except ValueError as e:
+            return {"ok": False, "status": 400, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 — the change did not happen; the engine serves on
+            return {"ok": False, "status": 503, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "change": change.as_dict()}
 
     def status(self) -> dict:
-        eng, res = self.engine, self.engine.reservation
-        sched = eng.scheduler
+        eng, sched, workers = self.engine, self.engine.scheduler, self.engine.workers
+        table, tokens = eng.table, list(eng.stats.actor_tokens_total)
+        attention, experts = list(workers.attention), list(workers.experts)
+        replicated = [set(table.replicated(i)) for i in range(len(table.moe_layers))]
+        last = eng.changes[-1].as_dict() if eng.changes else None
         return {
-            "model": self.name, "healthy": self.aengine.healthy, "shape": eng.spec.describe(),
+            "model": self.name, "healthy": self.aengine.healthy, "shape": table.shape(), "pid": os.getpid(),
+            "failures": dict(eng.stats.actor_failures), "recoveries_s": list(eng.stats.recoveries),
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
-            "attention": [{"index": i, "node": res.node_ip_of("attention", i),
+            "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
+            "attention": [{"index": i, "node": workers.node_ip(m),
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}
-                          for i, a in enumerate(sched.blocks)],
-            "experts": [{"index": j, "node": res.node_ip_of("expert", j), "experts": list(r),
-                         "tokens": (eng.stats.actor_tokens_total or [0] * len(eng.table.ranges))[j]}
-                        for j, r in enumerate(eng.table.ranges)],
-            "epoch": eng.table.epoch,
+                          for i, (m, a) in enumerate(zip(attention, sched.blocks))],
+            "experts": [{"index": j, "node": workers.node_ip(m),
+                         "slots": {str(layer): list(ids) for layer, ids in table.experts_of(j).items()},
+                         "replicas": {str(layer): [e for e in ids if e in replicated[i]]
+                                      for i, (layer, ids) in enumerate(table.experts_of(j).items())},
+                         "tokens": tokens[j] if j < len(tokens) else 0}
+                        for j, m in enumerate(experts)],
         }
 
     def __del__(self):
@@ -141,6 +207,8 @@ class _Choice:
         try:
             async for text, sampled, finish in self.chunks():
                 await queue.put((self, text, sampled, finish))
+        except Exception as e:  # noqa: BLE001 — the engine failed mid-stream: an error event, not a hang
+            await queue.put(e)
         finally:
             await queue.put(None)
 
@@ -215,10 +283,10 @@ class Ingress:
         self._auth(request)
         return oa.models_response([self.name], self.created)
 
-    async def _ask_engine(self, call, what: str):
+    async def _ask_engine(self, call, what: str, *args):
         """A control call to the engine replica, bounded in time (503 rather than a hang)."""
         try:
-            return await asyncio.wait_for(call.remote(), timeout=CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(call.remote(*args), timeout=CONTROL_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise oa.APIError(503, f"the engine did not answer {what} within {CONTROL_TIMEOUT_S:.0f}s",
                               retry_after_s=1) from None
@@ -233,6 +301,45 @@ class Ingress:
     async def status(self, request: Request):
         self._auth(request)
         return await self._ask_engine(self.engine.status, "/status")
+
+    async def _admin(self, request: Request, kind: str, value: int | None):
+        """An epoch change through the engine replica: its report, or the engine's refusal as an error."""
+        try:
+            out = await asyncio.wait_for(self.engine.change.remote(kind, value), timeout=ADMIN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise oa.APIError(503, f"the {kind} change did not finish within {ADMIN_TIMEOUT_S:.0f}s",
+                              retry_after_s=5) from None
+        if not out["ok"]:
+            raise oa.APIError(out["status"], out["error"], param="n" if kind != "rebalance" else "redundant_slots",
+                              retry_after_s=5 if out["status"] == 503 else None)
+        return out["change"]
+
+    @api.post("/admin/scale/experts")
+    async def scale_experts(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
+        return await self._admin(request, "experts", body.n)
+
+    @api.post("/admin/scale/attention")
+    async def scale_attention(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
+        return await self._admin(request, "attention", body.n)
+
+    @api.post("/admin/rebalance")
+    async def rebalance(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(RebalanceRequest, await self._body(request), self.cfg.max_body_bytes)
+        return await self._admin(request, "rebalance", body.redundant_slots)
+
+    @api.post("/admin/chaos")
+    async def chaos(self, request: Request):
+        self._auth(request)
+        body = oa.parse_request(ChaosRequest, await self._body(request), self.cfg.max_body_bytes)
+        out = await self._ask_engine(self.engine.chaos.options(), "the kill", body.kind, body.index)
+        if not out["ok"]:
+            raise oa.APIError(out["status"], out["error"], param="index")
+        return out
 
     @api.get("/admin/experts")
     async def experts(self, request: Request):
@@ -278,7 +385,12 @@ class Ingress:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(choices, chat, prompt_tokens, include_usage),
                                      media_type="text/event-stream")
-        await asyncio.gather(*(c.drain() for c in choices))
+        try:
+            await asyncio.gather(*(c.drain() for c in choices))
+        except Exception as e:  # noqa: BLE001 — the engine failed mid-request
+            for c in choices:
+                c.gen.cancel()
+            raise oa.APIError(503, _stream_error(e)["error"]["message"], retry_after_s=1) from None
         results = [c.result() for c in choices]
         build = oa.chat_response if chat else oa.completion_response
         return build(self.name, results, oa.usage(prompt_tokens, sum(len(r.token_ids) for r in results)),
@@ -294,6 +406,10 @@ class Ingress:
                     item = await queue.get()
                     if item is None:
                         break
+                    if isinstance(item, Exception):
+                        yield oa.sse(_stream_error(item))
+                        yield oa.SSE_DONE
+                        return
                     yield oa.sse(self._chunk(rid, created, chat, *item))
             if include_usage:
                 done = sum(len(c.token_ids) for c in choices)
@@ -315,6 +431,13 @@ class Ingress:
         lp = oa.completion_logprobs(sampled, self.tok) if choice.want_logprobs and sampled else None
         return oa.completion_chunk(rid, self.name, created, index=choice.index, text=text, finish_reason=finish,
                                    logprobs=lp)
+
+
+def _stream_error(err: Exception) -> dict:
+    """The error event that ends a stream whose engine failed (OpenAI's envelope, status 503)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return oa.error_body(503, f"the request failed while generating ({type(err).__name__}: {first}); "
+                              "retry it", code="engine_failed")
 
 
 def build_app(args: dict):

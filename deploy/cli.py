@@ -249,49 +249,169 @@ def down():
               else f"stopped moeray at {state['url']} (pid {state['pid']})")
 
 
+URL_HELP = "Base URL of the app (default: the one `moeray up` started)."
+KEY_HELP = "API key, if the server needs one."
+
+
 @app.command()
 @user_errors
 def status(
-    api_key: Optional[str] = typer.Option(None, help="API key, if the server needs one."),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Actors, nodes, expert placement and cache use of the running server."""
+    """Actors, nodes, expert placement (epoch, physical slots, replicas), cache use and the last pause."""
     from rich.table import Table
 
     from .server import fetch_status
     from .settings import cache_root
 
-    st = fetch_status(cache_root(), api_key)
+    st = fetch_status(cache_root(), api_key, url)
     if as_json:
         print(json.dumps(st, indent=2))
         return
     out = Console()
+    last = st.get("last_change")
+    pause = f"; last change: {last['kind']} to epoch {last['epoch']}, paused {last['pause_s']:.2f}s" if last else ""
     out.print(f"{st['model']} at {st['url']}: {st['shape']}; running {st['running']}, waiting {st['waiting']}, "
-              f"steps {st['steps']}, epoch {st['epoch']}")
+              f"steps {st['steps']}, epoch {st['epoch']}{pause}")
     t = Table("actor", "node", "placement / cache")
     for a in st["attention"]:
         t.add_row(f"attention[{a['index']}]", a["node"], f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks")
     for e in st["experts"]:
-        t.add_row(f"expert[{e['index']}]", e["node"], f"experts [{e['experts'][0]}, {e['experts'][1]}), "
-                                                       f"{e['tokens']:,} tokens")
+        t.add_row(f"expert[{e['index']}]", e["node"], f"{_slots_text(e['slots'], e['replicas'])}; {e['tokens']:,} tokens")
     out.print(t)
+
+
+def _slots_text(slots: dict[str, list[int]], replicas: dict[str, list[int]]) -> str:
+    """Physical slots of one expert actor: one line when every MoE layer is alike, `*` marks a replica."""
+    def ids(layer: str) -> str:
+        return ",".join(f"{e}*" if e in replicas.get(layer, []) else str(e) for e in slots[layer])
+
+    layers = list(slots)
+    if all(slots[l] == slots[layers[0]] and replicas.get(l) == replicas.get(layers[0]) for l in layers):
+        return f"experts {ids(layers[0])} (every MoE layer)"
+    return "; ".join(f"L{l}: {ids(l)}" for l in layers)
+
+
+scale_app = typer.Typer(help="Change the number of expert actors or attention replicas of the running app, "
+                             "live: in-flight requests keep streaming.", no_args_is_help=True)
+app.add_typer(scale_app, name="scale")
+
+
+def _print_change(c: dict) -> None:
+    err.print(f"epoch {c['epoch']} ({c['kind']}): {c['old_shape']} → {c['new_shape']}; paused {c['pause_s']:.2f}s "
+              f"(prepared in {c['prepare_s']:.2f}s while serving, {c['experts_loaded']} expert weights read"
+              + (f", {c['moved_sequences']} sequences moved" if c["moved_sequences"] else "") + ")")
+    if c["imbalance_before"]:
+        before, after = c["imbalance_before"], c["imbalance_after"]
+        err.print(f"imbalance (max/mean tokens per expert actor, mean over MoE layers): "
+                  f"{sum(before) / len(before):.3f} → {sum(after) / len(after):.3f}")
+        for i, (b, a) in enumerate(zip(before, after)):
+            err.print(f"  MoE layer #{i}: {b:.3f} → {a:.3f}")
+
+
+def _change(route: str, body: dict, url: str | None, api_key: str | None, as_json: bool) -> None:
+    from .server import call_app
+    from .settings import cache_root
+
+    with err.status("changing the shape (new actors load while requests keep streaming)"):
+        c = call_app(cache_root(), "POST", route, url=url, api_key=api_key, body=body, timeout_s=900)
+    c.pop("url", None)
+    if as_json:
+        print(json.dumps(c, indent=2))
+    else:
+        _print_change(c)
+
+
+@scale_app.command("experts")
+@user_errors
+def scale_experts(
+    n: int = typer.Argument(..., help="Expert actors after the change."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Re-shard the routed experts over N expert actors (up or down)."""
+    _change("/admin/scale/experts", {"n": n}, url, api_key, as_json)
+
+
+@scale_app.command("attention")
+@user_errors
+def scale_attention(
+    n: int = typer.Argument(..., help="Attention replicas after the change."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Add attention replicas (they take new sequences at once) or remove some (their sequences move)."""
+    _change("/admin/scale/attention", {"n": n}, url, api_key, as_json)
+
+
+chaos_app = typer.Typer(help="Fault injection against your own running app: a real `ray.kill` of one actor. "
+                             "The app recovers by itself; watch `moeray status` and /metrics.", no_args_is_help=True)
+app.add_typer(chaos_app, name="chaos")
+
+
+def _kill(kind: str, index: int, url: str | None, api_key: str | None) -> None:
+    from .server import call_app
+    from .settings import cache_root
+
+    out = call_app(cache_root(), "POST", "/admin/chaos", url=url, api_key=api_key,
+                   body={"kind": kind, "index": index}, timeout_s=30)
+    err.print(f"killed {out['killed']} at {out['url']}; the app recovers by itself (see `moeray status`)")
+
+
+@chaos_app.command("kill-expert")
+@user_errors
+def chaos_kill_expert(
+    index: int = typer.Argument(..., help="Which expert actor (as `moeray status` numbers them)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+):
+    """Kill expert actor INDEX."""
+    _kill("expert", index, url, api_key)
+
+
+@chaos_app.command("kill-attention")
+@user_errors
+def chaos_kill_attention(
+    index: int = typer.Argument(..., help="Which attention replica (as `moeray status` numbers them)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+):
+    """Kill attention replica INDEX."""
+    _kill("attention", index, url, api_key)
+
+
+@app.command()
+@user_errors
+def rebalance(
+    redundant_slots: Optional[int] = typer.Option(None, help="Spare physical slots per MoE layer for copies "
+                                                             "of hot experts (default: the serving config's)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Re-place experts by their recent load (EPLB-style), replicating hot ones; prints the imbalance."""
+    _change("/admin/rebalance", {"redundant_slots": redundant_slots}, url, api_key, as_json)
 
 
 @app.command()
 @user_errors
 def experts(
-    api_key: Optional[str] = typer.Option(None, help="API key, if the server needs one."),
-    url: Optional[str] = typer.Option(None, help="The server's base URL (default: the one `moeray up` started)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
     top: int = typer.Option(4, min=1, help="Hottest experts shown per MoE layer."),
     as_json: bool = typer.Option(False, "--json", help="Print the full distribution (every layer and expert)."),
 ):
     """Tokens routed to each expert of each MoE layer (GET /admin/experts of the running server)."""
     from rich.table import Table
 
-    from .server import fetch_app_json
+    from .server import call_app
     from .settings import cache_root
 
-    d = fetch_app_json(cache_root(), "/admin/experts", api_key, url=url)
+    d = call_app(cache_root(), "GET", "/admin/experts", url=url, api_key=api_key, timeout_s=30)
     if as_json:
         print(json.dumps(d))
         return

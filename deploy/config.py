@@ -29,6 +29,17 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
+    expert_nodes: list[str] | None = Field(None, description="Pin expert actors to these Ray nodes (IPs or node "
+                                                             "ids), round-robin; default: spread over nodes with room.")
+    attention_nodes: list[str] | None = Field(None, description="Pin attention replicas to these Ray nodes.")
+    redundant_slots: int = Field(0, ge=0, description="Spare physical expert slots per MoE layer for copies of hot "
+                                                      "experts (used by `moeray rebalance` and the automatic policy).")
+    auto_rebalance: bool = Field(False, description="Rebalance by itself when the measured imbalance passes "
+                                                    "rebalance_threshold (at most once per rebalance_interval_s).")
+    rebalance_window_steps: int = Field(256, ge=1, description="Steps of token counts the router keeps.")
+    rebalance_threshold: float = Field(1.5, ge=1.0, description="Max/mean tokens per expert actor that triggers "
+                                                                "an automatic rebalance.")
+    rebalance_interval_s: float = Field(300.0, ge=0, description="Least time between two automatic rebalances.")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(
@@ -53,12 +64,23 @@ class ServeConfig(BaseModel):
             problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
             raise ValueError(f"{where}: {problems}") from None
 
+    def engine_config(self, model_path: str, owner: str | None = None):
+        from cluster.config import EngineConfig
+
+        return EngineConfig(model=model_path, owner=owner, dtype=self.dtype, block_size=self.block_size,
+                            num_blocks=self.num_blocks, num_slots=self.num_slots, max_num_seqs=self.max_num_seqs,
+                            max_tokens_per_step=self.max_tokens_per_step, window_steps=self.rebalance_window_steps,
+                            auto_rebalance=self.auto_rebalance, rebalance_threshold=self.rebalance_threshold,
+                            rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots)
+
     def cluster_spec(self):
         from cluster.topology import ClusterSpec
 
         res = {"CPU": 1, **({"GPU": self.gpus_per_actor} if self.gpus_per_actor else {})}
         return ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,
-                           expert_resources=dict(res))
+                           expert_resources=dict(res),
+                           expert_nodes=tuple(self.expert_nodes) if self.expert_nodes else None,
+                           attention_nodes=tuple(self.attention_nodes) if self.attention_nodes else None)
 
     def name_for(self, model_path: Path) -> str:
         return self.served_model_name or (self.model if "/" not in self.model else model_path.name)

@@ -62,7 +62,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                 10.0, 30.0, 60.0, 120.0)
-EPOCH_PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 EXCHANGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0)
 
@@ -175,8 +175,6 @@ class EngineMetrics:
         self.steps = counter("engine_steps_total", "Engine steps run.").labels(name)
         self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.",
                                        STEP_BUCKETS).labels(name)
-        self.epoch_pause = histogram("epoch_pause_seconds", "Serving pause of each placement-epoch change.",
-                                     EPOCH_PAUSE_BUCKETS).labels(name)
         self.dispatch = histogram("moe_dispatch_latency_seconds",
                                   "Per step and attention actor: time sending token rows to experts, "
                                   "summed over MoE layers.", EXCHANGE_BUCKETS, ("actor",))
@@ -189,6 +187,13 @@ class EngineMetrics:
         self.expert_compute = histogram("expert_compute_seconds",
                                         "Per step and expert actor: time computing experts, summed over MoE layers.",
                                         EXCHANGE_BUCKETS, ("actor",))
+        self.epoch_pause = histogram("epoch_pause_seconds", "Steps paused by one epoch change (scale, rebalance).",
+                                     PAUSE_BUCKETS).labels(name)
+        self.recovery = histogram("recovery_seconds", "From a failed step (an actor died or a collective failed) "
+                                  "to the cluster serving again in a recovery epoch.", PAUSE_BUCKETS).labels(name)
+        self.actor_failures = counter("actor_failures_total", "Actors found dead or stuck, by kind.", ("kind",))
+        for kind in ("attention", "expert"):
+            self.actor_failures.labels(model_name=self.model_name, kind=kind)
         for reason in FINISHED_REASONS:  # so rate() works before the first request of each kind
             self.request_success.labels(*svalues, reason)
 
@@ -202,7 +207,7 @@ class EngineMetrics:
         except Exception:
             log.exception("moeray metrics: dropping %r event after an error", event)
 
-    def _on_step(self, times, expert_tokens: list[list[int]] | None, table) -> None:
+    def _on_step(self, times, expert_tokens: list[list[int]] | None, actor_tokens: list[int] | None) -> None:
         name = self.model_name
         self.steps.inc()
         self.step_duration.observe(times.step_s)
@@ -214,14 +219,22 @@ class EngineMetrics:
             for actor, seconds in enumerate(series):
                 self.exchange.labels(model_name=name, kind=kind, actor=str(actor)).observe(seconds)
         if expert_tokens is not None:
-            self._add_expert_tokens(expert_tokens, table.ranges)
+            self._add_expert_tokens(expert_tokens, actor_tokens or [])
 
-    def _add_expert_tokens(self, counts: list[list[int]], ranges: Iterable[tuple[int, int]]) -> None:
+    def _on_epoch(self, epoch: int, pause_s: float) -> None:
+        self.epoch_pause.observe(pause_s)  # the epoch itself is read from engine.table at scrape time
+
+    def _on_failure(self, kind: str) -> None:
+        self.actor_failures.labels(model_name=self.model_name, kind=kind).inc()
+
+    def _on_recovery(self, seconds: float) -> None:
+        self.recovery.observe(seconds)
+
+    def _add_expert_tokens(self, counts: list[list[int]], per_actor: list[int]) -> None:
         """counts[i][e]: tokens routed to logical expert e at the i-th MoE layer in this step.
         O(layers × experts) list arithmetic in C (``map(add)``): ~1-3 ms per step at Kimi K2 scale
         (60 MoE layers × 384 experts; EngineStats.record_step itself takes ~7 ms there)."""
         rows = [list(row) for row in counts]
-        per_actor = [sum(sum(row[lo:hi]) for row in rows) for lo, hi in ranges]
         add, sub = operator.add, operator.sub
         with self._lock:
             self._expert_total = [list(map(add, t, row)) for t, row in zip(self._expert_total, rows)]
@@ -249,10 +262,8 @@ class EngineMetrics:
         self.prompt_tokens.inc(seq.num_prompt_tokens)
         self.request_success.labels(*self._serving[2], str(seq.finish_reason)).inc()
 
-    def _on_epoch(self, epoch: int, pause_s: float) -> None:
-        self.epoch_pause.observe(pause_s)  # the epoch itself is read from engine.table at scrape time
-
-    _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished, "epoch": _on_epoch}
+    _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished, "epoch": _on_epoch,
+                 "failure": _on_failure, "recovery": _on_recovery}
 
     # ---- scrape thread -----------------------------------------------------------------------
     def snapshot(self) -> tuple[list[list[int]], list[int], list[float]]:
@@ -352,3 +363,10 @@ class _ScrapeCollector:
             for rank, (e, n) in enumerate(ranked, 1):
                 hot.add_metric([name, layer, str(rank), str(e)], n)
         yield hot
+        actor_imb = GaugeMetricFamily(PREFIX + "expert_actor_imbalance",
+                                      f"Max over mean tokens per expert actor of a MoE layer over the last "
+                                      f"{o._window.maxlen} steps of the current epoch (1 = balanced; 0 = no "
+                                      f"tokens); `moeray rebalance` lowers it.", labels=["model_name", "layer"])
+        for layer, v in zip(layers, o.engine.stats.actor_imbalance(o._window.maxlen)):
+            actor_imb.add_metric([name, layer], v)
+        yield actor_imb

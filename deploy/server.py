@@ -173,39 +173,36 @@ def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
     return state
 
 
-def fetch_status(root: Path, api_key: str | None) -> dict:
+def find_app(root: Path, url: str | None) -> str:
+    """The base URL of the running app: ``url`` if given, else the one `moeray up` recorded."""
+    if url:
+        return url.rstrip("/")
     state = read_state(root)
     if state is None:
-        raise ValueError("no server started by `moeray up` is running; start one with `moeray up`")
+        raise ValueError("no server started by `moeray up` is running; start one with `moeray up`, "
+                         "or pass --url for a server started another way")
+    return state["url"]
+
+
+def call_app(root: Path, method: str, route: str, *, url: str | None, api_key: str | None,
+             body: dict | None = None, timeout_s: float = 10) -> dict:
+    """One request to the running app's ``route``; its JSON, or a ValueError that says what to do."""
+    base = find_app(root, url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{state['url']}/status", headers=headers, timeout=10)
+        r = httpx.request(method, f"{base}{route}", headers=headers, json=body, timeout=timeout_s)
     except httpx.HTTPError as e:
-        raise ValueError(f"the server at {state['url']} did not answer: {e}") from None
+        raise ValueError(f"the server at {base} did not answer: {e}") from None
     if r.status_code == 401:
         raise ValueError("the server needs an API key: pass --api-key")
     if r.status_code != 200:
-        raise ValueError(f"the server at {state['url']} answered {r.status_code}: {r.text[:300]}")
-    return {"url": state["url"], **r.json()}
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:300]
+        raise ValueError(f"the server at {base} answered {r.status_code}: {message}")
+    return {"url": base, **r.json()}
 
 
-def fetch_app_json(root: Path, route: str, api_key: str | None, *, url: str | None = None,
-                   timeout_s: float = 30) -> dict:
-    """GET ``route`` of the server at ``url``, else of the one `moeray up` started; ``url`` is added."""
-    if url is None:
-        state = read_state(root)
-        if state is None:
-            raise ValueError("no server started by `moeray up` is running; start one with `moeray up`, "
-                             "or pass --url")
-        url = state["url"]
-    url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = httpx.get(f"{url}{route}", headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise ValueError(f"the server at {url} did not answer: {e}") from None
-    if r.status_code == 401:
-        raise ValueError("the server needs an API key: pass --api-key")
-    if r.status_code != 200:
-        raise ValueError(f"the server at {url} answered {r.status_code} on {route}: {r.text[:300]}")
-    return {"url": url, **r.json()}
+def fetch_status(root: Path, api_key: str | None, url: str | None = None) -> dict:
+    return call_app(root, "GET", "/status", url=url, api_key=api_key)

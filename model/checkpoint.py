@@ -30,6 +30,7 @@ from torch import Tensor
 from .config import ModelConfig, parse_config
 from .names import (
     PART_SUFFIXES,
+    ExpertSelection,
     canonical_name,
     check_quant_method,
     is_fp32,
@@ -218,7 +219,7 @@ def read_checkpoint(
     path: str | Path,
     cfg: ModelConfig,
     *,
-    experts: range | None = None,
+    experts: ExpertSelection = None,
     include_non_expert: bool = True,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
@@ -226,7 +227,8 @@ def read_checkpoint(
     """Load logical HF name → dequantised tensor in ``dtype`` (router bias, KDA A_log and dt_bias
     stay fp32).
 
-    ``experts`` selects the routed experts of every MoE layer (None: all; ``range(0)``: none);
+    ``experts`` selects the routed experts of every MoE layer (None: all; ``range(0)``: none; or a
+    mapping MoE layer → ids);
     ``include_non_expert=False`` skips everything but those routed experts. Stray
     ``rotary_emb.inv_freq`` buffers, layers >= ``num_hidden_layers`` (the MTP layer) and a
     multimodal checkpoint's vision tower are ignored; stored names are read through

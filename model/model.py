@@ -154,9 +154,9 @@ def experts_prefix(cfg: ModelConfig, layer: int) -> str:
 
 @torch.no_grad()
 def fill_experts(experts: RoutedExperts, cfg: ModelConfig, prefix: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Stack the per-expert checkpoint tensors of experts [lo, hi) into ``w13`` / ``w2``."""
+    """Stack the per-expert checkpoint tensors of ``experts.expert_ids`` into ``w13`` / ``w2``."""
     I = experts.w2.shape[-1]
-    for j, e in enumerate(range(experts.lo, experts.hi)):
+    for j, e in enumerate(experts.expert_ids):
         gate, up, down = _expert_names(cfg, prefix, e)
         experts.w13[j, :I].copy_(tensors[gate])
         experts.w13[j, I:].copy_(tensors[up])
@@ -187,7 +187,7 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
             continue
         experts = model.get_submodule(m["prefix"])
         I = experts.w2.shape[-1]
-        for j, e in enumerate(range(experts.lo, experts.hi)):
+        for j, e in enumerate(experts.expert_ids):
             gate, up, down = _expert_names(model.cfg, m["prefix"], e)
             if m["which"] == "w13":
                 out[gate], out[up] = p[j, :I].clone(), p[j, I:].clone()

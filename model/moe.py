@@ -1,6 +1,7 @@
 """Mixture of experts: the noaux_tc gate, grouped routed experts and the MoE block (§1.7, §1.8).
 
-:class:`RoutedExperts` owns the weights of the logical experts ``[lo, hi)`` of one layer, stacked
+:class:`RoutedExperts` owns the weights of some logical experts of one layer (``expert_ids``, in local
+slot order: a contiguous range in one process, any set on an expert actor), stacked
 ``w13 [n, 2I, H]`` (gate rows then up rows) and ``w2 [n, H, I]``. It computes grouped: the
 (token, expert) pairs are sorted by expert and each expert that received tokens runs one GEMM —
 no loop over tokens, no work for idle experts.
@@ -12,7 +13,8 @@ tokens with expert actors (parallelism is a transform applied afterwards).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import copy
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,28 +85,57 @@ def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
 
 
 class RoutedExperts(nn.Module):
-    """Logical experts ``[lo, hi)`` of one MoE layer."""
+    """Logical experts ``expert_ids`` of one MoE layer; local slot i holds ``expert_ids[i]``."""
 
-    def __init__(self, hidden: int, intermediate: int, lo: int, hi: int, act=silu_glu):
+    def __init__(self, hidden: int, intermediate: int, expert_ids: Sequence[int], act=silu_glu):
         super().__init__()
-        n = hi - lo
-        self.lo, self.hi = lo, hi
+        self.expert_ids = tuple(int(e) for e in expert_ids)
+        if len(set(self.expert_ids)) != len(self.expert_ids):
+            raise ValueError(f"expert ids must be distinct, got {self.expert_ids}")
+        n = len(self.expert_ids)
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate))
         self.act = act
+
+    def grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Row r of ``x`` [N, H] through local slot ``local_ids[r]``; returns [N, H] (unweighted)."""
+        return grouped_expert_ffn(x, local_ids, self.w13, self.w2, self.act)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights held (what an expert actor's memory is made of)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Σ_j w_j · E_{idx_j}(x) over the selected experts that live here. x [T, H] → [T, H]."""
         T, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
-        mine = (flat >= self.lo) & (flat < self.hi)
-        pair = mine.nonzero().squeeze(1)  # (token, slot) pairs handled here
+        ids = torch.tensor(self.expert_ids, dtype=torch.long, device=flat.device)
+        lut = torch.full((max(self.expert_ids, default=-1) + 2,), -1, dtype=torch.long, device=flat.device)
+        lut[ids] = torch.arange(len(ids), device=flat.device)  # logical → local slot, -1: not here
+        local = lut[flat.clamp(max=lut.numel() - 1)]
+        pair = (local >= 0).nonzero().squeeze(1)  # (token, slot) pairs handled here
         tok = pair // k
-        y = grouped_expert_ffn(x[tok], flat[pair] - self.lo, self.w13, self.w2, self.act)
+        y = self.grouped(x[tok], local[pair])
         y = y * topk_w.reshape(-1)[pair, None].to(y.dtype)
         out = torch.zeros_like(x)
         out.index_add_(0, tok, y)
         return out
+
+
+def gather_experts(parts: Sequence[tuple[RoutedExperts, int]]) -> RoutedExperts:
+    """A module holding ``parts[i] = (module, local slot)`` at local slot i, reusing held weights
+    (an expert actor keeping the experts it already has across an epoch change). Works for any
+    experts module whose tensors are all stacked per expert along dim 0 (dense or quantised)."""
+    if not parts:
+        raise ValueError("gather_experts needs at least one expert")
+    first = parts[0][0]
+    out = copy.copy(first)  # shallow: then every tensor is replaced, never shared with the sources
+    out._parameters = {name: nn.Parameter(torch.cat([m._parameters[name][i : i + 1] for m, i in parts]),
+                                          requires_grad=False)
+                       for name in first._parameters}
+    out._buffers = {name: torch.cat([m._buffers[name][i : i + 1] for m, i in parts]) for name in first._buffers}
+    out.expert_ids = tuple(m.expert_ids[i] for m, i in parts)
+    return out
 
 
 class MoE(nn.Module):
@@ -120,8 +151,8 @@ class MoE(nn.Module):
         act = glu_activation(cfg)
         H, He = cfg.hidden_size, cfg.expert_hidden_size
         self.gate = Gate(cfg)
-        lo, hi = (0, cfg.n_routed_experts) if experts is None else (experts.start, experts.stop)
-        self.experts = RoutedExperts(He, cfg.moe_intermediate_size, lo, hi, act)
+        ids = range(cfg.n_routed_experts) if experts is None else experts
+        self.experts = RoutedExperts(He, cfg.moe_intermediate_size, ids, act)
         self.shared_experts = (
             GatedMLP(H, cfg.moe_intermediate_size * cfg.n_shared_experts, act) if cfg.n_shared_experts else None
         )

@@ -21,10 +21,13 @@ at them (K3's multimodal ``language_model.`` prefix; transformers' spelling of a
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 
 from .config import ModelConfig
 
 Specs = dict[str, tuple[int, ...]]
+# which routed experts to hold: None = all; ids = the same in every MoE layer; layer → ids = per layer
+ExpertSelection = Iterable[int] | Mapping[int, Iterable[int]] | None
 
 # stored suffixes appended to a logical ``...weight`` name, per storage format; "" = the name itself
 PART_SUFFIXES: dict[str, tuple[str, ...]] = {
@@ -140,9 +143,10 @@ def ffn_name(cfg: ModelConfig, layer: int) -> str:
     return "block_sparse_moe" if cfg.family == "kimi_linear" and cfg.is_moe_layer(layer) else "mlp"
 
 
-def tensor_specs(cfg: ModelConfig, experts: range | None = None) -> Specs:
+def tensor_specs(cfg: ModelConfig, experts: ExpertSelection = None) -> Specs:
     """Logical name → shape of every tensor the model needs. ``experts`` restricts the routed
-    experts of each MoE layer to those ids (``range(0)``: none); None means all.
+    experts of each MoE layer to those ids (``range(0)``: none), or per MoE layer when it maps
+    layer → ids (a layer it does not name holds none); None means all.
 
     One layout serves both families (DeepSeek-V3 / K2 §1.9, Kimi Linear / K3 §3.8, §3.11): they
     differ only in the FFN module name, the expert weight names, and the switches only Kimi
@@ -162,7 +166,8 @@ def tensor_specs(cfg: ModelConfig, experts: range | None = None) -> Specs:
         specs.update(attn(cfg, p + "self_attn."))
         ffn = f"{p}{ffn_name(cfg, layer)}."
         if cfg.is_moe_layer(layer):
-            specs.update(moe_specs(cfg, ffn, experts, EXPERT_WEIGHT_NAMES[cfg.family]))
+            ids = experts.get(layer, ()) if isinstance(experts, Mapping) else experts
+            specs.update(moe_specs(cfg, ffn, ids, EXPERT_WEIGHT_NAMES[cfg.family]))
         else:
             specs.update(swiglu_specs(ffn, h, cfg.intermediate_size))
     specs["model.norm.weight"] = (h,)
@@ -226,7 +231,7 @@ def mla_specs(cfg: ModelConfig, prefix: str) -> Specs:
 def moe_specs(
     cfg: ModelConfig,
     prefix: str,
-    experts: range | None,
+    experts: Iterable[int] | None,
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> Specs:
     """Router, routed experts (``expert_names`` = gate, up, down) and shared experts; with a latent

@@ -10,8 +10,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from actors.dispatch import DistDispatcher, ExchangeError, ExpertExchange, LocalDispatcher
+from actors.dispatch import DistDispatcher, ExchangeError, ExpertExchange, LocalDispatcher, Routing
 from actors.messages import PlacementTable
+from actors.router import balanced_layer
 from model.layers import silu_glu
 from model.moe import RoutedExperts
 
@@ -29,13 +30,19 @@ def _shards(table: PlacementTable, layers=(1, 2)):
     out = {}
     for layer in layers:
         out[layer] = []
-        for lo, hi in table.ranges:
-            ex = RoutedExperts(H, I, lo, hi, silu_glu)
+        w13 = torch.randn(E, 2 * I, H, generator=g) * 0.3  # logical expert e's weights, wherever it lives
+        w2 = torch.randn(E, H, I, generator=g) * 0.3
+        for ids in table.slots[table.layer_index(layer)]:
+            ex = RoutedExperts(H, I, ids, silu_glu)
             with torch.no_grad():
-                ex.w13.copy_(torch.randn(ex.w13.shape, generator=g) * 0.3)
-                ex.w2.copy_(torch.randn(ex.w2.shape, generator=g) * 0.3)
+                ex.w13.copy_(w13[list(ids)])
+                ex.w2.copy_(w2[list(ids)])
             out[layer].append(ex)
     return out
+
+
+def _table(slots_per_layer, A) -> PlacementTable:
+    return PlacementTable(0, E, A, (1, 2), tuple(tuple(map(tuple, s)) for s in slots_per_layer))
 
 
 def _inputs(rank: int, layer: int):
@@ -47,17 +54,17 @@ def _inputs(rank: int, layer: int):
     return x, idx, w
 
 
-def _run(rank, world, port, A, ranges, mode, q):
+def _run(rank, world, port, A, slots, mode, q):
     try:
         import torch.distributed as dist
 
-        table = PlacementTable(0, E, tuple(ranges))
+        table = _table(slots, A)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=4 if mode != "ok" else 60))
         shards = _shards(table)
         if mode == "ok":
             if rank < A:
-                d = DistDispatcher(f"attention[{rank}]", table, A, H, torch.float32)
+                d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32)
                 d.begin_step(5)
                 local = LocalDispatcher(table, shards)
                 diffs = []
@@ -67,13 +74,14 @@ def _run(rank, world, port, A, ranges, mode, q):
                     ref = local.for_layer(layer)(x, idx, w)
                     diffs.append(float((got - ref).abs().max()) if len(x) else 0.0)
                     assert d.expert_tokens[layer].sum().item() == idx.numel()
+                    assert d.slot_tokens[layer].sum().item() == idx.numel()
                 q.put((rank, "ok", max(diffs)))
             else:
-                ex = ExpertExchange(f"expert[{rank - A}]", table, A)
-                rows = [ex.serve(layer, shards[layer][rank - A]) for layer in (1, 2)]
+                ex = ExpertExchange(f"expert[{rank - A}]", table)
+                rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32).tolist() for layer in (1, 2)]
                 q.put((rank, "rows", rows))
         elif rank == 0:  # "stuck" / "gone": the attention rank must fail clearly
-            d = DistDispatcher("attention[0]", table, A, H, torch.float32)
+            d = DistDispatcher("attention[0]", table, H, torch.float32)
             d.begin_step(42)
             x, idx, w = _inputs(0, 1)
             t0 = time.monotonic()
@@ -89,11 +97,11 @@ def _run(rank, world, port, A, ranges, mode, q):
         q.put((rank, "crash", traceback.format_exc()))
 
 
-def _spawn(world, A, ranges, mode, wait_for):
+def _spawn(world, A, slots, mode, wait_for):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, A, ranges, mode, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_run, args=(r, world, port, A, slots, mode, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -105,20 +113,59 @@ def _spawn(world, A, ranges, mode, wait_for):
                 p.kill()
 
 
-def test_gloo_exchange_equals_local_dispatch():
-    ranges = [(0, 4), (4, 7), (7, 10)]  # uneven shards
-    out = _spawn(world=2 + 3, A=2, ranges=ranges, mode="ok", wait_for=5)
+UNEVEN = [[(0, 1, 2, 3), (4, 5, 6), (7, 8, 9)]] * 2
+# per layer: hot experts replicated (expert 3 twice in layer 1, experts 0 and 9 in layer 2), any order
+REPLICATED = [[(3, 0, 1, 2), (3, 4, 5, 6), (7, 8, 9)], [(0, 1, 2, 9), (0, 3, 4, 5), (6, 7, 8, 9)]]
+
+
+@pytest.mark.parametrize("slots", [UNEVEN, REPLICATED], ids=["uneven", "replicated"])
+def test_gloo_exchange_equals_local_dispatch(slots):
+    out = _spawn(world=2 + 3, A=2, slots=slots, mode="ok", wait_for=5)
     crashes = [o for o in out if o[1] == "crash"]
     assert not crashes, crashes[0][2]
     diffs = [o[2] for o in out if o[1] == "ok"]
     assert len(diffs) == 2 and max(diffs) < 1e-5
-    rows = sum(sum(o[2]) for o in out if o[1] == "rows")
-    assert rows == sum(_inputs(r, l)[1].numel() for r in range(2) for l in (1, 2))
+    rows = {o[0] - 2: o[2] for o in out if o[1] == "rows"}  # expert actor → [layer][local slot] rows
+    assert sum(sum(map(sum, r)) for r in rows.values()) == sum(_inputs(r, l)[1].numel() for r in range(2) for l in (1, 2))
+    table = _table(slots, 2)
+    split = []
+    for i, layer in enumerate((1, 2)):
+        for e in table.replicated(i):  # copy c computed the pairs ranked r ≡ c (mod copies) on each sender
+            copies = table.copies(i)[e]
+            pairs = [int((_inputs(r, layer)[1] == e).sum()) for r in range(2)]
+            expect = [sum(len(range(c, m, len(copies))) for m in pairs) for c in range(len(copies))]
+            assert [rows[j][i][local] for j, local in copies] == expect, (layer, e, rows)
+            split.append(min(expect))
+    assert (max(split, default=0) > 0) == (slots is REPLICATED)  # some replicated expert's rows really were split
+
+
+def test_replica_split_is_even_and_follows_batch_order():
+    table = _table(REPLICATED, 1)
+    routing = Routing(table)
+    idx = torch.tensor([[3, 5], [3, 7], [1, 3], [3, 0], [3, 8]])  # expert 3: five pairs, two copies
+    order, actor, local = routing.route(1, idx)
+    pairs_of_3 = [(int(a), int(l)) for e, a, l in zip(idx.reshape(-1), actor, local) if e == 3]
+    assert pairs_of_3 == [(0, 0), (1, 0), (0, 0), (1, 0), (0, 0)]  # rank r → copy r % 2, in batch order
+    sorted_keys = (actor * table.max_local + local)[order]
+    assert torch.equal(sorted_keys, sorted_keys.sort().values)
+    again = routing.route(1, idx)
+    assert all(torch.equal(a, b) for a, b in zip((order, actor, local), again))
+
+
+def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
+    load = [100.0, 1, 1, 1, 50, 1, 1, 1, 1, 1]
+    slots = balanced_layer(load, num_actors=3, redundant=2)
+    held = [e for ids in slots for e in ids]
+    assert sorted(len(ids) for ids in slots) == [4, 4, 4] and set(held) == set(range(10))
+    assert held.count(0) == 2 and held.count(4) == 2  # the two hottest got the spare slots
+    per_actor = [sum(load[e] / held.count(e) for e in ids) for ids in slots]
+    contiguous = [sum(load[0:4]), sum(load[4:7]), sum(load[7:10])]  # the even shards: 103, 52, 3
+    assert max(per_actor) / (sum(per_actor) / 3) < max(contiguous) / (sum(contiguous) / 3)
 
 
 @pytest.mark.parametrize("mode", ["stuck", "gone"])
 def test_peer_gone_or_stuck_raises_clear_error(mode):
-    (res,) = [o for o in _spawn(world=2, A=1, ranges=[(0, 10)], mode=mode, wait_for=1)]
+    (res,) = [o for o in _spawn(world=2, A=1, slots=[[tuple(range(10))]] * 2, mode=mode, wait_for=1)]
     rank, msg, seconds = res
     assert rank == 0 and msg not in ("no error", "crash"), res
     assert "attention[0]" in msg and "step 42" in msg and "MoE layer 1" in msg, msg

@@ -21,7 +21,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.messages import ExpertStepResult, PlacementTable, StepResult
+from actors.messages import ExpertStepResult, StepResult
+from actors.router import even_table
 from cluster.stats import EngineStats
 from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
@@ -48,12 +49,13 @@ class _Alloc:
 
 def populated_metrics() -> EngineMetrics:
     stats = EngineStats([1, 2], 4)
-    table = PlacementTable.even(4, 2)
+    table = even_table(4, [1, 2], 1, 2)
     engine = SimpleNamespace(stats=stats, table=table,
                              scheduler=SimpleNamespace(waiting=deque([object()]), running=[object()],
                                                        blocks=[_Alloc(16, 10)]))
     m = EngineMetrics(engine, "tiny")
-    attn = [StepResult(1, "attention[0]", expert_tokens=((2, 1, 0, 1), (0, 3, 1, 0)), exchange_s=0.002,
+    attn = [StepResult(1, "attention[0]", expert_tokens=((2, 1, 0, 1), (0, 3, 1, 0)),
+                       slot_tokens=(((2, 1), (0, 1)), ((0, 3), (1, 0))), exchange_s=0.002,
                        dispatch_s=0.001, combine_s=0.001)]
     expert = [ExpertStepResult(1, f"expert[{j}]", compute_s=0.004, exchange_s=0.002) for j in range(2)]
     stats.record_step(3, attn, expert, 0.01, table)

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.messages import ExpertStepResult, PlacementTable, StepResult
+from actors.messages import ExpertStepResult, StepResult
+from actors.router import even_table
 from cluster.scheduler import Scheduler, Seq
 from cluster.stats import EngineStats
 from deploy.metrics import CONTENT_TYPE, EngineMetrics
@@ -22,18 +23,24 @@ def make_engine(*, replicas: int = 2, expert_actors: int = 2):
     stats = EngineStats(list(MOE_LAYERS), NUM_EXPERTS)
     scheduler = Scheduler(num_replicas=replicas, num_blocks=8, block_size=4, num_slots=None, max_num_seqs=8,
                           max_tokens_per_step=64)
-    table = PlacementTable.even(NUM_EXPERTS, expert_actors)
+    table = even_table(NUM_EXPERTS, MOE_LAYERS, replicas, expert_actors)
     return SimpleNamespace(stats=stats, scheduler=scheduler, table=table, cfg=SimpleNamespace(moe_layers=MOE_LAYERS))
 
 
 def step(engine, counts_per_attention, *, step_s=0.02, dispatch=(0.001, 0.002), combine=(0.003, 0.004),
          compute=(0.01, 0.02)):
-    attn = [StepResult(1, f"attention[{i}]", expert_tokens=tuple(map(tuple, c)), exchange_s=d + cb, dispatch_s=d,
-                       combine_s=cb)
+    attn = [StepResult(1, f"attention[{i}]", expert_tokens=tuple(map(tuple, c)), slot_tokens=_slots(engine.table, c),
+                       exchange_s=d + cb, dispatch_s=d, combine_s=cb)
             for i, (c, d, cb) in enumerate(zip(counts_per_attention, dispatch, combine))]
     expert = [ExpertStepResult(1, f"expert[{j}]", compute_s=s, exchange_s=0.005) for j, s in enumerate(compute)]
     tokens = sum(sum(row) for c in counts_per_attention for row in c[:1])
     engine.stats.record_step(tokens, attn, expert, step_s, engine.table)
+
+
+def _slots(table, counts):
+    """Rows per (MoE layer, expert actor, local slot) of per-expert counts, under a table without replicas."""
+    return tuple(tuple(tuple(row[e] for e in ids) + (0,) * (table.max_local - len(ids)) for ids in per_actor)
+                 for row, per_actor in zip(counts, table.slots))
 
 
 def scrape(metrics) -> dict[tuple[str, frozenset], float]:
@@ -116,7 +123,7 @@ def test_scheduler_and_cache_gauges_read_at_scrape_time(engine, metrics):
     assert sorted(used) == [3, 6] and [u + f for u, f in zip(used, free)] == [8, 8]
     assert value(s, "moeray:kv_cache_usage_perc") == pytest.approx(9 / 16)
     engine.stats.preemptions += 2  # the engine counts these on stats, without an event
-    engine.table = PlacementTable(1, NUM_EXPERTS, ((0, 1), (1, 4)))
+    engine.table = even_table(NUM_EXPERTS, MOE_LAYERS, 2, 2, epoch=1)
     s = scrape(metrics)
     assert value(s, "moeray:num_preemptions_total") == 2 and value(s, "moeray:epoch") == 1
 
@@ -309,7 +316,7 @@ def test_expert_distribution_is_the_full_json_dump(engine, metrics):
 def test_epoch_pause_histogram(engine, metrics):
     s = scrape(metrics)
     assert value(s, "moeray:epoch_pause_seconds_count") == 0  # rendered before the first change
-    engine.table = PlacementTable(1, NUM_EXPERTS, ((0, 1), (1, 4)))
+    engine.table = even_table(NUM_EXPERTS, MOE_LAYERS, 2, 2, epoch=1)
     engine.stats.observe_epoch(1, 0.3)
     engine.stats.observe_epoch(2, 45.0)
     s = scrape(metrics)

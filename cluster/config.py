@@ -1,0 +1,41 @@
+"""Runtime knobs of one deployment (the architecture comes from the checkpoint). Built once at the
+edge (deploy/ or the CLI) and handed down; read by the engine and its worker group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 256  # per attention replica
+    num_slots: int = 64  # KDA slots per attention replica (hybrid models)
+    max_num_seqs: int = 64
+    max_tokens_per_step: int = 256
+    impl: str = "absorbed"
+    backend: str | None = None  # None: nccl when actors have GPUs, else gloo
+    collective_timeout_s: float = 60.0
+    step_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0
+    # elastic plane: the router's sliding window, and the automatic rebalancing policy (off by default)
+    window_steps: int = 256
+    auto_rebalance: bool = False
+    rebalance_threshold: float = 1.5  # mean over MoE layers of max/mean tokens per expert actor
+    rebalance_interval_s: float = 300.0  # at least this long between two automatic rebalances
+    redundant_slots: int = 0  # spare physical slots per MoE layer for copies of hot experts
+    # names this deployment's placement groups "<owner>/..."; an engine with an owner removes the ones an
+    # earlier incarnation left behind (a Serve replica that died) before reserving
+    owner: str | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.redundant_slots < 0:
+            raise ValueError(f"engine setting 'redundant_slots' must be >= 0, got {self.redundant_slots}")
+        if self.rebalance_threshold < 1:
+            raise ValueError(f"engine setting 'rebalance_threshold' must be >= 1 (1 = balanced), "
+                             f"got {self.rebalance_threshold}")

@@ -1,0 +1,415 @@
+"""The worker group: the engine's one seam to its actors (ARCHITECTURE.md "Engine", "Scaling").
+
+Owns: the placement reservations and the bundles in them, the attention and expert actors, the
+Router actor, the rendezvous and process group of the current epoch, and epoch changes in
+progress (:class:`Transition`). The engine asks it to ``step`` and to change shape; the Router
+decides the next table; this class carries it out:
+
+1. ``begin_*`` (no pause): the router proposes the next table; new actors are created in free
+   bundles or a new reservation on nodes with room, and load their experts in their constructors;
+   kept expert actors stage their new slots in their ``control`` concurrency group. Steps go on.
+2. ``commit`` (the pause, at a step boundary, once everything is staged): every actor of the new
+   epoch leaves the old process group and joins a new one on a fresh rendezvous; retired actors
+   are killed and their bundles freed; the router publishes the table.
+
+Never: decides which sequences run (the scheduler does), or waits on an actor without a timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.messages import GroupInfo, PlacementTable, StepRequest
+from actors.remote import RemoteAttention, RemoteExpert, RemoteRouter
+from actors.router import Proposal
+from model.config import ModelConfig
+
+from .config import EngineConfig
+from .topology import ClusterSpec, Kind, Reservation, ReservationTimeoutError, remove_orphans, reserve
+
+
+class EngineError(RuntimeError):
+    """The cluster failed: an actor died, a collective timed out, or a step got no answer."""
+
+
+class StepFailed(EngineError):
+    """A step failed. ``dead``: the members that died or never answered (to replace); the others
+    answered, possibly with an exchange error, and only need a new process group."""
+
+    def __init__(self, message: str, dead: list[tuple[str, int]]):
+        super().__init__(message)
+        self.dead = dead  # (kind, index) with kind "attention" or "expert"
+
+
+class NoCapacity(EngineError):
+    """Recovery needs a replacement actor that the cluster has no room for right now."""
+
+
+@dataclass
+class Home:
+    """A reserved bundle: bundle ``index`` of ``kind`` in ``reservation``."""
+
+    reservation: Reservation
+    kind: Kind
+    index: int
+
+
+@dataclass
+class Member:
+    """One actor of the group and the bundle it sits in."""
+
+    actor: Any  # a Ray ActorHandle
+    home: Home
+
+
+@dataclass(frozen=True)
+class EpochChange:
+    """What one epoch change did: the report of ``moeray scale`` / ``moeray rebalance``."""
+
+    epoch: int
+    kind: str  # "experts" | "attention" | "rebalance"
+    old_shape: str
+    new_shape: str
+    pause_s: float  # no steps ran for this long (the commit at the step boundary)
+    regroup_s: float  # of the pause: leaving the old process group and joining the new one
+    prepare_s: float  # creating actors and staging weights, while steps went on
+    experts_loaded: int  # (layer, expert) weights read from the checkpoint by kept actors
+    moved_sequences: int = 0  # sequences re-prefilled on another attention replica
+    imbalance_before: tuple[float, ...] = ()  # per MoE layer, max/mean tokens per expert actor
+    imbalance_after: tuple[float, ...] = ()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Transition:
+    """An epoch change in progress; ``done`` resolves with the :class:`EpochChange` at commit."""
+
+    kind: str
+    proposal: Proposal
+    old: PlacementTable
+    attention: list[Member]  # the new epoch's members, in rank order
+    experts: list[Member]
+    retired: list[Member]
+    reservations: list[Reservation]  # made for this change
+    pending: list  # ObjectRefs: new actors' start-up, then kept experts' staging
+    staging: list = field(default_factory=list)  # ObjectRefs of the staging alone: experts read each
+    started: float = field(default_factory=time.monotonic)
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    @property
+    def table(self) -> PlacementTable:
+        return self.proposal.table
+
+
+class WorkerGroup:
+    def __init__(self, config: EngineConfig, spec: ClusterSpec, cfg: ModelConfig):
+        self.config, self.spec, self.cfg = config, spec, cfg
+        self.path = str(Path(config.model).resolve())
+        self.backend = config.backend or ("nccl" if spec.gpus else "gloo")
+        self.router = None
+        self.table: PlacementTable | None = None
+        self.attention: list[Member] = []
+        self.experts: list[Member] = []
+        self.spare: list[Home] = []  # bundles of retired actors, reused before reserving more
+        self.reservations: list[Reservation] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        c, spec = self.config, self.spec
+        if c.owner:
+            remove_orphans(c.owner)
+        res = self._reserve(spec, c.start_timeout_s)
+        self.reservations.append(res)
+        try:
+            self.router = RemoteRouter.remote(self.cfg.n_routed_experts, self.cfg.moe_layers,
+                                              window_steps=c.window_steps)
+            table = self._get(self.router.initial.remote(spec.attention, spec.experts), c.start_timeout_s,
+                              "the router's first table")
+            self.attention = [self._new_attention(Home(res, "attention", i), table, i) for i in range(spec.attention)]
+            self.experts = [self._new_expert(Home(res, "expert", j), table, j) for j in range(spec.experts)]
+            self._form_group(table, self.attention, self.experts, "joining the process group")
+            self.table = table
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        for m in self.attention + self.experts:
+            _kill(m.actor)
+        if self.router is not None:
+            _kill(self.router)
+        self.attention, self.experts, self.router, self.spare = [], [], None, []
+        for res in self.reservations:
+            res.release()
+        self.reservations = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self.attention)
+
+    def node_ip(self, member: Member) -> str:
+        return member.home.reservation.node_ip_of(member.home.kind, member.home.index)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, step_no: int, reqs: list[StepRequest]) -> tuple[list, list]:
+        """One Ray call per actor. Raises :class:`StepFailed` naming the dead (or stuck) actors
+        once every actor has answered or been given up on."""
+        refs = [m.actor.step.remote(r) for m, r in zip(self.attention, reqs)]
+        refs += [m.actor.step.remote(step_no) for m in self.experts]
+        try:
+            results = ray.get(refs, timeout=self.config.step_timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            raise self._failure(step_no, refs, e) from None
+        return results[: len(self.attention)], results[len(self.attention):]
+
+    def _failure(self, step_no: int, refs: list, first: Exception) -> StepFailed:
+        """Wait (bounded by the collective timeout) until every actor of the failed step answered:
+        an actor that died, or still has not answered, is to be replaced."""
+        names = _names(len(self.attention), len(self.experts))
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.collective_timeout_s + 5)
+        dead, causes = [], []
+        for name, ref in zip(names, refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                dead.append(name)
+                causes.append(f"{name} did not answer")
+            except ray.exceptions.RayActorError:
+                dead.append(name)
+                causes.append(f"{name} died")
+            except ray.exceptions.RayTaskError as e:
+                causes.append(f"{name}: {str(e.cause if e.cause is not None else e).splitlines()[0]}")
+        kinds = [("attention" if n.startswith("attention") else "expert", int(n.split("[")[1][:-1])) for n in dead]
+        detail = "; ".join(causes[:4]) or str(first).splitlines()[0]
+        return StepFailed(f"step {step_no} failed: {detail}", kinds)
+
+    def report(self, expert_tokens: list[list[int]]) -> None:
+        self.router.report.remote(expert_tokens)  # fire and forget: off the hot path
+
+    # ---- epoch changes -----------------------------------------------------------------------
+    def begin(self, kind: str, *, num_attention: int | None = None, num_actors: int | None = None,
+              redundant_slots: int | None = None) -> Transition:
+        """Start an epoch change; returns at once. Raises ValueError for a shape the router refuses."""
+        old = self.table
+        ref = self.router.propose.remote(num_attention=num_attention, num_actors=num_actors,
+                                         redundant_slots=redundant_slots)
+        try:
+            proposal = ray.get(ref, timeout=self.config.step_timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, (ValueError, RuntimeError)):  # a shape the router refuses: the user's to fix
+                raise ValueError(str(e.cause)) from None
+            raise EngineError(f"the router's proposal: {e}") from None
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+            raise EngineError(f"the router's proposal: {e}") from None
+        table = proposal.table
+        t = Transition(kind, proposal, old, self.attention[: table.num_attention], self.experts[: table.num_actors],
+                       self.attention[table.num_attention:] + self.experts[table.num_actors:], [], [])
+        try:
+            homes = self._homes("attention", table.num_attention - len(t.attention), t)
+            t.attention += [self._new_attention(h, table, len(t.attention) + i) for i, h in enumerate(homes)]
+            homes = self._homes("expert", table.num_actors - len(t.experts), t)
+            t.experts += [self._new_expert(h, table, len(t.experts) + i) for i, h in enumerate(homes)]
+            new = t.attention[old.num_attention:] + t.experts[old.num_actors:]
+            t.staging = [m.actor.prepare.options(concurrency_group="control").remote(table, j)
+                         for j, m in enumerate(t.experts[: old.num_actors])
+                         if table.experts_of(j) != old.experts_of(j)]
+            t.pending = [m.actor.node_id.remote() for m in new] + t.staging  # node_id: done once constructed
+        except BaseException:
+            self.abort(t)
+            raise
+        return t
+
+    def ready(self, t: Transition) -> bool:
+        """True once every new actor started and every kept one staged its weights. Raises
+        EngineError (after aborting the change) when one failed or the start timeout passed."""
+        done, _ = ray.wait(t.pending, num_returns=len(t.pending), timeout=0)
+        if len(done) == len(t.pending):
+            try:
+                self._get(t.pending, self.config.step_timeout_s, f"preparing epoch {t.table.epoch}")
+            except EngineError:
+                self.abort(t)
+                raise
+            return True
+        if time.monotonic() - t.started > self.config.start_timeout_s:
+            self.abort(t)
+            raise EngineError(f"epoch {t.table.epoch}: the new actors were not ready within "
+                              f"{self.config.start_timeout_s:.0f}s")
+        return False
+
+    def commit(self, t: Transition, moved: int = 0) -> EpochChange:
+        """At a step boundary, after ``ready``: switch every actor to the new epoch."""
+        t0 = time.monotonic()
+        try:
+            loaded = sum(self._get(t.staging, self.config.step_timeout_s, "staged weights"))
+            t1 = time.monotonic()
+            self._form_group(t.table, t.attention, t.experts, f"entering epoch {t.table.epoch}")
+            regroup = time.monotonic() - t1
+        except BaseException:
+            self.abort(t)
+            raise
+        for m in t.retired:
+            _kill(m.actor)
+            self.spare.append(m.home)
+        self.attention, self.experts = t.attention, t.experts
+        self.table = self._get(self.router.commit.remote(t.table.epoch), self.config.step_timeout_s, "publishing")
+        self._release_unused()
+        pause = time.monotonic() - t0
+        p = t.proposal
+        return EpochChange(t.table.epoch, t.kind, t.old.shape(), t.table.shape(), pause, regroup, t0 - t.started,
+                           loaded, moved, p.imbalance_before, p.imbalance_after)
+
+    def abort(self, t: Transition) -> None:
+        """Undo a change that did not happen: kill the actors it made, free their bundles."""
+        for m in t.attention[t.old.num_attention:] + t.experts[t.old.num_actors:]:
+            _kill(m.actor)
+            if m.home.reservation not in t.reservations:
+                self.spare.append(m.home)
+        for res in t.reservations:
+            res.release()
+            self.reservations.remove(res)
+        try:
+            self.router.abort.remote(t.table.epoch)
+        except Exception:  # noqa: BLE001 — the router is gone too; shutdown follows
+            pass
+
+    # ---- recovery ----------------------------------------------------------------------------
+    def recover(self, dead: list[tuple[str, int]], *, reserve_timeout_s: float = 10.0) -> EpochChange:
+        """A recovery epoch (an epoch change nobody asked for): the same shape and placement, each
+        dead actor replaced at its index — in its own bundle while its node lives, else in a new
+        reservation on a node with room (:class:`NoCapacity` when there is none) — and every actor
+        in a new process group. Survivors keep their weights, caches and KDA state."""
+        t0 = time.monotonic()
+        old = self.table
+        proposal = self._get(self.router.propose.remote(), self.config.step_timeout_s, "the recovery table")
+        table = proposal.table
+        attention, experts = list(self.attention), list(self.experts)
+        made: list[Member] = []
+        try:
+            for kind, i in sorted(set(dead)):
+                members = attention if kind == "attention" else experts
+                _kill(members[i].actor)
+                home = members[i].home if _node_alive(members[i].home) else self._fresh_home(kind, reserve_timeout_s)
+                members[i] = (self._new_attention if kind == "attention" else self._new_expert)(home, table, i)
+                made.append(members[i])
+            self._get([m.actor.node_id.remote() for m in made], self.config.start_timeout_s, "starting replacements")
+            t1 = time.monotonic()
+            self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
+            regroup = time.monotonic() - t1
+        except BaseException:
+            for m in made:
+                _kill(m.actor)
+            self.router.abort.remote(table.epoch)
+            raise
+        self.attention, self.experts = attention, experts
+        self.table = self._get(self.router.commit.remote(table.epoch), self.config.step_timeout_s, "publishing")
+        self._release_unused()
+        took = time.monotonic() - t0
+        return EpochChange(table.epoch, "recovery", old.shape(), table.shape(), took, regroup, 0.0,
+                           sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values()))
+
+    def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:
+        spec = dataclasses.replace(self.spec, attention=1 if kind == "attention" else 0,
+                                   experts=1 if kind == "expert" else 0)
+        try:
+            res = self._reserve(spec, timeout_s)
+        except (ReservationTimeoutError, ValueError) as e:  # ValueError: a pinned node is gone
+            raise NoCapacity(f"no node has room for a replacement {kind} actor: {str(e).splitlines()[0]}") from None
+        self.reservations.append(res)
+        return Home(res, kind, 0)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _homes(self, kind: Kind, count: int, t: Transition) -> list[Home]:
+        """``count`` bundles for new actors of ``kind``: spare ones first, then one new reservation."""
+        if count <= 0:
+            return []
+        reuse = [h for h in self.spare if h.kind == kind][:count]
+        for h in reuse:
+            self.spare.remove(h)
+        more = count - len(reuse)
+        if more == 0:
+            return reuse
+        spec = dataclasses.replace(self.spec, attention=more if kind == "attention" else 0,
+                                   experts=more if kind == "expert" else 0)
+        try:
+            res = self._reserve(spec, self.config.start_timeout_s)
+        except BaseException:
+            self.spare += reuse
+            raise
+        self.reservations.append(res)
+        t.reservations.append(res)
+        return reuse + [Home(res, kind, i) for i in range(more)]
+
+    def _reserve(self, spec: ClusterSpec, timeout_s: float) -> Reservation:
+        name = f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
+        return reserve(spec, timeout_s=timeout_s, name=name)
+
+    def _release_unused(self) -> None:
+        """Release reservations none of whose bundles hold a live actor any more."""
+        live = {id(m.home.reservation) for m in self.attention + self.experts}
+        for res in [r for r in self.reservations if id(r) not in live]:
+            res.release()
+            self.reservations.remove(res)
+            self.spare = [h for h in self.spare if h.reservation is not res]
+
+    def _new_attention(self, home: Home, table: PlacementTable, index: int) -> Member:
+        c = self.config
+        opts = home.reservation.attention_options(home.index)
+        actor = RemoteAttention.options(**opts).remote(
+            self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
+            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl)
+        return Member(actor, home)
+
+    def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:
+        opts = home.reservation.expert_options(home.index)
+        return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table,
+                                                          dtype=self.config.dtype), home)
+
+    def _form_group(self, table: PlacementTable, attention: list[Member], experts: list[Member], what: str) -> None:
+        c = self.config
+        addr, port = self._get(attention[0].actor.rendezvous.remote(), c.start_timeout_s, f"{what}: rendezvous")
+        info = GroupInfo(epoch=table.epoch, address=addr, port=port, backend=self.backend,
+                         timeout_s=c.collective_timeout_s)
+        refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
+        refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
+        self._get(refs, c.start_timeout_s, what, names=_names(len(attention), len(experts)))
+
+    def _get(self, refs, timeout: float, what: str, names: list[str] | None = None):
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            refs_list = refs if isinstance(refs, list) else [refs]
+            _, pending = ray.wait(refs_list, num_returns=len(refs_list), timeout=0)
+            names = names or (_names(len(self.attention), len(self.experts))
+                              if len(refs_list) == len(self.attention) + len(self.experts) else None)
+            who = ([n for n, r in zip(names, refs_list) if r in pending] if names
+                   else [f"{len(pending)} of {len(refs_list)} actors"])
+            raise EngineError(f"{what}: no answer within {timeout:.0f}s from {', '.join(who)}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise EngineError(f"{what}: {e.cause if e.cause is not None else e}") from None
+        except ray.exceptions.RayActorError as e:
+            raise EngineError(f"{what}: an actor died: {e}") from None
+
+
+def _names(num_attention: int, num_experts: int) -> list[str]:
+    return [f"attention[{i}]" for i in range(num_attention)] + [f"expert[{j}]" for j in range(num_experts)]
+
+
+def _node_alive(home: Home) -> bool:
+    node = home.reservation.node_of(home.kind, home.index)
+    return any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 — already gone
+        pass

@@ -1,0 +1,41 @@
+"""An expert actor's weights: any set of logical experts per MoE layer (a shard, replicas of hot
+experts), read lazily from the checkpoint, equal to the same experts of the whole model."""
+
+import pytest
+import torch
+
+from model.config import load_config
+from model.loader import load_model, load_routed_experts
+from model.presets import build_preset
+
+
+@pytest.fixture(scope="module")
+def k2(tmp_path_factory):
+    return build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("k2") / "k2", seed=3, dtype="float32",
+                        progress=False)
+
+
+def test_any_experts_per_layer_equal_the_whole_models(k2):
+    cfg = load_config(k2)
+    whole = load_model(k2, progress=False).moe_blocks()
+    a, b = cfg.moe_layers[0], cfg.moe_layers[-1]
+    wanted = {a: [7, 0, 3], b: [2, 7]}  # not contiguous, not sorted, different per layer
+    got = load_routed_experts(k2, cfg, wanted)
+    assert sorted(got) == sorted(wanted)
+    for layer, ids in wanted.items():
+        ex = got[layer]
+        assert ex.expert_ids == tuple(ids)
+        ref = whole[layer].experts
+        assert torch.equal(ex.w13, ref.w13[ids]) and torch.equal(ex.w2, ref.w2[ids])
+        assert ex.weight_bytes() == len(ids) * (ref.w13[0].numel() + ref.w2[0].numel()) * 4
+        x = torch.randn(5, cfg.expert_hidden_size)
+        local = torch.tensor([0, len(ids) - 1, 0, 1, 1])
+        expect = torch.stack([ref.grouped(x[r:r + 1], torch.tensor([ids[int(local[r])]]))[0] for r in range(5)])
+        torch.testing.assert_close(ex.grouped(x, local), expect)
+
+
+def test_layers_that_are_not_moe_layers_are_refused(k2):
+    cfg = load_config(k2)
+    dense = next(i for i in range(cfg.num_hidden_layers) if i not in cfg.moe_layers)
+    with pytest.raises(ValueError, match=f"layers \\[{dense}\\] are not MoE layers"):
+        load_routed_experts(k2, cfg, {dense: [0]})
