@@ -80,7 +80,8 @@ class EngineServer:
         self.engine = Engine(cfg.engine_config(model_path, owner), cfg.cluster_spec(),
                              stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
-        self.metrics = EngineMetrics(self.engine, self.name)
+        self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
+                                     expert_metrics=cfg.expert_metrics)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams):
         if self.aengine.num_waiting >= self.max_queue:
@@ -101,6 +102,9 @@ class EngineServer:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def experts(self) -> dict:
+        return self.metrics.expert_distribution()
 
     def health(self) -> dict:
         a = self.aengine
@@ -343,6 +347,12 @@ class Ingress:
         if not out["ok"]:
             raise oa.APIError(out["status"], out["error"], param="index")
         return out
+
+    @api.get("/admin/experts")
+    async def experts(self, request: Request):
+        """The full token distribution over (MoE layer, logical expert), as JSON."""
+        self._auth(request)
+        return await self._ask_engine(self.engine.experts, "/admin/experts")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

@@ -40,6 +40,10 @@ class ServeConfig(BaseModel):
     rebalance_threshold: float = Field(1.5, ge=1.0, description="Max/mean tokens per expert actor that triggers "
                                                                 "an automatic rebalance.")
     rebalance_interval_s: float = Field(300.0, ge=0, description="Least time between two automatic rebalances.")
+    metrics_prefix: Literal["moeray", "vllm"] = Field(
+        "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
+    expert_metrics: Literal["summary", "full"] = Field(
+        "summary", description="full: also the per-(layer, expert) token counter (~23k series for K2).")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "ServeConfig":
