@@ -112,7 +112,7 @@ def _schemathesis(url: str, report: Path, *args: str) -> tuple[str, dict]:
            "--max-response-time", "60",
            "--report", "json", "--report-json-path", str(report), "--no-color", *args]
     env = {"PATH": str(Path(sys.executable).parent), "HOME": str(report.parent), "NO_COLOR": "1", "COLUMNS": "200"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=report.parent)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out, json.loads(report.read_text())
