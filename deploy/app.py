@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
@@ -27,12 +29,15 @@ from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
 from . import openai_api as oa
+from . import openai_responses as out
 from .config import ServeConfig
 from .metrics import EngineMetrics
+from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
 
 
 CONTROL_TIMEOUT_S = 15.0
 ADMIN_TIMEOUT_S = 900.0  # an epoch change waits for new actors to load their weights
+ADMIN_DOC = {**ok(out.EpochChangeReport), **errors(400, 401, 413, 503)}
 
 
 class ScaleRequest(BaseModel):
@@ -225,6 +230,19 @@ class _Choice:
 
 
 api = FastAPI(title="moeray", description="OpenAI-compatible serving of MoE models on Ray")
+doc = OpenAPIDoc(api)  # request bodies: the same models the routes parse with (oa.parse_request)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, err: StarletteHTTPException):  # unknown route, wrong method
+    return JSONResponse(oa.error_body(err.status_code, str(err.detail)), status_code=err.status_code,
+                        headers=getattr(err, "headers", None))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_request: Request, err: RequestValidationError):  # never FastAPI's 422
+    first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+    return JSONResponse(oa.error_body(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}"), status_code=400)
 
 
 @api.exception_handler(oa.APIError)
@@ -247,9 +265,11 @@ class Ingress:
         self.stream_handle = engine.options(stream=True)
         self.tok = Tokenizer.from_dir(model_path)
         mcfg = load_config(model_path)
-        self.context = mcfg.max_position_embeddings
+        self.context = min(mcfg.max_position_embeddings, self.cfg.max_model_len or mcfg.max_position_embeddings)
         self.name = self.cfg.name_for(Path(model_path))
         self.created = int(time.time())
+        doc.specialize(model_names=[self.name], vocab_size=self.tok.vocab_size, max_model_len=self.context,
+                       api_key=self.cfg.api_key is not None)
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -275,7 +295,7 @@ class Ingress:
         return gen, first
 
     # ---- routes -------------------------------------------------------------------------------
-    @api.get("/health")
+    @api.get("/health", responses={**ok(out.Health), 503: {"model": out.Health}})
     async def health(self):
         try:
             h = await asyncio.wait_for(self.engine.health.remote(), timeout=3)  # inside a client's 5 s default
@@ -285,7 +305,7 @@ class Ingress:
             return JSONResponse({"status": "degraded", "error": h["error"]}, status_code=503)
         return {"status": "ok"}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses={**ok(out.ModelList), **errors(401)})
     async def models(self, request: Request):
         self._auth(request)
         return oa.models_response([self.name], self.created)
@@ -298,13 +318,13 @@ class Ingress:
             raise oa.APIError(503, f"the engine did not answer {what} within {CONTROL_TIMEOUT_S:.0f}s",
                               retry_after_s=1) from None
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=Response, responses={**ok_text(), **errors(401, 503)})
     async def metrics(self, request: Request):
         self._auth(request)
         text = await self._ask_engine(self.engine.metrics_text, "/metrics")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @api.get("/status")
+    @api.get("/status", responses={**ok(out.ClusterStatus), **errors(401, 503)})
     async def status(self, request: Request):
         self._auth(request)
         return await self._ask_engine(self.engine.status, "/status")
@@ -321,25 +341,25 @@ class Ingress:
                               retry_after_s=5 if out["status"] == 503 else None)
         return out["change"]
 
-    @api.post("/admin/scale/experts")
+    @api.post("/admin/scale/experts", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_experts(self, request: Request):
         self._auth(request)
         body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
         return await self._admin(request, "experts", body.n)
 
-    @api.post("/admin/scale/attention")
+    @api.post("/admin/scale/attention", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_attention(self, request: Request):
         self._auth(request)
         body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
         return await self._admin(request, "attention", body.n)
 
-    @api.post("/admin/rebalance")
+    @api.post("/admin/rebalance", openapi_extra=doc.body(RebalanceRequest), responses=ADMIN_DOC)
     async def rebalance(self, request: Request):
         self._auth(request)
         body = oa.parse_request(RebalanceRequest, await self._body(request), self.cfg.max_body_bytes)
         return await self._admin(request, "rebalance", body.redundant_slots)
 
-    @api.post("/admin/chaos")
+    @api.post("/admin/chaos", openapi_extra=doc.body(ChaosRequest), responses=errors(400, 401, 413, 503))
     async def chaos(self, request: Request):
         self._auth(request)
         body = oa.parse_request(ChaosRequest, await self._body(request), self.cfg.max_body_bytes)
@@ -348,13 +368,14 @@ class Ingress:
             raise oa.APIError(out["status"], out["error"], param="index")
         return out
 
-    @api.get("/admin/experts")
+    @api.get("/admin/experts", responses=errors(401, 503))
     async def experts(self, request: Request):
         """The full token distribution over (MoE layer, logical expert), as JSON."""
         self._auth(request)
         return await self._ask_engine(self.engine.experts, "/admin/experts")
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=doc.body(oa.CompletionRequest),
+              responses={**ok(out.CompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
     async def completions(self, request: Request):
         self._auth(request)
         req = oa.parse_request(oa.CompletionRequest, await self._body(request), self.cfg.max_body_bytes)
@@ -366,7 +387,8 @@ class Ingress:
             jobs += [(p_i * req.n + j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
         return await self._respond(req, jobs, sum(len(p) for p in prompts), chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=doc.body(oa.ChatCompletionRequest),
+              responses={**ok(out.ChatCompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
     async def chat(self, request: Request):
         self._auth(request)
         req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request), self.cfg.max_body_bytes)

@@ -26,6 +26,8 @@ class ServeConfig(BaseModel):
     num_slots: int = Field(64, ge=1, description="KDA state slots per attention replica (hybrid models).")
     max_queue: int = Field(256, ge=1, description="Requests waiting for a slot before new ones get 503.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
+    max_model_len: int | None = Field(None, ge=2, description="Context length served (prompt plus output), at "
+                                                              "most the model's; default: the model's.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
