@@ -7,7 +7,6 @@ Nothing generated is altered or filtered. Generation stays short through the doc
 the server serves a context of CONTEXT tokens (``max_model_len``), so max_tokens <= CONTEXT - 1."""
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -34,12 +33,6 @@ ROUTES = {("get", "/health"), ("get", "/v1/models"), ("get", "/metrics"), ("get"
 PROBE = {"model": NAME, "prompt": [5, 77, 300, 12], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _headers() -> dict:
     return {"Authorization": f"Bearer {KEY}"}
 
@@ -51,13 +44,12 @@ def _probe(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
+def server(serve_port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("fuzz") / "k2", seed=4, progress=False)
-    port = _free_port()
+    port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=1, experts=2, api_key=KEY, port=port,
                       max_queue=32, max_num_seqs=16, max_body_bytes=64 * 1024, max_tokens_per_step=128,
                       max_model_len=CONTEXT)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg.model_dump()), name="moeray-fuzz", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -65,7 +57,7 @@ def server(ray_cluster, tmp_path_factory):
         assert time.monotonic() < deadline, "server never became healthy"
         time.sleep(0.5)
     yield url
-    serve.shutdown()
+    serve.delete("moeray-fuzz")
 
 
 def test_openapi_declares_every_body_and_response(server):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import ray
-from live import KEY, deploy, finish, free_port, moeray, oracle, run_cli, series, start_streams
+from live import KEY, deploy, finish, moeray, oracle, run_cli, series, start_streams
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
@@ -22,11 +22,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def port(ray_cluster):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
+def port(serve_port):
+    return serve_port
 
 
 def _prompts(n):

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from live import KEY, deploy, finish, free_port, metrics, moeray, oracle, run_cli, start_streams
+from live import KEY, deploy, finish, metrics, moeray, oracle, run_cli, start_streams
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -15,11 +15,8 @@ from model.presets import build_preset
 
 
 @pytest.fixture(scope="module")
-def port(ray_cluster):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield port
-    serve.shutdown()
+def port(serve_port):
+    return serve_port
 
 
 def _imbalance(url) -> float:

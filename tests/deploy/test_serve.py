@@ -5,7 +5,6 @@ every bad input's status and envelope; /metrics; the API key."""
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,12 @@ KEY = "test-key-123"
 NAME = "k2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
+def server(serve_port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("serve") / "k2", seed=4, progress=False)
-    port = _free_port()
+    port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=2, experts=2, api_key=KEY, port=port,
                       max_queue=20, max_num_seqs=8, max_body_bytes=64 * 1024, max_tokens_per_step=64)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg.model_dump()), name="moeray-test", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -45,7 +37,7 @@ def server(ray_cluster, tmp_path_factory):
         assert time.monotonic() < deadline, "server never became healthy"
         time.sleep(0.5)
     yield {"url": url, "path": path}
-    serve.shutdown()
+    serve.delete("moeray-test")
 
 
 @pytest.fixture()
