@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 
 import torch
 

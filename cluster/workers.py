@@ -302,9 +302,8 @@ class WorkerGroup:
                 members = attention if kind == "attention" else experts
                 _kill(members[i].actor)
                 home = members[i].home if _node_alive(members[i].home) else self._fresh_home(kind, reserve_timeout_s)
-                members[i] = (self._new_attention if kind == "attention" else self._new_expert)(home, table, i)
+                members[i] = self._replacement(kind, home, table, i, reserve_timeout_s)
                 made.append(members[i])
-            self._get([m.actor.node_id.remote() for m in made], self.config.start_timeout_s, "starting replacements")
             t1 = time.monotonic()
             self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
             regroup = time.monotonic() - t1
@@ -319,6 +318,22 @@ class WorkerGroup:
         took = time.monotonic() - t0
         return EpochChange(table.epoch, "recovery", old.shape(), table.shape(), took, regroup, 0.0,
                            sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values()))
+
+    def _replacement(self, kind: Kind, home: Home, table: PlacementTable, index: int, timeout_s: float) -> Member:
+        """A started replacement actor. Its node can die, or be found dead, only now (a node's
+        death reaches the GCS seconds after its connections broke): then once more in a fresh home."""
+        new = self._new_attention if kind == "attention" else self._new_expert
+        member = new(home, table, index)
+        try:
+            ray.get(member.actor.node_id.remote(), timeout=self.config.start_timeout_s)
+        except ray.exceptions.RayActorError:
+            _kill(member.actor)
+            member = new(self._fresh_home(kind, timeout_s), table, index)
+            self._get(member.actor.node_id.remote(), self.config.start_timeout_s, f"starting a replacement {kind}")
+        except ray.exceptions.GetTimeoutError:
+            _kill(member.actor)
+            raise NoCapacity(f"a replacement {kind} actor did not start within {self.config.start_timeout_s:.0f}s")
+        return member
 
     def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:
         spec = dataclasses.replace(self.spec, attention=1 if kind == "attention" else 0,

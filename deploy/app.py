@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
@@ -28,12 +30,15 @@ from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
 from . import openai_api as oa
+from . import openai_responses as out
 from .config import ServeConfig
 from .metrics import EngineMetrics
+from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
 
 
 CONTROL_TIMEOUT_S = 15.0
 ADMIN_TIMEOUT_S = 900.0  # an epoch change waits for new actors to load their weights
+ADMIN_DOC = {**ok(out.EpochChangeReport), **errors(400, 401, 413, 503)}
 
 
 class ScaleRequest(BaseModel):
@@ -81,7 +86,8 @@ class EngineServer:
         self.engine = Engine(cfg.engine_config(model_path, owner), cfg.cluster_spec(),
                              stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
-        self.metrics = EngineMetrics(self.engine, self.name)
+        self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
+                                     expert_metrics=cfg.expert_metrics)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams):
         if self.aengine.num_waiting >= self.max_queue:
@@ -102,6 +108,9 @@ class EngineServer:
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    def experts(self) -> dict:
+        return self.metrics.expert_distribution()
 
     def health(self) -> dict:
         a = self.aengine
@@ -172,6 +181,13 @@ class EngineServer:
             self.engine.shutdown()
 
 
+def _stream_error(err: Exception) -> dict:
+    """The error event that ends a stream whose engine failed (OpenAI's envelope, status 503)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return oa.error_body(503, f"the request failed while generating ({type(err).__name__}: {first}); "
+                              "retry it", code="engine_failed")
+
+
 class _Choice:
     """One choice of a request: its stream from the engine, with stop strings applied."""
 
@@ -220,6 +236,19 @@ class _Choice:
 
 
 api = FastAPI(title="moeray", description="OpenAI-compatible serving of MoE models on Ray")
+doc = OpenAPIDoc(api)  # request bodies: the same models the routes parse with (oa.parse_request)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, err: StarletteHTTPException):  # unknown route, wrong method
+    return JSONResponse(oa.error_body(err.status_code, str(err.detail)), status_code=err.status_code,
+                        headers=getattr(err, "headers", None))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_request: Request, err: RequestValidationError):  # never FastAPI's 422
+    first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+    return JSONResponse(oa.error_body(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}"), status_code=400)
 
 
 @api.exception_handler(oa.APIError)
@@ -242,10 +271,12 @@ class Ingress:
         self.stream_handle = engine.options(stream=True)
         self.tok = Tokenizer.from_dir(model_path)
         mcfg = load_config(model_path)
-        self.context = mcfg.max_position_embeddings
+        self.context = min(mcfg.max_position_embeddings, self.cfg.max_model_len or mcfg.max_position_embeddings)
         self.cache_tokens = self.cfg.num_blocks * self.cfg.block_size  # one replica's cache
         self.name = self.cfg.name_for(Path(model_path))
         self.created = int(time.time())
+        doc.specialize(model_names=[self.name], vocab_size=self.tok.vocab_size, max_model_len=self.context,
+                       api_key=self.cfg.api_key is not None)
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
@@ -271,17 +302,17 @@ class Ingress:
         return gen, first
 
     # ---- routes -------------------------------------------------------------------------------
-    @api.get("/health")
+    @api.get("/health", responses={**ok(out.Health), 503: {"model": out.Health}})
     async def health(self):
         try:
-            h = await asyncio.wait_for(self.engine.health.remote(), timeout=5)
+            h = await asyncio.wait_for(self.engine.health.remote(), timeout=3)  # inside a client's 5 s default
         except Exception as e:  # noqa: BLE001 — any failure to answer is "not ready"
             return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
         if not h["healthy"]:
             return JSONResponse({"status": "degraded", "error": h["error"]}, status_code=503)
         return {"status": "ok"}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses={**ok(out.ModelList), **errors(401)})
     async def models(self, request: Request):
         self._auth(request)
         return oa.models_response([self.name], self.created)
@@ -294,13 +325,13 @@ class Ingress:
             raise oa.APIError(503, f"the engine did not answer {what} within {CONTROL_TIMEOUT_S:.0f}s",
                               retry_after_s=1) from None
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=Response, responses={**ok_text(), **errors(401, 503)})
     async def metrics(self, request: Request):
         self._auth(request)
         text = await self._ask_engine(self.engine.metrics_text, "/metrics")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @api.get("/status")
+    @api.get("/status", responses={**ok(out.ClusterStatus), **errors(401, 503)})
     async def status(self, request: Request):
         self._auth(request)
         loading = load_progress()  # the engine replica is still in its constructor while actors load
@@ -320,25 +351,25 @@ class Ingress:
                               retry_after_s=5 if out["status"] == 503 else None)
         return out["change"]
 
-    @api.post("/admin/scale/experts")
+    @api.post("/admin/scale/experts", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_experts(self, request: Request):
         self._auth(request)
         body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
         return await self._admin(request, "experts", body.n)
 
-    @api.post("/admin/scale/attention")
+    @api.post("/admin/scale/attention", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_attention(self, request: Request):
         self._auth(request)
         body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
         return await self._admin(request, "attention", body.n)
 
-    @api.post("/admin/rebalance")
+    @api.post("/admin/rebalance", openapi_extra=doc.body(RebalanceRequest), responses=ADMIN_DOC)
     async def rebalance(self, request: Request):
         self._auth(request)
         body = oa.parse_request(RebalanceRequest, await self._body(request), self.cfg.max_body_bytes)
         return await self._admin(request, "rebalance", body.redundant_slots)
 
-    @api.post("/admin/chaos")
+    @api.post("/admin/chaos", openapi_extra=doc.body(ChaosRequest), responses=errors(400, 401, 413, 503))
     async def chaos(self, request: Request):
         self._auth(request)
         body = oa.parse_request(ChaosRequest, await self._body(request), self.cfg.max_body_bytes)
@@ -347,7 +378,14 @@ class Ingress:
             raise oa.APIError(out["status"], out["error"], param="index")
         return out
 
-    @api.post("/v1/completions")
+    @api.get("/admin/experts", responses=errors(401, 503))
+    async def experts(self, request: Request):
+        """The full token distribution over (MoE layer, logical expert), as JSON."""
+        self._auth(request)
+        return await self._ask_engine(self.engine.experts, "/admin/experts")
+
+    @api.post("/v1/completions", openapi_extra=doc.body(oa.CompletionRequest),
+              responses={**ok(out.CompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
     async def completions(self, request: Request):
         self._auth(request)
         req = oa.parse_request(oa.CompletionRequest, await self._body(request), self.cfg.max_body_bytes)
@@ -360,7 +398,8 @@ class Ingress:
             jobs += [(p_i * req.n + j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
         return await self._respond(req, jobs, sum(len(p) for p in prompts), chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=doc.body(oa.ChatCompletionRequest),
+              responses={**ok(out.ChatCompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
     async def chat(self, request: Request):
         self._auth(request)
         req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request), self.cfg.max_body_bytes)
@@ -433,13 +472,6 @@ class Ingress:
         lp = oa.completion_logprobs(sampled, self.tok) if choice.want_logprobs and sampled else None
         return oa.completion_chunk(rid, self.name, created, index=choice.index, text=text, finish_reason=finish,
                                    logprobs=lp)
-
-
-def _stream_error(err: Exception) -> dict:
-    """The error event that ends a stream whose engine failed (OpenAI's envelope, status 503)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return oa.error_body(503, f"the request failed while generating ({type(err).__name__}: {first}); "
-                              "retry it", code="engine_failed")
 
 
 def build_app(args: dict):

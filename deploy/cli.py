@@ -246,17 +246,21 @@ def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes,
 @app.command()
 @user_errors
 def up(
-    model: str = typer.Option("kimi-k2-tiny", help=MODEL_HELP),
-    attention: int = typer.Option(1, help="Attention data-parallel replicas."),
-    experts: int = typer.Option(1, help="Expert actors."),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP + " [default: kimi-k2-tiny]"),
+    attention: Optional[int] = typer.Option(None, help="Attention data-parallel replicas. [default: 1]"),
+    experts: Optional[int] = typer.Option(None, help="Expert actors. [default: 1]"),
     gpus_per_actor: Optional[float] = typer.Option(None, help="GPUs each attention and expert actor reserves; "
                                                               "fractions let expert actors share a GPU (NCCL then)."),
     nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine (default: 1)."),
     address: Optional[str] = typer.Option(None, help="Serve on the existing Ray cluster at ADDR."),
-    host: str = typer.Option("127.0.0.1", help="HTTP host."),
-    port: int = typer.Option(8000, help="HTTP port."),
+    host: Optional[str] = typer.Option(None, help="HTTP host. [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="HTTP port. [default: 8000]"),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but /health."),
     config: Optional[Path] = typer.Option(None, help="A YAML serving config (flags given here override it)."),
+    metrics_prefix: Optional[str] = typer.Option(None, help="moeray (default) or vllm: serve the serving series "
+                                                            "under vLLM's names, for vLLM's dashboards."),
+    expert_metrics: Optional[str] = typer.Option(None, help="summary (default) or full: also export the "
+                                                            "per-(layer, expert) token counter."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
@@ -265,11 +269,10 @@ def up(
     from .server import serve_foreground, start_detached
     from .settings import cache_root
 
-    flags = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
-                 gpus_per_actor=gpus_per_actor)
-    cfg = (ServeConfig.from_yaml(config, **flags) if config
-           else ServeConfig.parse({k: v for k, v in flags.items() if v is not None or k == "api_key"},
-                                  where="moeray up"))
+    given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
+                 metrics_prefix=metrics_prefix, expert_metrics=expert_metrics, gpus_per_actor=gpus_per_actor)
+    flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
+    cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     root = cache_root()
     if detach:
         argv = [a for a in sys.argv[2:] if a != "--detach"]
@@ -446,6 +449,34 @@ def rebalance(
 ):
     """Re-place experts by their recent load (EPLB-style), replicating hot ones; prints the imbalance."""
     _change("/admin/rebalance", {"redundant_slots": redundant_slots}, url, api_key, as_json)
+
+
+@app.command()
+@user_errors
+def experts(
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    top: int = typer.Option(4, min=1, help="Hottest experts shown per MoE layer."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full distribution (every layer and expert)."),
+):
+    """Tokens routed to each expert of each MoE layer (GET /admin/experts of the running server)."""
+    from rich.table import Table
+
+    from .server import call_app
+    from .settings import cache_root
+
+    d = call_app(cache_root(), "GET", "/admin/experts", url=url, api_key=api_key, timeout_s=30)
+    if as_json:
+        print(json.dumps(d))
+        return
+    out = Console()
+    out.print(f"{d['model']} at {d['url']}: epoch {d['epoch']}, {d['steps_in_window']} of the last "
+              f"{d['window_steps']} steps in the window; tokens per expert actor {d['expert_actor_tokens_total']}")
+    t = Table("layer", "imbalance (max/mean)", f"hottest {top} (expert: tokens in window)", "tokens total")
+    for layer, row, imb, total in zip(d["moe_layers"], d["tokens_window"], d["imbalance_window"], d["tokens_total"]):
+        hot = sorted(range(len(row)), key=lambda e: (-row[e], e))[:top]
+        t.add_row(str(layer), f"{imb:.2f}", ", ".join(f"{e}: {row[e]:,}" for e in hot if row[e]), f"{sum(total):,}")
+    out.print(t)
 
 
 def main() -> None:

@@ -29,6 +29,8 @@ class ServeConfig(BaseModel):
     num_slots: int = Field(64, ge=1, description="KDA state slots per attention replica (hybrid models).")
     max_queue: int = Field(256, ge=1, description="Requests waiting for a slot before new ones get 503.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
+    max_model_len: int | None = Field(None, ge=2, description="Context length served (prompt plus output), at "
+                                                              "most the model's; default: the model's.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
@@ -43,6 +45,10 @@ class ServeConfig(BaseModel):
     rebalance_threshold: float = Field(1.5, ge=1.0, description="Max/mean tokens per expert actor that triggers "
                                                                 "an automatic rebalance.")
     rebalance_interval_s: float = Field(300.0, ge=0, description="Least time between two automatic rebalances.")
+    metrics_prefix: Literal["moeray", "vllm"] = Field(
+        "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
+    expert_metrics: Literal["summary", "full"] = Field(
+        "summary", description="full: also the per-(layer, expert) token counter (~23k series for K2).")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "ServeConfig":

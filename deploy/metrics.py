@@ -6,11 +6,17 @@ running totals it derives from the engine's statistics events. It listens on
 ``engine.stats.listeners``: callbacks arrive on the engine thread, scrapes on another, so its own
 state sits behind one lock; prometheus-client's metric objects are thread-safe on their own.
 
-Names follow vLLM's (``vllm:x`` → ``moeray:x``) where the meaning is the same, so existing
-dashboards carry over; the expert plane adds per-expert / per-expert-actor tokens, load imbalance,
-dispatch / combine / compute latency and the placement epoch. Units are in the names. Labels are
-bounded: ``model_name``, ``layer`` (model layer id), ``expert`` (logical expert id), ``actor``
-(actor index; the metric name says which kind), ``kind``, ``finished_reason`` — never request ids.
+Names follow vLLM's (``vllm:x`` → ``moeray:x``) where the meaning is the same. With
+``prefix="vllm"`` the serving series that have a vLLM counterpart (:data:`SERVING`) take vLLM's
+exact names and label sets (``model_name``, ``engine``), so vLLM's published Grafana dashboard works
+unchanged; the expert plane keeps ``moeray:``. The expert plane: per-expert-actor tokens, per-layer
+load imbalance, the hottest experts of each layer, dispatch / combine / compute latency, the
+placement epoch and its pauses. The per-(layer, expert) counter (~23k series at Kimi K2 scale,
+~82k at K3) is opt-in (``expert_metrics="full"``); :meth:`EngineMetrics.expert_distribution` is the
+full distribution as JSON-ready data. Units are in the names. Labels are bounded: ``model_name``,
+``engine``, ``layer`` (model layer id), ``expert`` (logical expert id), ``rank`` (1 = hottest),
+``actor`` (actor index; the metric name says which kind), ``kind``, ``finished_reason`` — never
+request ids.
 
 Never: mutates the engine, calls an actor, or blocks the engine thread on anything but its lock.
 Scrape-time gauges read the scheduler with single ``len()``-sized reads (atomic under the GIL).
@@ -22,7 +28,7 @@ import logging
 import operator
 import threading
 from collections import deque
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,7 +40,16 @@ log = logging.getLogger(__name__)
 # every Prometheus (2.x included) parses it.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 PREFIX = "moeray:"
+PREFIXES = ("moeray", "vllm")
+EXPERT_METRICS = ("summary", "full")
 IMBALANCE_WINDOW_STEPS = 64
+HOT_EXPERTS = 4  # per MoE layer, by tokens over the window
+# Serving series with a vLLM counterpart (vllm/v1/metrics/loggers.py, PrometheusStatLogger): under
+# prefix="vllm" they are named vllm:<name> and labelled (model_name, engine[, finished_reason]).
+SERVING = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+           "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
+           "inter_token_latency_seconds", "e2e_request_latency_seconds")
+VLLM_ENGINE = "0"  # vLLM's data-parallel engine index; one engine per moeray deployment
 FINISHED_REASONS = ("stop", "length")  # what model.runner.check_stop returns; pre-created at 0
 
 # Buckets: vLLM's (v1 loggers) for the request latencies; the per-step ones reach down to 100 µs
@@ -66,16 +81,29 @@ class _Registry(CollectorRegistry):
 class EngineMetrics:
     """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.scheduler``
     (``waiting``, ``running``, ``blocks``: allocators with ``num_free``/``num_blocks``) and ``.table``
-    (the current PlacementTable)."""
+    (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
+    ``expert_metrics``: "summary" (default) or "full" (adds the per-(layer, expert) counter)."""
 
     CONTENT_TYPE = CONTENT_TYPE
 
-    def __init__(self, engine: Any, model_name: str, *, imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS):
+    def __init__(self, engine: Any, model_name: str, *, imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS,
+                 prefix: Literal["moeray", "vllm"] = "moeray",
+                 expert_metrics: Literal["summary", "full"] = "summary", hot_experts: int = HOT_EXPERTS):
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         if imbalance_window_steps < 1:
             raise ValueError(f"imbalance_window_steps must be >= 1, got {imbalance_window_steps}")
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {PREFIXES}, got {prefix!r}")
+        if expert_metrics not in EXPERT_METRICS:
+            raise ValueError(f"expert_metrics must be one of {EXPERT_METRICS}, got {expert_metrics!r}")
+        if hot_experts < 1:
+            raise ValueError(f"hot_experts must be >= 1, got {hot_experts}")
         self.engine, self.model_name = engine, model_name
+        self.prefix, self.expert_metrics, self.hot_experts = prefix, expert_metrics, hot_experts
+        # the serving series' (name prefix, label names, label values)
+        self._serving = (("vllm:", ("model_name", "engine"), (model_name, VLLM_ENGINE)) if prefix == "vllm"
+                         else (PREFIX, ("model_name",), (model_name,)))
         self.registry = _Registry()
         self._lock = threading.Lock()
         self._moe_layers: list[int] = list(engine.stats.moe_layers)
@@ -92,8 +120,22 @@ class EngineMetrics:
     # ---- public ------------------------------------------------------------------------------
     def render(self) -> bytes:
         """Prometheus text exposition of this engine's registry (serve with :data:`CONTENT_TYPE`).
-        At Kimi K2 scale (~23k series, ~1.7 MB) this takes ~0.25 s of CPU: keep it off event loops."""
+        With ``expert_metrics="full"`` at Kimi K2 scale (~23k series, ~1.7 MB) this takes ~0.25 s of
+        CPU: keep it off event loops."""
         return generate_latest(self.registry)
+
+    def expert_distribution(self) -> dict:
+        """The full token distribution over (MoE layer, logical expert), JSON-ready: what the
+        ``full`` counter would export, without its series (served by ``GET /admin/experts``)."""
+        with self._lock:
+            totals = [list(row) for row in self._expert_total]
+            window = [list(row) for row in self._window_sum]
+            actors = list(self._actor_total)
+            steps = len(self._window)
+        return {"model": self.model_name, "epoch": self.engine.table.epoch, "moe_layers": list(self._moe_layers),
+                "num_experts": self.engine.stats.num_experts, "window_steps": self._window.maxlen,
+                "steps_in_window": steps, "tokens_total": totals, "tokens_window": window,
+                "imbalance_window": [_max_over_mean(row) for row in window], "expert_actor_tokens_total": actors}
 
     def close(self) -> None:
         """Stop listening to the engine (the registry still renders the last values)."""
@@ -104,25 +146,35 @@ class EngineMetrics:
 
     # ---- series owned by prometheus-client ---------------------------------------------------
     def _make_metrics(self) -> None:
-        r, m = self.registry, ("model_name",)
+        r, m, name = self.registry, ("model_name",), self.model_name
+        sp, slabels, svalues = self._serving
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, m + labels, registry=r)
+        def counter(metric: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + metric, doc, m + labels, registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(PREFIX + name, doc, m + labels, buckets=buckets, registry=r)
+        def histogram(metric: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + metric, doc, m + labels, buckets=buckets, registry=r)
 
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens_total", "Tokens generated (counted as sampled).")
-        self.request_success = counter("request_success_total", "Finished requests, by finish reason.",
-                                       ("finished_reason",))
-        self.steps = counter("engine_steps_total", "Engine steps run.")
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token of finished requests.",
-                             E2E_BUCKETS)
-        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+        def serving_hist(metric: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(sp + metric, doc, slabels, buckets=buckets, registry=r).labels(*svalues)
+
+        self.prompt_tokens = Counter(sp + "prompt_tokens", "Prompt tokens of finished requests.", slabels,
+                                     registry=r).labels(*svalues)
+        self.generation_tokens = Counter(sp + "generation_tokens", "Tokens generated (counted as sampled).",
+                                         slabels, registry=r).labels(*svalues)
+        self.request_success = Counter(sp + "request_success", "Finished requests, by finish reason.",
+                                       slabels + ("finished_reason",), registry=r)
+        self.ttft = serving_hist("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = [serving_hist("inter_token_latency_seconds", "Time between two tokens of one request.",
+                                 ITL_BUCKETS)]
+        if self.prefix == "vllm":  # vLLM's pre-0.11 name of the same histogram, which it still emits
+            self.itl.append(serving_hist("time_per_output_token_seconds",
+                                         "Time between two tokens of one request (vLLM's older name).", ITL_BUCKETS))
+        self.e2e = serving_hist("e2e_request_latency_seconds", "Arrival to last token of finished requests.",
+                                E2E_BUCKETS)
+        self.steps = counter("engine_steps_total", "Engine steps run.").labels(name)
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.",
+                                       STEP_BUCKETS).labels(name)
         self.dispatch = histogram("moe_dispatch_latency_seconds",
                                   "Per step and attention actor: time sending token rows to experts, "
                                   "summed over MoE layers.", EXCHANGE_BUCKETS, ("actor",))
@@ -136,17 +188,14 @@ class EngineMetrics:
                                         "Per step and expert actor: time computing experts, summed over MoE layers.",
                                         EXCHANGE_BUCKETS, ("actor",))
         self.epoch_pause = histogram("epoch_pause_seconds", "Steps paused by one epoch change (scale, rebalance).",
-                                     PAUSE_BUCKETS)
+                                     PAUSE_BUCKETS).labels(name)
         self.recovery = histogram("recovery_seconds", "From a failed step (an actor died or a collective failed) "
-                                  "to the cluster serving again in a recovery epoch.", PAUSE_BUCKETS)
+                                  "to the cluster serving again in a recovery epoch.", PAUSE_BUCKETS).labels(name)
         self.actor_failures = counter("actor_failures_total", "Actors found dead or stuck, by kind.", ("kind",))
         for kind in ("attention", "expert"):
             self.actor_failures.labels(model_name=self.model_name, kind=kind)
         for reason in FINISHED_REASONS:  # so rate() works before the first request of each kind
-            self.request_success.labels(model_name=self.model_name, finished_reason=reason)
-        for series in (self.prompt_tokens, self.generation_tokens, self.steps, self.ttft, self.itl, self.e2e,
-                       self.step_duration, self.epoch_pause, self.recovery):
-            series.labels(model_name=self.model_name)
+            self.request_success.labels(*svalues, reason)
 
     # ---- engine thread -----------------------------------------------------------------------
     def _on_event(self, event: str, **values: Any) -> None:
@@ -160,8 +209,8 @@ class EngineMetrics:
 
     def _on_step(self, times, expert_tokens: list[list[int]] | None, actor_tokens: list[int] | None) -> None:
         name = self.model_name
-        self.steps.labels(model_name=name).inc()
-        self.step_duration.labels(model_name=name).observe(times.step_s)
+        self.steps.inc()
+        self.step_duration.observe(times.step_s)
         for hist, series in ((self.dispatch, times.attention_dispatch_s), (self.combine, times.attention_combine_s),
                              (self.expert_compute, times.expert_compute_s)):
             for actor, seconds in enumerate(series):
@@ -173,13 +222,13 @@ class EngineMetrics:
             self._add_expert_tokens(expert_tokens, actor_tokens or [])
 
     def _on_epoch(self, epoch: int, pause_s: float) -> None:
-        self.epoch_pause.labels(model_name=self.model_name).observe(pause_s)
+        self.epoch_pause.observe(pause_s)  # the epoch itself is read from engine.table at scrape time
 
     def _on_failure(self, kind: str) -> None:
         self.actor_failures.labels(model_name=self.model_name, kind=kind).inc()
 
     def _on_recovery(self, seconds: float) -> None:
-        self.recovery.labels(model_name=self.model_name).observe(seconds)
+        self.recovery.observe(seconds)
 
     def _add_expert_tokens(self, counts: list[list[int]], per_actor: list[int]) -> None:
         """counts[i][e]: tokens routed to logical expert e at the i-th MoE layer in this step.
@@ -200,18 +249,18 @@ class EngineMetrics:
                 self._actor_total[j] += n
 
     def _on_ttft(self, seconds: float) -> None:
-        self.ttft.labels(model_name=self.model_name).observe(seconds)
-        self.generation_tokens.labels(model_name=self.model_name).inc()  # the first sampled token
+        self.ttft.observe(seconds)
+        self.generation_tokens.inc()  # the first sampled token
 
     def _on_itl(self, seconds: float) -> None:
-        self.itl.labels(model_name=self.model_name).observe(seconds)
-        self.generation_tokens.labels(model_name=self.model_name).inc()  # every later sampled token
+        for hist in self.itl:
+            hist.observe(seconds)
+        self.generation_tokens.inc()  # every later sampled token
 
     def _on_finished(self, seconds: float, seq) -> None:
-        name = self.model_name
-        self.e2e.labels(model_name=name).observe(seconds)
-        self.prompt_tokens.labels(model_name=name).inc(seq.num_prompt_tokens)
-        self.request_success.labels(model_name=name, finished_reason=str(seq.finish_reason)).inc()
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(seq.num_prompt_tokens)
+        self.request_success.labels(*self._serving[2], str(seq.finish_reason)).inc()
 
     _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished, "epoch": _on_epoch,
                  "failure": _on_failure, "recovery": _on_recovery}
@@ -226,6 +275,14 @@ class EngineMetrics:
             imbalance = [_max_over_mean(row) for row in self._window_sum]
         return totals, actors, imbalance
 
+    def hot(self) -> list[list[tuple[int, int]]]:
+        """[moe layer][rank] (logical expert, tokens over the window) of the ``hot_experts`` hottest
+        experts with tokens; ties go to the lower expert id."""
+        with self._lock:
+            window = [list(row) for row in self._window_sum]
+        return [sorted(((e, n) for e, n in enumerate(row) if n), key=lambda x: (-x[1], x[0]))[:self.hot_experts]
+                for row in window]
+
 
 def _max_over_mean(row: list[int]) -> float:
     total = sum(row)
@@ -234,39 +291,43 @@ def _max_over_mean(row: list[int]) -> float:
 
 class _ScrapeCollector:
     """Series computed when scraped: scheduler and cache gauges, the epoch, preemptions (the engine
-    counts them on ``stats`` without an event), and the per-expert families (tens of thousands of
-    series at Kimi K2 scale — built once per scrape instead of touched per step)."""
+    counts them on ``stats`` without an event), and the expert families (built once per scrape
+    from EngineMetrics' aggregated state instead of touched per step)."""
 
     def __init__(self, owner: EngineMetrics):
         self.owner = owner
 
     def collect(self) -> Iterable[Metric]:
         o = self.owner
-        engine, name, m = o.engine, o.model_name, ["model_name"]
+        engine, name = o.engine, o.model_name
         sched = engine.scheduler
+        sp, slabels, svalues = o._serving
 
-        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + metric, doc, labels=m)
-            g.add_metric([name], value)
+        def gauge(metric: str, doc: str, value: float, prefix: str = PREFIX, labels=("model_name",),
+                  values=(name,)) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(prefix + metric, doc, labels=list(labels))
+            g.add_metric(list(values), value)
             return g
 
-        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running))
-        yield gauge("num_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting))
+        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running),
+                    sp, slabels, svalues)
+        yield gauge("num_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting),
+                    sp, slabels, svalues)
         free = [a.num_free for a in sched.blocks]
         total = [a.num_blocks for a in sched.blocks]
         used = [t - f for t, f in zip(total, free)]
         yield gauge("kv_cache_usage_perc", "Fraction of cache blocks in use over all attention replicas (0..1).",
-                    sum(used) / sum(total) if sum(total) else 0.0)
+                    sum(used) / sum(total) if sum(total) else 0.0, sp, slabels, svalues)
         for metric, doc, values in (("cache_blocks_used", "Cache blocks in use, per attention replica.", used),
                                     ("cache_blocks_free", "Cache blocks free, per attention replica.", free)):
-            g = GaugeMetricFamily(PREFIX + metric, doc, labels=m + ["actor"])
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name", "actor"])
             for actor, v in enumerate(values):
                 g.add_metric([name, str(actor)], v)
             yield g
         yield gauge("epoch", "Placement-table epoch (increments when experts are re-placed).", engine.table.epoch)
-        pre = CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted for lack of cache blocks.",
-                                  labels=m)
-        pre.add_metric([name], engine.stats.preemptions)
+        pre = CounterMetricFamily(sp + "num_preemptions", "Sequences preempted for lack of cache blocks.",
+                                  labels=list(slabels))
+        pre.add_metric(list(svalues), engine.stats.preemptions)
         yield pre
         yield from self._expert_families(o, name)
 
@@ -274,25 +335,34 @@ class _ScrapeCollector:
     def _expert_families(o: EngineMetrics, name: str) -> Iterable[Metric]:
         totals, actors, imbalance = o.snapshot()
         layers = [str(layer) for layer in o._moe_layers]
-        experts = CounterMetricFamily(PREFIX + "expert_tokens", "Tokens routed to each logical expert, per MoE layer.",
-                                      labels=["model_name", "layer", "expert"])
-        for layer, row in zip(layers, totals):
-            for e, n in enumerate(row):
-                experts.add_metric([name, layer, str(e)], n)
-        yield experts
+        if o.expert_metrics == "full":  # ~23k series at Kimi K2 scale: opt-in
+            experts = CounterMetricFamily(PREFIX + "expert_tokens",
+                                          "Tokens routed to each logical expert, per MoE layer.",
+                                          labels=["model_name", "layer", "expert"])
+            for layer, row in zip(layers, totals):
+                for e, n in enumerate(row):
+                    experts.add_metric([name, layer, str(e)], n)
+            yield experts
         per_actor = CounterMetricFamily(PREFIX + "expert_actor_tokens",
                                         "Token-expert pairs computed by each expert actor, over all MoE layers.",
                                         labels=["model_name", "actor"])
         for j, n in enumerate(actors):
             per_actor.add_metric([name, str(j)], n)
         yield per_actor
+        window = o._window.maxlen
         imb = GaugeMetricFamily(PREFIX + "moe_load_imbalance",
-                                f"Max over mean tokens per expert of a MoE layer over the last "
-                                f"{o._window.maxlen} steps (1 = balanced; 0 = no tokens).",
-                                labels=["model_name", "layer"])
+                                f"Max over mean tokens per expert of a MoE layer over the last {window} steps "
+                                "(1 = balanced; 0 = no tokens).", labels=["model_name", "layer"])
         for layer, v in zip(layers, imbalance):
             imb.add_metric([name, layer], v)
         yield imb
+        hot = GaugeMetricFamily(PREFIX + "moe_hot_expert_tokens",
+                                f"Tokens over the last {window} steps of the {o.hot_experts} hottest experts of "
+                                "each MoE layer (rank 1 = hottest).", labels=["model_name", "layer", "rank", "expert"])
+        for layer, ranked in zip(layers, o.hot()):
+            for rank, (e, n) in enumerate(ranked, 1):
+                hot.add_metric([name, layer, str(rank), str(e)], n)
+        yield hot
         actor_imb = GaugeMetricFamily(PREFIX + "expert_actor_imbalance",
                                       f"Max over mean tokens per expert actor of a MoE layer over the last "
                                       f"{o._window.maxlen} steps of the current epoch (1 = balanced; 0 = no "

@@ -207,9 +207,11 @@ def _template_message(msg) -> dict:
     if isinstance(content, list):
         content = "".join(part.text for part in content)
     out = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if getattr(msg, key) is not None:
             out[key] = getattr(msg, key)
+    if msg.tool_calls is not None:
+        out["tool_calls"] = [call.model_dump() for call in msg.tool_calls]
     return out
 
 

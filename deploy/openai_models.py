@@ -13,12 +13,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      ValidationInfo, WrapValidator, field_validator)
+                      ValidationInfo, WithJsonSchema, WrapValidator, field_validator)
 from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 16  # prompts in one /v1/completions batch
+INT64 = (-(1 << 63), (1 << 63) - 1)
+MAX_TOP_K = (1 << 31) - 1
 
 
 def _one_message(message: str):
@@ -34,11 +37,36 @@ def _one_message(message: str):
 
 
 Number = StrictFloat | StrictInt
+
+
+def _number(*, ge: float | None = None, gt: float | None = None, le: float | None = None):
+    """A JSON number (int or float) in bounds; pydantic would put the bounds of a union beside it."""
+    bounds = {"minimum": ge, "exclusiveMinimum": gt, "maximum": le}
+    return Annotated[Number, Field(ge=ge, gt=gt, le=le),
+                     WithJsonSchema({"type": "number", **{k: v for k, v in bounds.items() if v is not None}})]
+
+
 TokenIds = list[StrictInt]
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# The documented schemas say what is accepted, checks in deploy.openai_api included (non-empty
+# prompts, ids >= 0; the app narrows ids to its vocabulary), so generated valid data is valid.
 Prompt = Annotated[StrictStr | list[StrictStr] | TokenIds | list[TokenIds], _one_message(
-    "must be a string, a list of strings, a list of token ids, or a list of lists of token ids")]
+    "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"), WithJsonSchema({
+        "anyOf": [{"type": "string", "minLength": 1},
+                  {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                   "maxItems": MAX_PROMPTS},
+                  _IDS, {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}],
+        "description": "One prompt or a batch of prompts, as text or token ids."})]
 Stop = Annotated[StrictStr | list[StrictStr] | None, _one_message(
-    f"must be a string or a list of at most {MAX_STOP_STRINGS} strings")]
+    f"must be a string or a list of at most {MAX_STOP_STRINGS} strings"), WithJsonSchema({
+        "anyOf": [{"type": "string", "minLength": 1},
+                  {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+                  {"type": "null"}],
+        "description": "Up to 4 non-empty strings; the text stops before the first one and excludes it."})]
+# Parameters accepted only at their neutral value (validators below say "not supported").
+ZeroOnly = WithJsonSchema({"anyOf": [{"const": 0}, {"type": "null"}],
+                           "description": "Not supported: only 0 or null is accepted."})
+NullOnly = WithJsonSchema({"type": "null", "description": "Not supported: only null is accepted."})
 
 
 class _Strict(BaseModel):
@@ -58,11 +86,37 @@ Content = Annotated[StrictStr | list[TextPart] | None, _one_message(
     "must be a string, null, or a list of {'type': 'text', 'text': str} parts (only text is supported)")]
 
 
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = ""
+
+
+class ToolCall(_Strict):
+    """An assistant turn's call, as OpenAI returns it (and clients send back in the history)."""
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+_TEXT = {"anyOf": [{"type": "string"}, {"type": "array"}]}
+# What the chat template accepts (model.chat_template.validate_messages): content is required,
+# except on an assistant turn that only calls tools; only assistant turns carry tool_calls.
+_MESSAGE_RULES = {"anyOf": [
+    {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": _TEXT,
+                    "tool_calls": {"type": "null"}}, "required": ["content"]},
+    {"properties": {"role": {"const": "assistant"}, "content": _TEXT}, "required": ["content"]},
+    {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+     "required": ["tool_calls"]}]}
+
+
 class ChatMessage(_Strict):
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: StrictStr | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
     # Fields of OpenAI's own response message: clients append `choice.message.model_dump()` to
     # the history, so these must be accepted. They are not rendered.
@@ -81,10 +135,10 @@ class _SamplingRequest(_Strict):
     """Fields both endpoints share, in OpenAI's meaning (vLLM's for top_k/ignore_eos/min_tokens)."""
 
     model: StrictStr
-    temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # 0 or -1: off
-    seed: StrictInt | None = None
+    temperature: _number(ge=0.0, le=2.0) = 1.0
+    top_p: _number(gt=0.0, le=1.0) = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] = 0  # 0 or -1: off
+    seed: Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1] - MAX_N)] | None = None  # choice i: seed + i
     stop: Stop = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
@@ -92,9 +146,11 @@ class _SamplingRequest(_Strict):
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     user: StrictStr | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Annotated[Number | None, ZeroOnly] = None
+    frequency_penalty: Annotated[Number | None, ZeroOnly] = None
+    logit_bias: Annotated[dict[str, Any] | None, WithJsonSchema({
+        "anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}],
+        "description": "Not supported: only null or {} is accepted."})] = None
 
     @field_validator("stop")
     @classmethod
@@ -143,9 +199,11 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: StrictBool = False
-    best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    echo: Annotated[StrictBool, WithJsonSchema({"const": False, "description": "Not supported: only false."})] = False
+    best_of: Annotated[StrictInt | None, WithJsonSchema({
+        "anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_N}, {"type": "null"}],
+        "description": "Only null or equal to n."})] = None
+    suffix: Annotated[StrictStr | None, NullOnly] = None
 
     @field_validator("echo")
     @classmethod

@@ -37,6 +37,8 @@ def read_state(root: Path) -> dict | None:
 
 
 def _alive(pid) -> bool:
+    """The process runs. A zombie (exited, not yet reaped by its parent, e.g. a `moeray up` started
+    by a script that has not waited for it yet) counts as gone."""
     if not isinstance(pid, int):
         return False
     try:
@@ -45,7 +47,11 @@ def _alive(pid) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs: trust kill(0)
+        return True
 
 
 def ensure_not_running(root: Path, host: str | None = None, port: int | None = None) -> None:
@@ -89,8 +95,15 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
 
     ensure_not_running(root, cfg.host, cfg.port)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal() -> None:
+        # Ours, and installed again once Ray is up: the local head node (LocalCluster) and ray.init()
+        # each put their own SIGTERM handler in place, which would drain the node and exit from inside
+        # the handler instead of the orderly stop below (app deleted, ray.shutdown, nodes stopped).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signal()
     spec = cfg.cluster_spec()
     url = f"http://{cfg.host}:{cfg.port}"
     root.mkdir(parents=True, exist_ok=True)
@@ -99,6 +112,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
                                             "auth": cfg.api_key is not None}))
     try:
         with connected(spec, nodes=nodes, address=address):
+            on_signal()
             _update(status, "checking that the cluster can hold the model")
             load_s = preflight_serve_config(cfg, root)  # refuse before anything is reserved
             _update(status, "building the model and the Serve application")
@@ -114,7 +128,11 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
                 while not stop.wait(0.5):
                     pass
             finally:
-                serve.shutdown()
+                # Delete our application (its replicas stop, and with them the engine's actors and
+                # placement groups) rather than serve.shutdown(): that waits 30 s on the controller's
+                # graceful_shutdown, which Ray retries after the controller kills itself, and on a
+                # cluster given by --address it would also take down other people's applications.
+                serve.delete(APP_NAME)
     finally:
         state_file(root).unlink(missing_ok=True)
 

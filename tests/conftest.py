@@ -1,5 +1,7 @@
 """Shared Ray fixtures for cluster tests."""
 
+import socket
+
 import pytest
 import ray
 
@@ -19,3 +21,17 @@ def ray_cluster():
             yield cluster
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster):
+    """Ray Serve's HTTP proxy on a free loopback port, started once for the session (a second
+    serve.start cannot move the proxy, and serve.shutdown() costs ~30 s each time). Modules deploy
+    their apps under their own names and delete them; the cluster's shutdown ends Serve."""
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port

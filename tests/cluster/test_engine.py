@@ -9,7 +9,7 @@ import ray
 import torch
 
 from cluster.aengine import AsyncEngine
-from cluster.engine import Engine, EngineConfig, EngineError
+from cluster.engine import Engine, EngineConfig
 from cluster.topology import ClusterSpec
 from model.config import load_config
 from model.loader import load_model

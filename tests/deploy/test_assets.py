@@ -1,22 +1,19 @@
 """The operator assets under deploy/ parse, pass the validators of the tools that read them (Ray
 Serve's schema, the `ray up` schema, `ray start`'s flags, promtool when installed), and reference
 only real things: the app's import path, the cluster's ports, and — for the dashboard and the
-Prometheus config — metric names that deploy/metrics.py actually renders."""
+Prometheus config — metric names that deploy/metrics.py actually renders. The GPU assets are
+checked for properties (Must show 4 of the operations issue): GPU fields in the GPU serve configs,
+the model directory mounted or synced on every node that may need it, NCCL's transport settings —
+not for today's values. The real `ray up` and the real Prometheus scrape are in test_ray_up.py."""
 
 import ast
 import json
-import re
 import os
+import re
+import shlex
 import shutil
-import socket
 import subprocess
-import tempfile
-import threading
-import time
-import urllib.parse
-import urllib.request
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,23 +24,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.messages import ExpertStepResult, StepResult
 from actors.router import even_table
 from cluster.stats import EngineStats
+from dashboards import dashboard, panels, queries
+from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
-SERVE_ARGS = {"model", "served_model_name", "attention", "experts", "dtype", "max_num_seqs", "max_tokens_per_step",
-              "num_blocks", "block_size", "max_queue", "max_body_bytes", "api_key"}
-LABELS = {"model_name", "layer", "expert", "actor", "kind", "finished_reason", "le"}
+REQUIRED_ARGS = {"model", "attention", "experts", "dtype"}  # the rest may take ServeConfig's defaults
+LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "le",
+          "status_code", "deployment", "application", "route"}  # the last four: Ray Serve's own series
 METRIC_NAME = re.compile(r"moeray:[a-zA-Z0-9_:]+")
 RAY_WORKER_PORTS = range(10002, 20000)
 
 
 def load_yaml(name: str):
     return yaml.safe_load((DEPLOY / name).read_text())
-
-
-def dashboard() -> dict:
-    return json.loads((DEPLOY / "grafana" / "moeray-dashboard.json").read_text())
 
 
 # ---- a populated EngineMetrics, so every family has samples ----------------------------------
@@ -103,9 +98,7 @@ def _check_serve_config(cfg: dict) -> dict:
     source = (ROOT / Path(*module.split("."))).with_suffix(".py")
     tree = ast.parse(source.read_text())
     assert any(isinstance(n, ast.FunctionDef) and n.name == attr for n in tree.body), f"{source} lacks {attr}()"
-    assert set(app["args"]) == SERVE_ARGS, set(app["args"]) ^ SERVE_ARGS
-    from deploy.config import ServeConfig
-
+    assert REQUIRED_ARGS <= set(app["args"]) <= set(ServeConfig.model_fields), set(app["args"])
     ServeConfig.parse(app["args"])  # the args build_app will parse (extra="forbid")
     assert cfg["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert "working_dir" not in json.dumps(app.get("runtime_env", {}))  # installed package, see comments
@@ -231,24 +224,9 @@ def test_promtool_accepts_the_prometheus_config():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _panels(dash: dict) -> list[dict]:
-    out = []
-    for p in dash["panels"]:
-        out.append(p)
-        out.extend(p.get("panels", []))
-    return out
-
-
-def _queries(dash: dict) -> list[str]:
-    """Every PromQL expression of the dashboard: panel targets and annotations."""
-    exprs = [t["expr"] for p in _panels(dash) for t in p.get("targets", [])]
-    exprs += [a["expr"] for a in dash["annotations"]["list"] if "expr" in a]
-    return exprs
-
-
 def test_every_metric_name_in_the_dashboard_and_prometheus_config_is_rendered(rendered):
     samples, families = rendered
-    texts = {"grafana/moeray-dashboard.json": (DEPLOY / "grafana" / "moeray-dashboard.json").read_text(),
+    texts = {"grafana/moeray-dashboard.json": "\n".join(queries(dashboard())),  # descriptions may name opt-in series
              "prometheus.yml": (DEPLOY / "prometheus.yml").read_text()}
     referenced = set()
     for where, text in texts.items():
@@ -264,16 +242,16 @@ def test_every_metric_name_in_the_dashboard_and_prometheus_config_is_rendered(re
 
 def test_dashboard_structure():
     dash = dashboard()
-    panels = _panels(dash)
-    ids = [p["id"] for p in panels]
+    all_panels = panels(dash)
+    ids = [p["id"] for p in all_panels]
     assert len(ids) == len(set(ids))
-    for p in panels:
+    for p in all_panels:
         g = p["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
         if p["type"] == "row":
             continue
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
-    exprs = _queries(dash)
+    exprs = queries(dash)
     assert all(e.count("(") == e.count(")") and e.count("{") == e.count("}") for e in exprs)
     for e in exprs:  # label names used by selectors and aggregations exist on our series
         used = set(re.findall(r"([a-z_]+)\s*=~?", e)) | {
@@ -283,89 +261,124 @@ def test_dashboard_structure():
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert {q.split(",")[0] for q in quantiles if hist in q} == {"histogram_quantile(0.5",
                                                                      "histogram_quantile(0.99"}, hist
-    heat = [p for p in panels if p["type"] == "heatmap"]
+    heat = [p for p in all_panels if p["type"] == "heatmap"]
     assert heat and "by (expert)" in heat[0]["targets"][0]["expr"]
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert {"datasource", "model_name", "layer"} <= set(variables)
     for name in ("model_name", "layer"):
         assert variables[name]["definition"].endswith(f", {name})")
+    names = " ".join(exprs)
+    assert "ray_serve_" in names, "no panel on Ray Serve's own series"
+    assert "moeray:epoch_pause_seconds" in names and "moeray:epoch{" in names, "no elastic-plane panels"
 
 
-# ---- a real Prometheus scrapes EngineMetrics and runs the dashboard's queries ----------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- GPU assets: properties (Must show 4) ------------------------------------------------------------
+def _gpu_args() -> dict:
+    cfg = load_yaml("serve_config.gpu.yaml")
+    return _check_serve_config(cfg)["args"]
 
 
-def _query(base: str, expr: str) -> dict:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:  # 400: the expression does not parse
-        return json.loads(e.read())
+def test_gpu_and_cpu_serve_configs_are_apart():
+    gpu, cpu = ServeConfig.parse(_gpu_args()), ServeConfig.parse(load_yaml("serve_config.yaml")["applications"][0]["args"])
+    assert gpu.gpus_per_actor >= 1 and gpu.dtype == "bfloat16"
+    assert cpu.gpus_per_actor == 0 and cpu.dtype == "float32"
+    assert Path(gpu.model).is_absolute(), "a GPU cluster serves a checkpoint directory, not a preset"
+    spec = gpu.cluster_spec()
+    assert spec.attention_resources.get("GPU") == spec.expert_resources.get("GPU") == gpu.gpus_per_actor
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None and not os.environ.get("CI"),
-                    reason="prometheus not installed (Debian: prometheus); .ci/run installs it, so CI never skips")
-def test_prometheus_ingests_metrics_and_evaluates_every_dashboard_query():
-    metrics = populated_metrics()
+def test_kuberay_mounts_the_model_on_every_pod_and_asks_for_gpus():
+    svc = load_yaml("kuberay-rayservice.yaml")
+    args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    cfg = ServeConfig.parse(args)
+    assert cfg.gpus_per_actor >= 1 and cfg.dtype == "bfloat16"
+    assert {k: v for k, v in args.items() if k != "model"} == {k: v for k, v in _gpu_args().items() if k != "model"}
+    cluster = svc["spec"]["rayClusterConfig"]
+    groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster["workerGroupSpecs"]]
+    for name, group in groups:  # build_app and the ingress may run on the head: every pod reads the model
+        spec = group["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])
+                  if cfg.model == m["mountPath"] or cfg.model.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mounts, f"{name}: no volume mounted at a parent of {cfg.model}"
+        volume = volumes[mounts[0]["name"]]
+        assert volume.get("persistentVolumeClaim") or volume.get("hostPath") or volume.get("csi"), (name, volume)
+    workers = [g for _, g in groups[1:]]
+    gpus = sum(int(g["replicas"]) * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+               for g in workers)
+    assert gpus >= (cfg.attention + cfg.experts) * cfg.gpus_per_actor, (gpus, cfg.attention, cfg.experts)
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = metrics.render()
-            self.send_response(200)
-            self.send_header("Content-Type", metrics.CONTENT_TYPE)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
-        def log_message(self, *args):
-            pass
+def _node_commands(cfg: dict, node_type: str) -> list[str]:
+    """The setup commands `ray up` runs on a node of this type, in order (node-type lists override)."""
+    t = cfg["available_node_types"][node_type]
+    role = "head" if node_type == cfg["head_node_type"] else "worker"
+    own = t.get(f"{role}_setup_commands", cfg[f"{role}_setup_commands"])
+    return list(cfg["setup_commands"]) + list(own)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "prometheus.yml"
-        cfg.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s"},
-            "scrape_configs": [{"job_name": "moeray", "metrics_path": "/metrics",
-                                "static_configs": [{"targets": [f"127.0.0.1:{server.server_port}"]}]}]}))
-        proc = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp}/data",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:  # until two scrapes are in (rate() needs two points)
-                try:
-                    r = _query(base, "count_over_time(moeray:num_requests_running[1m])")
-                    if r["data"]["result"] and float(r["data"]["result"][0]["value"][1]) >= 2:
-                        break
-                except (OSError, KeyError):
-                    pass
-                assert time.monotonic() < deadline, "prometheus did not scrape the metrics in 60 s"
-                time.sleep(0.5)
-            metrics.engine.stats.observe_ttft(0.07)  # something moves between scrapes
-            time.sleep(1.5)
-            for expr in _queries(dashboard()):
-                promql = (expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")
-                          .replace("$layer", ".*"))
-                r = _query(base, promql)
-                assert r["status"] == "success", (expr, r.get("error"))
-            up = _query(base, 'moeray:kv_cache_usage_perc{model_name="tiny"}')["data"]["result"]
-            assert float(up[0]["value"][1]) == pytest.approx(6 / 16)
-            heat = _query(base, 'sum by (expert) (moeray:expert_tokens_total{layer=~".*"})')["data"]["result"]
-            assert {r["metric"]["expert"]: float(r["value"][1]) for r in heat} == {"0": 2, "1": 4, "2": 1, "3": 1}
-            p99 = _query(base, _queries(dashboard())[0].replace("$model_name", ".*"))
-            assert p99["data"]["result"], p99
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            server.shutdown()
+
+def _sync_destinations(commands: list[str]) -> list[tuple[str, bool]]:
+    """(destination, weights included) of every checkpoint sync (aws s3 sync / gcloud storage rsync)."""
+    out = []
+    for c in commands:
+        words = shlex.split(c.replace("\n", " "))
+        for i in range(len(words) - 1):
+            if words[i:i + 2] in (["s3", "sync"], ["storage", "rsync"]):
+                rest = [w for w in words[i + 2:] if not w.startswith("--")]
+                src, dst = rest[-2], rest[-1]
+                assert src.startswith(("s3://", "gs://")), c
+                out.append((dst, "safetensors" not in c))
+    return out
+
+
+@pytest.mark.parametrize("name", ["ray-cluster-aws.yaml", "ray-cluster-gcp.yaml"])
+def test_cloud_yaml_puts_the_checkpoint_on_every_gpu_node(name):
+    cfg = _prepared(name)
+    model = ServeConfig.parse(_gpu_args()).model
+    head = cfg["head_node_type"]
+    gpu_types = {k: v for k, v in cfg["available_node_types"].items() if k != head}
+    assert gpu_types
+    text = (DEPLOY / name).read_text()
+    assert re.search(r"~?\d+(\.\d+)? TB", text), "the checkpoint sizes are documented"
+    for node_type in gpu_types:
+        commands = _node_commands(cfg, node_type)
+        full = [dst for dst, weights in _sync_destinations(commands) if weights]
+        assert any(model == d or model.startswith(d.rstrip("/") + "/") for d in full), \
+            f"{name}:{node_type} never syncs the whole checkpoint to {model}: {full}"
+        # ... onto a local disk assembled in the same commands, mounted at a parent of the model path
+        mounts = [c for c in commands if re.search(r"\bmount\b\s+\S+\s+(\S+)", c)]
+        points = {re.search(r"\bmount\b\s+\S+\s+(\S+?);?\s", c + " ").group(1) for c in mounts}
+        assert any(model.startswith(p.rstrip("/") + "/") for p in points), (node_type, points)
+        assert any("mdadm" in c for c in commands), f"{node_type}: local disks are not assembled"
+    # the head, which may run build_app and the ingress, can read the model directory (not the weights)
+    head_dsts = [d for d, _ in _sync_destinations(_node_commands(cfg, head))]
+    assert model in head_dsts, f"{name}: the head never gets {model}: {head_dsts}"
+
+
+def test_nccl_transport_settings_on_the_gpu_workers():
+    aws, gcp = _prepared("ray-cluster-aws.yaml"), _prepared("ray-cluster-gcp.yaml")
+    aws_start, gcp_start = aws["worker_start_ray_commands"][-1], gcp["worker_start_ray_commands"][-1]
+    for var in ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1", "NCCL_SOCKET_IFNAME="):
+        assert var in aws_start, var
+        assert var.split("=")[0] in (DEPLOY / "ray-cluster-aws.yaml").read_text().split("cluster_name:")[0], \
+            f"{var} is not explained in the header"
+    gpu = aws["available_node_types"]["gpu_worker"]["node_config"]
+    assert any(n.get("InterfaceType") == "efa" for n in gpu["NetworkInterfaces"])
+    assert "NCCL_SOCKET_IFNAME=" in gcp_start
+    gcp_gpu = gcp["available_node_types"]["gpu_worker"]["node_config"]
+    assert all(n.get("nicType") == "GVNIC" for n in gcp_gpu["networkInterfaces"])
+    header = (DEPLOY / "ray-cluster-gcp.yaml").read_text().split("cluster_name:")[0]
+    for var in re.findall(r"\b(NCCL_[A-Z_]+)=", gcp_start):
+        assert var in header, f"{var} is not explained in the header"
+    for cfg in (aws, gcp):  # NCCL settings sit on the workers' `ray start`, whose processes inherit them
+        assert "NCCL_" not in cfg["head_start_ray_commands"][-1]
+
+
+def test_gcp_cluster_yaml_is_a_gpu_template():
+    cfg = _prepared("ray-cluster-gcp.yaml")
+    assert cfg["provider"]["type"] == "gcp"
+    head, worker = _check_commands(cfg)
+    assert worker["--address"] == f"$RAY_HEAD_IP:{head['--port']}"
+    workers = {k: v for k, v in cfg["available_node_types"].items() if k != cfg["head_node_type"]}
+    assert any(v["node_config"]["machineType"].startswith(("a3-", "a4-")) and v.get("min_workers", 0) >= 1
+               for v in workers.values())

@@ -16,7 +16,7 @@ from model.sampling import SamplingParams
 
 MOE_LAYERS = [1, 3]  # model layer ids (layer 0 is dense)
 NUM_EXPERTS = 4
-ALLOWED_LABELS = {"model_name", "layer", "expert", "actor", "kind", "finished_reason", "le"}
+ALLOWED_LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "le"}
 
 
 def make_engine(*, replicas: int = 2, expert_actors: int = 2):
@@ -66,7 +66,7 @@ def engine():
 
 @pytest.fixture
 def metrics(engine):
-    m = EngineMetrics(engine, "tiny")
+    m = EngineMetrics(engine, "tiny", expert_metrics="full")
     yield m
     m.close()
 
@@ -85,7 +85,8 @@ def test_all_series_exist_at_start_with_bounded_labels(metrics):
         "moeray:time_to_first_token_seconds": "histogram", "moeray:inter_token_latency_seconds": "histogram",
         "moeray:e2e_request_latency_seconds": "histogram", "moeray:step_duration_seconds": "histogram",
         "moeray:moe_dispatch_latency_seconds": "histogram", "moeray:moe_combine_latency_seconds": "histogram",
-        "moeray:expert_compute_seconds": "histogram",
+        "moeray:expert_compute_seconds": "histogram", "moeray:epoch_pause_seconds": "histogram",
+        "moeray:moe_hot_expert_tokens": "gauge",
     }
     for name, kind in expected.items():
         assert name in families, f"{name} not rendered"
@@ -156,7 +157,7 @@ def test_step_events_move_expert_counters_and_histograms(engine, metrics):
 
 
 def test_load_imbalance_is_over_a_sliding_window(engine):
-    m = EngineMetrics(engine, "tiny", imbalance_window_steps=2)
+    m = EngineMetrics(engine, "tiny", imbalance_window_steps=2, expert_metrics="full")
     hot = [[8, 0, 0, 0], [2, 2, 2, 2]]
     even = [[1, 1, 1, 1], [2, 2, 2, 2]]
     step(engine, [hot])
@@ -255,3 +256,180 @@ def test_scrapes_concurrent_with_steps(engine, metrics):
     s = scrape(metrics)
     assert value(s, "moeray:engine_steps_total") == n
     assert value(s, "moeray:expert_actor_tokens_total", actor="1") == n * (3 + 4 + 2 + 1)
+
+
+def test_constructor_rejects_bad_prefix_and_expert_mode(engine):
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        EngineMetrics(engine, "tiny", prefix="sglang")
+    with pytest.raises(ValueError, match="expert_metrics"):
+        EngineMetrics(engine, "tiny", expert_metrics="all")
+    with pytest.raises(ValueError, match="hot_experts"):
+        EngineMetrics(engine, "tiny", hot_experts=0)
+
+
+# ---- cardinality: the per-(layer, expert) counter is opt-in ----------------------------------------
+def test_summary_is_the_default_and_bounded(engine):
+    """Default export: no per-(layer, expert) series; per-layer imbalance, per-actor tokens and the top
+    hot experts per layer, whose series count does not grow with the number of experts."""
+    m = EngineMetrics(engine, "tiny", hot_experts=2)
+    step(engine, [[[5, 1, 0, 3], [0, 2, 2, 7]]])
+    s = scrape(m)
+    assert not any(name == "moeray:expert_tokens_total" for name, _ in s)
+    assert value(s, "moeray:expert_actor_tokens_total", actor="0") == 5 + 1 + 0 + 2
+    assert value(s, "moeray:moe_load_imbalance", layer="3") == pytest.approx(7 * 4 / 11)
+    assert value(s, "moeray:moe_hot_expert_tokens", layer="1", rank="1", expert="0") == 5
+    assert value(s, "moeray:moe_hot_expert_tokens", layer="1", rank="2", expert="3") == 3
+    assert value(s, "moeray:moe_hot_expert_tokens", layer="3", rank="1", expert="3") == 7
+    assert value(s, "moeray:moe_hot_expert_tokens", layer="3", rank="2", expert="1") == 2  # tie: lower id
+    hot = [k for k in s if k[0] == "moeray:moe_hot_expert_tokens"]
+    assert len(hot) == len(MOE_LAYERS) * 2
+    m.close()
+
+
+def test_full_mode_adds_the_per_expert_counter(engine):
+    m = EngineMetrics(engine, "tiny", expert_metrics="full")
+    step(engine, [[[5, 1, 0, 3], [0, 2, 2, 7]]])
+    s = scrape(m)
+    per_expert = [k for k in s if k[0] == "moeray:expert_tokens_total"]
+    assert len(per_expert) == len(MOE_LAYERS) * NUM_EXPERTS
+    assert value(s, "moeray:expert_tokens_total", layer="3", expert="3") == 7
+    assert ("moeray:moe_hot_expert_tokens", frozenset(
+        {"model_name": "tiny", "layer": "1", "rank": "1", "expert": "0"}.items())) in s  # summary kept
+    m.close()
+
+
+def test_expert_distribution_is_the_full_json_dump(engine, metrics):
+    import json
+
+    a = [[5, 1, 0, 3], [0, 2, 2, 7]]
+    step(engine, [a])
+    step(engine, [a])
+    d = json.loads(json.dumps(metrics.expert_distribution()))  # JSON-ready
+    assert d["moe_layers"] == MOE_LAYERS and d["num_experts"] == NUM_EXPERTS and d["epoch"] == 0
+    assert d["tokens_total"] == [[10, 2, 0, 6], [0, 4, 4, 14]]
+    assert d["tokens_window"] == d["tokens_total"] and d["steps_in_window"] == 2
+    assert d["expert_actor_tokens_total"] == [2 * (5 + 1 + 2), 2 * (3 + 2 + 7)]
+    assert d["imbalance_window"][1] == pytest.approx(14 * 4 / 22)
+
+
+# ---- the elastic plane -------------------------------------------------------------------------
+def test_epoch_pause_histogram(engine, metrics):
+    s = scrape(metrics)
+    assert value(s, "moeray:epoch_pause_seconds_count") == 0  # rendered before the first change
+    engine.table = even_table(NUM_EXPERTS, MOE_LAYERS, 2, 2, epoch=1)
+    engine.stats.observe_epoch(1, 0.3)
+    engine.stats.observe_epoch(2, 45.0)
+    s = scrape(metrics)
+    assert value(s, "moeray:epoch_pause_seconds_count") == 2
+    assert value(s, "moeray:epoch_pause_seconds_sum") == pytest.approx(45.3)
+    assert value(s, "moeray:epoch_pause_seconds_bucket", le="0.01") == 0
+    assert value(s, "moeray:epoch_pause_seconds_bucket", le="0.5") == 1
+    assert value(s, "moeray:epoch_pause_seconds_bucket", le="120.0") == 2
+    assert value(s, "moeray:epoch") == 1
+
+
+# ---- metrics_prefix: vllm (Must show 3) ---------------------------------------------------------------
+# vLLM's names, types and label sets, taken from vLLM's source: vllm-project/vllm
+# vllm/v1/metrics/loggers.py, class PrometheusStatLogger, at commit
+# 005a810bc40faa25b8870fbc8559c3462581eee3 (as returned by the code-search index): labelnames =
+# ["model_name", "engine"] on every series, plus "finished_reason" on vllm:request_success; counters are
+# created without "_total" (prometheus-client appends it) and vLLM disables the *_created series.
+# vllm:inter_token_latency_seconds is the 0.11 name of vllm:time_per_output_token_seconds (same
+# buckets and labels; loggers.py of 0.11: "Deprecated in 0.11 - Renamed as
+# vllm:inter_token_latency_seconds", both emitted), so dashboards of either vintage work.
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0]
+VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0]
+VLLM_SERIES = {  # family name: (type, label names, histogram buckets or None)
+    "vllm:num_requests_running": ("gauge", {"model_name", "engine"}, None),
+    "vllm:num_requests_waiting": ("gauge", {"model_name", "engine"}, None),
+    "vllm:kv_cache_usage_perc": ("gauge", {"model_name", "engine"}, None),
+    "vllm:num_preemptions": ("counter", {"model_name", "engine"}, None),
+    "vllm:prompt_tokens": ("counter", {"model_name", "engine"}, None),
+    "vllm:generation_tokens": ("counter", {"model_name", "engine"}, None),
+    "vllm:request_success": ("counter", {"model_name", "engine", "finished_reason"}, None),
+    "vllm:time_to_first_token_seconds": ("histogram", {"model_name", "engine"}, VLLM_TTFT_BUCKETS),
+    "vllm:time_per_output_token_seconds": ("histogram", {"model_name", "engine"}, VLLM_TPOT_BUCKETS),
+    "vllm:inter_token_latency_seconds": ("histogram", {"model_name", "engine"}, VLLM_TPOT_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("histogram", {"model_name", "engine"}, VLLM_E2E_BUCKETS),
+}
+# our moeray: name for each vLLM family (the counterpart)
+MOERAY_COUNTERPART = {"vllm:time_per_output_token_seconds": "moeray:inter_token_latency_seconds"}
+
+
+def _families(m):
+    return {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+
+
+def test_vllm_prefix_names_and_label_sets_equal_vllms(engine):
+    m = EngineMetrics(engine, "tiny", prefix="vllm")
+    engine.stats.observe_ttft(0.05)
+    engine.stats.observe_itl(0.02)
+    seq = Seq(1, [1, 2, 3], 3, SamplingParams(max_tokens=2))
+    seq.finish_reason = "stop"
+    engine.stats.observe_finished(0.4, seq)
+    fams = _families(m)
+    for name, (kind, labels, buckets) in VLLM_SERIES.items():
+        assert name in fams, f"{name} not rendered with prefix vllm"
+        f = fams[name]
+        assert f.type == kind, (name, f.type)
+        assert f.samples, name
+        for s in f.samples:
+            assert set(s.labels) - {"le"} == labels, (name, s.labels)
+            assert s.labels["model_name"] == "tiny" and s.labels["engine"] == "0"
+        if buckets is not None:
+            les = sorted(float(s.labels["le"]) for s in f.samples if s.name.endswith("_bucket"))
+            assert les == buckets + [float("inf")], name
+        if kind == "counter":
+            assert all(s.name == name + "_total" for s in f.samples), name
+    # every vLLM family that has a moeray counterpart moved over: none left under moeray:
+    for name in VLLM_SERIES:
+        assert MOERAY_COUNTERPART.get(name, name.replace("vllm:", "moeray:")) not in fams, name
+    # the expert plane keeps its own prefix; nothing else took vllm:
+    assert "moeray:moe_load_imbalance" in fams and "moeray:epoch" in fams
+    assert {n for n in fams if n.startswith("vllm:")} == set(VLLM_SERIES)
+    s = scrape(m)
+    assert s[("vllm:request_success_total", frozenset(
+        {"model_name": "tiny", "engine": "0", "finished_reason": "stop"}.items()))] == 1
+    assert s[("vllm:inter_token_latency_seconds_count", frozenset({"model_name": "tiny", "engine": "0"}.items()))] == 1
+    assert s[("vllm:time_per_output_token_seconds_count", frozenset(
+        {"model_name": "tiny", "engine": "0"}.items()))] == 1
+    assert s[("vllm:generation_tokens_total", frozenset({"model_name": "tiny", "engine": "0"}.items()))] == 2
+    m.close()
+
+
+def test_moeray_prefix_names_every_vllm_counterpart(metrics):
+    """The default prefix renders the same families under moeray: (one per vLLM family but the
+    deprecated alias), with model_name only."""
+    fams = _families(metrics)
+    for name, (kind, labels, _) in VLLM_SERIES.items():
+        if name in MOERAY_COUNTERPART:
+            continue
+        ours = name.replace("vllm:", "moeray:")
+        assert ours in fams and fams[ours].type == kind, ours
+        for s in fams[ours].samples:
+            assert set(s.labels) - {"le"} == labels - {"engine"}, (ours, s.labels)
+
+
+
+def test_serving_config_and_moeray_up_carry_the_metrics_fields(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from deploy.config import ServeConfig
+
+    cfg = ServeConfig.parse({"metrics_prefix": "vllm", "expert_metrics": "full"})
+    assert (cfg.metrics_prefix, cfg.expert_metrics) == ("vllm", "full")
+    assert (ServeConfig().metrics_prefix, ServeConfig().expert_metrics) == ("moeray", "summary")
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        ServeConfig.parse({"metrics_prefix": "sglang"})
+    (tmp_path / "c.yaml").write_text("expert_metrics: full\n")
+    assert ServeConfig.from_yaml(tmp_path / "c.yaml", metrics_prefix="vllm").expert_metrics == "full"
+    env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--metrics-prefix", "sglang"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "metrics_prefix" in out.stderr, out.stderr  # refused before anything starts

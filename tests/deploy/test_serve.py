@@ -5,7 +5,6 @@ every bad input's status and envelope; /metrics; the API key."""
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,12 @@ KEY = "test-key-123"
 NAME = "k2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
+def server(serve_port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("serve") / "k2", seed=4, progress=False)
-    port = _free_port()
+    port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=2, experts=2, api_key=KEY, port=port,
                       max_queue=20, max_num_seqs=8, max_body_bytes=64 * 1024, max_tokens_per_step=64)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg.model_dump()), name="moeray-test", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -45,7 +37,7 @@ def server(ray_cluster, tmp_path_factory):
         assert time.monotonic() < deadline, "server never became healthy"
         time.sleep(0.5)
     yield {"url": url, "path": path}
-    serve.shutdown()
+    serve.delete("moeray-test")
 
 
 @pytest.fixture()
@@ -224,12 +216,43 @@ def test_metrics_series_move_with_traffic(server, client):
         return sum(v for _, v in m.get(name, []))
 
     for name in ("moeray:generation_tokens_total", "moeray:prompt_tokens_total", "moeray:engine_steps_total",
-                 "moeray:expert_tokens_total", "moeray:expert_actor_tokens_total",
+                 "moeray:expert_actor_tokens_total",
                  "moeray:time_to_first_token_seconds_count", "moeray:e2e_request_latency_seconds_count",
                  "moeray:moe_dispatch_latency_seconds_count", "moeray:moe_combine_latency_seconds_count"):
         assert total(after, name) > total(before, name), name
     for name in ("moeray:num_requests_running", "moeray:num_requests_waiting", "moeray:kv_cache_usage_perc",
-                 "moeray:moe_load_imbalance", "moeray:epoch"):
+                 "moeray:moe_load_imbalance", "moeray:epoch", "moeray:moe_hot_expert_tokens",
+                 "moeray:epoch_pause_seconds_count"):
         assert name in after, name
+    assert "moeray:expert_tokens_total" not in after  # the per-(layer, expert) counter is opt-in
     labels = {k for series in after.values() for lab, _ in series for k in lab}
     assert not labels & {"request_id", "seq_id", "id"}
+
+
+def test_admin_experts_route_and_cli_dump_the_full_distribution(server, client):
+    url = server["url"]
+    assert httpx.get(f"{url}/admin/experts", timeout=30).status_code == 401
+    before = httpx.get(f"{url}/admin/experts", headers=_headers(), timeout=30).json()
+    client.completions.create(model=NAME, prompt="route me", max_tokens=4, extra_body={"ignore_eos": True})
+    d = httpx.get(f"{url}/admin/experts", headers=_headers(), timeout=30).json()
+    from model.config import load_config
+
+    cfg = load_config(server["path"])
+    assert d["model"] == NAME and d["num_experts"] == cfg.n_routed_experts
+    assert len(d["tokens_total"]) == len(d["moe_layers"]) > 0
+    assert all(len(row) == cfg.n_routed_experts for row in d["tokens_total"])
+    moved = sum(map(sum, d["tokens_total"])) - sum(map(sum, before["tokens_total"]))
+    assert moved > 0 and moved % cfg.num_experts_per_tok == 0  # top-k experts per token per layer
+    exe = Path(sys.executable).parent / "moeray"
+    out = subprocess.run([str(exe), "experts", "--json", "--url", url, "--api-key", KEY], capture_output=True,
+                         text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    cli = json.loads(out.stdout)
+    assert cli["url"] == url and cli["moe_layers"] == d["moe_layers"]
+    assert sum(map(sum, cli["tokens_total"])) >= sum(map(sum, d["tokens_total"]))
+    table = subprocess.run([str(exe), "experts", "--url", url, "--api-key", KEY], capture_output=True, text=True,
+                           timeout=120, env=os.environ)
+    assert table.returncode == 0 and "imbalance" in table.stdout, table.stderr
+    bad = subprocess.run([str(exe), "experts", "--url", url], capture_output=True, text=True, timeout=120,
+                         env=os.environ)
+    assert bad.returncode == 2 and "API key" in bad.stderr

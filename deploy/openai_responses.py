@@ -1,0 +1,139 @@
+"""Response bodies of every route as pydantic models, for the OpenAPI document.
+
+The builders in :mod:`deploy.openai_api` produce these shapes (a test validates their output
+against these models); OpenAI's field names throughout. Documentation only: no route
+serialises through them, so they must never be handed to FastAPI as ``response_model`` (it
+would re-validate every response and turn a drift into a 500).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, "
+                                  "service_unavailable or server_error.")
+    param: str | None = Field(description="The top-level request field at fault, if any.")
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    """Every error of every route but /health: OpenAI's envelope."""
+
+    error: ErrorDetail
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionResponse(_Out):
+    """POST /v1/completions without ``stream``; with it, ``text/event-stream`` chunks of this shape
+    (one choice each, ``finish_reason`` null until its last), then ``data: [DONE]``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TokenLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionResponse(_Out):
+    """POST /v1/chat/completions without ``stream``; with it, ``chat.completion.chunk`` events."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(_Out):
+    """GET /health: 200 ``{"status": "ok"}``; 503 with the reason while the engine cannot serve."""
+
+    status: Literal["ok", "degraded", "unavailable"]
+    error: str | None = None
+
+
+class ClusterStatus(BaseModel):
+    """GET /status: the engine's shape, queue, epoch and per-actor placement (see ``moeray status``)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    model: str
+    healthy: bool
+    running: int
+    waiting: int
+    steps: int
+    epoch: int
+    attention: list[dict[str, Any]]
+    experts: list[dict[str, Any]]
+
+
+class EpochChangeReport(BaseModel):
+    """POST /admin/*: the committed epoch change (kind, epochs, pause, imbalance before and after)."""
+
+    model_config = ConfigDict(extra="allow")

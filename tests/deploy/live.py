@@ -1,0 +1,132 @@
+"""A running Serve app on the test session's Ray cluster, driven as a user would: SSE streams over
+HTTP in threads, the `moeray` command in a subprocess, /metrics parsed. Shared by the live-scaling
+and recovery tests."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from deploy.app import EngineServer, Ingress, build_app
+from deploy.config import ServeConfig
+from model.loader import load_model
+from model.runner import ModelRunner, generate
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+
+KEY = "live-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(port, path, name, *, serve_on_head=False, **shape):
+    """serve_on_head: the Serve replicas go to the first node (moeray_node_0), as an operator would pin
+    them; otherwise Serve places them (build_app as `serve deploy` does)."""
+    cfg = ServeConfig(model=str(path), served_model_name=name, api_key=KEY, port=port, num_blocks=512,
+                      max_num_seqs=16, max_tokens_per_step=128, **shape)
+    if serve_on_head:
+        raw, where = cfg.model_dump(), {"num_cpus": 0, "resources": {"moeray_node_0": 0.001}}
+        engine = EngineServer.options(ray_actor_options=where).bind(raw, str(path))
+        app = Ingress.options(ray_actor_options=where).bind(engine, raw, str(path))
+    else:
+        app = build_app(cfg.model_dump())
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    url = f"http://127.0.0.1:{port}/{name}"
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "server never became healthy"
+        time.sleep(0.5)
+    return url
+
+
+def moeray(*args) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "moeray"
+    env = {**os.environ, "COLUMNS": "300"}  # rich would wrap the report at 80 columns
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def oracle(path, prompts, n):
+    runner = ModelRunner(load_model(path, progress=False), num_blocks=512, block_size=16, num_slots=16)
+    seqs = generate(runner, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    tok = Tokenizer.from_dir(path)
+    return [tok.decode(s.output_ids) for s in seqs]
+
+
+class Stream(threading.Thread):
+    """One SSE completion stream: its text pieces, an error event if one came, and when it ended."""
+
+    def __init__(self, url, name, prompt, n):
+        super().__init__(daemon=True)
+        self.url, self.name, self.prompt, self.n = url, name, prompt, n
+        self.pieces, self.error, self.finish, self.ended, self.error_event = [], None, None, None, None
+
+    def run(self):
+        body = {"model": self.name, "prompt": self.prompt, "max_tokens": self.n, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=600,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error_event = event["error"]
+                            continue
+                        choice = event["choices"][0]
+                        self.pieces.append(choice["text"])
+                        self.finish = choice["finish_reason"] or self.finish
+        except Exception as e:  # noqa: BLE001 — reported by the test
+            self.error = e
+        self.ended = time.monotonic()
+
+
+def start_streams(url, name, prompts, n):
+    """Start one stream per prompt; returns once every one has its first token."""
+    streams = [Stream(url, name, p, n) for p in prompts]
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + 120
+    while not all(s.pieces for s in streams):  # every stream is running before the change
+        assert time.monotonic() < deadline and not any(s.error for s in streams), [s.error for s in streams]
+        time.sleep(0.05)
+    return streams
+
+
+def finish(streams):
+    for s in streams:
+        s.join(600)
+    assert not any(s.error for s in streams), [repr(s.error) for s in streams]
+    assert not any(s.error_event for s in streams), [s.error_event for s in streams]
+    return ["".join(s.pieces) for s in streams]
+
+
+def run_cli(url, *args):
+    """`moeray ARGS --url URL --api-key KEY`: its stderr (the report) and when it returned."""
+    done = moeray(*args, "--url", url, "--api-key", KEY)
+    assert done.returncode == 0, done.stderr
+    return done.stderr, time.monotonic()
+
+
+def metrics(url) -> dict:
+    """Sample name → value (label sets dropped: use for series with one label set per app)."""
+    return {name: v for (name, _), v in series(url).items()}
+
+
+def series(url) -> dict:
+    """(sample name, frozenset of its labels) → value, from the app's /metrics."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}

@@ -1,0 +1,322 @@
+"""A throwaway `ray up` target on this machine, for tests: a private sshd on two loopback aliases, a
+throwaway user and key, and the shipped deploy/ray-cluster-local.yaml with only what a test must
+change rewritten (addresses, ports, login, the install step). Owns every process it starts and the
+user it creates; `close()` stops them by PID and removes them, and never touches anything else.
+
+Why each rewrite (the rest of the YAML runs as shipped):
+- Addresses 127.0.0.20/.21 and free ports for sshd, GCS, dashboard, client server, metrics export and
+  Serve: other tests' clusters use 127.0.0.2-4 and random ports; nothing here may collide with them.
+- sshd listens on port 22 of the two aliases only: Ray's schema has no ssh port, and the head's
+  autoscaler drops `auth.ssh_proxy_command` when it reaches the workers, so the port must be 22.
+  A system sshd bound to 0.0.0.0:22 makes this fail loudly (never silently reuses it).
+- A throwaway unprivileged user: Ray's commands run `ray stop`, which kills every Ray process the
+  login may kill. As this user it can only reach its own processes, never another cluster's. Its
+  RAY_TMPDIR is private (session files, ray_current_cluster, the local provider's state), so no
+  other cluster's address file is read or written.
+- The `pip install` setup commands are replaced by a prepared venv (tests never reach a package
+  registry), linked as ~/moeray-venv: an interpreter of the same Python minor version that the
+  throwaway user can execute (this venv's own base may sit under /root), whose site-packages are
+  this venv's, with PYTHONPATH=~/moeray so the nodes import the rsynced tree — what
+  `pip install -e ~/moeray` gives.
+- The Ray token is a throwaway one (file_mounts copies it, as the YAML does with ~/.ray/auth_token).
+"""
+
+from __future__ import annotations
+
+import copy
+import getpass
+import hashlib
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).parents[2]
+HEAD_IP, WORKER_IP = "127.0.0.20", "127.0.0.21"
+SHIPPED_HEAD_IP, SHIPPED_WORKER_IP = "127.0.0.2", "127.0.0.3"
+SSHD = "/usr/sbin/sshd"
+
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports free on every address (0.0.0.0), outside Ray's worker ports 10002-19999."""
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port("0.0.0.0")
+        if p not in out and not 10002 <= p <= 19999:
+            out.append(p)
+    return out
+
+
+def preflight() -> list[str]:
+    """What is missing for a real `ray up` here (empty: nothing)."""
+    missing = [f"{tool} (Debian: {pkg})" for tool, pkg in ((SSHD, "openssh-server"), ("ssh", "openssh-client"),
+                                                           ("rsync", "rsync"), ("ssh-keygen", "openssh-client"),
+                                                           ("useradd", "passwd"))
+               if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root (to create the throwaway login user and run sshd)")
+    return missing
+
+
+class RayUpCluster:
+    def __init__(self) -> None:
+        problems = preflight()
+        if problems:
+            raise RuntimeError("cannot run `ray up` here; missing: " + ", ".join(problems) +
+                               " — .ci/run installs them")
+        self.base = Path(tempfile.mkdtemp(prefix="mru", dir="/tmp"))  # short: Ray's unix sockets live below
+        self.base.chmod(0o755)
+        self.user = f"mru{os.getpid()}"
+        self.home, self.raytmp = self.base / "h", self.base / "t"
+        self.ssh_port = 22
+        (self.gcs_port, self.dash_port, self.client_port, self.metrics_head, self.metrics_worker,
+         self.serve_port, self.agent_head, self.agent_worker) = _free_ports(8)
+        self.cluster_name = f"moeray-rayup-{os.getpid()}"
+        self.sshd: subprocess.Popen | None = None
+        self.user_created = False
+        self.cluster_yaml = self.base / "cluster.yaml"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        # `ray up`'s own files (local provider state, ssh control sockets, config cache) stay in base/c
+        self.env["RAY_TMPDIR"] = self.env["TMPDIR"] = str(self.base / "c")
+        (self.base / "c").mkdir()
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def prepare(self, serve_config: dict) -> None:
+        self._make_user()
+        self._make_keys()
+        self._start_sshd()
+        (self.base / "token").write_text(secrets.token_hex(32))
+        (self.base / "serve_config.yaml").write_text(yaml.safe_dump(serve_config, sort_keys=False))
+        for name in ("token", "serve_config.yaml"):
+            (self.base / name).chmod(0o644)
+        self.cluster_yaml.write_text(yaml.safe_dump(self.cluster_config(), sort_keys=False))
+
+    def _run(self, *cmd: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True, **kw)
+
+    def _make_user(self) -> None:
+        self._run("useradd", "--no-create-home", "--home-dir", str(self.home), "--shell", "/bin/bash",
+                  "--password", "*", self.user)  # '*': no password, yet not "locked" for key logins
+        self.user_created = True
+        pw = pwd.getpwnam(self.user)
+        self.uid = pw.pw_uid
+        self.home.mkdir()
+        self.raytmp.mkdir()
+        os.symlink(self._node_venv(), self.home / "moeray-venv")  # what the YAML's pip installs would build
+        (self.home / ".bashrc").write_text(
+            f"export RAY_TMPDIR={self.raytmp} TMPDIR={self.raytmp}\nexport PYTHONPATH=$HOME/moeray\n")
+        for p in (self.home, self.raytmp, self.home / ".bashrc"):
+            os.chown(p, pw.pw_uid, pw.pw_gid)
+        os.lchown(self.home / "moeray-venv", pw.pw_uid, pw.pw_gid)
+
+    def _node_venv(self) -> Path:
+        """A venv the throwaway user can run: a base interpreter it may execute, this venv's packages."""
+        want = f"{sys.version_info.major}.{sys.version_info.minor}"
+        candidates = [os.path.realpath(sys._base_executable), f"/usr/bin/python{want}"]
+        for exe in candidates:
+            ok = subprocess.run(["runuser", "-u", self.user, "--", exe, "-c",
+                                 "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                capture_output=True, text=True, timeout=30)
+            if ok.returncode == 0 and ok.stdout.strip() == want:
+                break
+        else:
+            raise RuntimeError(f"no Python {want} that an unprivileged user may run: tried {candidates}")
+        venv = self.base / "venv"
+        self._run(exe, "-m", "venv", "--without-pip", str(venv))
+        site = venv / "lib" / f"python{want}" / "site-packages"
+        runner_site = next(p for p in sys.path if p.startswith(sys.prefix) and p.endswith("site-packages"))
+        (site / "runner.pth").write_text(f"import site; site.addsitedir({runner_site!r})\n")
+        for script in ("ray", "serve"):  # the console scripts, with this interpreter
+            body = (Path(sys.prefix) / "bin" / script).read_text().split("\n", 1)[1]
+            (venv / "bin" / script).write_text(f"#!{venv / 'bin' / 'python'}\n{body}")
+            (venv / "bin" / script).chmod(0o755)
+        return venv
+
+    def _make_keys(self) -> None:
+        self._run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.base / "key"))
+        self._run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.base / "hostkey"))
+        shutil.copy(self.base / "key.pub", self.base / "authorized_keys")
+        (self.base / "authorized_keys").chmod(0o644)
+
+    def _start_sshd(self) -> None:
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+        cfg = self.base / "sshd_config"
+        cfg.write_text("\n".join([
+            f"ListenAddress {HEAD_IP}:{self.ssh_port}", f"ListenAddress {WORKER_IP}:{self.ssh_port}",
+            f"HostKey {self.base / 'hostkey'}", f"PidFile {self.base / 'sshd.pid'}",
+            f"AuthorizedKeysFile {self.base / 'authorized_keys'}", f"AllowUsers {self.user}",
+            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+            "PermitRootLogin no", "X11Forwarding no", "PrintMotd no", "MaxStartups 100", "MaxSessions 100",
+            "LogLevel ERROR", ""]))
+        self.sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                                     stderr=open(self.base / "sshd.log", "w"))
+        deadline = time.monotonic() + 20
+        while not all(_listening(ip, self.ssh_port) for ip in (HEAD_IP, WORKER_IP)):
+            if self.sshd.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sshd did not start on {HEAD_IP}:22 and {WORKER_IP}:22 (a system sshd on "
+                                   f"0.0.0.0:22?): {(self.base / 'sshd.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    # ---- the cluster YAML, as shipped but for the rewrites in the module docstring ---------------------
+    def cluster_config(self) -> dict:
+        cfg = copy.deepcopy(yaml.safe_load((ROOT / "deploy" / "ray-cluster-local.yaml").read_text()))
+        cfg["cluster_name"] = self.cluster_name
+        cfg["provider"]["head_ip"] = HEAD_IP
+        cfg["provider"]["worker_ips"] = [WORKER_IP]
+        cfg["auth"] = {"ssh_user": self.user, "ssh_private_key": str(self.base / "key")}
+        mounts = cfg["file_mounts"]
+        assert mounts.pop("~/.ray/auth_token") == "~/.ray/auth_token", mounts
+        mounts["~/.ray/auth_token"] = str(self.base / "token")
+        mounts["~/serve_config.yaml"] = str(self.base / "serve_config.yaml")
+        cfg["setup_commands"] = [c for c in cfg["setup_commands"] if "pip install" not in c]
+        cfg["head_start_ray_commands"] = [self._rewrite(c, head=True) for c in cfg["head_start_ray_commands"]]
+        cfg["worker_start_ray_commands"] = [self._rewrite(c, head=False) for c in cfg["worker_start_ray_commands"]]
+        return cfg
+
+    def _rewrite(self, command: str, *, head: bool) -> str:
+        if "ray start" not in command:
+            return command
+        out = (command.replace(SHIPPED_HEAD_IP + " ", HEAD_IP + " ").replace("--port=6390", f"--port={self.gcs_port}")
+               .replace("$RAY_HEAD_IP:6390", f"$RAY_HEAD_IP:{self.gcs_port}")
+               .replace("--dashboard-port=8265", f"--dashboard-port={self.dash_port}")
+               .replace("--metrics-export-port=8080", f"--metrics-export-port={self.metrics_head}")
+               .replace("--metrics-export-port=8081", f"--metrics-export-port={self.metrics_worker}"))
+        extra = (f" --ray-client-server-port={self.client_port} --dashboard-agent-listen-port={self.agent_head}"
+                 if head else f" --dashboard-agent-listen-port={self.agent_worker}")
+        assert out != command or not head, f"nothing rewritten in {command!r}"
+        return out + extra
+
+    # ---- ray CLI ---------------------------------------------------------------------------------
+    def ray(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        exe = Path(sys.executable).parent / "ray"
+        return subprocess.run([str(exe), *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def exec_on_head(self, command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return self.ray("exec", str(self.cluster_yaml), command, timeout=timeout)
+
+    # ---- what is left ------------------------------------------------------------------------------
+    def user_processes(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process of the throwaway user."""
+        uid = getattr(self, "uid", None)
+        return [] if uid is None else [(pid, cmd) for pid, owner, cmd in _processes() if owner == uid]
+
+    def ray_processes(self) -> list[tuple[int, str]]:
+        """Processes of the throwaway user other than sshd's per-connection ones."""
+        return [(pid, cmd) for pid, cmd in self.user_processes() if not cmd.startswith("sshd")]
+
+    def listening_ports(self) -> list[tuple[str, int]]:
+        """(ip, port) listening on the two node addresses, or on a port this cluster was given."""
+        ours = {self.gcs_port, self.dash_port, self.client_port, self.metrics_head,
+                self.metrics_worker, self.serve_port, self.agent_head, self.agent_worker}
+        return [(ip, port) for ip, port in _listeners() if ip in (HEAD_IP, WORKER_IP) or port in ours]
+
+    def control_dirs(self) -> list[Path]:
+        """Ray's ssh ControlPath directories for this cluster (hard-coded under /tmp): this login's and
+        the throwaway user's (the head's autoscaler reaches the worker over ssh too)."""
+        h = hashlib.sha256(self.cluster_name.encode()).hexdigest()[:10]
+        return [Path(f"/tmp/ray_ssh_{hashlib.sha256(u.encode()).hexdigest()[:10]}/{h}")
+                for u in (getpass.getuser(), self.user)]
+
+    def ssh_masters(self) -> list[tuple[int, str]]:
+        """ssh connection masters (ControlPersist) still open to this cluster's nodes."""
+        dirs = [str(d) for d in self.control_dirs()]
+        return [(pid, cmd) for pid, _, cmd in _processes() if cmd.startswith("ssh") and any(d in cmd for d in dirs)]
+
+    def stop_sshd(self) -> None:
+        if self.sshd is not None and self.sshd.poll() is None:
+            self.sshd.terminate()
+            try:
+                self.sshd.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.sshd.kill()
+                self.sshd.wait()
+
+    def close(self) -> None:
+        """Safety net after a failure: kill what the throwaway user still runs (by PID), stop sshd,
+        remove the user and the files. Idempotent."""
+        if getattr(self, "uid", None) is not None:
+            for _ in range(3):
+                procs = self.user_processes()
+                if not procs:
+                    break
+                for pid, _ in procs:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.5)
+        for pid, _ in self.ssh_masters():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.stop_sshd()
+        for d in self.control_dirs():
+            shutil.rmtree(d, ignore_errors=True)
+            try:
+                d.parent.rmdir()  # only when empty: it is shared by every cluster of that login
+            except OSError:
+                pass
+        if self.user_created:
+            subprocess.run(["userdel", self.user], capture_output=True, timeout=30)
+            self.user_created = False
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _listening(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((ip, port)) == 0
+
+
+def _processes() -> list[tuple[int, int, str]]:
+    """(pid, real uid, command line) of every live (non-zombie) process, from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            status = (d / "status").read_text().splitlines()
+            if any(line.startswith("State:") and "Z" in line.split()[1] for line in status):
+                continue  # a zombie holds nothing; its reaping is up to its parent
+            uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, StopIteration):
+            continue
+        out.append((int(d.name), uid, cmd))
+    return out
+
+
+def _listeners() -> list[tuple[str, int]]:
+    """(ip, port) of every listening TCP socket (IPv4 from /proc/net/tcp; IPv6 shown as "::")."""
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            ip = "::" if v6 else socket.inet_ntoa(bytes.fromhex(addr)[::-1])
+            out.append((ip, int(port, 16)))
+    return out

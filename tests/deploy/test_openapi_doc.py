@@ -1,0 +1,39 @@
+"""The documented response models match what the builders produce, and the documented request
+schemas accept what the routes accept (no Ray: the builders and models only)."""
+
+import pytest
+
+from actors.messages import SampledToken
+from deploy import openai_responses as out
+from deploy.app import api, doc
+from deploy.openai_api import (ChoiceResult, chat_chunk, chat_response, completion_chunk, completion_response,
+                               error_body, models_response, usage, usage_chunk)
+from deploy.openai_models import ChatCompletionRequest
+from model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from model.tokenizer import SHIPPED_DIR
+    return Tokenizer.from_dir(SHIPPED_DIR / "kimi")
+
+
+def test_builders_produce_the_documented_responses(tok):
+    lp = [SampledToken(0, 5, -0.5, ((5, -0.5), (7, -1.5)))]
+    choices = [ChoiceResult(0, "hi", [5], "length", lp), ChoiceResult(1, "yo", [6], "stop")]
+    out.CompletionResponse.model_validate(completion_response("m", choices, usage(3, 2), tokenizer=tok))
+    out.ChatCompletionResponse.model_validate(chat_response("m", choices, usage(3, 2), tokenizer=tok))
+    out.CompletionResponse.model_validate(completion_chunk("cmpl-1", "m", 1, index=0, text="a"))
+    out.CompletionResponse.model_validate(usage_chunk("cmpl-1", "m", 1, usage(1, 1), chat=False))
+    out.ModelList.model_validate(models_response(["m"], 1))
+    out.ErrorResponse.model_validate(error_body(400, "bad", param="n"))
+    assert chat_chunk("c", "m", 1, index=0, text="a", first=True)["object"] == "chat.completion.chunk"
+
+
+def test_message_rules_in_the_schema_match_the_template():
+    doc.specialize(model_names=["m"], vocab_size=1024, max_model_len=64, api_key=False)
+    message = api.openapi()["components"]["schemas"]["ChatMessage"]
+    assert len(message["anyOf"]) == 3 and message["additionalProperties"] is False
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}, call]})
+    assert "security" not in api.openapi()["paths"]["/v1/completions"]["post"]  # no key: no auth declared
