@@ -15,16 +15,15 @@ A plain class: :mod:`actors.remote` makes it a Ray actor.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
 from model.sampling import draw_seed, sample, top_logprobs
 
 from .device import choose_device
+from .group import join_group, leave_group
 from .dispatch import DistDispatcher
 from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
 from .progress import LoadProgress
@@ -69,19 +68,16 @@ class AttentionWorker:
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group and join the epoch's as attention rank ``index``, dispatching
         by the epoch's table. The cache and KDA state are untouched."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
         self.index, self.name, self.table = index, f"attention[{index}]", table
-        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=index,
-                                world_size=table.world_size, timeout=timedelta(seconds=info.timeout_s))
+        join_group(info, index, table.world_size)
         self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
                                          device=self.device)
         for layer, moe in self.model.moe_blocks().items():
             moe.routed = self.dispatcher.for_layer(layer)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
     # ---- data plane ----------------------------------------------------------------------
     @torch.no_grad()

@@ -15,10 +15,8 @@ in and joins the new process group. A plain class: :mod:`actors.remote` makes it
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
@@ -26,6 +24,7 @@ from model.loader import load_routed_experts, parse_dtype
 from model.moe import RoutedExperts, gather_experts
 
 from .device import Placement, choose_device
+from .group import join_group, leave_group
 from .dispatch import ExpertExchange
 from .messages import ExpertStepResult, GroupInfo, PlacementTable
 from .progress import LoadProgress
@@ -99,22 +98,18 @@ class ExpertWorker:
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group, hold the new slots, join the epoch's group."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
         if table.experts_of(index) != self.held():
             if self.staged is None or self.staged[:2] != (table.epoch, index):
                 self.prepare(table, index)
             self.experts = self.staged[2]
         self.staged = None
         self.index, self.name, self.table = index, f"expert[{index}]", table
-        dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}",
-                                rank=table.num_attention + index, world_size=table.world_size,
-                                timeout=timedelta(seconds=info.timeout_s))
+        join_group(info, table.num_attention + index, table.world_size)
         self.exchange = ExpertExchange(self.name, table, device=self.device)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
     # ---- data plane -----------------------------------------------------------------------
     @torch.no_grad()

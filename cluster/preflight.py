@@ -51,7 +51,7 @@ def problems(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dty
         have = {k: sum(n.available.get(k, 0.0) for n in nodes) for k in need}
         return [f"{plan.count(None)} of {len(plan)} actors cannot be placed: the shape needs "
                 + ", ".join(f"{k} {need[k]:g}" for k in sorted(need)) + f" ({spec.describe()}); "
-                + f"the cluster has " + ", ".join(f"{k} {have[k]:g}" for k in sorted(have))
+                + "the cluster has " + ", ".join(f"{k} {have[k]:g}" for k in sorted(have))
                 + f" over {len(nodes)} node(s)"]
     attn, expert = _actor_bytes(cfg, spec, dtype_bytes)
     by_id = {n.node_id: n for n in nodes}

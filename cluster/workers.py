@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from actors.group import NCCL_ENV
 from actors.messages import GroupInfo, PlacementTable, StepRequest
 from actors.remote import RemoteAttention, RemoteExpert, RemoteRouter
 from actors.router import Proposal
@@ -379,16 +380,20 @@ class WorkerGroup:
             self.reservations.remove(res)
             self.spare = [h for h in self.spare if h.reservation is not res]
 
+    def _options(self, opts: dict) -> dict:
+        """An actor's Ray options; on NCCL with the environment that makes a dead peer abortable."""
+        return {**opts, "runtime_env": {"env_vars": dict(NCCL_ENV)}} if self.backend == "nccl" else opts
+
     def _new_attention(self, home: Home, table: PlacementTable, index: int) -> Member:
         c = self.config
-        opts = home.reservation.attention_options(home.index)
+        opts = self._options(home.reservation.attention_options(home.index))
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
             num_slots=c.num_slots, dtype=c.dtype, impl=c.impl)
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:
-        opts = home.reservation.expert_options(home.index)
+        opts = self._options(home.reservation.expert_options(home.index))
         return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table,
                                                           dtype=self.config.dtype), home)
 

@@ -1,0 +1,35 @@
+"""Joining and leaving an epoch's process group, the same way for both actor kinds.
+
+NCCL (GPU) does not raise when a peer dies: a collective waits, and the watchdog acts at the
+timeout. With ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("clean up only", set for every actor through its
+Ray runtime environment by the worker group, see :data:`NCCL_ENV`) the watchdog aborts the
+communicators of a timed-out collective without killing the process, so the survivors raise, answer
+the engine, and can join a recovery epoch; leaving a group whose peer died is then an abort, since a
+clean destroy could wait on the dead peer. gloo (CPU) raises on a closed peer or at the timeout."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .messages import GroupInfo
+
+# the environment of every actor of an NCCL deployment (a Ray runtime_env; nothing here reads it)
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
+def join_group(info: GroupInfo, rank: int, world_size: int) -> None:
+    dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=info.timeout_s))
+
+
+def leave_group() -> None:
+    """Leave the current process group, if any (an abort on NCCL, see the module docstring)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() == "nccl" and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()
