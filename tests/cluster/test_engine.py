@@ -143,7 +143,7 @@ def test_async_stream_and_disconnect_frees_the_cache(k2_2x4, presets):
         aeng.stop()
 
 
-@pytest.mark.parametrize("preset,kind", [("kimi-k2-tiny", "expert"), ("kimi-k3-tiny", "attention")])
+@pytest.mark.parametrize("preset,kind", [("kimi-k3-tiny", "attention")])  # K2 and experts: tests/deploy/test_recovery.py
 def test_dead_actor_is_replaced_and_requests_continue_exactly(ray_cluster, presets, preset, kind):
     """Recovery is an epoch change nobody asked for: the dead actor is replaced, the failed step is
     redone (re-prefilled on K3, whose KDA state a half-run step advanced), and every request ends

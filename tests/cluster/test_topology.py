@@ -30,7 +30,8 @@ def _where(options: dict) -> tuple[str, str]:
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        ({"attention": 0}, "attention"),
+        ({"attention": -1}, "attention"),
+        ({"attention": 0, "experts": 0}, "attention or experts"),  # one kind at 0: a reservation that adds actors
         ({"experts": -1}, "experts"),
         ({"experts": 2.0}, "experts"),
         ({"expert_placement": "scatter"}, "expert_placement"),
