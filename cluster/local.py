@@ -48,6 +48,7 @@ class LocalCluster:
         object_store_mb: int = 80,
         memory_mb: int = 2048,
         env: dict[str, str] | None = None,
+        first_ip: int = 2,
         wait_s: float = 60,
     ) -> None:
         """`num_cpus`, `num_gpus`, `memory_mb` are logical, per node. `env` is added to each
@@ -60,7 +61,10 @@ class LocalCluster:
         if object_store_mb < 75:  # Ray's minimum object store is 75 MiB
             raise ValueError(f"object_store_mb must be ≥ 75, got {object_store_mb}")
         self.nodes = nodes
-        self.node_ips = [f"127.0.0.{i + 2}" for i in range(nodes)]  # 127.0.0.1 is rewritten by Ray
+        if not 2 <= first_ip <= 255 - nodes:
+            raise ValueError(f"first_ip must leave room for {nodes} loopback addresses in 127.0.0.2..254, got {first_ip}")
+        # 127.0.0.1 is rewritten by Ray; first_ip keeps two clusters on one machine apart
+        self.node_ips = [f"127.0.0.{first_ip + i}" for i in range(nodes)]
         self._node_args = dict(
             num_cpus=num_cpus,
             num_gpus=num_gpus,

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent('''
             return dataclasses.asdict(p)
 
     out = {}
-    with LocalCluster(nodes=1, num_cpus=8, num_gpus=2, memory_mb=4096) as cluster:
+    with LocalCluster(nodes=1, num_cpus=8, num_gpus=2, memory_mb=4096, first_ip=40) as cluster:  # apart from the session's
         ray.init(address=cluster.address)
         whole = [Probe.options(num_cpus=0.1, num_gpus=1).remote() for _ in range(2)]
         none = Probe.options(num_cpus=0.1).remote()
