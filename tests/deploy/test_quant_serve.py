@@ -5,7 +5,6 @@ request without max_tokens succeeds on a config whose context (4096) exceeds one
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,20 +24,13 @@ from quant_bytes import expert_checkpoint_bytes
 BLOCKS, BLOCK = 6, 16  # 96 tokens of cache per replica, against a 4096-token context
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
+def server(serve_port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("qserve") / "k2", quant="fp8", seed=6,
                         progress=False)
-    port = _free_port()
+    port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name="k2", attention=1, experts=2, port=port,
                       num_blocks=BLOCKS, block_size=BLOCK, max_num_seqs=4)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg.model_dump()), name="moeray-quant-test", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -46,7 +38,7 @@ def server(ray_cluster, tmp_path_factory):
         assert time.monotonic() < deadline, "server never became healthy"
         time.sleep(0.5)
     yield {"url": url, "path": path}
-    serve.shutdown()
+    serve.delete("moeray-quant-test")
 
 
 def test_chat_without_max_tokens_fits_the_cache(server):
