@@ -327,13 +327,18 @@ class WorkerGroup:
         member = new(home, table, index)
         try:
             ray.get(member.actor.node_id.remote(), timeout=self.config.start_timeout_s)
+            return member
         except ray.exceptions.RayActorError:
             _kill(member.actor)
-            member = new(self._fresh_home(kind, timeout_s), table, index)
-            self._get(member.actor.node_id.remote(), self.config.start_timeout_s, f"starting a replacement {kind}")
         except ray.exceptions.GetTimeoutError:
             _kill(member.actor)
             raise NoCapacity(f"a replacement {kind} actor did not start within {self.config.start_timeout_s:.0f}s")
+        member = new(self._fresh_home(kind, timeout_s), table, index)
+        try:
+            ray.get(member.actor.node_id.remote(), timeout=self.config.start_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            _kill(member.actor)  # the node it was placed on is going too: no room to recover right now
+            raise NoCapacity(f"no node has room for a replacement {kind} actor: {type(e).__name__}") from None
         return member
 
     def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:

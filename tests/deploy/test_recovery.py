@@ -88,8 +88,8 @@ def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("eng") / "eng", seed=12, progress=False)
     url = deploy(port, path, "eng", attention=1, experts=2)
     expected = oracle(path, _prompts(3), 400)
-    assert len(_engine_pgs("eng")) == 1 and _engine_actors() == ["AttentionWorker", "ExpertWorker",
-                                                                "ExpertWorker", "Router"]
+    actors = _engine_actors()  # this app's, plus any other app's still on the session cluster
+    assert len(_engine_pgs("eng")) == 1 and actors.count("ExpertWorker") >= 2
     pid = _status(url)["pid"]
     streams = start_streams(url, "eng", _prompts(3), 400)
     os.kill(pid, signal.SIGKILL)
@@ -104,7 +104,7 @@ def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port
     assert _status(url)["pid"] != pid
     assert finish(start_streams(url, "eng", _prompts(3), 400)) == expected
     assert len(_engine_pgs("eng")) == 1  # the dead replica's reservation did not stay behind
-    assert _engine_actors() == ["AttentionWorker", "ExpertWorker", "ExpertWorker", "Router"]
+    assert _engine_actors() == actors  # the dead replica's actors are gone, the new one's are there
     serve.delete("eng")
 
 

@@ -74,7 +74,7 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     """kimi-k3-tiny: 16 experts from 2 actors to 3 (6/5/5) while streams run, then `moeray rebalance`
     with replicas; outputs unchanged, the imbalance report printed."""
     path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("k3") / "k3", seed=9, progress=False)
-    url = deploy(port, path, "k3", attention=1, experts=2)
+    url = deploy(port, path, "k3", attention=1, experts=2, rebalance_window_steps=16)
     prompts = _prompts(8)
     expected = oracle(path, prompts, N_TOKENS)
     streams = start_streams(url, "k3", prompts, N_TOKENS)
@@ -87,12 +87,13 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
 
     skewed = [[t] * 30 for t in (5, 5, 9, 5, 9, 5)]  # a skewed mix: the same experts win again and again
     skewed_expected = oracle(path, skewed, 12)
+    run_cli(url, "scale", "experts", "3")  # the same shape: a new epoch, so the gauge below sees this mix alone
     assert finish(start_streams(url, "k3", skewed, 12)) == skewed_expected
-    before = _imbalance(url)
+    before = _imbalance(url)  # and the router's 16-step window holds this mix too
     out, _ = run_cli(url, "rebalance", "--redundant-slots", "2")
     assert "imbalance (max/mean tokens per expert actor" in out and "→" in out, out
     st = json.loads(moeray("status", "--url", url, "--api-key", KEY, "--json").stdout)
-    assert st["epoch"] == 2 and any(r for e in st["experts"] for r in e["replicas"].values())
+    assert st["epoch"] == 3 and any(r for e in st["experts"] for r in e["replicas"].values())
     assert finish(start_streams(url, "k3", skewed, 12)) == skewed_expected  # the same mix, re-placed experts
     after = _imbalance(url)  # the gauge's window holds the current epoch's steps only
     assert 0 < after < before, (before, after)
