@@ -31,8 +31,8 @@ def server(serve_port, tmp_path_factory):
     port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name="k2", attention=1, experts=2, port=port,
                       num_blocks=BLOCKS, block_size=BLOCK, max_num_seqs=4)
-    serve.run(build_app(cfg.model_dump()), name="moeray-quant-test", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    serve.run(build_app(cfg.model_dump()), name="moeray-quant-test", route_prefix="/quant")  # apart from others
+    url = f"http://127.0.0.1:{port}/quant"
     deadline = time.monotonic() + 180
     while httpx.get(f"{url}/health").status_code != 200:
         assert time.monotonic() < deadline, "server never became healthy"
