@@ -20,6 +20,7 @@ import torch
 
 from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
+from model.moe import COMBINE, Dispatch
 from model.sampling import draw_seed, sample, top_logprobs
 
 from .device import choose_device
@@ -32,11 +33,11 @@ from .progress import LoadProgress
 class AttentionWorker:
     def __init__(self, model_path: str, *, index: int, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
-                 threads: int | None = 1):
+                 threads: int | None = 1, exchange: str = "auto"):
         if threads:
             torch.set_num_threads(threads)
         self.index, self.name = index, f"attention[{index}]"
-        self.table, self.impl, self.block_size = table, impl, block_size
+        self.table, self.impl, self.block_size, self.exchange = table, impl, block_size, exchange
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
@@ -45,7 +46,8 @@ class AttentionWorker:
                                 on_progress=self.progress.update).to(self.device)
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device)
-        self.moe_layers = sorted(self.model.moe_blocks())
+        self._moe = self.model.moe_blocks()
+        self.moe_layers = sorted(self._moe)
         self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
 
     # ---- control plane -----------------------------------------------------------------
@@ -72,9 +74,7 @@ class AttentionWorker:
         self.index, self.name, self.table = index, f"attention[{index}]", table
         join_group(info, index, table.world_size)
         self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
-                                         device=self.device)
-        for layer, moe in self.model.moe_blocks().items():
-            moe.routed = self.dispatcher.for_layer(layer)
+                                         self.cfg.num_experts_per_tok, self.exchange, device=self.device)
 
     def shutdown(self) -> None:
         leave_group()
@@ -89,22 +89,55 @@ class AttentionWorker:
                                f"epoch {self.table.epoch}")
         d.begin_step(req.step)
         t0 = time.perf_counter()
-        tokens = self._run(req.chunks) if req.chunks else self._idle()
+        micro = req.micro or (len(req.chunks),)
+        bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
+        batches = [req.chunks[a:b] for a, b in zip(bounds, bounds[1:])]
+        hidden = self._forward(batches)
+        t1 = time.perf_counter()
+        tokens = self._sample(req.chunks, hidden) if req.chunks else ()
+        sample_s = time.perf_counter() - t1
         counts = slots = ()
         if req.chunks:  # one host sync for the whole step's statistics
-            counts = tuple(map(tuple, torch.stack([d.expert_tokens[l] for l in self.moe_layers]).tolist()))
-            slots = tuple(tuple(map(tuple, per_layer))
-                          for per_layer in torch.stack([d.slot_tokens[l] for l in self.moe_layers]).tolist())
+            expert, slot = d.take_stats()
+            counts, slots = tuple(map(tuple, expert.tolist())), tuple(tuple(map(tuple, per)) for per in slot.tolist())
         return StepResult(step=req.step, actor=self.name, tokens=tokens, expert_tokens=counts, slot_tokens=slots,
-                          forward_s=time.perf_counter() - t0, exchange_s=d.exchange_s,
+                          forward_s=t1 - t0, exchange_s=d.exchange_s, sample_s=sample_s,
                           dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"])
 
-    def _idle(self) -> tuple:
-        for layer in self.moe_layers:
-            self.dispatcher.idle(layer)
-        return ()
+    def _forward(self, batches: list[tuple[SeqChunk, ...]]) -> list:
+        """Every micro-batch's forward, interleaved at the MoE exchanges (ping-pong): while one
+        micro-batch's tokens are with the expert actors, the next one computes. Each generator
+        runs until it waits for a combine; the exchanges are posted layer-major, micro-batch minor,
+        as the expert actors serve them. Returns (hidden states, attention meta) per micro-batch."""
+        d = self.dispatcher
+        gens = [self._stages(chunks) for chunks in batches]
+        out, pending = [None] * len(gens), [None] * len(gens)
 
-    def _run(self, chunks: tuple[SeqChunk, ...]) -> tuple[SampledToken, ...]:
+        def advance(m: int, value) -> bool:  # run micro-batch m to its next wait; False once done
+            while True:
+                try:
+                    req = gens[m].send(value)
+                except StopIteration as stop:
+                    out[m] = stop.value
+                    return False
+                if isinstance(req, Dispatch):
+                    pending[m], value = d.issue(req.moe.layer, req.x, req.topk_idx, req.topk_w), None
+                else:
+                    return True
+
+        live = [m for m in range(len(gens)) if advance(m, None)]
+        while live:
+            live = [m for m in live if advance(m, d.collect(pending[m]))]
+        return out
+
+    def _stages(self, chunks: tuple[SeqChunk, ...]):
+        """One micro-batch's forward as stages (:meth:`CausalLM.stages`); with no chunks, just its
+        part in every MoE layer's exchange."""
+        if not chunks:
+            for layer in self.moe_layers:
+                yield Dispatch(self._moe[layer], *self.dispatcher.empty())
+                yield COMBINE
+            return None
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
                 self.cache.kda.reset(c.state_slot)
@@ -113,11 +146,15 @@ class AttentionWorker:
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
             [list(c.block_table) for c in chunks], self.block_size, device=self.device,
             state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None)
-        h = self.model(ids, meta, self.cache, self.impl)
+        h = yield from self.model.stages(ids, meta, self.cache, self.impl)
+        return h[meta.last_token_index.to(h.device)]  # each chunk's last token
+
+    def _sample(self, chunks: tuple[SeqChunk, ...], last: list) -> tuple[SampledToken, ...]:
         rows = [b for b, c in enumerate(chunks) if c.sample]
         if not rows:
             return ()
-        logits = self.model.logits(h[meta.last_token_index[rows].to(h.device)]).cpu()
+        h = torch.cat([x for x in last if x is not None])
+        logits = self.model.logits(h[rows]).cpu()
         params = [chunks[b].params for b in rows]
         seeds = [draw_seed(chunks[b].params, chunks[b].num_cached + len(chunks[b].token_ids)) for b in rows]
         next_ids = sample(logits, params, seeds)

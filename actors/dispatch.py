@@ -1,23 +1,37 @@
 """Dispatch / combine: the data half of the router (ARCHITECTURE.md).
 
-Inside an attention worker every MoE layer calls ``routed(x, topk_idx, topk_w)``; a dispatcher
-groups the (token, expert) pairs by the physical slot the epoch's placement table assigns
-(:class:`Routing`: replicas of a hot expert share its pairs), exchanges them, and combines the
-weighted results. Two implementations of one interface:
+Inside an attention worker every MoE layer hands ``(x, topk_idx, topk_w)`` to a dispatcher, which
+exchanges the tokens with the expert actors by the epoch's placement table (:class:`Routing`:
+replicas of a hot expert share its pairs) and combines the weighted results. Two implementations:
 
 * :class:`LocalDispatcher` — all shards in this process; the oracle for the distributed path.
 * :class:`DistDispatcher` — ``torch.distributed`` over the epoch's process group (gloo on CPU,
-  nccl on GPU). Per MoE layer, three ``all_to_all_single`` calls: per-(actor, local expert)
-  counts, the token rows, and the result rows back. :class:`ExpertExchange` is its expert-side
-  peer. The weights never leave the attention worker; expert actors return unweighted rows.
+  nccl on GPU); :class:`ExpertExchange` is its expert-side peer. Two wire formats, chosen per
+  table (:func:`exchange_mode`):
 
-Every collective runs under the group's timeout; a failure raises :class:`ExchangeError`
-naming the actor, the step, the layer and the phase.
+  - ``dense`` (when there are no more expert actors than experts per token): every attention rank
+    sends its T token rows, with their top-k ids and weights packed in the same bytes, to every
+    expert actor; each expert actor routes them, runs its pairs and returns one weighted partial
+    sum per token; the attention rank adds the partials. Two collectives per layer, their sizes
+    known from the step (no counts exchange, no host sync), and no more bytes than the sparse
+    format moves while expert actors ≤ k.
+  - ``sparse``: the (token, expert) pairs go only where their expert lives — a counts exchange,
+    the rows, and the unweighted rows back. For many expert actors (> k), where the dense format
+    would send every token to every actor.
+
+  The attention side is asynchronous (:meth:`DistDispatcher.issue` posts a micro-batch's exchange,
+  :meth:`DistDispatcher.collect` waits for it), so an attention worker can compute one micro-batch
+  while the expert actors compute another (ping-pong). Every attention rank and expert actor runs
+  the same (MoE layer, micro-batch) sequence of exchanges, layer-major.
+
+Every collective runs under the group's timeout; a failure raises :class:`ExchangeError` naming the
+actor, the step, the layer and the phase.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,12 +46,22 @@ class ExchangeError(RuntimeError):
     """A collective of the expert exchange failed or timed out (a peer is gone or stuck)."""
 
 
+def exchange_mode(table: PlacementTable, top_k: int, setting: str = "auto") -> str:
+    """``dense`` or ``sparse`` (see the module docstring); ``setting`` forces one."""
+    if setting not in ("auto", "dense", "sparse"):
+        raise ValueError(f"exchange must be auto, dense or sparse, got {setting!r}")
+    if setting != "auto":
+        return setting
+    return "dense" if table.num_actors <= top_k else "sparse"
+
+
 class Routing:
     """One dispatcher's view of an epoch's table as tensors, built once per table (never shared
     between dispatchers): per MoE layer, logical expert → its copies as (expert actor, local slot).
 
     A (token, expert) pair of a replicated expert goes to copy ``r % copies`` where r is the pair's
-    rank among this batch's pairs for that expert (batch order): a deterministic, even split."""
+    rank among the pairs for that expert from the same sender (batch order): a deterministic, even
+    split that the sender and the expert actors compute alike."""
 
     def __init__(self, table: PlacementTable, device: torch.device | str = "cpu"):
         self.table, self.max_local = table, table.max_local
@@ -51,20 +75,27 @@ class Routing:
             self.where[layer] = where.to(device)  # [E, C, 2]
             self.num_copies[layer] = torch.tensor([len(c) for c in copies], device=device)  # [E]
 
-    def route(self, layer: int, topk_idx: torch.Tensor):
-        """(token, slot) pairs sorted by (expert actor, local slot): order, actor, local (unsorted)."""
+    def assign(self, layer: int, topk_idx: torch.Tensor, sender: torch.Tensor | None = None, senders: int = 1):
+        """(expert actor, local slot) of every pair, in batch order; ``sender`` [pairs] (optional)
+        names each pair's sender (of ``senders``) when pairs of several senders are routed at once."""
         flat = topk_idx.reshape(-1)
         where, n_copies = self.where[layer].to(flat.device), self.num_copies[layer].to(flat.device)
         if where.shape[1] == 1:
             copy = torch.zeros_like(flat)
-        else:  # rank of each pair among the pairs of its expert, in batch order
-            by_expert = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=n_copies.numel())
+        else:  # rank of each pair among the pairs of its (sender, expert), in batch order
+            E = n_copies.numel()
+            key = flat if sender is None else sender * E + flat
+            by_key = torch.argsort(key, stable=True)
+            counts = torch.bincount(key, minlength=E * senders)
             starts = torch.cumsum(counts, 0) - counts
             rank = torch.empty_like(flat)
-            rank[by_expert] = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
+            rank[by_key] = torch.arange(flat.numel(), device=flat.device) - starts[key[by_key]]
             copy = rank % n_copies[flat]
-        actor, local = where[flat, copy, 0], where[flat, copy, 1]
+        return where[flat, copy, 0], where[flat, copy, 1]
+
+    def route(self, layer: int, topk_idx: torch.Tensor):
+        """(token, slot) pairs sorted by (expert actor, local slot): order, actor, local (unsorted)."""
+        actor, local = self.assign(layer, topk_idx)
         order = torch.argsort(actor * self.max_local + local, stable=True)
         return order, actor, local
 
@@ -94,99 +125,202 @@ class LocalDispatcher:
 
 
 class _Collectives:
-    """The three exchanges of one MoE layer, shared by both sides, with timing and clear errors."""
+    """The exchanges of one MoE layer, shared by both sides, with timing and clear errors."""
 
-    def __init__(self, actor: str, table: PlacementTable, group=None, device: str | torch.device = "cpu"):
+    def __init__(self, actor: str, table: PlacementTable, top_k: int, mode: str = "auto", group=None,
+                 device: str | torch.device = "cpu"):
         self.actor, self.table, self.group = actor, table, group
-        self.num_attention = table.num_attention
+        self.num_attention, self.num_experts = table.num_attention, table.num_actors
+        self.top_k, self.mode = top_k, exchange_mode(table, top_k, mode)
         self.device = torch.device(device)  # nccl needs the exchanged tensors on the GPU
         self.world = table.world_size
         self.step, self.exchange_s = -1, 0.0
         self.phase_s = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
 
-    def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, layer: int, phase: str):
+    def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, layer: int, phase: str,
+            async_op: bool = False):
         t0 = time.perf_counter()
         try:
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
         except Exception as e:  # gloo raises RuntimeError on timeout or a closed peer
-            raise ExchangeError(
-                f"{self.actor}: expert exchange failed at step {self.step}, MoE layer {layer}, phase {phase!r} "
-                f"(a peer actor is gone or stuck; collective timeout applies): {e}") from e
+            raise self.error(layer, phase, e) from e
         finally:
-            dt = time.perf_counter() - t0
-            self.exchange_s += dt
-            self.phase_s[phase] += dt
+            self.clock(phase, t0)
+
+    def wait(self, work, layer: int, phase: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+        except Exception as e:
+            raise self.error(layer, phase, e) from e
+        finally:
+            self.clock(phase, t0)
+
+    def error(self, layer: int, phase: str, e: Exception) -> ExchangeError:
+        return ExchangeError(f"{self.actor}: expert exchange failed at step {self.step}, MoE layer {layer}, phase "
+                             f"{phase!r} (a peer actor is gone or stuck; collective timeout applies): {e}")
+
+    def clock(self, phase: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.exchange_s += dt
+        self.phase_s[phase] += dt
 
     def reset_timers(self, step: int) -> None:
         self.step, self.exchange_s = step, 0.0
         self.phase_s = dict.fromkeys(self.phase_s, 0.0)
 
-    def counts(self, send: torch.Tensor, layer: int) -> torch.Tensor:
-        """send [world, L] int64 → received [world, L] (what each source sends me per local expert)."""
-        recv = torch.empty_like(send)
-        self.a2a(recv.view(-1), send.reshape(-1), None, None, layer, "counts")
-        return recv
+    def row_bytes(self, hidden: int, dtype: torch.dtype) -> int:
+        """Bytes of one dense-format row: the hidden vector, then top-k int32 ids and fp32 weights."""
+        return hidden * dtype.itemsize + 8 * self.top_k
+
+
+@dataclass
+class Pending:
+    """One micro-batch's exchange in flight on an attention rank."""
+
+    layer: int
+    works: list
+    back: torch.Tensor  # where the results arrive
+    keep: tuple  # tensors the posted collectives read or write, alive until they finish
+    x_dtype: torch.dtype
+    x_device: torch.device
+    tokens: int
+    weights: torch.Tensor | None = None  # sparse: per sorted pair
+    tok: torch.Tensor | None = None  # sparse: the token of each sorted pair
 
 
 class DistDispatcher(_Collectives):
-    """Attention-worker side. Records per-layer token counts per logical expert for the stats."""
+    """Attention-worker side. Accumulates per-layer pair counts per logical expert and per physical
+    slot (tensors on its device, read by :meth:`take_stats`)."""
 
-    def __init__(self, actor: str, table: PlacementTable, hidden: int, dtype: torch.dtype, group=None,
-                 device: str | torch.device = "cpu"):
-        super().__init__(actor, table, group, device)
+    def __init__(self, actor: str, table: PlacementTable, hidden: int, dtype: torch.dtype, top_k: int,
+                 mode: str = "auto", group=None, device: str | torch.device = "cpu"):
+        super().__init__(actor, table, top_k, mode, group, device)
         self.hidden, self.dtype = hidden, dtype
         self.routing = Routing(table, self.device)
-        self.expert_tokens: dict[int, torch.Tensor] = {}  # layer → [E] pairs per logical expert
-        self.slot_tokens: dict[int, torch.Tensor] = {}  # layer → [expert actors, max_local] rows sent
+        n = len(table.moe_layers)
+        self.layer_index = {layer: i for i, layer in enumerate(table.moe_layers)}
+        self.expert_tokens = torch.zeros(n, table.num_experts, dtype=torch.long, device=self.device)
+        self.slot_tokens = torch.zeros(n, table.num_actors * table.max_local, dtype=torch.long, device=self.device)
 
     def begin_step(self, step: int) -> None:
         self.reset_timers(step)
-        self.expert_tokens, self.slot_tokens = {}, {}
 
-    def for_layer(self, layer: int) -> Callable:
-        def routed(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-            return self.exchange(layer, x, topk_idx, topk_w)
-
-        return routed
+    def take_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pair counts since the last call: [MoE layers, experts] and [MoE layers, expert actors, local slots]."""
+        out = (self.expert_tokens, self.slot_tokens.view(len(self.layer_index), self.num_experts, -1))
+        self.expert_tokens, self.slot_tokens = torch.zeros_like(self.expert_tokens), torch.zeros_like(self.slot_tokens)
+        return out[0].cpu(), out[1].cpu()
 
     def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        T, k = topk_idx.shape
-        self.expert_tokens[layer] = torch.bincount(topk_idx.reshape(-1), minlength=self.table.num_experts)
-        order, actor, local = self.routing.route(layer, topk_idx)
-        A, L = self.num_attention, self.table.max_local
-        dev = self.device
-        send = torch.zeros(self.world, L, dtype=torch.long, device=dev)
-        send[A:].index_put_((actor.to(dev), local.to(dev)), torch.ones_like(actor, device=dev), accumulate=True)
-        self.slot_tokens[layer] = send[A:]
-        self.counts(send, layer)  # attention workers receive nothing; the call keeps ranks in step
-        rows_to = send.sum(1).tolist()
-        tok = torch.arange(T, device=x.device).repeat_interleave(k)[order]
-        payload = x[tok].to(dev, self.dtype).contiguous()
-        none = [0] * self.world
-        empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
-        self.a2a(empty, payload, none, rows_to, layer, "dispatch")
-        back = torch.empty(len(tok), self.hidden, dtype=self.dtype, device=dev)
-        self.a2a(back, empty, rows_to, none, layer, "combine")
-        out = torch.zeros(T, x.shape[1], dtype=x.dtype, device=x.device)
-        out.index_add_(0, tok, back.to(x.device, x.dtype) * topk_w.reshape(-1)[order, None].to(x.dtype))
-        return out
+        return self.collect(self.issue(layer, x, topk_idx, topk_w))
 
     def idle(self, layer: int) -> None:
         """Take part in a layer's exchange with no tokens (a replica with nothing to run)."""
+        self.exchange(layer, *self.empty())
+
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.device
-        self.exchange(layer, torch.empty(0, self.hidden, dtype=self.dtype, device=dev),
-                      torch.empty(0, 1, dtype=torch.long, device=dev), torch.empty(0, 1, device=dev))
+        return (torch.empty(0, self.hidden, dtype=self.dtype, device=dev),
+                torch.empty(0, self.top_k, dtype=torch.long, device=dev), torch.empty(0, self.top_k, device=dev))
+
+    def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Pending:
+        """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
+        i, dev = self.layer_index[layer], self.device
+        idx = topk_idx.to(dev)
+        actor, local = self.routing.assign(layer, idx)
+        self.expert_tokens[i] += torch.bincount(idx.reshape(-1), minlength=self.table.num_experts)
+        self.slot_tokens[i] += torch.bincount(actor * self.table.max_local + local, minlength=self.slot_tokens.shape[1])
+        if self.mode == "dense":
+            return self._issue_dense(layer, x, idx, topk_w)
+        return self._issue_sparse(layer, x, idx, topk_w, actor, local)
+
+    def _issue_dense(self, layer, x, idx, w) -> Pending:
+        T, A, E, dev = x.shape[0], self.num_attention, self.num_experts, self.device
+        payload = torch.cat([x.to(dev, self.dtype).contiguous().view(torch.uint8),
+                             idx.to(torch.int32).contiguous().view(torch.uint8),
+                             w.to(dev, torch.float32).contiguous().view(torch.uint8)], 1)
+        payload = payload.repeat(E, 1)  # the same rows to every expert actor
+        none, each = [0] * self.world, [0] * A + [T] * E
+        sent = torch.empty(0, payload.shape[1], dtype=torch.uint8, device=dev)
+        back = torch.empty(E * T, self.hidden, dtype=self.dtype, device=dev)
+        empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
+        works = [self.a2a(sent, payload, none, each, layer, "dispatch", async_op=True),
+                 self.a2a(back, empty, each, none, layer, "dispatch", async_op=True)]
+        return Pending(layer, works, back, (payload, sent, empty), x.dtype, x.device, T)
+
+    def _issue_sparse(self, layer, x, idx, w, actor, local) -> Pending:
+        T, k = idx.shape
+        A, L, dev = self.num_attention, self.table.max_local, self.device
+        order = torch.argsort(actor * L + local, stable=True)
+        send = torch.zeros(self.world, L, dtype=torch.long, device=dev)
+        send[A:].index_put_((actor, local), torch.ones_like(actor), accumulate=True)
+        recv = torch.empty_like(send)  # attention ranks receive no counts; the call keeps ranks in step
+        rows_to = send.sum(1).tolist()
+        tok = torch.arange(T, device=dev).repeat_interleave(k)[order]
+        payload = x.to(dev, self.dtype)[tok].contiguous()
+        none = [0] * self.world
+        empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
+        back = torch.empty(len(tok), self.hidden, dtype=self.dtype, device=dev)
+        works = [self.a2a(recv.view(-1), send.reshape(-1), None, None, layer, "counts", async_op=True),
+                 self.a2a(empty, payload, none, rows_to, layer, "dispatch", async_op=True),
+                 self.a2a(back, empty, rows_to, none, layer, "dispatch", async_op=True)]
+        return Pending(layer, works, back, (send, recv, payload, empty), x.dtype, x.device, T,
+                       weights=w.reshape(-1).to(dev)[order], tok=tok)
+
+    def collect(self, p: Pending) -> torch.Tensor:
+        """Wait for ``p``'s results; returns the routed rows [T, hidden], weighted and summed per token."""
+        for work in p.works:
+            self.wait(work, p.layer, "combine")
+        if self.mode == "dense":  # one weighted partial sum per expert actor, added in actor order
+            out = p.back.view(self.num_experts, p.tokens, self.hidden).float().sum(0)
+            return out.to(p.x_device, p.x_dtype)
+        out = torch.zeros(p.tokens, self.hidden, dtype=p.x_dtype, device=p.x_device)
+        rows = p.back.to(p.x_device, p.x_dtype) * p.weights[:, None].to(p.x_device, p.x_dtype)
+        return out.index_add_(0, p.tok.to(p.x_device), rows)
 
 
 class ExpertExchange(_Collectives):
-    """Expert-worker side of one MoE layer: receive rows, run the local experts, send rows back."""
+    """Expert-worker side of one MoE layer and micro-batch: receive, run the local experts, send back."""
 
-    def serve(self, layer: int, experts: RoutedExperts, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """Returns the rows received per local slot [max_local]."""
-        dev = self.device
-        L = self.table.max_local
-        recv = self.counts(torch.zeros(self.world, L, dtype=torch.long, device=dev), layer)  # [source, local]
-        rows_from = recv.sum(1).tolist()
+    def __init__(self, actor: str, index: int, table: PlacementTable, top_k: int, mode: str = "auto", group=None,
+                 device: str | torch.device = "cpu"):
+        super().__init__(actor, table, top_k, mode, group, device)
+        self.index = index  # this expert actor's index in the table
+        self.routing = Routing(table, self.device)
+
+    def serve(self, layer: int, experts: RoutedExperts, hidden: int, dtype: torch.dtype,
+              tokens: tuple[int, ...] = ()) -> torch.Tensor:
+        """One micro-batch's exchange; ``tokens[s]`` is attention rank s's token count (dense format).
+        Returns the rows computed per local slot [max_local]."""
+        if self.mode == "dense":
+            return self._serve_dense(layer, experts, hidden, dtype, tokens)
+        return self._serve_sparse(layer, experts, hidden, dtype)
+
+    def _serve_dense(self, layer, experts, hidden, dtype, tokens) -> torch.Tensor:
+        A, dev, k, L = self.num_attention, self.device, self.top_k, self.table.max_local
+        width, N = self.row_bytes(hidden, dtype), sum(tokens)
+        rows = torch.empty(N, width, dtype=torch.uint8, device=dev)
+        none, each = [0] * self.world, list(tokens) + [0] * self.num_experts
+        self.a2a(rows, torch.empty(0, width, dtype=torch.uint8, device=dev), each, none, layer, "dispatch")
+        hb = hidden * dtype.itemsize
+        x = rows[:, :hb].contiguous().view(dtype)
+        idx = rows[:, hb: hb + 4 * k].contiguous().view(torch.int32).long()
+        w = rows[:, hb + 4 * k:].contiguous().view(torch.float32)
+        sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
+        actor, local = self.routing.assign(layer, idx, sender, A)
+        mine = (actor == self.index).nonzero().squeeze(1)
+        tok = mine // k
+        y = experts.grouped(x[tok], local[mine]).float() * w.reshape(-1)[mine, None]
+        partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)
+        self.a2a(torch.empty(0, hidden, dtype=dtype, device=dev), partial, none, each, layer, "combine")
+        return torch.bincount(local[mine], minlength=L)
+
+    def _serve_sparse(self, layer, experts, hidden, dtype) -> torch.Tensor:
+        dev, L = self.device, self.table.max_local
+        recv = torch.empty(self.world, L, dtype=torch.long, device=dev)
+        self.a2a(recv.view(-1), torch.zeros(self.world * L, dtype=torch.long, device=dev), None, None, layer, "counts")
+        rows_from = recv.sum(1).tolist()  # [source, local] → rows per source
         none = [0] * self.world
         x = torch.empty(sum(rows_from), hidden, dtype=dtype, device=dev)
         empty = torch.empty(0, hidden, dtype=dtype, device=dev)

@@ -26,13 +26,14 @@ from model.moe import RoutedExperts, gather_experts
 from .device import Placement, choose_device
 from .group import join_group, leave_group
 from .dispatch import ExpertExchange
-from .messages import ExpertStepResult, GroupInfo, PlacementTable
+from .messages import ExpertStep, ExpertStepResult, GroupInfo, PlacementTable
 from .progress import LoadProgress
 
 
 class ExpertWorker:
     def __init__(self, model_path: str, *, index: int, table: PlacementTable, dtype: str = "float32",
-                 threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS):
+                 threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS,
+                 exchange: str = "auto"):
         if threads:
             torch.set_num_threads(threads)
         self.path, self.index, self.name, self.table = model_path, index, f"expert[{index}]", table
@@ -40,7 +41,7 @@ class ExpertWorker:
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
-        self.dequantize, self.read_threads = dequantize, read_threads
+        self.dequantize, self.read_threads, self.mode = dequantize, read_threads, exchange
         self.progress = LoadProgress(self.name)
         self.experts = load_routed_experts(model_path, self.cfg, table.experts_of(index), dtype=self.dtype,
                                            device=self.device, dequantize=dequantize, threads=read_threads,
@@ -106,25 +107,30 @@ class ExpertWorker:
         self.staged = None
         self.index, self.name, self.table = index, f"expert[{index}]", table
         join_group(info, table.num_attention + index, table.world_size)
-        self.exchange = ExpertExchange(self.name, table, device=self.device)
+        self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok, self.mode,
+                                       device=self.device)
 
     def shutdown(self) -> None:
         leave_group()
 
     # ---- data plane -----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, step: int) -> ExpertStepResult:
-        """Serve every MoE layer's exchange of one engine step, in layer order."""
+    def step(self, req: ExpertStep) -> ExpertStepResult:
+        """Serve every (MoE layer, micro-batch) exchange of one engine step, layer-major."""
         assert self.exchange is not None, f"{self.name}: step before enter_epoch"
-        self.exchange.reset_timers(step)
+        if req.epoch != self.table.epoch:
+            raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
+                               f"epoch {self.table.epoch}")
+        self.exchange.reset_timers(req.step)
         t0 = time.perf_counter()
         hidden = self.cfg.expert_hidden_size
-        per_slot = [self.exchange.serve(layer, self.experts[layer], hidden, self.dtype)
+        per_slot = [sum(self.exchange.serve(layer, self.experts[layer], hidden, self.dtype, tokens)
+                        for tokens in req.tokens)
                     for layer in self.table.moe_layers]
         total = time.perf_counter() - t0
         ph = self.exchange.phase_s
         slots = torch.stack(per_slot).tolist() if per_slot else []
-        return ExpertStepResult(step=step, actor=self.name, rows_per_layer=tuple(sum(r) for r in slots),
+        return ExpertStepResult(step=req.step, actor=self.name, rows_per_layer=tuple(sum(r) for r in slots),
                                 rows_per_slot=tuple(tuple(r) for r in slots),
                                 compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s,
                                 dispatch_s=ph["counts"] + ph["dispatch"], combine_s=ph["combine"])

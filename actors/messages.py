@@ -108,6 +108,17 @@ class StepRequest:
     step: int
     epoch: int
     chunks: tuple[SeqChunk, ...] = ()
+    micro: tuple[int, ...] = ()  # chunks per micro-batch, in order (ping-pong); () → one micro-batch
+
+
+@dataclass(frozen=True)
+class ExpertStep:
+    """Engine → expert worker, once per step: ``tokens[m][s]`` is attention rank s's token count in
+    micro-batch m (every attention rank runs the same number of micro-batches)."""
+
+    step: int
+    epoch: int
+    tokens: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,8 @@ class StepResult:
     tokens: tuple[SampledToken, ...] = ()
     expert_tokens: tuple[tuple[int, ...], ...] = ()
     slot_tokens: tuple[tuple[tuple[int, ...], ...], ...] = ()
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # the micro-batches' forward, exchanges included
+    sample_s: float = 0.0  # logits and sampling
     exchange_s: float = 0.0  # time inside collectives (dispatch + combine)
     dispatch_s: float = 0.0  # counts + token rows out
     combine_s: float = 0.0  # result rows back

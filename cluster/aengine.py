@@ -138,8 +138,12 @@ class AsyncEngine:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
+        """Steps back to back, pipelined: once a step's tokens are applied the next step is launched,
+        and only then are the finished step's statistics recorded and its tokens detokenised and
+        delivered — that work overlaps the actors computing the next step."""
+        launched = None
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_work)
+            self._drain(block=launched is None and not self.engine.has_work)
             if self._stop.is_set():
                 continue
             try:
@@ -148,21 +152,27 @@ class AsyncEngine:
                 if self.unavailable is not None:
                     self._heal()
                     continue
-                if not self.engine.has_work:
+                if launched is None and not self.engine.has_work:
                     self.engine.advance()  # an epoch change can happen while idle too
                     continue
-                events = self.engine.step()
+                events = self.engine.finish(launched or self.engine.launch())
+                launched = self.engine.launch() if self.engine.has_work else None
+                self.engine.record()
             except NoCapacity as e:  # recovery must wait for room: fail what is open, refuse new work
+                launched = None
                 self.unavailable = str(e)
                 self._next_heal = time.monotonic() + self.heal_every_s
                 self._fail_all(e)
                 continue
             except BaseException as e:  # noqa: BLE001 — delivered to every waiting request
+                launched = None
                 self.error = e
                 self._fail_all(e)
                 continue
+            t0 = time.perf_counter()
             for ev in events:
                 self._deliver(ev)
+            self.engine.stats.add_time(deliver=time.perf_counter() - t0)
 
     def _heal(self) -> None:
         if time.monotonic() < self._next_heal:

@@ -30,11 +30,20 @@ class EngineConfig:
     # names this deployment's placement groups "<owner>/..."; an engine with an owner removes the ones an
     # earlier incarnation left behind (a Serve replica that died) before reserving
     owner: str | None = None
+    # data plane: ping-pong splits each step into micro-batches so attention and expert actors compute at
+    # once; the exchange's wire format (actors/dispatch.py: dense, sparse, or auto by the table's shape)
+    ping_pong: bool = False
+    micro_batches: int = 2
+    exchange: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batches < 2:
+            raise ValueError(f"engine setting 'micro_batches' must be >= 2 (ping-pong needs two), got {self.micro_batches}")
+        if self.exchange not in ("auto", "dense", "sparse"):
+            raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
         if self.redundant_slots < 0:
             raise ValueError(f"engine setting 'redundant_slots' must be >= 0, got {self.redundant_slots}")
         if self.rebalance_threshold < 1:

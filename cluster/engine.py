@@ -16,7 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from actors.messages import PlacementTable, SampledToken, StepRequest
+from actors.messages import ExpertStep, PlacementTable, SampledToken, StepRequest
 from model.config import ModelConfig, load_config
 from model.runner import check_stop
 from model.sampling import SamplingParams
@@ -39,6 +39,16 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step sent to the actors and not yet finished."""
+
+    step: int
+    plan: object  # the scheduler's Plan
+    refs: list
+    t0: float
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,8 @@ class Engine:
         self.changes: list[EpochChange] = []  # every epoch change so far, oldest first
         self._last_auto = time.monotonic()
         self.unrecovered: list[tuple[str, int]] | None = None  # dead actors not yet replaced (no capacity)
+        self.ping_pong = config.ping_pong  # may be switched between steps
+        self._unrecorded = None  # the statistics of the last finished step, until record()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -144,24 +156,79 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """One whole step: launch, finish, record (the async engine interleaves these: it launches the
+        next step before recording and delivering this one)."""
+        events = self.finish(self.launch())
+        self.record()
+        return events
+
+    def launch(self) -> Launched | None:
+        """Schedule the next step and send it to the actors (it runs while the caller does other
+        work); None when there is nothing to run. At most one step is in flight."""
         self.advance()  # a step boundary: an epoch change whose actors are ready happens here
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if plan.empty:
-            return []
+            return None
         self.step_no += 1
-        t0 = time.perf_counter()
-        reqs = [StepRequest(self.step_no, self.table.epoch, tuple(chunks)) for chunks in plan.chunks]
-        try:
-            attn, expert = self.workers.step(self.step_no, reqs)
-        except StepFailed as failure:
-            self._recover(plan, failure)
+        micro = self._micro_batches(plan.chunks)
+        reqs = [StepRequest(self.step_no, self.table.epoch, tuple(chunks), tuple(len(g) for g in groups))
+                for chunks, groups in zip(plan.chunks, micro)]
+        tokens = tuple(tuple(sum(len(c.token_ids) for c in groups[m]) for groups in micro)
+                       for m in range(len(micro[0])))
+        self.stats.micro_batched_steps += len(tokens) > 1
+        t1 = time.perf_counter()
+        refs = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens))
+        self.stats.add_time(schedule=t1 - t0, launch=time.perf_counter() - t1)
+        return Launched(self.step_no, plan, refs, t1)
+
+    def finish(self, launched: Launched | None) -> list[TokenEvent]:
+        """Wait for a launched step and apply its tokens (stop checks); its statistics wait for
+        :meth:`record`. A failed step is undone and the dead actors replaced (raises NoCapacity
+        when that is impossible)."""
+        if launched is None:
             return []
-        self.stats.record_step(plan.num_tokens, attn, expert, time.perf_counter() - t0, self.table)
+        t0 = time.perf_counter()
+        try:
+            attn, expert = self.workers.collect(launched.step, launched.refs)
+        except StepFailed as failure:
+            self._recover(launched.plan, failure)
+            return []
+        t1 = time.perf_counter()
+        events = self._apply([t for r in attn for t in r.tokens])
+        self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
+        self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0)
+        return events
+
+    def record(self) -> None:
+        """The finished step's statistics: the router's window, metrics, the automatic policy."""
+        if self._unrecorded is None:
+            return
+        t0 = time.perf_counter()
+        tokens, attn, expert, step_s = self._unrecorded
+        self._unrecorded = None
+        self.stats.record_step(tokens, attn, expert, step_s, self.table)
         if self.stats.last_expert_tokens is not None:
             self.workers.report(self.stats.last_expert_tokens)
         self._auto_rebalance()
-        return self._apply([t for r in attn for t in r.tokens])
+        self.stats.add_time(stats=time.perf_counter() - t0)
+
+    def _micro_batches(self, chunks_per_replica: list[list]) -> list[list[list]]:
+        """Each replica's chunks in M contiguous micro-batches of about equal tokens (M = 1 without
+        ping-pong, or when no replica has two chunks); every replica gets M, some maybe empty."""
+        M = self.config.micro_batches if self.ping_pong else 1
+        M = max(1, min(M, max(len(c) for c in chunks_per_replica)))
+        out = []
+        for chunks in chunks_per_replica:
+            groups: list[list] = [[] for _ in range(M)]
+            total, before = sum(len(c.token_ids) for c in chunks) or 1, 0
+            for c in chunks:
+                n = len(c.token_ids)
+                groups[min(M - 1, int(M * (before + n / 2) / total))].append(c)
+                before += n
+            out.append(groups)
+        return out
 
     # ---- recovery -------------------------------------------------------------------------------
     def _recover(self, plan, failure: StepFailed) -> None:

@@ -30,6 +30,9 @@ class EngineStats:
     steps: int = 0
     tokens_computed: int = 0
     preemptions: int = 0
+    micro_batched_steps: int = 0  # steps split into micro-batches (ping-pong)
+    # cumulative seconds per part of the step, and the steps they cover (the per-step breakdown)
+    breakdown: dict = field(default_factory=lambda: {"steps": 0})
     finished: int = 0
     generation_tokens: int = 0
     prompt_tokens: int = 0
@@ -90,8 +93,30 @@ class EngineStats:
                           tuple(r.compute_s for r in expert), tuple(r.dispatch_s for r in attn),
                           tuple(r.combine_s for r in attn))
         self.recent.append(times)
+        self._breakdown_step(attn, expert, step_s)
         for fn in self.listeners:
             fn("step", times=times, expert_tokens=self.last_expert_tokens, actor_tokens=per_actor)
+
+    def add_time(self, **seconds: float) -> None:
+        """Add to the breakdown (engine thread; the status reader copies the dict)."""
+        for k, v in seconds.items():
+            self.breakdown[k] = self.breakdown.get(k, 0.0) + v
+
+    def _breakdown_step(self, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float) -> None:
+        """The actors' side of one step: the slowest attention replica's parts, the mean expert actor's."""
+        if not attn:
+            return
+        a = max(attn, key=lambda r: r.forward_s + r.sample_s)
+        parts = {"step": step_s, "attention_compute": a.forward_s - a.exchange_s, "attention_wait": a.combine_s,
+                 "attention_post": a.dispatch_s, "sample": a.sample_s,
+                 "ray_round_trip": step_s - a.forward_s - a.sample_s}
+        if expert:
+            n = len(expert)
+            parts |= {"expert_compute": sum(r.compute_s for r in expert) / n,
+                      "expert_receive": sum(r.dispatch_s for r in expert) / n,
+                      "expert_send": sum(r.combine_s for r in expert) / n}
+        self.add_time(**parts)
+        self.breakdown["steps"] += 1
 
     def actor_imbalance(self, steps: int, epoch: int | None = None) -> list[float]:
         """Measured, per MoE layer: max over mean tokens per expert actor over the last ``steps``

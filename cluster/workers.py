@@ -27,7 +27,7 @@ from typing import Any
 import ray
 
 from actors.group import NCCL_ENV
-from actors.messages import GroupInfo, PlacementTable, StepRequest
+from actors.messages import ExpertStep, GroupInfo, PlacementTable, StepRequest
 from actors.remote import RemoteAttention, RemoteExpert, RemoteRouter
 from actors.router import Proposal
 from model.config import ModelConfig
@@ -165,11 +165,14 @@ class WorkerGroup:
         return member.home.reservation.node_ip_of(member.home.kind, member.home.index)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self, step_no: int, reqs: list[StepRequest]) -> tuple[list, list]:
-        """One Ray call per actor. Raises :class:`StepFailed` naming the dead (or stuck) actors
-        once every actor has answered or been given up on."""
+    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list:
+        """Send one step: one Ray call per actor; :meth:`collect` waits for it."""
         refs = [m.actor.step.remote(r) for m, r in zip(self.attention, reqs)]
-        refs += [m.actor.step.remote(step_no) for m in self.experts]
+        return refs + [m.actor.step.remote(expert_req) for m in self.experts]
+
+    def collect(self, step_no: int, refs: list) -> tuple[list, list]:
+        """The results of a launched step. Raises :class:`StepFailed` naming the dead (or stuck)
+        actors once every actor has answered or been given up on."""
         try:
             results = ray.get(refs, timeout=self.config.step_timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
@@ -394,13 +397,13 @@ class WorkerGroup:
         opts = self._options(home.reservation.attention_options(home.index))
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
-            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl)
+            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange)
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:
         opts = self._options(home.reservation.expert_options(home.index))
-        return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table,
-                                                          dtype=self.config.dtype), home)
+        return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table, dtype=self.config.dtype,
+                                                          exchange=self.config.exchange), home)
 
     def _form_group(self, table: PlacementTable, attention: list[Member], experts: list[Member], what: str) -> None:
         c = self.config

@@ -162,6 +162,7 @@ class EngineServer:
             "failures": dict(eng.stats.actor_failures), "recoveries_s": list(eng.stats.recoveries),
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
             "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
+            "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown),
             "attention": [{"index": i, "node": workers.node_ip(m),
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}
                           for i, (m, a) in enumerate(zip(attention, sched.blocks))],

@@ -45,6 +45,13 @@ class ServeConfig(BaseModel):
     rebalance_threshold: float = Field(1.5, ge=1.0, description="Max/mean tokens per expert actor that triggers "
                                                                 "an automatic rebalance.")
     rebalance_interval_s: float = Field(300.0, ge=0, description="Least time between two automatic rebalances.")
+    ping_pong: bool = Field(False, description="Split each step into micro-batches so attention and expert actors "
+                                               "compute at the same time (MegaScale-Infer's ping-pong).")
+    micro_batches: int = Field(2, ge=2, description="Micro-batches per step with ping_pong.")
+    exchange: Literal["auto", "dense", "sparse"] = Field(
+        "auto", description="The expert exchange's wire format: dense (every token to every expert actor, no counts "
+                            "exchange) or sparse (pairs only where their expert lives); auto: dense while there are "
+                            "no more expert actors than experts per token.")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(
@@ -77,7 +84,8 @@ class ServeConfig(BaseModel):
                             max_tokens_per_step=self.max_tokens_per_step, window_steps=self.rebalance_window_steps,
                             auto_rebalance=self.auto_rebalance, rebalance_threshold=self.rebalance_threshold,
                             rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
-                            load_timeout_s=self.load_timeout_s)
+                            load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
+                            micro_batches=self.micro_batches, exchange=self.exchange)
 
     def cluster_spec(self):
         from cluster.topology import ClusterSpec

@@ -21,7 +21,7 @@ from .kda import KimiDeltaAttention
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, glu_activation
 from .mla import MLA
 from .names import EXPERT_WEIGHT_NAMES, ffn_name
-from .moe import MoE, RoutedExperts
+from .moe import MoE, RoutedExperts, run_stages
 
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>w13|w2)$")
 
@@ -46,6 +46,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = KimiDeltaAttention(cfg) if self.is_kda else MLA(cfg, rotary)
         self.ffn_name = ffn_name(cfg, index)
         ffn = MoE(cfg, experts) if cfg.is_moe_layer(index) else GatedMLP(H, cfg.intermediate_size, glu_activation(cfg))
+        if isinstance(ffn, MoE):
+            ffn.layer = index
         setattr(self, self.ffn_name, ffn)
         self.block_size = cfg.attn_res_block_size
         if self.block_size:  # K3 block attention residuals
@@ -64,11 +66,18 @@ class DecoderLayer(nn.Module):
             return self.self_attn(x, meta, conv, recurrent, meta.state_slots)
         return self.self_attn(x, meta, cache.mla_layer(self.index), rope, impl)
 
-    def forward(self, h: torch.Tensor, meta: AttnMeta, cache: ModelCache, rope, impl: str,
-                blocks: list[torch.Tensor]) -> torch.Tensor:
+    def ffn_stages(self, x: torch.Tensor):
+        """The FFN as stages: a MoE block yields at its exchange, a dense MLP just returns."""
+        if isinstance(self.ffn, MoE):
+            return (yield from self.ffn.stages(x))
+        return self.ffn(x)
+
+    def stages(self, h: torch.Tensor, meta: AttnMeta, cache: ModelCache, rope, impl: str,
+               blocks: list[torch.Tensor]):
+        """The layer as a generator (see :meth:`MoE.stages`); returns the new hidden states."""
         if not self.block_size:
             h = h + self.attend(self.input_layernorm(h), meta, cache, rope, impl)
-            return h + self.ffn(self.post_attention_layernorm(h))
+            return h + (yield from self.ffn_stages(self.post_attention_layernorm(h)))
         # K3 block attention residuals: ``blocks`` holds the block-start snapshots (appended here)
         x = attn_res(blocks + [h], self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
         prefix = None
@@ -79,7 +88,7 @@ class DecoderLayer(nn.Module):
         a = self.attend(self.input_layernorm(x), meta, cache, rope, impl)
         prefix = a if prefix is None else prefix + a
         x = attn_res(blocks + [prefix], self.mlp_res_norm, self.mlp_res_proj)
-        return prefix + self.ffn(self.post_attention_layernorm(x))
+        return prefix + (yield from self.ffn_stages(self.post_attention_layernorm(x)))
 
 
 class Backbone(nn.Module):
@@ -121,11 +130,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache,
                 impl: str = "absorbed") -> torch.Tensor:
         """input_ids [T] → final-normed hidden states [T, H]."""
+        return run_stages(self.stages(input_ids, meta, cache, impl))
+
+    def stages(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache, impl: str = "absorbed"):
+        """:meth:`forward` as a generator that yields at every MoE block's exchange
+        (:class:`~model.moe.Dispatch`, then ``COMBINE``): the caller routes the tokens, and may run
+        other micro-batches meanwhile. Returns the final-normed hidden states."""
         h = self.model.embed_tokens(input_ids)
         rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
         blocks: list[torch.Tensor] = []
         for layer in self.model.layers:
-            h = layer(h, meta, cache, rope, impl, blocks)
+            h = yield from layer.stages(h, meta, cache, rope, impl, blocks)
         if self.cfg.attn_res_block_size:
             h = attn_res(blocks + [h], self.model.output_attn_res_norm, self.model.output_attn_res_proj)
         return self.model.norm(h)

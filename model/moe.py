@@ -9,12 +9,19 @@ no loop over tokens, no work for idle experts.
 :class:`MoE` calls ``self.routed(x, topk_idx, topk_w)`` for the routed part. In one process that
 is its own :class:`RoutedExperts` (``routed is None``); a cluster sets it to a dispatcher that exchanges the
 tokens with expert actors (parallelism is a transform applied afterwards).
+
+:meth:`MoE.stages` is the same block as a generator that hands the routed part to its caller:
+it yields ``Dispatch`` (start the exchange), computes the shared experts meanwhile, yields
+``COMBINE`` and receives the routed rows. A caller driving several micro-batches' generators can
+so run one micro-batch's attention while another's tokens are with the expert actors
+(:func:`run_stages` is the one-micro-batch driver that :meth:`MoE.forward` uses).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Generator, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -184,14 +191,52 @@ class MoE(nn.Module):
             self.routed_expert_norm = RMSNorm(He, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.routed: RoutedFn | None = None  # None → the local experts
 
+        self.layer = -1  # the decoder layer this block belongs to (set by the model)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_stages(self.stages(x))
+
+    def stages(self, x: torch.Tensor) -> Generator:
+        """The block as a generator: yields :class:`Dispatch`, then ``COMBINE`` (receiving the
+        routed rows ``[T, expert hidden]``, weighted and summed per token); returns the output."""
         idx, w = self.gate(x)
         x_r = self.routed_expert_down_proj(x) if self.latent else x
-        y = (self.routed or self.experts)(x_r, idx, w)
+        yield Dispatch(self, x_r, idx, w)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        y = yield COMBINE
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+        return y if shared is None else y + shared
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """A MoE block's request to route ``x`` [T, He] to experts ``topk_idx`` [T, k] with weights ``topk_w``."""
+
+    moe: MoE
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_w: torch.Tensor
+
+    def local(self) -> torch.Tensor:
+        """The routed rows computed where the block is told to (``moe.routed``) or by its own experts."""
+        return (self.moe.routed or self.moe.experts)(self.x, self.topk_idx, self.topk_w)
+
+
+COMBINE = "combine"
+
+
+def run_stages(gen: Generator):
+    """Drive one micro-batch's stages to the end, routing each :class:`Dispatch` in place."""
+    value, pending = None, None
+    while True:
+        try:
+            req = gen.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(req, Dispatch):
+            pending, value = req.local(), None
+        else:
+            value, pending = pending, None

@@ -175,8 +175,9 @@ def preset_config(name: str) -> dict:
 
 
 def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | None = None,
-                 dtype: str = "bfloat16", progress: bool = True) -> Path:
-    """Write preset ``name`` as a complete HF checkpoint directory (config, weights, tokenizer)."""
+                 dtype: str = "bfloat16", progress: bool = True, overrides: dict | None = None) -> Path:
+    """Write preset ``name`` as a complete HF checkpoint directory (config, weights, tokenizer);
+    ``overrides`` replaces config fields (a benchmark's own shape on a preset's tokenizer)."""
     import torch
 
     from .checkpoint import write_checkpoint
@@ -184,7 +185,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     from .model import CausalLM, init_random_weights, to_hf_tensors
     from .names import is_fp32
 
-    raw = preset_config(name)
+    raw = preset_config(name) | (overrides or {})
     raw["torch_dtype"] = dtype
     cfg = parse_config(raw, where=f"preset {name}")
     with torch.device("cpu"):

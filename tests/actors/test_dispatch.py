@@ -54,7 +54,14 @@ def _inputs(rank: int, layer: int):
     return x, idx, w
 
 
-def _run(rank, world, port, A, slots, mode, q):
+def _micro(rank: int, layer: int, m: int):
+    """Micro-batch m (of 2) of an attention rank's tokens: the first 3 rows, then the rest."""
+    x, idx, w = _inputs(rank, layer)
+    cut = min(3, len(x))
+    return (x[:cut], idx[:cut], w[:cut]) if m == 0 else (x[cut:], idx[cut:], w[cut:])
+
+
+def _run(rank, world, port, A, slots, mode, q, exchange="dense"):
     try:
         import torch.distributed as dist
 
@@ -62,9 +69,9 @@ def _run(rank, world, port, A, slots, mode, q):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=4 if mode != "ok" else 60))
         shards = _shards(table)
-        if mode == "ok":
+        if mode == "ok":  # one exchange per layer, then two micro-batches per layer posted before collecting
             if rank < A:
-                d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32)
+                d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32, K, exchange)
                 d.begin_step(5)
                 local = LocalDispatcher(table, shards)
                 diffs = []
@@ -73,15 +80,28 @@ def _run(rank, world, port, A, slots, mode, q):
                     got = d.exchange(layer, x, idx, w)
                     ref = local.for_layer(layer)(x, idx, w)
                     diffs.append(float((got - ref).abs().max()) if len(x) else 0.0)
-                    assert d.expert_tokens[layer].sum().item() == idx.numel()
-                    assert d.slot_tokens[layer].sum().item() == idx.numel()
+                experts, slots = d.take_stats()
+                n = sum(_inputs(rank, layer)[1].numel() for layer in (1, 2))
+                assert int(experts.sum()) == int(slots.sum()) == n
+                for layer in (1, 2):  # ping-pong order: both micro-batches posted, then collected
+                    parts = [_micro(rank, layer, m) for m in (0, 1)]
+                    pending = [d.issue(layer, *p) for p in parts]
+                    for p, part in zip(pending, parts):
+                        got = d.collect(p)
+                        ref = local.for_layer(layer)(*part)
+                        diffs.append(float((got - ref).abs().max()) if len(part[0]) else 0.0)
                 q.put((rank, "ok", max(diffs)))
             else:
-                ex = ExpertExchange(f"expert[{rank - A}]", table)
-                rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32).tolist() for layer in (1, 2)]
+                ex = ExpertExchange(f"expert[{rank - A}]", rank - A, table, K, exchange)
+                tokens = tuple(len(_inputs(r, 1)[0]) for r in range(A))
+                rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32, tokens).tolist() for layer in (1, 2)]
+                for layer in (1, 2):
+                    for m in (0, 1):
+                        ex.serve(layer, shards[layer][rank - A], H, torch.float32,
+                                 tuple(len(_micro(r, layer, m)[0]) for r in range(A)))
                 q.put((rank, "rows", rows))
         elif rank == 0:  # "stuck" / "gone": the attention rank must fail clearly
-            d = DistDispatcher("attention[0]", table, H, torch.float32)
+            d = DistDispatcher("attention[0]", table, H, torch.float32, K, exchange)
             d.begin_step(42)
             x, idx, w = _inputs(0, 1)
             t0 = time.monotonic()
@@ -97,11 +117,12 @@ def _run(rank, world, port, A, slots, mode, q):
         q.put((rank, "crash", traceback.format_exc()))
 
 
-def _spawn(world, A, slots, mode, wait_for):
+def _spawn(world, A, slots, mode, wait_for, exchange="dense"):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, A, slots, mode, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_run, args=(r, world, port, A, slots, mode, q, exchange), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -118,9 +139,10 @@ UNEVEN = [[(0, 1, 2, 3), (4, 5, 6), (7, 8, 9)]] * 2
 REPLICATED = [[(3, 0, 1, 2), (3, 4, 5, 6), (7, 8, 9)], [(0, 1, 2, 9), (0, 3, 4, 5), (6, 7, 8, 9)]]
 
 
+@pytest.mark.parametrize("exchange", ["dense", "sparse"])
 @pytest.mark.parametrize("slots", [UNEVEN, REPLICATED], ids=["uneven", "replicated"])
-def test_gloo_exchange_equals_local_dispatch(slots):
-    out = _spawn(world=2 + 3, A=2, slots=slots, mode="ok", wait_for=5)
+def test_gloo_exchange_equals_local_dispatch(slots, exchange):
+    out = _spawn(world=2 + 3, A=2, slots=slots, mode="ok", wait_for=5, exchange=exchange)
     crashes = [o for o in out if o[1] == "crash"]
     assert not crashes, crashes[0][2]
     diffs = [o[2] for o in out if o[1] == "ok"]
@@ -163,9 +185,11 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
     assert max(per_actor) / (sum(per_actor) / 3) < max(contiguous) / (sum(contiguous) / 3)
 
 
+@pytest.mark.parametrize("exchange", ["dense", "sparse"])
 @pytest.mark.parametrize("mode", ["stuck", "gone"])
-def test_peer_gone_or_stuck_raises_clear_error(mode):
-    (res,) = [o for o in _spawn(world=2, A=1, slots=[[tuple(range(10))]] * 2, mode=mode, wait_for=1)]
+def test_peer_gone_or_stuck_raises_clear_error(mode, exchange):
+    (res,) = [o for o in _spawn(world=2, A=1, slots=[[tuple(range(10))]] * 2, mode=mode, wait_for=1,
+                                exchange=exchange)]
     rank, msg, seconds = res
     assert rank == 0 and msg not in ("no error", "crash"), res
     assert "attention[0]" in msg and "step 42" in msg and "MoE layer 1" in msg, msg

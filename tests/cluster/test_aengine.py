@@ -33,9 +33,16 @@ class FailingEngine:
     def advance(self):
         pass
 
-    def step(self):
+    def launch(self):
+        return "step 1"
+
+    def finish(self, launched):
+        assert launched == "step 1"
         assert self.queued.wait(30), "the test never queued its second request"
         raise RuntimeError("a collective failed and nothing can be recovered")
+
+    def record(self):
+        pass
 
     def abort(self, sid):
         self.requests.pop(sid, None)

@@ -1,0 +1,283 @@
+"""Where the served cluster's time goes (issue 10), in one run on one checkpoint.
+
+    python bench/bench_overhead.py [--streams 1,16] [--new-tokens 64] [--prompt-len 32] [--repeats 3]
+
+The checkpoint is the issue's: a DeepSeek-V3 of 6 layers, 32 routed experts, hidden 256, fp32,
+written in the real format. Greedy decoding of ``--new-tokens`` tokens from ``--prompt-len``-token
+prompts, ignoring EOS, at each stream count, by:
+
+* transformers ``generate`` (a test dependency; skipped with a note when it is not installed),
+* our single-process runner (``model.runner.generate``, 2 threads),
+* the served cluster: ``moeray up --detach`` (1 attention × 1 expert actor), driven over HTTP with
+  streaming completions, with ping-pong micro-batches off and on (``--ping-pong``).
+
+Each figure is the median of ``--repeats`` runs; the table gives tokens/s and the served cluster's
+ratio to the single-process runner at the same stream count. Then the engine's per-step breakdown
+(from ``GET /status``): scheduler, Ray call round trip, attention compute, each collective's wait,
+expert compute, sampling, statistics, stop checks, delivery to the streams — and the Serve/HTTP
+share, the client's time per step minus the engine's. Last, one MoE layer's exchange against the
+bare ``all_to_all_single`` floor of the same bytes (gloo, two processes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import yaml
+
+from model.loader import load_model
+from model.presets import build_preset
+from model.runner import ModelRunner, generate
+from model.sampling import SamplingParams
+
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 6,
+         "n_routed_experts": 32, "num_experts_per_tok": 8, "n_group": 4, "topk_group": 2,
+         "first_k_dense_replace": 1, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 128,
+         "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}
+
+
+def prompts(n: int, length: int, vocab: int = 1000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1000 + n)
+    return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def transformers_rate(path: Path, streams: int, prompt_len: int, new: int) -> float | None:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(streams, prompt_len))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm up
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        dt = time.perf_counter() - t0
+    assert out.shape[1] == prompt_len + new
+    return streams * new / dt
+
+
+def single_rate(path: Path, streams: int, prompt_len: int, new: int) -> float:
+    runner = ModelRunner(load_model(path, dtype=torch.float32, progress=False),
+                         num_blocks=streams * (-(-(prompt_len + new) // 16) + 1) + 4, block_size=16)
+    generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+    t0 = time.perf_counter()
+    seqs = generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=new, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    assert all(len(s.output_ids) == new for s in seqs)
+    return streams * new / dt
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], new: int) -> int:
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True}
+    n = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                n += 1
+    return n
+
+
+async def served_rate(url: str, streams: int, prompt_len: int, new: int) -> float:
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        await _stream(client, url, prompts(1, prompt_len)[0], 2)  # warm up
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(_stream(client, url, p, new) for p in prompts(streams, prompt_len)))
+        dt = time.perf_counter() - t0
+    assert got == [new] * streams, f"token counts {got}"
+    return streams * new / dt
+
+
+class Served:
+    """``moeray up --detach`` on the checkpoint (1 attention × 1 expert), stopped on exit."""
+
+    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict):
+        self.url, self.env = f"http://127.0.0.1:{port}", env
+        self.cfg = Path(env["MOERAY_CACHE_DIR"]) / f"serve-{port}.yaml"
+        cfg = {"model": str(path), "port": port, "attention": 1, "experts": 1, "max_num_seqs": 64}
+        self.cfg.write_text(yaml.safe_dump(cfg | ({"ping_pong": True} if ping_pong else {})))
+        self.moeray = str(Path(sys.executable).parent / "moeray")
+
+    def __enter__(self) -> "Served":
+        subprocess.run([self.moeray, "up", "--detach", "--config", str(self.cfg)], env=self.env, check=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run([self.moeray, "down"], env=self.env, check=False)
+
+    def breakdown(self) -> dict:
+        return httpx.get(f"{self.url}/status", timeout=30).json().get("breakdown", {})
+
+
+def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int, q):
+    """Rank 0 is an attention rank, rank 1 an expert actor holding every expert. Times one MoE
+    layer's exchange (minus the expert's compute, which the expert reports) and the bare floor:
+    all_to_all_single of the same bytes out and back."""
+    import torch.distributed as dist
+
+    from actors.dispatch import DistDispatcher, ExpertExchange
+    from actors.messages import PlacementTable
+    from model.layers import silu_glu
+    from model.moe import RoutedExperts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    table = PlacementTable(0, experts, 1, (1,), ((tuple(range(experts)),),))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    moved = []  # bytes (out, back) of the exchange, from the rank-0 side
+    times, floor = [], []
+    if rank == 0:
+        d = DistDispatcher("attention[0]", table, hidden, torch.float32, k, mode)
+        d.begin_step(0)
+    else:
+        ex = ExpertExchange("expert[0]", 0, table, k, mode)
+        shard = RoutedExperts(hidden, hidden // 2, range(experts), silu_glu)
+        torch.nn.init.normal_(shard.w13, std=0.02), torch.nn.init.normal_(shard.w2, std=0.02)
+        inner = shard.grouped
+        spent = []
+
+        def timed(xs, local):
+            t0 = time.perf_counter()
+            y = inner(xs, local)
+            spent.append(time.perf_counter() - t0)
+            return y
+
+        shard.grouped = timed
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            d.exchange(1, x, idx, w)
+        else:
+            ex.serve(1, shard, hidden, torch.float32, (tokens,))
+        times.append(time.perf_counter() - t0)
+    if mode == "dense":
+        out_rows, back_rows, width = tokens, tokens, hidden + 2 * k
+    else:
+        out_rows, back_rows, width = tokens * k, tokens * k, hidden
+    for _ in range(iters):
+        a = torch.randn(out_rows if rank == 0 else 0, width)
+        b = torch.empty(out_rows if rank == 1 else 0, width)
+        c = torch.randn(back_rows if rank == 1 else 0, hidden)
+        e = torch.empty(back_rows if rank == 0 else 0, hidden)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(b, a, [out_rows, 0] if rank == 1 else [0, 0], [0, out_rows] if rank == 0 else [0, 0])
+        dist.all_to_all_single(e, c, [0, back_rows] if rank == 0 else [0, 0], [back_rows, 0] if rank == 1 else [0, 0])
+        floor.append(time.perf_counter() - t0)
+    if rank == 1:
+        q.put(("expert", spent))
+    else:
+        q.put(("attention", times, floor))
+    dist.destroy_process_group()
+
+
+def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int = 200) -> dict:
+    """Median ms of one MoE layer's exchange (the expert's compute taken out) and of the floor."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_exchange_worker, args=(r, port, tokens, hidden, k, experts, mode, iters, q))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict((m[0], m[1:]) for m in (q.get(timeout=600), q.get(timeout=600)))
+    for p in procs:
+        p.join(60)
+    times, floor = got["attention"]
+    (spent,) = got["expert"]
+    net = [t - c for t, c in zip(times, spent)]
+    return {"mode": mode, "tokens": tokens, "exchange_ms": 1000 * statistics.median(net),
+            "floor_ms": 1000 * statistics.median(floor),
+            "ratio": statistics.median(net) / statistics.median(floor)}
+
+
+def per_step_ms(after: dict, before: dict) -> dict:
+    """Mean milliseconds per step of each component between two /status breakdowns."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    if steps <= 0:
+        return {}
+    return {k: 1000 * (v - before.get(k, 0.0)) / steps for k, v in after.items() if k != "steps"} | {"steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="1,16")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ping-pong", default="off,on", help="served runs: off, on or off,on")
+    ap.add_argument("--port", type=int, default=8793)
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    new, plen, reps = args.new_tokens, args.prompt_len, args.repeats
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "MOERAY_CACHE_DIR": tmp}
+        path = build_preset("deepseek-v3-tiny", Path(tmp) / "ckpt", dtype="float32", progress=False, overrides=SHAPE)
+        rows: dict[str, dict[int, float]] = {}
+        med = lambda f: statistics.median(f() for _ in range(reps))  # noqa: E731
+        for n in streams:
+            hf = transformers_rate(path, n, plen, new)
+            if hf is not None:
+                rows.setdefault("transformers generate", {})[n] = med(lambda: transformers_rate(path, n, plen, new))
+            rows.setdefault("single-process runner, 2 threads", {})[n] = med(lambda: single_rate(path, n, plen, new))
+            print(json.dumps({k: v.get(n) for k, v in rows.items()} | {"streams": n}), flush=True)
+        breakdowns = {}
+        for mode in args.ping_pong.split(","):
+            name = f"served cluster 1x1, ping-pong {mode}"
+            with Served(path, args.port, mode == "on", env) as app:
+                for n in streams:
+                    b0 = app.breakdown()
+                    t0 = time.perf_counter()
+                    rows.setdefault(name, {})[n] = med(lambda: asyncio.run(served_rate(app.url, n, plen, new)))
+                    wall = time.perf_counter() - t0
+                    b = per_step_ms(app.breakdown(), b0)
+                    if b:
+                        b["client_per_step"] = 1000 * wall / b["steps"]
+                    breakdowns[(mode, n)] = b
+                    print(json.dumps({"mode": mode, "streams": n, "tok_s": rows[name][n], "breakdown_ms": b}), flush=True)
+    exchanges = [exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m)
+                 for n in streams for m in ("dense", "sparse")]
+    single = rows["single-process runner, 2 threads"]
+    print(f"\n{'system':40}" + "".join(f"{f'{n} streams tok/s':>20}{'vs single':>10}" for n in streams))
+    for name, r in rows.items():
+        print(f"{name:40}" + "".join(f"{r[n]:>20.1f}{r[n] / single[n]:>10.2f}" for n in streams))
+    keys = sorted({k for b in breakdowns.values() for k in b if k != "steps"})
+    if keys:
+        print("\nper-step breakdown, ms (served cluster)")
+        print(f"{'component':28}" + "".join(f"{f'pp {m}, {n} str':>16}" for m, n in breakdowns))
+        for k in keys:
+            print(f"{k:28}" + "".join(f"{b.get(k, float('nan')):>16.3f}" for b in breakdowns.values()))
+    print("\none MoE layer's exchange (1 attention, 1 expert actor; the expert's compute taken out) vs the floor")
+    for e in exchanges:
+        print(f"  {e['mode']:6} {e['tokens']:>3} tokens: {e['exchange_ms']:.3f} ms vs floor {e['floor_ms']:.3f} ms "
+              f"= {e['ratio']:.2f}x")
+    print(json.dumps({"rates": rows, "breakdown_ms": {f"{m}/{n}": b for (m, n), b in breakdowns.items()},
+                      "exchange": exchanges}))
+
+
+if __name__ == "__main__":
+    main()
