@@ -18,8 +18,8 @@ What it relies on, per server:
   server that puts several tokens in one chunk. A token-carrying chunk is one with a choice whose
   text is non-empty or that is not the last (a final chunk with only a finish reason is not a token).
 - ITL is the gap between successive token-carrying chunks; TPOT is (e2e - TTFT) / (tokens - 1).
-- One short probe request before the levels (not counted) finds what the server accepts and
-  warms it up.
+- One probe request before the levels (not counted) finds what the server accepts and warms
+  it up.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import httpx
 
 from .loadstats import LevelReport, RequestResult, summarize
 
-PROBE_TOKENS = 2
 # Common English words, one token each in most BPE vocabularies, for the text fallback.
 WORDS = ("the of and to in is was for on with as by at from that this are be it an or not have had his "
          "her they which one you were all we can their has been more when will would there who what so "
@@ -214,24 +213,34 @@ def _message(error) -> str:
     return str(error)[:300]
 
 
-def _error_text(r: httpx.Response) -> str:
+def _error_of(r: httpx.Response) -> tuple[str, str | None]:
+    """An error response's message and, when it says, the request field at fault (OpenAI's
+    ``{"error": {"message", "param"}}``; vLLM's older top-level ``message``; anything else as text)."""
     try:
-        return _message(r.json().get("error") or r.json().get("detail") or r.text)
-    except (ValueError, AttributeError):
-        return r.text[:300]
+        obj = r.json()
+    except ValueError:
+        return r.text[:300], None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return _message(err), err.get("param") if isinstance(err.get("param"), str) else None
+    if isinstance(obj, dict) and (obj.get("message") or obj.get("detail")):
+        return str(obj.get("message") or obj.get("detail"))[:300], None
+    return r.text[:300], None
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict, timeout_s: float) -> RequestResult:
     """Send one streaming completion; never raises for a failed request (it is a result)."""
     t0 = time.perf_counter()
-    tally, status = StreamTally(), []
+    tally, status, param = StreamTally(), [], []
 
     async def read() -> None:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             status.append(r.status_code)
             if r.status_code != 200:
                 await r.aread()
-                tally.error = f"HTTP {r.status_code}: {_error_text(r)}"
+                message, field = _error_of(r)
+                tally.error = f"HTTP {r.status_code}: {message}"
+                param.append(field)
                 return
             async for line in r.aiter_lines():
                 tally.feed(line, time.perf_counter() - t0)
@@ -244,7 +253,8 @@ async def stream_one(client: httpx.AsyncClient, body: dict, timeout_s: float) ->
         tally.error = f"timed out after {timeout_s:g} s"
     except httpx.HTTPError as e:
         tally.error = f"{type(e).__name__}: {e}"
-    return replace(tally.result(time.perf_counter() - t0), http_status=status[0] if status else None)
+    return replace(tally.result(time.perf_counter() - t0), http_status=status[0] if status else None,
+                   error_param=param[0] if param else None)
 
 
 # ---------------------------------------------------------------- a run
@@ -264,18 +274,23 @@ def _refused(spec: LoadSpec, result: RequestResult) -> ValueError:
 
 
 def adapt(shape: RequestShape, result: RequestResult) -> RequestShape | None:
-    """The shape to retry with after the probe's 400 (a field the server does not take), or None."""
+    """The shape to retry with after the probe's 400 (a field the server does not take), or None.
+    The field is the error's ``param`` when the server names one, else a field named in its message."""
     err = result.error or ""
     if result.http_status not in (400, 422):
         return None
-    if shape.ignore_eos and "ignore_eos" in err:
+
+    def names(field: str) -> bool:
+        return result.error_param == field if result.error_param else field in err
+
+    if shape.ignore_eos and names("ignore_eos"):
         return replace(shape, ignore_eos=False, notes=shape.notes + (
             f"the server refused ignore_eos ({err[:160]}); sent without it, so a request may stop early at an "
             "end-of-sequence token and tokens received can be below tokens requested",))
-    if shape.include_usage and "stream_options" in err:
+    if shape.include_usage and names("stream_options"):
         return replace(shape, include_usage=False, notes=shape.notes + (
             f"the server refused stream_options ({err[:160]}); output tokens are counted as SSE chunks",))
-    if shape.prompt_kind == "token_ids" and "prompt" in err:
+    if shape.prompt_kind == "token_ids" and names("prompt") and "context" not in err:
         return replace(shape, prompt_kind="text", notes=shape.notes + (
             f"the server refused token-id prompts ({err[:160]}); prompts are text of --prompt-len words, so "
             "their token count is approximate (prompt_tokens_mean is the server's count when it reports usage)",))
@@ -283,11 +298,12 @@ def adapt(shape: RequestShape, result: RequestResult) -> RequestShape | None:
 
 
 async def negotiate(client: httpx.AsyncClient, spec: LoadSpec, model: str) -> RequestShape:
-    """One short probe request (it also warms the server up), retried without each field the
-    server refuses; a refusal nothing fixes is a ValueError."""
+    """One probe request of the run's own shape (it also warms the server up), retried without
+    each field the server refuses; a refusal nothing fixes (a key, a model, a context too short
+    for --prompt-len + --max-tokens) is a ValueError."""
     shape = RequestShape(ignore_eos=spec.ignore_eos)
     for _ in range(4):
-        body = request_body(spec, shape, model, make_prompt(spec, shape.prompt_kind, -1), PROBE_TOKENS)
+        body = request_body(spec, shape, model, make_prompt(spec, shape.prompt_kind, -1), spec.max_tokens)
         result = await stream_one(client, body, spec.timeout_s)
         if result.ok:
             if shape.include_usage and result.counted_by != "usage":
@@ -313,7 +329,7 @@ async def resolve_model(client: httpx.AsyncClient, spec: LoadSpec) -> str:
         raise ValueError(f"cannot reach the server at {spec.url}: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
         raise _refused(spec, RequestResult(ok=False, e2e_s=0.0, http_status=r.status_code,
-                                           error=f"GET /v1/models: HTTP {r.status_code}: {_error_text(r)}"))
+                                           error=f"GET /v1/models: HTTP {r.status_code}: {_error_of(r)[0]}"))
     try:
         ids = [m["id"] for m in r.json()["data"]]
     except (ValueError, KeyError, TypeError):

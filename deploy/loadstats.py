@@ -35,6 +35,7 @@ class RequestResult:
     counted_by: str = "chunks"
     error: str | None = None
     http_status: int | None = None  # the response's status; None when no response came
+    error_param: str | None = None  # the request field an error response names, if it names one
 
     @property
     def tpot_s(self) -> float | None:

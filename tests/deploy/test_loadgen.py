@@ -106,9 +106,9 @@ class FakeServer:
     them; ``per_chunk``: tokens per SSE chunk; ``eos_at``: where a request stops without
     ignore_eos; ``fail_every``: every k-th completion ends with an error event."""
 
-    def __init__(self, refuse=(), per_chunk=1, eos_at=3, key=None, fail_every=None, usage=True):
+    def __init__(self, refuse=(), per_chunk=1, eos_at=3, key=None, fail_every=None, usage=True, context=1 << 20):
         self.refuse, self.per_chunk, self.eos_at, self.key = refuse, per_chunk, eos_at, key
-        self.fail_every, self.usage, self.bodies = fail_every, usage, []
+        self.fail_every, self.usage, self.context, self.bodies = fail_every, usage, context, []
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if self.key and request.headers.get("authorization") != f"Bearer {self.key}":
@@ -120,7 +120,12 @@ class FakeServer:
         body = json.loads(request.content)
         for name in self.refuse:
             if name in body and not (name == "prompt" and isinstance(body["prompt"], str)):
-                return httpx.Response(400, json={"error": {"message": f"unknown field {name!r}", "param": name}})
+                param = None if name == "stream_options" else name  # some servers name it in the message only
+                return httpx.Response(400, json={"error": {"message": f"unknown field {name!r}", "param": param}})
+        if len(body["prompt"]) + body["max_tokens"] > self.context:
+            return httpx.Response(400, json={"error": {
+                "message": f"the prompt ({len(body['prompt'])} tokens) plus max_tokens ({body['max_tokens']}) is "
+                           f"over this model's context length of {self.context} tokens", "param": "max_tokens"}})
         self.bodies.append(body)
         n = body["max_tokens"] if body.get("ignore_eos") else min(self.eos_at, body["max_tokens"])
         fail = self.fail_every and len(self.bodies) % self.fail_every == 0
@@ -205,6 +210,23 @@ def test_unusable_servers_are_one_clear_error(server, kw, needle):
     with pytest.raises(ValueError) as info:
         _run(server, **kw)
     assert needle in str(info.value)
+
+
+def test_a_prompt_too_long_is_not_mistaken_for_a_refused_id_prompt():
+    with pytest.raises(ValueError, match="over this model's context length of 10 tokens") as info:
+        _run(FakeServer(context=10))
+    assert "refused the benchmark request" in str(info.value)
+
+
+def test_error_bodies_of_several_servers():
+    from deploy.loadgen import _error_of
+
+    assert _error_of(httpx.Response(400, json={"error": {"message": "bad", "param": "ignore_eos"}})) == \
+        ("bad", "ignore_eos")
+    assert _error_of(httpx.Response(400, json={"object": "error", "message": "old vllm"})) == ("old vllm", None)
+    assert _error_of(httpx.Response(400, json={"detail": "fastapi"})) == ("fastapi", None)
+    assert _error_of(httpx.Response(400, text="plain")) == ("plain", None)
+    assert _error_of(httpx.Response(400, json=[1])) == ("[1]", None)
 
 
 def test_a_404_says_what_to_check():
