@@ -59,8 +59,14 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
 def normalize_url(url: str) -> str:
     """The server's base URL, without a trailing ``/`` or ``/v1``."""
     base = url.strip().rstrip("/")
-    if not base.startswith(("http://", "https://")) or len(base.split("://", 1)[1]) == 0:
-        raise ValueError(f"--url must be an http:// or https:// URL, got {url!r}")
+    try:
+        parsed = httpx.URL(base)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"--url {url!r} is not a valid URL: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host or any(c.isspace() for c in base):
+        raise ValueError(f"--url must be an http:// or https:// URL with a host, got {url!r}")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"--url {url!r}: the port must be 1..65535")
     return base.removesuffix("/v1")
 
 

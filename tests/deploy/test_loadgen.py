@@ -246,8 +246,9 @@ def test_flags_are_checked():
     for bad, needle in (("0,1", "--concurrency"), ("a", "--concurrency"), ("", "--concurrency")):
         with pytest.raises(ValueError, match=needle):
             parse_concurrency(bad)
-    with pytest.raises(ValueError, match="--url"):
-        LoadSpec(url="localhost:8000")
+    for bad in ("localhost:8000", "ftp://h", "http://", "http:///x", "http://[::1", "http://h:99999", "http://a b"):
+        with pytest.raises(ValueError, match="--url"):
+            LoadSpec(url=bad)
     for field, value in (("prompt_len", 0), ("max_tokens", 0), ("requests", 0), ("timeout_s", 0),
                          ("temperature", 3.0), ("token_range", (5, 5))):
         with pytest.raises(ValueError, match="--"):
