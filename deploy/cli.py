@@ -511,29 +511,26 @@ def bench_serve(
     end-to-end latency at p50/p90/p99, with errors and tokens received vs requested. Output tokens
     are the server's stream usage (stream_options.include_usage), else SSE chunks. Exit code 1 when
     a request failed, 2 when the server cannot be used at all."""
-    from .loadgen import LoadSpec, parse_concurrency, run_bench
+    from .loadgen import LoadSpec, parse_concurrency, parse_token_range, run_bench
     from .loadstats import render_table
     from .server import find_app
     from .settings import cache_root
 
-    lo, sep, hi = token_range.partition(":")
-    if not (sep and lo.isdigit() and hi.isdigit()):
-        raise ValueError(f"--token-range must be LO:HI (non-negative integers), got {token_range!r}")
     spec = LoadSpec(url=find_app(cache_root(), url), concurrency=parse_concurrency(concurrency),
                     prompt_len=prompt_len, max_tokens=max_tokens, requests=requests, model=model, api_key=api_key,
                     ignore_eos=ignore_eos, temperature=temperature, timeout_s=timeout,
-                    token_range=(int(lo), int(hi)), seed=seed)
+                    token_range=parse_token_range(token_range), seed=seed)
     result = run_bench(spec, progress=err.print)
     report = result.to_dict()
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        Console().print(render_table(report))
     if save is not None:
         try:
             save.write_text(json.dumps(report, indent=2) + "\n")
         except OSError as e:
             raise ValueError(f"--save {save}: cannot write the report: {e.strerror}") from None
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
-        Console().print(render_table(report))
     if result.errors:
         samples = [s for lv in report["levels"] for s in lv["error_samples"]]
         err.print(f"{result.errors} request(s) failed; first errors: {'; '.join(samples[:3])}", soft_wrap=True)

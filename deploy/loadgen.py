@@ -56,6 +56,14 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return levels
 
 
+def parse_token_range(text: str) -> tuple[int, int]:
+    """``"100:700"`` → (100, 700)."""
+    lo, sep, hi = text.strip().partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit()):
+        raise ValueError(f"--token-range must be LO:HI (non-negative integers), got {text!r}")
+    return int(lo), int(hi)
+
+
 def normalize_url(url: str) -> str:
     """The server's base URL, without a trailing ``/`` or ``/v1``."""
     base = url.strip().rstrip("/")

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from deploy.cli import app
-from deploy.loadgen import LoadSpec, StreamTally, make_prompt, normalize_url, parse_concurrency, run_bench
+from deploy.loadgen import (LoadSpec, StreamTally, make_prompt, normalize_url, parse_concurrency, parse_token_range,
+                            run_bench)
 from deploy.loadstats import RequestResult, percentile, render_table, summarize, summary_ms
 
 # ---------------------------------------------------------------- percentiles and aggregation
@@ -241,7 +242,7 @@ def test_a_404_says_what_to_check():
 
 
 def test_flags_are_checked():
-    assert parse_concurrency("1, 8,16") == (1, 8, 16)
+    assert parse_concurrency("1, 8,16") == (1, 8, 16) and parse_token_range("5:9") == (5, 9)
     assert normalize_url("http://h:8/v1/") == "http://h:8" and normalize_url("https://h/x") == "https://h/x"
     for bad, needle in (("0,1", "--concurrency"), ("a", "--concurrency"), ("", "--concurrency")):
         with pytest.raises(ValueError, match=needle):
