@@ -479,6 +479,64 @@ def experts(
     out.print(t)
 
 
+bench_app = typer.Typer(help="Benchmarks against a running server.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("serve")
+@user_errors
+def bench_serve(
+    url: Optional[str] = typer.Option(None, help="Base URL of any OpenAI-compatible server (ours, vLLM, "
+                                                 "llama.cpp's server), e.g. http://127.0.0.1:8000 "
+                                                 "(default: the one `moeray up` started)."),
+    concurrency: str = typer.Option("1,8,16,32", help="Requests in flight: one run per level, in order."),
+    prompt_len: int = typer.Option(128, help="Prompt tokens (sent as token ids; as words if the server "
+                                             "refuses ids)."),
+    max_tokens: int = typer.Option(128, help="Output tokens per request."),
+    requests: Optional[int] = typer.Option(None, help="Requests per level (default: 4 × its concurrency)."),
+    model: Optional[str] = typer.Option(None, help="Model name (default: the first id of GET /v1/models)."),
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    ignore_eos: bool = typer.Option(True, help="Send ignore_eos so every request runs to --max-tokens "
+                                               "(dropped, with a note, if the server refuses it)."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature (0: greedy)."),
+    timeout: float = typer.Option(300.0, help="Seconds one request may take, end to end."),
+    token_range: str = typer.Option("100:700", help="LO:HI, the range prompt token ids are drawn from "
+                                                    "(seeded, distinct per request)."),
+    seed: int = typer.Option(0, help="Seed of the prompts."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
+    save: Optional[Path] = typer.Option(None, help="Also write the JSON report to this file."),
+):
+    """Load-test an OpenAI-compatible server: streaming /v1/completions at each --concurrency level.
+    Reports requests/s, output tokens/s, and TTFT, inter-token (ITL), per-output-token (TPOT) and
+    end-to-end latency at p50/p90/p99, with errors and tokens received vs requested. Output tokens
+    are the server's stream usage (stream_options.include_usage), else SSE chunks. Exit code 1 when
+    a request failed, 2 when the server cannot be used at all."""
+    from .loadgen import LoadSpec, parse_concurrency, parse_token_range, run_bench
+    from .loadstats import render_table
+    from .server import find_app
+    from .settings import cache_root
+
+    spec = LoadSpec(url=find_app(cache_root(), url), concurrency=parse_concurrency(concurrency),
+                    prompt_len=prompt_len, max_tokens=max_tokens, requests=requests, model=model, api_key=api_key,
+                    ignore_eos=ignore_eos, temperature=temperature, timeout_s=timeout,
+                    token_range=parse_token_range(token_range), seed=seed)
+    result = run_bench(spec, progress=err.print)
+    report = result.to_dict()
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        Console().print(render_table(report))
+    if save is not None:
+        try:
+            save.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as e:
+            raise ValueError(f"--save {save}: cannot write the report: {e.strerror}") from None
+    if result.errors:
+        samples = [s for lv in report["levels"] for s in lv["error_samples"]]
+        err.print(f"{result.errors} request(s) failed; first errors: {'; '.join(samples[:3])}", soft_wrap=True)
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 
