@@ -24,7 +24,7 @@ from model.moe import COMBINE, Dispatch
 from model.sampling import draw_seed, sample, top_logprobs
 
 from .device import choose_device
-from .group import join_group, leave_group
+from .group import exchange_device, join_group, leave_group
 from .dispatch import DistDispatcher
 from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
 from .progress import LoadProgress
@@ -74,7 +74,7 @@ class AttentionWorker:
         self.index, self.name, self.table = index, f"attention[{index}]", table
         join_group(info, index, table.world_size)
         self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
-                                         self.cfg.num_experts_per_tok, self.exchange, device=self.device)
+                                         self.cfg.num_experts_per_tok, self.exchange, device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:
         leave_group()

@@ -310,8 +310,8 @@ class ExpertExchange(_Collectives):
         sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
         actor, local = self.routing.assign(layer, idx, sender, A)
         mine = (actor == self.index).nonzero().squeeze(1)
-        tok = mine // k
-        y = experts.grouped(x[tok], local[mine]).float() * w.reshape(-1)[mine, None]
+        tok, edev = mine // k, experts.device  # the exchange may be staged in host memory (gloo)
+        y = experts.grouped(x[tok].to(edev), local[mine].to(edev)).to(dev, torch.float32) * w.reshape(-1)[mine, None]
         partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)
         self.a2a(torch.empty(0, hidden, dtype=dtype, device=dev), partial, none, each, layer, "combine")
         return torch.bincount(local[mine], minlength=L)
@@ -326,6 +326,6 @@ class ExpertExchange(_Collectives):
         empty = torch.empty(0, hidden, dtype=dtype, device=dev)
         self.a2a(x, empty, rows_from, none, layer, "dispatch")
         local = torch.arange(L, device=dev).repeat(self.world).repeat_interleave(recv.reshape(-1))
-        y = experts.grouped(x, local)
+        y = experts.grouped(x.to(experts.device), local.to(experts.device)).to(dev)
         self.a2a(empty, y.contiguous(), none, rows_from, layer, "combine")
         return recv.sum(0)

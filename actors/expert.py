@@ -24,7 +24,7 @@ from model.loader import load_routed_experts, parse_dtype
 from model.moe import RoutedExperts, gather_experts
 
 from .device import Placement, choose_device
-from .group import join_group, leave_group
+from .group import exchange_device, join_group, leave_group
 from .dispatch import ExpertExchange
 from .messages import ExpertStep, ExpertStepResult, GroupInfo, PlacementTable
 from .progress import LoadProgress
@@ -108,7 +108,7 @@ class ExpertWorker:
         self.index, self.name, self.table = index, f"expert[{index}]", table
         join_group(info, table.num_attention + index, table.world_size)
         self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok, self.mode,
-                                       device=self.device)
+                                       device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:
         leave_group()

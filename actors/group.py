@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .messages import GroupInfo
@@ -33,3 +34,9 @@ def leave_group() -> None:
         abort()
     else:
         dist.destroy_process_group()
+
+
+def exchange_device(info: GroupInfo, compute: torch.device) -> torch.device:
+    """Where the expert exchange's tensors live: the GPU on NCCL, host memory on gloo (a GPU actor
+    on gloo — e.g. several actors sharing one GPU, which NCCL refuses — stages through the host)."""
+    return compute if info.backend == "nccl" else torch.device("cpu")

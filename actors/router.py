@@ -3,7 +3,7 @@
 Owns: the placement table — logical expert → physical slots on expert actors, per MoE layer,
 replicas included — versioned by an epoch, and the only code that builds one; the proposal of the
 next epoch's table (a new shape, or a rebalanced placement with redundant copies of hot experts);
-a sliding window of per-layer, per-expert token counts reported by the engine after each step.
+a sliding window of per-layer, per-expert token counts the engine reports every few steps.
 Never: sees a token (dispatch and combine run inside the epoch's process group), or creates and
 kills actors — the engine's worker group carries out the epoch change the router proposes, then
 asks it to commit.
@@ -101,7 +101,8 @@ class Router:
         self.num_experts, self.moe_layers = num_experts, tuple(moe_layers)
         self.table: PlacementTable | None = None
         self.pending: PlacementTable | None = None
-        self.window: deque[torch.Tensor] = deque(maxlen=window_steps)  # [layers, E] per step
+        self.window_steps = window_steps
+        self.window: deque[tuple[int, torch.Tensor]] = deque()  # (steps, [layers, E] summed over them)
         self.steps = 0
 
     # ---- the table -------------------------------------------------------------------------
@@ -158,16 +159,21 @@ class Router:
             self.pending = None
 
     # ---- load statistics -------------------------------------------------------------------
-    def report(self, expert_tokens: list[list[int]]) -> None:
-        """One step's tokens per (MoE layer, logical expert), summed over attention workers."""
-        self.window.append(torch.tensor(expert_tokens, dtype=torch.long))
-        self.steps += 1
+    def report(self, expert_tokens, steps: int = 1) -> None:
+        """Tokens per (MoE layer, logical expert) of the last ``steps`` steps, summed over attention
+        workers (the engine reports every few steps). The window keeps the newest reports that
+        cover at most ``window_steps`` steps (at least the newest one)."""
+        self.window.append((steps, torch.as_tensor(expert_tokens, dtype=torch.long)))
+        self.steps += steps
+        covered = sum(n for n, _ in self.window)
+        while len(self.window) > 1 and covered > self.window_steps:
+            covered -= self.window.popleft()[0]
 
     def window_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, logical expert) over the sliding window: [layers, E]."""
         if not self.window:
             return torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long)
-        return torch.stack(list(self.window)).sum(0)
+        return torch.stack([t for _, t in self.window]).sum(0)
 
     def reset_window(self) -> None:
         self.window.clear()
@@ -175,6 +181,6 @@ class Router:
     def stats(self) -> dict:
         load = self.window_counts()
         table = self.current()
-        return {"epoch": table.epoch, "steps": self.steps, "window_steps": len(self.window),
+        return {"epoch": table.epoch, "steps": self.steps, "window_steps": sum(n for n, _ in self.window),
                 "moe_layers": list(self.moe_layers), "tokens_per_expert": load.tolist(),
                 "imbalance": actor_imbalance(table, load)}

@@ -9,7 +9,9 @@ prompts, ignoring EOS, at each stream count, by:
 * transformers ``generate`` (a test dependency; skipped with a note when it is not installed),
 * our single-process runner (``model.runner.generate``, 2 threads),
 * the served cluster: ``moeray up --detach`` (1 attention × 1 expert actor), driven over HTTP with
-  streaming completions, with ping-pong micro-batches off and on (``--ping-pong``).
+  streaming completions, with ping-pong micro-batches off and on (``--ping-pong``); with
+  ``--before-tree DIR`` also a checkout of an earlier commit, served from DIR in the same run (the
+  "before" row; its /status needs the breakdown for the per-step table).
 
 Each figure is the median of ``--repeats`` runs; the table gives tokens/s and the served cluster's
 ratio to the single-process runner at the same stream count. Then the engine's per-step breakdown
@@ -21,7 +23,7 @@ bare ``all_to_all_single`` floor of the same bytes (gloo, two processes)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib.util
 import json
 import os
 import statistics
@@ -35,6 +37,7 @@ import httpx
 import torch
 import yaml
 
+from deploy.loadgen import LoadSpec, run_bench
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate
@@ -51,11 +54,13 @@ def prompts(n: int, length: int, vocab: int = 1000) -> list[list[int]]:
     return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def transformers_rate(path: Path, streams: int, prompt_len: int, new: int) -> float | None:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
+def have_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def transformers_rate(path: Path, streams: int, prompt_len: int, new: int) -> float:
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     ids = torch.tensor(prompts(streams, prompt_len))
     with torch.no_grad():
@@ -78,35 +83,20 @@ def single_rate(path: Path, streams: int, prompt_len: int, new: int) -> float:
     return streams * new / dt
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], new: int) -> int:
-    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True}
-    n = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(event["error"]["message"])
-                n += 1
-    return n
-
-
-async def served_rate(url: str, streams: int, prompt_len: int, new: int) -> float:
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=streams + 4)) as client:
-        await _stream(client, url, prompts(1, prompt_len)[0], 2)  # warm up
-        t0 = time.perf_counter()
-        got = await asyncio.gather(*(_stream(client, url, p, new) for p in prompts(streams, prompt_len)))
-        dt = time.perf_counter() - t0
-    assert got == [new] * streams, f"token counts {got}"
-    return streams * new / dt
+def served_rate(url: str, streams: int, prompt_len: int, new: int) -> float:
+    """Output tokens/s of ``streams`` concurrent streamed requests (``moeray bench serve``'s load generator)."""
+    spec = LoadSpec(url, concurrency=(streams,), prompt_len=prompt_len, max_tokens=new, requests=streams)
+    (level,) = run_bench(spec).levels
+    assert level.errors == 0 and level.tokens_received == level.tokens_requested, level.error_samples
+    return level.output_tokens_per_s
 
 
 class Served:
     """``moeray up --detach`` on the checkpoint (1 attention × 1 expert), stopped on exit."""
 
-    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict):
-        self.url, self.env = f"http://127.0.0.1:{port}", env
+    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = env | {"PYTHONPATH": tree} if tree else env  # serve another checkout's code
         self.cfg = Path(env["MOERAY_CACHE_DIR"]) / f"serve-{port}.yaml"
         cfg = {"model": str(path), "port": port, "attention": 1, "experts": 1, "max_num_seqs": 64}
         self.cfg.write_text(yaml.safe_dump(cfg | ({"ping_pong": True} if ping_pong else {})))
@@ -141,7 +131,6 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
     x = torch.randn(tokens, hidden, generator=g)
     idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     w = torch.rand(tokens, k, generator=g)
-    moved = []  # bytes (out, back) of the exchange, from the rank-0 side
     times, floor = [], []
     if rank == 0:
         d = DistDispatcher("attention[0]", table, hidden, torch.float32, k, mode)
@@ -230,6 +219,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ping-pong", default="off,on", help="served runs: off, on or off,on")
     ap.add_argument("--port", type=int, default=8793)
+    ap.add_argument("--before-tree", help="also serve this checkout (an earlier commit) in the same run, "
+                                          "ping-pong off: the 'before' row")
+    ap.add_argument("--skip-exchange", action="store_true", help="skip the exchange-vs-floor measurement")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     new, plen, reps = args.new_tokens, args.prompt_len, args.repeats
@@ -240,37 +232,41 @@ def main() -> None:
         rows: dict[str, dict[int, float]] = {}
         med = lambda f: statistics.median(f() for _ in range(reps))  # noqa: E731
         for n in streams:
-            hf = transformers_rate(path, n, plen, new)
-            if hf is not None:
+            if have_transformers():
                 rows.setdefault("transformers generate", {})[n] = med(lambda: transformers_rate(path, n, plen, new))
             rows.setdefault("single-process runner, 2 threads", {})[n] = med(lambda: single_rate(path, n, plen, new))
             print(json.dumps({k: v.get(n) for k, v in rows.items()} | {"streams": n}), flush=True)
         breakdowns = {}
-        for mode in args.ping_pong.split(","):
-            name = f"served cluster 1x1, ping-pong {mode}"
-            with Served(path, args.port, mode == "on", env) as app:
+        runs = [("before", "off", args.before_tree)] if args.before_tree else []
+        runs += [("now", mode, None) for mode in args.ping_pong.split(",")]
+        for label, mode, tree in runs:
+            name = f"served 1x1, {label}, ping-pong {mode}"
+            with Served(path, args.port, mode == "on", env, tree) as app:
                 for n in streams:
                     b0 = app.breakdown()
                     t0 = time.perf_counter()
-                    rows.setdefault(name, {})[n] = med(lambda: asyncio.run(served_rate(app.url, n, plen, new)))
+                    rows.setdefault(name, {})[n] = med(lambda: served_rate(app.url, n, plen, new))
                     wall = time.perf_counter() - t0
                     b = per_step_ms(app.breakdown(), b0)
                     if b:
                         b["client_per_step"] = 1000 * wall / b["steps"]
-                    breakdowns[(mode, n)] = b
-                    print(json.dumps({"mode": mode, "streams": n, "tok_s": rows[name][n], "breakdown_ms": b}), flush=True)
-    exchanges = [exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m)
-                 for n in streams for m in ("dense", "sparse")]
+                    breakdowns[(f"{label}/pp {mode}", n)] = b
+                    print(json.dumps({"run": name, "streams": n, "tok_s": rows[name][n], "breakdown_ms": b}), flush=True)
+    exchanges = [] if args.skip_exchange else [
+        exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m)
+        for n in streams for m in ("dense", "sparse")]
     single = rows["single-process runner, 2 threads"]
     print(f"\n{'system':40}" + "".join(f"{f'{n} streams tok/s':>20}{'vs single':>10}" for n in streams))
     for name, r in rows.items():
         print(f"{name:40}" + "".join(f"{r[n]:>20.1f}{r[n] / single[n]:>10.2f}" for n in streams))
+    if not args.before_tree:
+        print("(no --before-tree: the 'before' row needs a checkout of the earlier commit)")
     keys = sorted({k for b in breakdowns.values() for k in b if k != "steps"})
     if keys:
         print("\nper-step breakdown, ms (served cluster)")
-        print(f"{'component':28}" + "".join(f"{f'pp {m}, {n} str':>16}" for m, n in breakdowns))
+        print(f"{'component':32}" + "".join(f"{f'{m}, {n} str':>22}" for m, n in breakdowns))
         for k in keys:
-            print(f"{k:28}" + "".join(f"{b.get(k, float('nan')):>16.3f}" for b in breakdowns.values()))
+            print(f"{k:32}" + "".join(f"{b.get(k, float('nan')):>22.3f}" for b in breakdowns.values()))
     print("\none MoE layer's exchange (1 attention, 1 expert actor; the expert's compute taken out) vs the floor")
     for e in exchanges:
         print(f"  {e['mode']:6} {e['tokens']:>3} tokens: {e['exchange_ms']:.3f} ms vs floor {e['floor_ms']:.3f} ms "

@@ -23,6 +23,7 @@ class EngineConfig:
     load_timeout_s: float | None = None  # actors loading weights; None: scales with the bytes to read
     # elastic plane: the router's sliding window, and the automatic rebalancing policy (off by default)
     window_steps: int = 256
+    report_every_steps: int = 16  # the engine sends the router its token counts this often (one Ray call)
     auto_rebalance: bool = False
     rebalance_threshold: float = 1.5  # mean over MoE layers of max/mean tokens per expert actor
     rebalance_interval_s: float = 300.0  # at least this long between two automatic rebalances
@@ -37,7 +38,8 @@ class EngineConfig:
     exchange: str = "auto"
 
     def __post_init__(self):
-        for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps"):
+        for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
+                     "report_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
         if self.micro_batches < 2:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from actors.messages import ExpertStep, PlacementTable, SampledToken, StepRequest
@@ -86,6 +88,7 @@ class Engine:
         self.unrecovered: list[tuple[str, int]] | None = None  # dead actors not yet replaced (no capacity)
         self.ping_pong = config.ping_pong  # may be switched between steps
         self._unrecorded = None  # the statistics of the last finished step, until record()
+        self._unreported, self._unreported_steps = None, 0  # counts not yet sent to the router
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -210,9 +213,19 @@ class Engine:
         self._unrecorded = None
         self.stats.record_step(tokens, attn, expert, step_s, self.table)
         if self.stats.last_expert_tokens is not None:
-            self.workers.report(self.stats.last_expert_tokens)
+            step = torch.tensor(self.stats.last_expert_tokens, dtype=torch.long)
+            self._unreported = step if self._unreported is None else self._unreported + step
+            self._unreported_steps += 1
+            if self._unreported_steps >= self.config.report_every_steps:
+                self._report()
         self._auto_rebalance()
         self.stats.add_time(stats=time.perf_counter() - t0)
+
+    def _report(self) -> None:
+        """Send the router the token counts of the steps since the last report (one Ray call)."""
+        if self._unreported is not None:
+            self.workers.report(self._unreported, self._unreported_steps)
+        self._unreported, self._unreported_steps = None, 0
 
     def _micro_batches(self, chunks_per_replica: list[list]) -> list[list[list]]:
         """Each replica's chunks in M contiguous micro-batches of about equal tokens (M = 1 without
@@ -333,6 +346,7 @@ class Engine:
     def _begin(self, kind: str, **shape) -> Transition:
         if self.transition is not None:
             raise ValueError(f"epoch {self.transition.table.epoch} is still being applied; retry when it is done")
+        self._report()  # the router proposes from every step's counts
         self.transition = self.workers.begin(kind, **shape)
         return self.transition
 

@@ -200,8 +200,8 @@ class WorkerGroup:
         detail = "; ".join(causes[:4]) or str(first).splitlines()[0]
         return StepFailed(f"step {step_no} failed: {detail}", kinds)
 
-    def report(self, expert_tokens: list[list[int]]) -> None:
-        self.router.report.remote(expert_tokens)  # fire and forget: off the hot path
+    def report(self, expert_tokens, steps: int) -> None:
+        self.router.report.remote(expert_tokens, steps)  # fire and forget: off the hot path
 
     # ---- epoch changes -----------------------------------------------------------------------
     def begin(self, kind: str, *, num_attention: int | None = None, num_actors: int | None = None,
