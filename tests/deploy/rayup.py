@@ -24,6 +24,9 @@ Why each rewrite (the rest of the YAML runs as shipped):
   this venv's, with PYTHONPATH=~/moeray so the nodes import the rsynced tree — what
   `pip install -e ~/moeray` gives.
 - The Ray token is a throwaway one (file_mounts copies it, as the YAML does with ~/.ray/auth_token).
+- `ray up` runs from a copy of the repository root holding what the YAML's rsync would send (its
+  rsync_exclude and .gitignore filter): Ray hashes every file under a file mount before it syncs, and
+  ignores rsync's excludes while hashing, so in CI (.venv inside the checkout) it would read 1.6 GB.
 
 A run killed by SIGKILL runs no `finally`: sshd dies with it (PR_SET_PDEATHSIG), and the next run
 removes the throwaway users (their processes, by PID, and files) whose creating process is gone.
@@ -147,6 +150,7 @@ class RayUpCluster:
         self.downed = False
         self.calls = 0
         self.cluster_yaml = self.base / "cluster.yaml"
+        self.src = self.base / "src"  # where `ray up` runs: the repository root's synced files
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
         # `ray up`'s own files (local provider state, ssh control sockets, config cache) stay in base/c
         self.env["RAY_TMPDIR"] = self.env["TMPDIR"] = str(self.base / "c")
@@ -154,6 +158,7 @@ class RayUpCluster:
 
     # ---- set-up --------------------------------------------------------------------------------
     def prepare(self, serve_config: dict) -> None:
+        self._copy_tree()
         self._make_user()
         self._make_keys()
         self._start_sshd()
@@ -162,6 +167,13 @@ class RayUpCluster:
         for name in ("token", "serve_config.yaml"):
             (self.base / name).chmod(0o644)
         self.cluster_yaml.write_text(yaml.safe_dump(self.cluster_config(), sort_keys=False))
+
+    def _copy_tree(self) -> None:
+        """The repository root as the YAML's rsync sends it (see the module docstring)."""
+        shipped = yaml.safe_load((ROOT / "deploy" / "ray-cluster-local.yaml").read_text())
+        excludes = [f"--exclude={e}" for e in shipped["rsync_exclude"]]
+        filters = [f"--filter=dir-merge,- {f}" for f in shipped["rsync_filter"]]
+        self._run("rsync", "-a", *excludes, *filters, f"{ROOT}/", f"{self.src}/", timeout=120)
 
     def _run(self, *cmd: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True, **kw)
@@ -272,7 +284,7 @@ class RayUpCluster:
         self.calls += 1
         log = self.base / f"ray-{self.calls:02d}-{args[0]}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([str(exe), *args], cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([str(exe), *args], cwd=self.src, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             try:
                 proc.wait(timeout=timeout)

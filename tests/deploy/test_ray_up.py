@@ -248,8 +248,16 @@ def test_prometheus_from_the_shipped_config_scrapes_the_app_and_ray(cluster, tmp
         for expr in queries(dashboard()):
             r = prom_query(base, runnable(expr))
             assert r["status"] == "success", (expr, r.get("error"))
-            if any(n.startswith("ray_") for n in series_names(expr)) and "histogram_quantile" not in expr:
-                assert r["data"]["result"], f"no data for {expr}"
+        on_ray = [runnable(e) for e in queries(dashboard())
+                  if any(n.startswith("ray_") for n in series_names(e)) and "histogram_quantile" not in e]
+
+        def without_data() -> list[str]:  # a rate() needs two samples of a series, i.e. one more scrape
+            return [e for e in on_ray if not prom_query(base, e)["data"]["result"]]
+
+        try:
+            _wait("data for every panel on Ray's series", lambda: not without_data(), 30, every_s=2)
+        except AssertionError:
+            raise AssertionError(f"no data for: {without_data()}") from None
     finally:
         proc.terminate()
         try:
