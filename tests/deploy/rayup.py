@@ -101,9 +101,10 @@ def node_ips() -> tuple[str, str]:
 
 
 def sweep_stale() -> list[str]:
-    """Remove what a killed run of this test left (SIGKILL runs no `finally`): every throwaway user
-    whose creating process is gone — its processes (by PID), its login and its files. Users of a run
-    still going are left alone. Returns the logins removed."""
+    """Remove what a killed run of this test left (SIGKILL runs no `finally`): for every throwaway user
+    whose creating process is gone, its processes and those naming its directory (the `ray` CLI, ssh
+    clients and masters), by PID; then the login, Ray's ssh control directories and the files. Users
+    of a run still going are left alone. Returns the logins removed."""
     removed = []
     for pw in pwd.getpwall():
         base = Path(pw.pw_dir).parent
@@ -115,16 +116,30 @@ def sweep_stale() -> list[str]:
             continue
         if alive(owner):
             continue
-        for _ in range(3):
-            pids = [pid for pid, uid, _ in processes() if uid == pw.pw_uid]
-            kill_pids(pids)
+        for _ in range(5):
+            pids = [pid for pid, uid, cmd in processes() if uid == pw.pw_uid or f"{base}/" in cmd]
             if not pids:
                 break
+            kill_pids(pids)
             time.sleep(0.5)
+        try:
+            name = yaml.safe_load((base / "cluster.yaml").read_text())["cluster_name"]
+        except (OSError, KeyError, TypeError):
+            name = None
+        if name:
+            for d in control_dirs(name, pw.pw_name):
+                shutil.rmtree(d, ignore_errors=True)
         subprocess.run(["userdel", pw.pw_name], capture_output=True, timeout=30)
         shutil.rmtree(base, ignore_errors=True)
         removed.append(pw.pw_name)
     return removed
+
+
+def control_dirs(cluster_name: str, user: str) -> list[Path]:
+    """Ray's ssh ControlPath directories for a cluster (hard-coded under /tmp): this login's and the
+    throwaway user's (the head's autoscaler reaches the worker over ssh too)."""
+    h = hashlib.sha256(cluster_name.encode()).hexdigest()[:10]
+    return [Path(f"/tmp/ray_ssh_{hashlib.sha256(u.encode()).hexdigest()[:10]}/{h}") for u in (getpass.getuser(), user)]
 
 
 class RayUpCluster:
@@ -285,7 +300,7 @@ class RayUpCluster:
         log = self.base / f"ray-{self.calls:02d}-{args[0]}.log"
         with open(log, "w") as out:
             proc = subprocess.Popen([str(exe), *args], cwd=self.src, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -321,11 +336,7 @@ class RayUpCluster:
         return [(ip, port) for ip, port, _ in listeners() if ip in (self.head_ip, self.worker_ip) or port in ours]
 
     def control_dirs(self) -> list[Path]:
-        """Ray's ssh ControlPath directories for this cluster (hard-coded under /tmp): this login's and
-        the throwaway user's (the head's autoscaler reaches the worker over ssh too)."""
-        h = hashlib.sha256(self.cluster_name.encode()).hexdigest()[:10]
-        return [Path(f"/tmp/ray_ssh_{hashlib.sha256(u.encode()).hexdigest()[:10]}/{h}")
-                for u in (getpass.getuser(), self.user)]
+        return control_dirs(self.cluster_name, self.user)
 
     def ssh_masters(self) -> list[tuple[int, str]]:
         """ssh connection masters (ControlPersist) still open to this cluster's nodes."""

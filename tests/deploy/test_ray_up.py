@@ -269,13 +269,18 @@ def test_prometheus_from_the_shipped_config_scrapes_the_app_and_ray(cluster, tmp
 
 # ---- Must show 1, last step: ray down -----------------------------------------------------------------
 def test_ray_down_leaves_no_ray_process_sshd_or_port_behind(cluster):
-    down = cluster.ray("down", "-y", str(cluster.cluster_yaml), timeout=120)
+    phases = _Phases()
+    down = phases.run("ray down", lambda: cluster.ray("down", "-y", str(cluster.cluster_yaml), timeout=120))
     cluster.downed = True
     _ray_ok(cluster, "ray down", down)
-    _wait("no Ray process of the cluster's login", lambda: not cluster.ray_processes(), 30)
+    phases.run("Ray processes exit", lambda: _wait("no Ray process of the cluster's login",
+                                                   lambda: not cluster.ray_processes(), 30))
     # the ssh connection masters Ray opened (ControlPersist=10s) close on their own
-    _wait("Ray's ssh connection masters to exit", lambda: not cluster.ssh_masters(), 30)
+    phases.run("ssh masters exit", lambda: _wait("Ray's ssh connection masters to exit",
+                                                 lambda: not cluster.ssh_masters(), 30))
     cluster.stop_sshd()
-    _wait("sshd's sessions to end", lambda: not cluster.user_processes(), 20, every_s=0.5)
+    phases.run("sshd sessions end", lambda: _wait("sshd's sessions to end", lambda: not cluster.user_processes(),
+                                                  20, every_s=0.5))
+    print(f"ray down: {phases}", file=sys.stderr)
     assert cluster.listening_ports() == [], cluster.listening_ports()
     assert not any(listening(ip, 22) for ip in (cluster.head_ip, cluster.worker_ip))
