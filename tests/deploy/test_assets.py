@@ -4,7 +4,7 @@ only real things: the app's import path, the cluster's ports, and — for the da
 Prometheus config — metric names that deploy/metrics.py actually renders. The GPU assets are
 checked for properties (Must show 4 of the operations issue): GPU fields in the GPU serve configs,
 the model directory mounted or synced on every node that may need it, NCCL's transport settings —
-not for today's values. The real `ray up` and Prometheus-scrape test is on branch issue-12 (not yet reliable in the full suite)."""
+not for today's values. The real `ray up` and the real Prometheus scrape are in test_ray_up.py."""
 
 import ast
 import json
