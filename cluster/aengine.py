@@ -110,6 +110,8 @@ class AsyncEngine:
         if not self.healthy:
             raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
                                else f"engine is not running: {self.error}")
+        if not jobs:
+            raise ValueError("a request needs at least one sequence")
         for prompt_ids, params in jobs:
             self.engine.validate(prompt_ids, params)
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
