@@ -154,7 +154,7 @@ class AttentionWorker:
         if not rows:
             return ()
         h = torch.cat([x for x in last if x is not None])
-        logits = self.model.logits(h[rows]).cpu()
+        logits = self.model.logits(h[rows])  # [R, V] stays on the device
         params = [chunks[b].params for b in rows]
         seeds = [draw_seed(chunks[b].params, chunks[b].num_cached + len(chunks[b].token_ids)) for b in rows]
         next_ids = sample(logits, params, seeds)
@@ -162,14 +162,15 @@ class AttentionWorker:
 
     @staticmethod
     def _package(seq_ids, logits, next_ids, params) -> tuple[SampledToken, ...]:
+        """Token ids and the requested logprobs to the host (only those: never the logits)."""
         k = max((p.logprobs or 0) for p in params)
-        want = any(p.logprobs is not None for p in params)
-        chosen, top_ids, top_vals = top_logprobs(logits, next_ids, k) if want else (None, None, None)
+        if any(p.logprobs is not None for p in params):
+            chosen, top_ids, top_vals = (t.tolist() for t in top_logprobs(logits, next_ids, k))
         out = []
         for i, (sid, tok, p) in enumerate(zip(seq_ids, next_ids.tolist(), params)):
             if p.logprobs is None:
                 out.append(SampledToken(sid, tok))
                 continue
-            top = tuple(zip(top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist()))
-            out.append(SampledToken(sid, tok, float(chosen[i]), top))
+            top = tuple(zip(top_ids[i][: p.logprobs], top_vals[i][: p.logprobs]))
+            out.append(SampledToken(sid, tok, chosen[i], top))
         return tuple(out)

@@ -40,12 +40,16 @@ class StreamChunk:
 
 
 class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, decoder: IncrementalDecoder | None):
-        self.loop, self.queue, self.decoder = loop, asyncio.Queue(), decoder
+    """One sequence's way to its consumer: ``(index, item)`` into a queue it may share with the other
+    sequences of its request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, decoder: IncrementalDecoder | None, queue: asyncio.Queue,
+                 index: int = 0):
+        self.loop, self.queue, self.decoder, self.index = loop, queue, decoder, index
 
     def push(self, item) -> bool:
         """Hand an item to the consumer's loop; False when that loop is gone (consumer vanished)."""
-        return _call(self.loop, self.queue.put_nowait, item)
+        return _call(self.loop, self.queue.put_nowait, (self.index, item))
 
 
 class AsyncEngine:
@@ -89,33 +93,49 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
+        stream = self.generate_many([(prompt_ids, params)])
+        try:
+            async for _, _, chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    async def generate_many(self, jobs: list[tuple[list[int], SamplingParams]]
+                            ) -> AsyncIterator[tuple[int, int, StreamChunk]]:
+        """Stream the sequences of one request (its ``n`` choices, its list of prompts), which enter the
+        engine together: all are admitted at one step boundary, so none waits behind another's first
+        token. Yields ``(index into jobs, seq_id, chunk)`` as they come, until every one finished.
+        Raises ValueError for bad input before anything is queued. Closing the
+        iterator aborts the sequences still running."""
         if not self.healthy:
             raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
                                else f"engine is not running: {self.error}")
-        self.engine.validate(prompt_ids, params)
-        loop = asyncio.get_running_loop()
-        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-        stream = _Stream(loop, decoder)
+        if not jobs:
+            raise ValueError("a request needs at least one sequence")
+        for prompt_ids, params in jobs:
+            self.engine.validate(prompt_ids, params)
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        streams = [_Stream(loop, IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None, out, i)
+                   for i in range(len(jobs))]
         ready: asyncio.Future = loop.create_future()
-        self._inbox.put(("add", prompt_ids, params, stream, ready))
+        self._inbox.put(("add", [(ids, params, st) for (ids, params), st in zip(jobs, streams)], ready))
         try:
-            seq_id = await asyncio.shield(ready)
+            seq_ids = await asyncio.shield(ready)
         except asyncio.CancelledError:  # gone before admission: abort as soon as it is admitted
             ready.add_done_callback(self._abort_when_admitted)
             raise
-        finished = False
+        running = set(range(len(jobs)))
         try:
-            while True:
-                item = await stream.queue.get()
+            while running:
+                i, item = await out.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield i, seq_ids[i], item
                 if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # the consumer went away: free the sequence now
-                self._inbox.put(("abort", seq_id))
+                    running.discard(i)
+        finally:  # the consumer went away (or one sequence failed): free the others now
+            for i in running:
+                self._inbox.put(("abort", seq_ids[i]))
 
     def control(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread at the next step boundary; the future holds its
@@ -134,7 +154,8 @@ class AsyncEngine:
 
     def _abort_when_admitted(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
-            self._inbox.put(("abort", fut.result()))
+            for seq_id in fut.result():
+                self._inbox.put(("abort", seq_id))
 
     # ---- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -204,21 +225,7 @@ class AsyncEngine:
 
     def _handle(self, item) -> None:
         if item[0] == "add":
-            _, prompt_ids, params, stream, ready = item
-            if self.error is not None or self.unavailable is not None:  # queued at the failure: answered
-                why = f"engine is not running: {self.error}" if self.error is not None else \
-                    f"engine is unavailable: {self.unavailable}"
-                _call(stream.loop, _set_exception, ready, RuntimeError(why))
-                return
-            try:
-                seq_id = self.engine.add_request(prompt_ids, params)
-            except BaseException as e:  # noqa: BLE001
-                _call(stream.loop, _set_exception, ready, e)
-                return
-            if _call(stream.loop, _set_result, ready, seq_id):
-                self._streams[seq_id] = stream
-            else:  # the consumer's loop is already gone
-                self.engine.abort(seq_id)
+            self._add(*item[1:])
         elif item[0] == "call":
             _, fn, fut = item
             try:
@@ -228,6 +235,29 @@ class AsyncEngine:
         elif item[0] == "abort":
             self._streams.pop(item[1], None)
             self.engine.abort(item[1])
+
+    def _add(self, jobs: list, ready: asyncio.Future) -> None:
+        """Admit one request's sequences together (all or none), before the next step."""
+        loop = jobs[0][2].loop
+        if self.error is not None or self.unavailable is not None:  # queued at the failure: answered
+            why = f"engine is not running: {self.error}" if self.error is not None else \
+                f"engine is unavailable: {self.unavailable}"
+            _call(loop, _set_exception, ready, RuntimeError(why))
+            return
+        seq_ids: list[int] = []
+        try:
+            for prompt_ids, params, _ in jobs:
+                seq_ids.append(self.engine.add_request(prompt_ids, params))
+        except BaseException as e:  # noqa: BLE001
+            for seq_id in seq_ids:
+                self.engine.abort(seq_id)
+            _call(loop, _set_exception, ready, e)
+            return
+        if _call(loop, _set_result, ready, seq_ids):
+            self._streams.update((seq_id, stream) for seq_id, (_, _, stream) in zip(seq_ids, jobs))
+        else:  # the consumer's loop is already gone
+            for seq_id in seq_ids:
+                self.engine.abort(seq_id)
 
     def _deliver(self, ev: TokenEvent) -> None:
         stream = self._streams.get(ev.seq_id)

@@ -32,6 +32,7 @@ from model.tokenizer import Tokenizer
 from . import openai_api as oa
 from . import openai_responses as out
 from .config import ServeConfig
+from .fanout import Fanout
 from .metrics import EngineMetrics
 from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
 
@@ -89,12 +90,14 @@ class EngineServer:
         self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
                                      expert_metrics=cfg.expert_metrics)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams):
-        if self.aengine.num_waiting >= self.max_queue:
+    async def generate_many(self, jobs: list[tuple[list[int], SamplingParams]]):
+        """Stream one request's sequences, admitted together: ``(index, seq_id, chunk)`` items, or a
+        :class:`Reject` instead of the first."""
+        if self.aengine.num_waiting + len(jobs) > self.max_queue:
             yield Reject(503, f"the request queue is full ({self.max_queue} waiting); retry shortly")
             return
         try:
-            stream = self.aengine.generate(prompt_ids, params)
+            stream = self.aengine.generate_many(jobs)
             first = await stream.__anext__()
         except ValueError as e:
             yield Reject(400, str(e), "prompt")
@@ -180,6 +183,11 @@ class EngineServer:
             self.aengine.stop(timeout=5)
         finally:
             self.engine.shutdown()
+
+
+def _raise_reject(first: Reject):
+    raise oa.APIError(first.status, first.message, param=first.param,
+                      retry_after_s=1 if first.status == 503 else None)
 
 
 def _stream_error(err: Exception) -> dict:
@@ -293,14 +301,15 @@ class Ingress:
                               code="request_too_large")
         return await request.body()
 
-    async def _open(self, ids: list[int], params: SamplingParams):
-        """Start one choice; its first chunk decides the status (Reject → error)."""
-        gen = self.stream_handle.generate.remote(ids, params)
-        first = await gen.__anext__()
-        if isinstance(first, Reject):
-            raise oa.APIError(first.status, first.message, param=first.param,
-                              retry_after_s=1 if first.status == 503 else None)
-        return gen, first
+    async def _open(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[Fanout, list[StreamChunk]]:
+        """Submit every sequence of one request in one call (the engine admits them together); the first
+        chunk of each decides the status (Reject → error)."""
+        fan = Fanout(self.stream_handle.generate_many.remote(jobs), len(jobs), _raise_reject)
+        try:
+            return fan, await fan.open()
+        except BaseException:
+            fan.close()
+            raise
 
     # ---- routes -------------------------------------------------------------------------------
     @api.get("/health", responses={**ok(out.Health), 503: {"model": out.Health}})
@@ -413,16 +422,9 @@ class Ingress:
 
     async def _respond(self, req, jobs, prompt_tokens: int, chat: bool):
         stops = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
-        opened = []
-        try:
-            for index, ids, sp in jobs:
-                opened.append((index, *await self._open(ids, sp), sp))
-        except BaseException:
-            for _, gen, _, _ in opened:
-                gen.cancel()
-            raise
-        choices = [_Choice(index, gen, first, oa.StopStrings(stops), sp.logprobs is not None)
-                   for index, gen, first, sp in opened]
+        fan, firsts = await self._open([(ids, sp) for _, ids, sp in jobs])
+        choices = [_Choice(index, fan.stream(i), first, oa.StopStrings(stops), sp.logprobs is not None)
+                   for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts))]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(choices, chat, prompt_tokens, include_usage),

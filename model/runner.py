@@ -81,9 +81,13 @@ class ModelRunner:
     def _slots(self, seqs: list[Sequence]) -> list[int] | None:
         return None if self.slots is None else [s.state_slot for s in seqs]
 
-    @torch.no_grad()
     def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
-        """Compute ``num_new[b]`` uncached tokens of each sequence; logits [B, V] of the last one."""
+        """Compute ``num_new[b]`` uncached tokens of each sequence; logits [B, V] of the last one, on the host."""
+        return self.forward_on_device(seqs, num_new).cpu()
+
+    @torch.no_grad()
+    def forward_on_device(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        """:meth:`forward`, its logits left on the model's device (where :func:`sample` runs)."""
         ids, ctx = [], []
         for seq, n in zip(seqs, num_new):
             assert 0 < n <= seq.num_uncached, f"seq {seq.seq_id}: {n} new of {seq.num_uncached} uncached"
@@ -95,7 +99,7 @@ class ModelRunner:
         h = self.model(torch.tensor(ids, device=self.device), meta, self.cache, self.impl)
         for seq, n in zip(seqs, num_new):
             seq.num_cached += n
-        return self.model.logits(h[meta.last_token_index.to(self.device)]).cpu()
+        return self.model.logits(h[meta.last_token_index.to(self.device)])
 
     @torch.no_grad()
     def full_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -129,7 +133,7 @@ def generate(runner: ModelRunner, prompts: Iterable[list[int]], params: Sampling
     running = list(seqs)
     try:
         while running:
-            logits = runner.forward(running, [s.num_uncached for s in running])
+            logits = runner.forward_on_device(running, [s.num_uncached for s in running])
             seeds = [draw_seed(s.params, len(s.token_ids)) for s in running]
             tokens = sample(logits, [s.params for s in running], seeds).tolist()
             for seq, tok in zip(running, tokens):

@@ -1,10 +1,19 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seed)."""
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seed).
+
+Owns: turning a step's logits into next token ids, on the logits' device, vectorised over the batch
+(a Python loop only to seed each seeded row's generator). A seeded row's tokens are a function of its
+logits and seed alone — the same alone or batched, and the same as ``torch.multinomial`` gave before
+issue 10 (tests/model/test_sampling.py keeps that sampler as the oracle).
+Never: moves the logits to the host, sorts a whole vocabulary when a top-k window decides, or keeps
+state between steps (seeds come from :func:`draw_seed`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+NUCLEUS_WINDOW = 1024  # top-p without top-k looks for its nucleus among this many best tokens first
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,10 @@ def draw_seed(params: SamplingParams, context_len: int) -> int | None:
     return (params.seed * 0x9E3779B1 + context_len * 0x85EBCA77) % (1 << 63)
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits [B, V] outside each row's top-k (0 = all) and nucleus top-p."""
+def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [R, V] outside each row's top-k (0 = all) and nucleus top-p, by a full sort of
+    every row: the reference algorithm, and :func:`_filter`'s fallback for a nucleus wider than its
+    window."""
     V = logits.shape[-1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
@@ -64,21 +75,98 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`_filter_sorted`'s result (the same kept tokens, the same values) from a ``topk`` window
+    instead of a full sort: the best ``max(top_k)`` tokens when every row has a top-k (its nucleus
+    lies inside them), else at least :data:`NUCLEUS_WINDOW`. A top-p row whose nucleus reaches the
+    window's end is refiltered by the full sort. Rows [R, V]; top_k 0 = off, top_p 1 = off."""
+    R, V = logits.shape
+    window = int(top_k.max())
+    if bool((top_k == 0).any()) or window > V:
+        window = max(window, NUCLEUS_WINDOW)
+    window = min(window, V)
+    vals, idx = logits.topk(window, dim=-1)  # [R, W] descending
+    rank = torch.arange(window, device=logits.device)[None, :]
+    drop = rank >= torch.where(top_k > 0, top_k, V)[:, None]
+    nucleus = top_p < 1.0
+    if bool(nucleus.any()):
+        probs = vals.masked_fill(drop, float("-inf")).softmax(-1)  # exact where the top-k fits the window
+        wide = top_k == 0  # the mass outside the window counts: normalise over the whole row
+        if bool(wide.any()):
+            probs[wide] = logits[wide].softmax(-1).gather(1, idx[wide])
+        before = probs.cumsum(-1) - probs  # mass strictly above this token
+        drop |= nucleus[:, None] & (before >= top_p[:, None])
+    drop[:, 0] = False  # always keep the best token
+    out = torch.full_like(logits, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
+    spill = (~drop[:, -1]) & (top_k == 0) & (window < V)  # the nucleus may go on past the window
+    if bool(spill.any()):
+        rows = spill.nonzero().squeeze(1)
+        out[rows] = _filter_sorted(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
-    """logits [B, V] fp32 → next token ids [B]. ``seeds[b]`` from :func:`draw_seed` (None: unseeded)."""
+    """logits [B, V] → next token ids [B], on the logits' device. ``seeds[b]`` from :func:`draw_seed`
+    (None: unseeded). Vectorised over the batch: rows without top-k/top-p skip the filter, and a
+    seeded row draws exactly what ``torch.multinomial(probs_b, 1, generator=seeded)`` draws."""
     out = logits.argmax(-1)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    sub = logits[rows]
-    temp = torch.tensor([params[b].temperature for b in rows], dtype=sub.dtype)
-    top_k = torch.tensor([params[b].top_k for b in rows])
-    top_p = torch.tensor([params[b].top_p for b in rows], dtype=sub.dtype)
-    probs = _filter(sub / temp[:, None], top_k, top_p).softmax(-1)
-    for i, b in enumerate(rows):  # one draw per sequence, each from its own generator
-        gen = None if seeds[b] is None else torch.Generator().manual_seed(seeds[b])
-        out[b] = torch.multinomial(probs[i], 1, generator=gen).item()
+    dev = logits.device
+    every = len(rows) == len(params)
+    index = None if every else torch.tensor(rows, device=dev)
+    sub = logits if every else logits.index_select(0, index)  # [R, V]
+    temp = torch.tensor([params[b].temperature for b in rows], dtype=sub.dtype, device=dev)
+    scaled = sub / temp[:, None]
+    cut = [i for i, b in enumerate(rows) if params[b].top_k > 0 or params[b].top_p < 1.0]
+    if cut:
+        at = torch.tensor(cut, device=dev)
+        top_k = torch.tensor([params[rows[i]].top_k for i in cut], device=dev)
+        top_p = torch.tensor([params[rows[i]].top_p for i in cut], dtype=sub.dtype, device=dev)
+        scaled.index_copy_(0, at, _filter(scaled.index_select(0, at), top_k, top_p))
+    chosen = _draw(scaled.softmax(-1), [seeds[b] for b in rows])
+    return chosen if every else out.index_copy_(0, index, chosen)
+
+
+def _draw(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    """One token id per row of probs [R, V]. A seeded row repeats ``torch.multinomial``'s draw for one
+    sample bit for bit (ATen: ``q = empty_like(p).exponential_(1, gen)``, ``argmax(p / q)``) with the
+    row's own generator. Unseeded rows share one inverse-CDF draw: one uniform per row against the
+    running sum (fp32; the CPU sums in fp64), the same distribution within an ulp of the total per token
+    and far cheaper than a vocabulary of exponentials. Never a token of probability 0."""
+    R, V = probs.shape
+    dev = probs.device
+    out = torch.empty(R, dtype=torch.long, device=dev)
+    seeded = [i for i, s in enumerate(seeds) if s is not None]
+    free = [i for i, s in enumerate(seeds) if s is None]
+    if seeded:
+        q = torch.empty(len(seeded), V, dtype=probs.dtype, device=dev)
+        for j, i in enumerate(seeded):
+            q[j].exponential_(1, generator=torch.Generator(dev).manual_seed(seeds[i]))
+        at = torch.tensor(seeded, device=dev)
+        p = probs if len(seeded) == R else probs.index_select(0, at)
+        out.index_copy_(0, at, (p / q).argmax(-1))
+    if free:
+        at = torch.tensor(free, device=dev)
+        p = probs if len(free) == R else probs.index_select(0, at)
+        out.index_copy_(0, at, _inverse_cdf(p))
     return out
+
+
+def _inverse_cdf(p: torch.Tensor) -> torch.Tensor:
+    """One draw per row of p [F, V] (unnormalised is fine): the first token whose running sum passes
+    ``uniform * total``. A token of probability 0 adds nothing to the sum, so it is never the first to
+    pass; the clamp to the token completing the sum and the final check guard against rounding."""
+    cdf = p.cumsum(-1)  # [F, V]
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(p.shape[0], 1, dtype=cdf.dtype, device=p.device) * total
+    last = torch.searchsorted(cdf, total)  # the first index holding the whole mass: its token has p > 0
+    tok = torch.minimum(torch.searchsorted(cdf, u, right=True), last)  # [F, 1]
+    zero = p.gather(1, tok) <= 0
+    if bool(zero.any()):  # only a scan that is not monotone (parallel fp32 rounding) gets here
+        tok = torch.where(zero, p.argmax(-1, keepdim=True), tok)
+    return tok.squeeze(1)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,12 +1,15 @@
-"""The async engine's one thread, with a fake engine (no Ray): a request queued at the moment a step
-fails for good is answered with the error instead of hanging, and so is one submitted afterwards."""
+"""The async engine's one thread, with fake engines (no Ray): a request queued at the moment a step
+fails for good is answered with the error instead of hanging, and so is one submitted afterwards; the
+sequences of one request (n > 1, a list of prompts) enter the engine together (issue 10)."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from cluster.aengine import AsyncEngine
+from cluster.engine import TokenEvent
 from model.sampling import SamplingParams
 
 
@@ -74,3 +77,123 @@ def test_queued_and_later_requests_get_the_error_not_a_hang():
         aeng.stop()
     assert all(isinstance(r, RuntimeError) for r in results), results
     assert "nothing can be recovered" in str(results[0]) and not aeng.healthy
+
+
+class RecordingEngine:
+    """Admits every queued request at the next step and gives each running request one token per
+    step; logs each admission with the step it waited for and each step with the requests in it."""
+
+    def __init__(self, step_s: float = 0.02):
+        self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
+        self.log, self.steps, self.step_s = [], 0, step_s
+        self._ids = iter(range(1000))
+
+    def validate(self, prompt_ids, params):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+
+    def add_request(self, prompt_ids, params):
+        sid = next(self._ids)
+        self.requests[sid] = params.max_tokens
+        self.log.append(("add", sid, self.steps))
+        return sid
+
+    @property
+    def has_work(self):
+        return any(left > 0 for left in self.requests.values())
+
+    def advance(self):
+        pass
+
+    def step(self):
+        time.sleep(self.step_s)  # a step takes time: submissions that trickle in land in later steps
+        running = sorted(s for s, left in self.requests.items() if left > 0)
+        self.steps += 1
+        self.log.append(("step", tuple(running)))
+        events = []
+        for sid in running:
+            self.requests[sid] -= 1
+            events.append(TokenEvent(sid, (sid,), (), "length" if self.requests[sid] == 0 else None))
+        return events
+
+    def abort(self, sid):
+        self.requests.pop(sid, None)
+
+    def release(self, sid):
+        return self.requests.pop(sid, None)
+
+
+def test_one_requests_sequences_are_admitted_together_before_its_first_token():
+    """n = 4 choices (or 4 prompts) of one request: all four are added before any step runs and the
+    first step holds all four, so their first tokens come from the same step (no TTFT growth with n)."""
+    eng = RecordingEngine()
+    aeng = AsyncEngine(eng).start()
+    jobs = [([1, 2, 3], SamplingParams(max_tokens=3))] * 2 + [([4], SamplingParams(max_tokens=2)),
+                                                            ([5, 6], SamplingParams(max_tokens=3))]
+
+    async def run():
+        firsts, chunks = {}, []
+        async for index, seq_id, chunk in aeng.generate_many(jobs):
+            firsts.setdefault(index, (seq_id, eng.steps))
+            chunks.append((index, chunk))
+        return firsts, chunks
+
+    try:
+        firsts, chunks = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        aeng.stop()
+    adds = [e for e in eng.log if e[0] == "add"]
+    assert [e[2] for e in adds] == [0, 0, 0, 0] and eng.log[:4] == adds, eng.log
+    assert eng.log[4] == ("step", (0, 1, 2, 3)), eng.log
+    assert sorted(firsts) == [0, 1, 2, 3] and {sid for sid, _ in firsts.values()} == {0, 1, 2, 3}
+    assert [len([c for i, c in chunks if i == j]) for j in range(4)] == [3, 3, 2, 3]
+    assert all(c.finish_reason is not None for c in [next(c for i, c in reversed(chunks) if i == j)
+                                                      for j in range(4)])
+
+
+def test_a_bad_prompt_queues_nothing_and_closing_aborts_the_rest():
+    eng = RecordingEngine()
+    aeng = AsyncEngine(eng).start()
+    jobs = [([1], SamplingParams(max_tokens=50))] * 3
+
+    async def run():
+        with pytest.raises(ValueError, match="empty"):
+            await aeng.generate_many([([1], SamplingParams()), ([], SamplingParams())]).__anext__()
+        stream = aeng.generate_many(jobs)
+        seen = [await stream.__anext__() for _ in range(3)]  # the first step's three tokens
+        await stream.aclose()
+        for _ in range(100):  # the aborts reach the engine thread between steps
+            if not eng.requests:
+                break
+            await asyncio.sleep(0.05)
+        return seen
+
+    try:
+        seen = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        aeng.stop()
+    assert sorted(i for i, _, _ in seen) == [0, 1, 2]
+    assert [e[1] for e in eng.log if e[0] == "add"] == [0, 1, 2]  # the bad request added nothing
+    assert eng.requests == {}, "closing the stream must abort every sequence still running"
+
+
+def test_the_record_tells_one_by_one_submission_apart():
+    """The check above can fail: the old Ingress opened choices one by one, awaiting each first token;
+    the record then shows four admissions at four different steps."""
+    eng = RecordingEngine()
+    aeng = AsyncEngine(eng).start()
+
+    async def run():
+        streams = []
+        for _ in range(4):
+            streams.append(aeng.generate([1, 2], SamplingParams(max_tokens=6)))
+            await streams[-1].__anext__()
+        for s in streams:
+            await s.aclose()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        aeng.stop()
+    waited = [e[2] for e in eng.log if e[0] == "add"]
+    assert waited[0] == 0 and all(a < b for a, b in zip(waited, waited[1:])), eng.log  # each behind the last

@@ -89,6 +89,30 @@ def test_chat_streaming_and_not_n_and_logprobs(client):
     assert "".join(d.content or "" for d in deltas) == greedy.choices[0].message.content
 
 
+def _idle_engine_steps(server) -> int:
+    """The engine's step count once nothing runs or waits (what earlier tests left has drained)."""
+    deadline = time.monotonic() + 60
+    while True:
+        s = httpx.get(f"{server['url']}/status", headers=_headers(), timeout=30).json()
+        if s["running"] == 0 and s["waiting"] == 0:
+            return s["steps"]
+        assert time.monotonic() < deadline, f"the engine never went idle: {s}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("kind", ["n", "prompts"])
+def test_one_requests_sequences_share_their_steps(server, client, kind):
+    """n = 4 (or 4 prompts) enter the engine together (issue 10): the request takes exactly max_tokens
+    steps — one step gives all four their first token — not one more step per choice, as when the
+    choices were submitted one by one and TTFT grew with n."""
+    before = _idle_engine_steps(server)
+    kw = dict(model=NAME, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    r = (client.completions.create(prompt=[5, 77, 300], n=4, **kw) if kind == "n" else
+         client.completions.create(prompt=[[5, 77], [300, 12, 9], [1], [42, 43]], **kw))
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens == 20
+    assert _idle_engine_steps(server) - before == 5
+
+
 def test_stop_strings(client):
     kw = dict(model=NAME, prompt=[5, 77, 300], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text
