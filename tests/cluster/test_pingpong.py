@@ -1,6 +1,6 @@
 """Ping-pong micro-batches (issue 10): a step split into micro-batches, interleaved at every MoE
 exchange, gives exactly the tokens of the unsplit step — greedy and seeded, MLA-only (K2) and
-hybrid (K3, KDA state), with the dense and the sparse exchange — on 2 attention × 3 expert actors
+hybrid (K3, KDA state), with the sparse and the dense exchange — on 2 attention × 3 expert actors
 over the 3 Ray nodes of the session cluster."""
 
 import pytest
@@ -29,8 +29,8 @@ def _prompts(n=8, seed=0):
     return [torch.randint(0, 760, (int(k),), generator=g).tolist() for k in torch.randint(3, 30, (n,), generator=g)]
 
 
-@pytest.mark.parametrize("preset,exchange", [("kimi-k2-tiny", "dense"), ("kimi-k3-tiny", "dense"),
-                                             ("kimi-k2-tiny", "sparse")])
+# the dense format is what every other cluster test runs (auto picks it for ≤ k expert actors)
+@pytest.mark.parametrize("preset,exchange", [("kimi-k2-tiny", "sparse"), ("kimi-k3-tiny", "dense")])
 def test_ping_pong_on_and_off_give_identical_tokens(ray_cluster, presets, preset, exchange):
     path, prompts = presets[preset], _prompts()
     config = EngineConfig(model=str(path), max_tokens_per_step=512, exchange=exchange)

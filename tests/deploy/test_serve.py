@@ -1,6 +1,7 @@
 """The Serve app over real HTTP with the official `openai` client (Must show 1-4 of the serving
 issue): completions and chat, streaming and not, n > 1, stop strings, logprobs; concurrency;
-every bad input's status and envelope; /metrics; the API key."""
+every bad input's status and envelope; /metrics; the API key; and `moeray bench serve` against this
+server (issue 10, Must show 2: every requested token counted, no errors, ordered percentiles)."""
 
 import asyncio
 import json
@@ -280,3 +281,49 @@ def test_admin_experts_route_and_cli_dump_the_full_distribution(server, client):
     bad = subprocess.run([str(exe), "experts", "--url", url], capture_output=True, text=True, timeout=120,
                          env=os.environ)
     assert bad.returncode == 2 and "API key" in bad.stderr
+
+
+# ---- `moeray bench serve` (issue 10) ------------------------------------------------------------
+BENCH_LEVELS, BENCH_REQUESTS, BENCH_PROMPT, BENCH_MAX_TOKENS = (1, 4), 4, 8, 8
+
+
+def _moeray(*args) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "moeray"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLUMNS": "300"})  # rich would wrap the table at 80 columns
+
+
+def test_bench_serve_reports_sane_figures(server, tmp_path):
+    url = server["url"]
+    saved = tmp_path / "report.json"
+    done = _moeray("bench", "serve", "--url", f"{url}/v1", "--api-key", KEY, "--concurrency", "1,4",
+                  "--requests", str(BENCH_REQUESTS), "--prompt-len", str(BENCH_PROMPT), "--max-tokens", str(BENCH_MAX_TOKENS),
+                  "--json", "--save", str(saved))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert json.loads(saved.read_text()) == report
+    assert report["model"] == NAME  # the first id of GET /v1/models
+    assert report["ignore_eos"] is True and report["notes"] == [] and report["counted_by"] == "usage"
+    assert report["prompt"] == {"kind": "token_ids", "tokens": BENCH_PROMPT}
+    assert [lv["concurrency"] for lv in report["levels"]] == list(BENCH_LEVELS)
+    for lv in report["levels"]:
+        assert (lv["requests"], lv["ok"], lv["errors"]) == (BENCH_REQUESTS, BENCH_REQUESTS, 0), lv["error_samples"]
+        assert lv["tokens_received"] == lv["tokens_requested"] == BENCH_REQUESTS * BENCH_MAX_TOKENS
+        assert lv["prompt_tokens_mean"] == BENCH_PROMPT  # the server counted the id prompts as sent
+        assert lv["requests_per_s"] > 0 and lv["output_tokens_per_s"] > 0
+        for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            s = lv[metric]
+            assert 0 <= s["p50"] <= s["p90"] <= s["p99"], (metric, s)
+        assert lv["ttft_ms"]["p99"] <= lv["e2e_ms"]["p99"]
+    assert "concurrency 4: 4 requests" in done.stderr
+
+
+def test_bench_serve_table_and_a_wrong_key(server):
+    url = server["url"]
+    done = _moeray("bench", "serve", "--url", url, "--api-key", KEY, "--concurrency", "2", "--requests", "2",
+                  "--prompt-len", "4", "--max-tokens", "4")
+    assert done.returncode == 0, done.stderr
+    assert "TTFT" in done.stdout and "8 / 8" in done.stdout, done.stdout  # tokens received / requested
+    bad = _moeray("bench", "serve", "--url", url, "--api-key", "wrong", "--concurrency", "1")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "check --api-key" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
