@@ -328,6 +328,10 @@ def status(
     pause = f"; last change: {last['kind']} to epoch {last['epoch']}, paused {last['pause_s']:.2f}s" if last else ""
     out.print(f"{st['model']} at {st['url']}: {st['shape']}; running {st['running']}, waiting {st['waiting']}, "
               f"steps {st['steps']}, epoch {st['epoch']}{pause}")
+    b = st.get("breakdown") or {}
+    if b.get("steps"):
+        parts = ", ".join(f"{k} {1000 * v / b['steps']:.2f}" for k, v in b.items() if k != "steps")
+        out.print(f"mean per step, ms: {parts}")
     t = Table("actor", "node", "placement / cache")
     for a in st["attention"]:
         t.add_row(f"attention[{a['index']}]", a["node"], f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks")
