@@ -179,6 +179,10 @@ class AsyncEngine:
                 events = self.engine.finish(launched or self.engine.launch())
                 launched = self.engine.launch() if self.engine.has_work else None
                 self.engine.record()
+                t0 = time.perf_counter()
+                for ev in events:
+                    self._deliver(ev)
+                self.engine.stats.add_time(deliver=time.perf_counter() - t0)
             except NoCapacity as e:  # recovery must wait for room: fail what is open, refuse new work
                 launched = None
                 self.unavailable = str(e)
@@ -189,11 +193,6 @@ class AsyncEngine:
                 launched = None
                 self.error = e
                 self._fail_all(e)
-                continue
-            t0 = time.perf_counter()
-            for ev in events:
-                self._deliver(ev)
-            self.engine.stats.add_time(deliver=time.perf_counter() - t0)
 
     def _heal(self) -> None:
         if time.monotonic() < self._next_heal:

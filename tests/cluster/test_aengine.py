@@ -10,6 +10,7 @@ import pytest
 
 from cluster.aengine import AsyncEngine
 from cluster.engine import TokenEvent
+from cluster.stats import EngineStats
 from model.sampling import SamplingParams
 
 
@@ -18,6 +19,7 @@ class FailingEngine:
 
     def __init__(self):
         self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
+        self.stats = EngineStats([], 0)  # the async engine adds its delivery time to the breakdown
         self.queued = threading.Event()
         self._ids = iter(range(100))
 
@@ -85,6 +87,7 @@ class RecordingEngine:
 
     def __init__(self, step_s: float = 0.02):
         self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
+        self.stats = EngineStats([], 0)  # the async engine adds its delivery time to the breakdown
         self.log, self.steps, self.step_s = [], 0, step_s
         self._ids = iter(range(1000))
 
@@ -105,16 +108,28 @@ class RecordingEngine:
     def advance(self):
         pass
 
-    def step(self):
-        time.sleep(self.step_s)  # a step takes time: submissions that trickle in land in later steps
+    def launch(self):
         running = sorted(s for s, left in self.requests.items() if left > 0)
-        self.steps += 1
+        if not running:
+            return None
         self.log.append(("step", tuple(running)))
+        return running
+
+    def finish(self, running):
+        if running is None:
+            return []
+        time.sleep(self.step_s)  # a step takes time: submissions that trickle in land in later steps
+        self.steps += 1
         events = []
         for sid in running:
+            if sid not in self.requests:  # aborted while its step ran
+                continue
             self.requests[sid] -= 1
             events.append(TokenEvent(sid, (sid,), (), "length" if self.requests[sid] == 0 else None))
         return events
+
+    def record(self):
+        pass
 
     def abort(self, sid):
         self.requests.pop(sid, None)
