@@ -30,13 +30,18 @@ class EngineConfig:
     # names this deployment's placement groups "<owner>/..."; an engine with an owner removes the ones an
     # earlier incarnation left behind (a Serve replica that died) before reserving
     owner: str | None = None
+    # warm standby actors, started ahead in their own bundles and joined to no process group: a dead
+    # actor's index is taken by a standby (failover without starting a process), then a new standby starts
+    standby_attention: int = 0  # each holds the attention weights and a cache, like a replica
+    standby_experts: int = 0  # each holds nothing until it takes a dead actor's experts
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.redundant_slots < 0:
-            raise ValueError(f"engine setting 'redundant_slots' must be >= 0, got {self.redundant_slots}")
+        for name in ("redundant_slots", "standby_attention", "standby_experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.rebalance_threshold < 1:
             raise ValueError(f"engine setting 'rebalance_threshold' must be >= 1 (1 = balanced), "
                              f"got {self.rebalance_threshold}")
