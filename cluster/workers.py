@@ -139,7 +139,7 @@ class WorkerGroup:
         res = self._reserve(spec, c.start_timeout_s)
         self.reservations.append(res)
         try:
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self.router = RemoteRouter.options(scheduling_strategy=here).remote(  # dies only with the engine's node
                 self.cfg.n_routed_experts, self.cfg.moe_layers, window_steps=c.window_steps)
             table = self._get(self.router.initial.remote(spec.attention, spec.experts), c.start_timeout_s,
@@ -293,6 +293,13 @@ class WorkerGroup:
             pass
 
     # ---- recovery ----------------------------------------------------------------------------
+    def lost(self) -> list[tuple[str, int]]:
+        """Members whose node stopped answering. (An actor can answer a failed step with an exchange
+        error just before it dies with its node: it is dead all the same.)"""
+        reachable = _reachable_nodes()
+        return [(kind, i) for kind, members in (("attention", self.attention), ("expert", self.experts))
+                for i, m in enumerate(members) if not _node_reachable(m.home, reachable)]
+
     def recover(self, dead: list[tuple[str, int]], *, reserve_timeout_s: float = 10.0) -> EpochChange:
         """A recovery epoch (an epoch change nobody asked for): the same shape and placement, each
         dead actor replaced at its index — by a warm standby when one is up, else by a new actor in
@@ -306,8 +313,9 @@ class WorkerGroup:
         attention, experts = list(self.attention), list(self.experts)
         made: list[Member] = []
         freed: list[Home] = []
+        dead = sorted(set(dead) | set(self.lost()))
         try:
-            for kind, i in sorted(set(dead)):
+            for kind, i in dead:
                 members = attention if kind == "attention" else experts
                 _kill(members[i].actor)
                 freed.append(members[i].home)
@@ -513,14 +521,18 @@ def _names(num_attention: int, num_experts: int) -> list[str]:
     return [f"attention[{i}]" for i in range(num_attention)] + [f"expert[{j}]" for j in range(num_experts)]
 
 
-def _node_reachable(home: Home) -> bool:
+def _node_reachable(home: Home, reachable: frozenset[str] | None = None) -> bool:
     """The node of ``home``'s bundle is alive in the GCS and its raylet accepts a connection. (The GCS
     marks a node dead only seconds after it stopped answering; a refused connection tells at once.)"""
     try:
         node = home.reservation.node_of(home.kind, home.index)
     except (KeyError, IndexError):  # the bundle is not placed (its node is gone)
         return False
-    return any(n["NodeID"] == node and n["Alive"] and _raylet_answers(n) for n in ray.nodes())
+    return node in (_reachable_nodes() if reachable is None else reachable)
+
+
+def _reachable_nodes() -> frozenset[str]:
+    return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"] and _raylet_answers(n))
 
 
 def _raylet_answers(node: dict, timeout_s: float = 1.0) -> bool:
