@@ -31,12 +31,12 @@ from .progress import LoadProgress
 
 
 class AttentionWorker:
-    def __init__(self, model_path: str, *, index: int, table: PlacementTable, num_blocks: int,
+    def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto"):
         if threads:
             torch.set_num_threads(threads)
-        self.index, self.name = index, f"attention[{index}]"
+        self.index, self.name = index, "attention[standby]" if index is None else f"attention[{index}]"
         self.table, self.impl, self.block_size, self.exchange = table, impl, block_size, exchange
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any

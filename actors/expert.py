@@ -31,20 +31,23 @@ from .progress import LoadProgress
 
 
 class ExpertWorker:
-    def __init__(self, model_path: str, *, index: int, table: PlacementTable, dtype: str = "float32",
+    def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, dtype: str = "float32",
                  threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS,
                  exchange: str = "auto"):
+        """``index`` None: a warm standby, holding no experts until :meth:`enter_epoch` gives it slots."""
         if threads:
             torch.set_num_threads(threads)
-        self.path, self.index, self.name, self.table = model_path, index, f"expert[{index}]", table
+        self.path, self.index, self.table = model_path, index, table
+        self.name = "expert[standby]" if index is None else f"expert[{index}]"
         self.cfg = load_config(model_path)
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
         self.dequantize, self.read_threads, self.mode = dequantize, read_threads, exchange
         self.progress = LoadProgress(self.name)
-        self.experts = load_routed_experts(model_path, self.cfg, table.experts_of(index), dtype=self.dtype,
-                                           device=self.device, dequantize=dequantize, threads=read_threads,
+        shard = {} if index is None else table.experts_of(index)
+        self.experts = load_routed_experts(model_path, self.cfg, shard, dtype=self.dtype, device=self.device,
+                                           dequantize=dequantize, threads=read_threads,
                                            on_progress=self.progress.update)
         self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
         self.exchange: ExpertExchange | None = None
@@ -84,14 +87,15 @@ class ExpertWorker:
         """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
         checkpoint (the rest are reused from what this actor holds)."""
         want = table.experts_of(index)
-        missing = {layer: [e for e in ids if e not in self.experts[layer].expert_ids] for layer, ids in want.items()}
+        held = self.held()
+        missing = {layer: [e for e in ids if e not in held.get(layer, ())] for layer, ids in want.items()}
         missing = {layer: ids for layer, ids in missing.items() if ids}
         fresh = load_routed_experts(self.path, self.cfg, missing, dtype=self.dtype, device=self.device,
                                     dequantize=self.dequantize, threads=self.read_threads)
         staged = {}
         for layer, ids in want.items():
-            old, new = self.experts[layer], fresh.get(layer)
-            parts = [(old, old.expert_ids.index(e)) if e in old.expert_ids else (new, new.expert_ids.index(e))
+            old, new = self.experts.get(layer), fresh.get(layer)
+            parts = [(old, old.expert_ids.index(e)) if e in held.get(layer, ()) else (new, new.expert_ids.index(e))
                      for e in ids]
             staged[layer] = gather_experts(parts)
         self.staged = (table.epoch, index, staged)

@@ -1,12 +1,20 @@
 """Recovery benchmark (issue 9: survive dead actors).
 
-    python bench/bench_recovery.py [--preset kimi-k2-tiny] [--runs 3] [--streams 6]
+    python bench/bench_recovery.py [--preset kimi-k2-tiny] [--runs 3] [--streams 6] [--standby 0 1]
 
 On 3 local Ray nodes, a 2 attention x 3 expert engine with ``--streams`` greedy requests in flight:
 an expert actor is killed (``ray.kill``, as `moeray chaos kill-expert 1` does), then an attention
-actor. Per kill: the recovery time (failed step → dead actor replaced → cluster serving again in a
-recovery epoch), of which the regroup; and whether every request still ended with exactly the
-tokens of a fault-free run. Medians of ``--runs``; a JSON line at the end."""
+actor. Once per ``--standby`` value N (N warm standby actors of each kind; 0 = a new actor is started
+for the dead one), in the same run, so the ratios compare like with like. Per kill:
+- recovery: failed step → dead actor replaced → cluster serving again in a recovery epoch;
+  of which ``replace`` (the replacement started: a standby taken, or a new actor up) and ``regroup``
+  (every actor in the new process group, the replacement loading the dead one's experts);
+- detect: from the failing step's start until the failure was known (the step's wall time less the
+  recovery);
+- redo: the first step after the recovery (it redoes the failed step; re-prefills a dead attention
+  replica's sequences), against a median decode step before the kill;
+- whether every request still ended with exactly the tokens of a fault-free run.
+Medians of ``--runs``; a JSON line at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 
 import ray
 import torch
@@ -25,6 +34,7 @@ from model.presets import build_preset
 from model.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=48, ignore_eos=True)
+KEYS = ("recovery_s", "replace_s", "regroup_s", "detect_s", "redo_s", "decode_step_s")
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -32,18 +42,41 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(1, 700, (10 + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
+def _timed_step(eng: Engine) -> float:
+    t0 = time.perf_counter()
+    eng.step()
+    return time.perf_counter() - t0
+
+
+def _standbys_up(eng: Engine) -> None:
+    ray.get([m.actor.node_id.remote() for m in eng.workers.standby], timeout=300)
+
+
 def run_with_kill(eng: Engine, prompts, kind: str, index: int) -> tuple[list[list[int]], dict]:
+    _standbys_up(eng)  # a standby started by the previous recovery is warm before the next kill
     ids = [eng.add_request(p, PARAMS) for p in prompts]
-    for _ in range(4):
-        eng.step()
+    decode = [_timed_step(eng) for _ in range(4)][1:]  # the first one prefills
     members = eng.workers.experts if kind == "expert" else eng.workers.attention
     ray.kill(members[index].actor, no_restart=True)
     n = len(eng.changes)
+    failing = _timed_step(eng)
+    redo = _timed_step(eng)
     while eng.has_work:
         eng.step()
-    change = eng.changes[n]
-    return [eng.release(i).seq.output_ids for i in ids], {"recovery_s": eng.stats.recoveries[-1],
-                                                           "regroup_s": change.regroup_s}
+    change, recovery = eng.changes[n], eng.stats.recoveries[-1]
+    return [eng.release(i).seq.output_ids for i in ids], {
+        "recovery_s": recovery, "replace_s": change.replace_s, "regroup_s": change.regroup_s,
+        "detect_s": failing - recovery, "redo_s": redo, "decode_step_s": statistics.median(decode)}
+
+
+def one_run(path: str, prompts, standby: int) -> dict:
+    cfg = EngineConfig(model=path, collective_timeout_s=10, max_tokens_per_step=128,
+                       standby_attention=standby, standby_experts=standby)
+    with Engine(cfg, ClusterSpec(attention=2, experts=3)) as eng:
+        reference = [s.output_ids for s in eng.generate(prompts, PARAMS)]
+        out_e, expert = run_with_kill(eng, prompts, "expert", 1)
+        out_a, attention = run_with_kill(eng, prompts, "attention", 0)
+    return {"expert": {**expert, "exact": out_e == reference}, "attention": {**attention, "exact": out_a == reference}}
 
 
 def main() -> None:
@@ -51,28 +84,31 @@ def main() -> None:
     ap.add_argument("--preset", default="kimi-k2-tiny")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--standby", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args()
-    results = []
+    results: dict[int, list[dict]] = {n: [] for n in args.standby}
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(nodes=3, num_cpus=4) as cluster:
         path = str(build_preset(args.preset, f"{tmp}/m", seed=0, dtype="float32", progress=False))
         ray.init(address=cluster.address, logging_level="WARNING")
-        cfg = EngineConfig(model=path, collective_timeout_s=10, max_tokens_per_step=128)
         prompts = _prompts(args.streams)
         for _ in range(args.runs):
-            with Engine(cfg, ClusterSpec(attention=2, experts=3)) as eng:
-                reference = [s.output_ids for s in eng.generate(prompts, PARAMS)]
-                out_e, expert = run_with_kill(eng, prompts, "expert", 1)
-                out_a, attention = run_with_kill(eng, prompts, "attention", 0)
-                results.append({"expert": {**expert, "exact": out_e == reference},
-                                "attention": {**attention, "exact": out_a == reference}})
+            for n in args.standby:
+                results[n].append(one_run(path, prompts, n))
         ray.shutdown()
-    med = {k: {"recovery_s": statistics.median(r[k]["recovery_s"] for r in results),
-               "regroup_s": statistics.median(r[k]["regroup_s"] for r in results),
-               "all_exact": all(r[k]["exact"] for r in results)} for k in ("expert", "attention")}
+    med = {n: {k: {**{key: statistics.median(r[k][key] for r in rs) for key in KEYS},
+                   "all_exact": all(r[k]["exact"] for r in rs)} for k in ("expert", "attention")}
+           for n, rs in results.items()}
     print(f"{args.preset}, 2 attention x 3 experts, {args.streams} streams in flight, median of {args.runs} runs")
-    for k, v in med.items():
-        print(f"  kill {k:9s}: recovery {v['recovery_s']:.2f}s (regroup {v['regroup_s']:.2f}s), "
-              f"outputs exact: {v['all_exact']}")
+    for n, m in med.items():
+        for k, v in m.items():
+            print(f"  standby {n}, kill {k:9s}: recovery {v['recovery_s']:.2f}s (replace {v['replace_s']:.2f}s, "
+                  f"regroup {v['regroup_s']:.2f}s); detect {v['detect_s']:.2f}s; redo step {v['redo_s']:.2f}s "
+                  f"(decode step {v['decode_step_s']:.3f}s); outputs exact: {v['all_exact']}")
+    if 0 in med and len(med) > 1:
+        for n in [n for n in med if n]:
+            for k in ("expert", "attention"):
+                ratios = [a[k]["recovery_s"] / b[k]["recovery_s"] for a, b in zip(results[n], results[0])]
+                print(f"  recovery with {n} standby / without, kill {k}: median ratio {statistics.median(ratios):.2f}")
     print(json.dumps({"preset": args.preset, "median": med, "runs": results}))
 
 

@@ -36,6 +36,10 @@ class EngineConfig:
     ping_pong: bool = False
     micro_batches: int = 2
     exchange: str = "auto"
+    # warm standby actors, started ahead in their own bundles and joined to no process group: a dead
+    # actor's index is taken by a standby (failover without starting a process), then a new standby starts
+    standby_attention: int = 0  # each holds the attention weights and a cache, like a replica
+    standby_experts: int = 0  # each holds nothing until it takes a dead actor's experts
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
@@ -46,8 +50,9 @@ class EngineConfig:
             raise ValueError(f"engine setting 'micro_batches' must be >= 2 (ping-pong needs two), got {self.micro_batches}")
         if self.exchange not in ("auto", "dense", "sparse"):
             raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
-        if self.redundant_slots < 0:
-            raise ValueError(f"engine setting 'redundant_slots' must be >= 0, got {self.redundant_slots}")
+        for name in ("redundant_slots", "standby_attention", "standby_experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.rebalance_threshold < 1:
             raise ValueError(f"engine setting 'rebalance_threshold' must be >= 1 (1 = balanced), "
                              f"got {self.rebalance_threshold}")

@@ -249,13 +249,14 @@ class Engine:
         dead actors in a recovery epoch, and let the next step redo the work. Raises NoCapacity (the
         engine is then unavailable until :meth:`heal` succeeds)."""
         t0 = time.monotonic()
-        for kind, _ in failure.dead:
+        dead = sorted(set(failure.dead) | set(self.workers.lost()))  # and those dying with their node
+        for kind, _ in dead:
             self.stats.observe_failure(kind)
         if self.transition is not None:  # the change in progress is off; its requester hears why
             self.workers.abort(self.transition)
             self._finish_transition(EngineError(f"the epoch change was interrupted: {failure}"))
-        self._undo(plan, {i for kind, i in failure.dead if kind == "attention"})
-        self.unrecovered = list(failure.dead)
+        self._undo(plan, {i for kind, i in dead if kind == "attention"})
+        self.unrecovered = dead
         self.heal()
         self.stats.observe_recovery(time.monotonic() - t0)
 

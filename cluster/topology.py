@@ -191,13 +191,13 @@ def _place(
     return out
 
 
-def _alive_nodes() -> list[NodeInfo]:
+def _alive_nodes(exclude: frozenset[str] = frozenset()) -> list[NodeInfo]:
     # available_resources_per_node is a DeveloperAPI; ray.nodes() only has totals.
     available = ray._private.state.available_resources_per_node()
     return [
         NodeInfo(n["NodeID"], n["NodeManagerAddress"], dict(available.get(n["NodeID"], {})))
         for n in ray.nodes()
-        if n["Alive"]
+        if n["Alive"] and n["NodeID"] not in exclude
     ]
 
 
@@ -228,8 +228,10 @@ def remove_orphans(owner: str) -> int:
     return removed
 
 
-def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "") -> Reservation:
-    """Reserve every attention and expert bundle of `spec` in one placement group (all or none).
+def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "",
+            exclude: frozenset[str] = frozenset()) -> Reservation:
+    """Reserve every attention and expert bundle of `spec` in one placement group (all or none),
+    on no node in `exclude` (node ids: e.g. nodes known dead that the GCS still lists alive).
 
     Needs a connected driver (`ray.init(address=...)`). Raises ValueError for `*_nodes` that
     name unknown nodes, and ReservationTimeoutError (after removing the group) when the group is
@@ -243,11 +245,11 @@ def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "") -> Rese
     # while after a removal, which would starve the next attempt.
     start = time.monotonic()
     deadline = start + timeout_s
-    nodes = _alive_nodes()
+    nodes = _alive_nodes(exclude)
     plan = plan_bundles(spec, nodes)
     while None in plan and time.monotonic() < deadline:
         time.sleep(0.25)
-        nodes = _alive_nodes()
+        nodes = _alive_nodes(exclude)
         plan = plan_bundles(spec, nodes)
     if None not in plan:
         selectors = [{NODE_ID_LABEL: node_id} for node_id in plan]

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.group import NCCL_ENV
 from actors.messages import ExpertStep, GroupInfo, PlacementTable, StepRequest
@@ -87,6 +89,7 @@ class EpochChange:
     moved_sequences: int = 0  # sequences re-prefilled on another attention replica
     imbalance_before: tuple[float, ...] = ()  # per MoE layer, max/mean tokens per expert actor
     imbalance_after: tuple[float, ...] = ()
+    replace_s: float = 0.0  # recovery: until the dead actors' replacements (standbys or new actors) had started
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,6 +127,7 @@ class WorkerGroup:
         self.attention: list[Member] = []
         self.experts: list[Member] = []
         self.spare: list[Home] = []  # bundles of retired actors, reused before reserving more
+        self.standby: list[Member] = []  # warm actors in no process group, each ready to take a dead one's index
         self.reservations: list[Reservation] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -135,24 +139,26 @@ class WorkerGroup:
         res = self._reserve(spec, c.start_timeout_s)
         self.reservations.append(res)
         try:
-            self.router = RemoteRouter.remote(self.cfg.n_routed_experts, self.cfg.moe_layers,
-                                              window_steps=c.window_steps)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.router = RemoteRouter.options(scheduling_strategy=here).remote(  # dies only with the engine's node
+                self.cfg.n_routed_experts, self.cfg.moe_layers, window_steps=c.window_steps)
             table = self._get(self.router.initial.remote(spec.attention, spec.experts), c.start_timeout_s,
                               "the router's first table")
             self.attention = [self._new_attention(Home(res, "attention", i), table, i) for i in range(spec.attention)]
             self.experts = [self._new_expert(Home(res, "expert", j), table, j) for j in range(spec.experts)]
             self._form_group(table, self.attention, self.experts, "joining the process group")
             self.table = table
+            self._start_standbys(c.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
     def shutdown(self) -> None:
-        for m in self.attention + self.experts:
+        for m in self.attention + self.experts + self.standby:
             _kill(m.actor)
         if self.router is not None:
             _kill(self.router)
-        self.attention, self.experts, self.router, self.spare = [], [], None, []
+        self.attention, self.experts, self.router, self.spare, self.standby = [], [], None, [], []
         for res in self.reservations:
             res.release()
         self.reservations = []
@@ -290,23 +296,34 @@ class WorkerGroup:
             pass
 
     # ---- recovery ----------------------------------------------------------------------------
+    def lost(self) -> list[tuple[str, int]]:
+        """Members whose node stopped answering. (An actor can answer a failed step with an exchange
+        error just before it dies with its node: it is dead all the same.)"""
+        reachable = _reachable_nodes()
+        return [(kind, i) for kind, members in (("attention", self.attention), ("expert", self.experts))
+                for i, m in enumerate(members) if not _node_reachable(m.home, reachable)]
+
     def recover(self, dead: list[tuple[str, int]], *, reserve_timeout_s: float = 10.0) -> EpochChange:
         """A recovery epoch (an epoch change nobody asked for): the same shape and placement, each
-        dead actor replaced at its index — in its own bundle while its node lives, else in a new
-        reservation on a node with room (:class:`NoCapacity` when there is none) — and every actor
-        in a new process group. Survivors keep their weights, caches and KDA state."""
+        dead actor replaced at its index — by a warm standby when one is up, else by a new actor in
+        its own bundle while its node answers, else in a new reservation on a node with room
+        (:class:`NoCapacity` when there is none) — and every actor in a new process group. Survivors
+        keep their weights, caches and KDA state. Then the standby pool is refilled (not waited for)."""
         t0 = time.monotonic()
         old = self.table
         proposal = self._get(self.router.propose.remote(), self.config.step_timeout_s, "the recovery table")
         table = proposal.table
         attention, experts = list(self.attention), list(self.experts)
         made: list[Member] = []
+        freed: list[Home] = []
+        dead = sorted(set(dead) | set(self.lost()))
         try:
-            for kind, i in sorted(set(dead)):
+            for kind, i in dead:
                 members = attention if kind == "attention" else experts
                 _kill(members[i].actor)
-                home = members[i].home if _node_alive(members[i].home) else self._fresh_home(kind, reserve_timeout_s)
-                members[i] = self._replacement(kind, home, table, i, reserve_timeout_s)
+                freed.append(members[i].home)
+                members[i] = self._take_standby(kind) or self._replacement(kind, members[i].home, table, i,
+                                                                            reserve_timeout_s)
                 made.append(members[i])
             t1 = time.monotonic()
             self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
@@ -318,41 +335,112 @@ class WorkerGroup:
             raise
         self.attention, self.experts = attention, experts
         self.table = self._get(self.router.commit.remote(table.epoch), self.config.step_timeout_s, "publishing")
-        self._release_unused()
+        in_use = {id(m.home) for m in attention + experts}  # a replacement can sit in its predecessor's bundle
+        self.spare += [h for h in freed if id(h) not in in_use and _node_reachable(h)]
         took = time.monotonic() - t0
-        return EpochChange(table.epoch, "recovery", old.shape(), table.shape(), took, regroup, 0.0,
-                           sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values()))
+        self._refill_standbys(min(reserve_timeout_s, 2.0))  # off the step path but for a new reservation
+        self._release_unused()
+        loaded = sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values())
+        return EpochChange(table.epoch, "recovery", old.shape(), table.shape(), took, regroup, 0.0, loaded,
+                           replace_s=t1 - t0)
 
     def _replacement(self, kind: Kind, home: Home, table: PlacementTable, index: int, timeout_s: float) -> Member:
-        """A started replacement actor. Its node can die, or be found dead, only now (a node's
-        death reaches the GCS seconds after its connections broke): then once more in a fresh home."""
+        """A started new actor for a dead one: in ``home`` (the dead one's bundle) while its node answers,
+        else in a fresh home. The node can be found dead only now (the GCS marks a node dead seconds
+        after it stopped answering): then once more in a fresh home. Never waits on a dead node."""
         new = self._new_attention if kind == "attention" else self._new_expert
-        member = new(home, table, index)
-        try:
-            ray.get(member.actor.node_id.remote(), timeout=self.config.start_timeout_s)
-            return member
-        except ray.exceptions.RayActorError:
+        if not _node_reachable(home):
+            home = self._fresh_home(kind, timeout_s)
+        for attempt in range(2):
+            member = new(home, table, index)
+            state = self._await_start(member, self.config.start_timeout_s)
+            if state == "started":
+                return member
             _kill(member.actor)
-        except ray.exceptions.GetTimeoutError:
-            _kill(member.actor)
-            raise NoCapacity(f"a replacement {kind} actor did not start within {self.config.start_timeout_s:.0f}s")
-        member = new(self._fresh_home(kind, timeout_s), table, index)
-        try:
-            ray.get(member.actor.node_id.remote(), timeout=self.config.start_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            _kill(member.actor)  # the node it was placed on is going too: no room to recover right now
-            raise NoCapacity(f"no node has room for a replacement {kind} actor: {type(e).__name__}") from None
-        return member
+            if state == "timeout":
+                raise NoCapacity(f"no node has room for a replacement {kind} actor: it did not start within "
+                                 f"{self.config.start_timeout_s:.0f}s")
+            if attempt == 0:
+                home = self._fresh_home(kind, timeout_s)
+        raise NoCapacity(f"no node has room for a replacement {kind} actor: the node it was placed on is gone too")
+
+    def _await_start(self, member: Member, timeout_s: float) -> str:
+        """Wait until ``member``'s actor is constructed: "started"; "dead" when it died or the node of
+        its bundle stopped answering; "timeout". Checks the node every second."""
+        ref = member.actor.node_id.remote()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, _ = ray.wait([ref], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            if done:
+                try:
+                    ray.get(ref)
+                    return "started"
+                except ray.exceptions.RayActorError:
+                    return "dead"
+            if not _node_reachable(member.home):
+                return "dead"
+            if time.monotonic() >= deadline:
+                return "timeout"
 
     def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:
+        """A bundle in a new reservation, on a node that answers (a dead node may still be listed alive)."""
         spec = dataclasses.replace(self.spec, attention=1 if kind == "attention" else 0,
                                    experts=1 if kind == "expert" else 0)
         try:
-            res = self._reserve(spec, timeout_s)
+            res = self._reserve(spec, timeout_s, exclude=_unreachable_nodes())
         except (ReservationTimeoutError, ValueError) as e:  # ValueError: a pinned node is gone
             raise NoCapacity(f"no node has room for a replacement {kind} actor: {str(e).splitlines()[0]}") from None
         self.reservations.append(res)
         return Home(res, kind, 0)
+
+    # ---- standbys ----------------------------------------------------------------------------
+    def _start_standbys(self, timeout_s: float) -> None:
+        """Reserve the configured standbys' bundles (raises like a reservation of the shape does) and
+        start them; their start-up is not waited for."""
+        c = self.config
+        if c.standby_attention + c.standby_experts == 0:
+            return
+        spec = dataclasses.replace(self.spec, attention=c.standby_attention, experts=c.standby_experts)
+        try:
+            res = self._reserve(spec, timeout_s)
+        except ReservationTimeoutError as e:
+            raise ReservationTimeoutError(f"no room for the standby actors (standby_attention={c.standby_attention}, "
+                                          f"standby_experts={c.standby_experts}) beside the shape: {e}") from None
+        self.reservations.append(res)
+        homes = [Home(res, "attention", i) for i in range(c.standby_attention)]
+        homes += [Home(res, "expert", j) for j in range(c.standby_experts)]
+        self.standby += [self._new_standby(h) for h in homes]
+
+    def _new_standby(self, home: Home) -> Member:
+        new = self._new_attention if home.kind == "attention" else self._new_expert
+        return new(home, self.table, None)
+
+    def _take_standby(self, kind: Kind) -> Member | None:
+        """A started standby of ``kind`` out of the pool; None when none is (dead ones are dropped)."""
+        while pool := [m for m in self.standby if m.home.kind == kind]:
+            member = pool[0]
+            self.standby.remove(member)
+            if self._await_start(member, self.config.start_timeout_s) == "started":
+                return member
+            _kill(member.actor)
+        return None
+
+    def _refill_standbys(self, timeout_s: float) -> None:
+        """Start standbys until the pool is full: in free bundles whose node answers, else in a new
+        reservation (bounded by ``timeout_s``; without room the pool stays short until the next
+        recovery). The new actors' start-up is not waited for."""
+        c = self.config
+        for kind, want in (("attention", c.standby_attention), ("expert", c.standby_experts)):
+            for _ in range(want - sum(m.home.kind == kind for m in self.standby)):
+                home = next((h for h in self.spare if h.kind == kind and _node_reachable(h)), None)
+                if home is not None:
+                    self.spare.remove(home)
+                else:
+                    try:
+                        home = self._fresh_home(kind, timeout_s)
+                    except NoCapacity:
+                        break
+                self.standby.append(self._new_standby(home))
 
     # ---- helpers -------------------------------------------------------------------------------
     def _homes(self, kind: Kind, count: int, t: Transition) -> list[Home]:
@@ -376,13 +464,13 @@ class WorkerGroup:
         t.reservations.append(res)
         return reuse + [Home(res, kind, i) for i in range(more)]
 
-    def _reserve(self, spec: ClusterSpec, timeout_s: float) -> Reservation:
+    def _reserve(self, spec: ClusterSpec, timeout_s: float, exclude: frozenset[str] = frozenset()) -> Reservation:
         name = f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
-        return reserve(spec, timeout_s=timeout_s, name=name)
+        return reserve(spec, timeout_s=timeout_s, name=name, exclude=exclude)
 
     def _release_unused(self) -> None:
-        """Release reservations none of whose bundles hold a live actor any more."""
-        live = {id(m.home.reservation) for m in self.attention + self.experts}
+        """Release reservations none of whose bundles hold a live actor (or a standby) any more."""
+        live = {id(m.home.reservation) for m in self.attention + self.experts + self.standby}
         for res in [r for r in self.reservations if id(r) not in live]:
             res.release()
             self.reservations.remove(res)
@@ -436,9 +524,31 @@ def _names(num_attention: int, num_experts: int) -> list[str]:
     return [f"attention[{i}]" for i in range(num_attention)] + [f"expert[{j}]" for j in range(num_experts)]
 
 
-def _node_alive(home: Home) -> bool:
-    node = home.reservation.node_of(home.kind, home.index)
-    return any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+def _node_reachable(home: Home, reachable: frozenset[str] | None = None) -> bool:
+    """The node of ``home``'s bundle is alive in the GCS and its raylet accepts a connection. (The GCS
+    marks a node dead only seconds after it stopped answering; a refused connection tells at once.)"""
+    try:
+        node = home.reservation.node_of(home.kind, home.index)
+    except (KeyError, IndexError):  # the bundle is not placed (its node is gone)
+        return False
+    return node in (_reachable_nodes() if reachable is None else reachable)
+
+
+def _reachable_nodes() -> frozenset[str]:
+    return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"] and _raylet_answers(n))
+
+
+def _raylet_answers(node: dict, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _unreachable_nodes() -> frozenset[str]:
+    """Nodes the GCS still lists alive whose raylet does not answer."""
+    return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"] and not _raylet_answers(n))
 
 
 def _kill(actor) -> None:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
@@ -192,6 +193,8 @@ def _raise_reject(first: Reject):
 
 def _stream_error(err: Exception) -> dict:
     """The error event that ends a stream whose engine failed (OpenAI's envelope, status 503)."""
+    if isinstance(err, ray.exceptions.RayTaskError) and err.cause is not None:  # the engine replica's own error
+        err = err.cause
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return oa.error_body(503, f"the request failed while generating ({type(err).__name__}: {first}); "
                               "retry it", code="engine_failed")

@@ -39,6 +39,11 @@ class ServeConfig(BaseModel):
     attention_nodes: list[str] | None = Field(None, description="Pin attention replicas to these Ray nodes.")
     redundant_slots: int = Field(0, ge=0, description="Spare physical expert slots per MoE layer for copies of hot "
                                                       "experts (used by `moeray rebalance` and the automatic policy).")
+    standby_attention: int = Field(0, ge=0, description="Warm standby attention actors (each holds the attention "
+                                                        "weights and a bundle): a dead replica is replaced in "
+                                                        "about the regroup's time instead of an actor's start.")
+    standby_experts: int = Field(0, ge=0, description="Warm standby expert actors (each holds a bundle, no weights "
+                                                      "until it takes a dead actor's experts).")
     auto_rebalance: bool = Field(False, description="Rebalance by itself when the measured imbalance passes "
                                                     "rebalance_threshold (at most once per rebalance_interval_s).")
     rebalance_window_steps: int = Field(256, ge=1, description="Steps of token counts the router keeps.")
@@ -85,7 +90,8 @@ class ServeConfig(BaseModel):
                             auto_rebalance=self.auto_rebalance, rebalance_threshold=self.rebalance_threshold,
                             rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
                             load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
-                            micro_batches=self.micro_batches, exchange=self.exchange)
+                            micro_batches=self.micro_batches, exchange=self.exchange,
+                            standby_attention=self.standby_attention, standby_experts=self.standby_experts)
 
     def cluster_spec(self):
         from cluster.topology import ClusterSpec

@@ -1,13 +1,12 @@
-"""Recovery through the real path (issue 9, Must show 1-3): the Serve app on 3 local Ray nodes,
+"""Recovery through the real path (issue 9, Must show 1-4): the Serve app on 3 local Ray nodes,
 greedy SSE streams over HTTP, and real faults — `moeray chaos kill-expert|kill-attention` (a
-`ray.kill`) and a SIGKILL of the engine's Serve replica. Streams continue token for token where the
-cluster recovers; when the engine itself dies, every request ends with a clear error event (never a
-hang) and the app heals itself.
+`ray.kill`), a SIGKILL of the engine's Serve replica, a Ray node that goes away with the only room
+for its actors. Streams continue token for token where the cluster can recover; where it cannot,
+every request ends with a clear error (never a hang) and the app heals itself.
 
-Not here yet (issue 9, Must show 4): a node that goes away with the only room for its actors. The
-code path exists (NoCapacity: 503 + Retry-After, healing by itself), but its test was not reliable on
-this machine: recovery can start before the GCS has marked the node dead, and a replacement placed in
-the dead node's bundle then waits the whole start timeout."""
+A node that dies is known unreachable at once (its raylet refuses connections) but the GCS marks it
+dead only seconds later: recovery must not place a replacement in the dead node's bundle (it would
+wait the whole start timeout), nor plan a new reservation on it."""
 
 import os
 import signal
@@ -111,3 +110,41 @@ def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port
     assert len(_engine_pgs("eng")) == 1  # the dead replica's reservation did not stay behind
     assert _engine_actors() == actors  # the dead replica's actors are gone, the new one's are there
     serve.delete("eng")
+
+
+def test_no_capacity_answers_503_with_retry_after_and_heals_when_a_node_returns(port, ray_cluster,
+                                                                                tmp_path_factory):
+    """Both expert actors pinned to one extra node; the node goes away, and nowhere else may hold
+    them: open and queued requests end with an error, new ones get 503 + Retry-After, /health says
+    why; the node comes back and the app serves again, by itself."""
+    ip = "127.0.0.9"
+    node = ray_cluster.add_node(ip, num_cpus=2)
+    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("cap") / "cap", seed=13, progress=False)
+    try:
+        url = deploy(port, path, "cap", serve_on_head=True, attention=1, experts=2, expert_nodes=[ip],
+                     attention_nodes=[ray_cluster.node_ips[0]])
+        expected = oracle(path, _prompts(2), 30)
+        streams = start_streams(url, "cap", _prompts(2), 2000)
+        ray_cluster.remove_node(node)
+        node = None
+        for s in streams:
+            s.join(120)
+            assert s.ended is not None and s.error_event is not None, "a stream hung without capacity"
+            assert "no node has room" in s.error_event["message"]
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 503 and "no node has room" in health.json()["error"]
+        body = {"model": "cap", "prompt": "Hello", "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert "no node has room" in r.json()["error"]["message"]
+        node = ray_cluster.add_node(ip, num_cpus=2)  # capacity is back
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert time.monotonic() < deadline, "the app did not heal when capacity came back"
+            time.sleep(0.5)
+        assert finish(start_streams(url, "cap", _prompts(2), 30)) == expected
+        assert _status(url)["last_change"]["kind"] == "recovery"
+    finally:
+        serve.delete("cap")
+        if node is not None:
+            ray_cluster.remove_node(node)
