@@ -51,6 +51,7 @@ class Launched:
     plan: object  # the scheduler's Plan
     refs: list
     t0: float
+    table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ class Engine:
         t1 = time.perf_counter()
         refs = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens))
         self.stats.add_time(schedule=t1 - t0, launch=time.perf_counter() - t1)
-        return Launched(self.step_no, plan, refs, t1)
+        return Launched(self.step_no, plan, refs, t1, self.table)
 
     def finish(self, launched: Launched | None) -> list[TokenEvent]:
         """Wait for a launched step and apply its tokens (stop checks); its statistics wait for
@@ -201,7 +202,7 @@ class Engine:
         t1 = time.perf_counter()
         events = self._apply([t for r in attn for t in r.tokens])
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
-        self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0)
+        self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table)
         return events
 
     def record(self) -> None:
@@ -209,9 +210,9 @@ class Engine:
         if self._unrecorded is None:
             return
         t0 = time.perf_counter()
-        tokens, attn, expert, step_s = self._unrecorded
+        tokens, attn, expert, step_s, table = self._unrecorded  # the next step may be in a new epoch already
         self._unrecorded = None
-        self.stats.record_step(tokens, attn, expert, step_s, self.table)
+        self.stats.record_step(tokens, attn, expert, step_s, table)
         if self.stats.last_expert_tokens is not None:
             step = torch.tensor(self.stats.last_expert_tokens, dtype=torch.long)
             self._unreported = step if self._unreported is None else self._unreported + step

@@ -185,8 +185,7 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
     assert max(per_actor) / (sum(per_actor) / 3) < max(contiguous) / (sum(contiguous) / 3)
 
 
-@pytest.mark.parametrize("exchange", ["dense", "sparse"])
-@pytest.mark.parametrize("mode", ["stuck", "gone"])
+@pytest.mark.parametrize("mode,exchange", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
 def test_peer_gone_or_stuck_raises_clear_error(mode, exchange):
     (res,) = [o for o in _spawn(world=2, A=1, slots=[[tuple(range(10))]] * 2, mode=mode, wait_for=1,
                                 exchange=exchange)]

@@ -194,7 +194,7 @@ def test_malformed_json_oversized_body_and_missing_key(server):
 
 
 def test_full_queue_gets_503_with_retry_after(server):
-    body = json.dumps({"model": NAME, "prompt": "x" * 40, "max_tokens": 200, "ignore_eos": True})
+    body = json.dumps({"model": NAME, "prompt": "x" * 40, "max_tokens": 60, "ignore_eos": True})
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as c:
