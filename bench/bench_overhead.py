@@ -94,23 +94,27 @@ def served_rate(url: str, streams: int, prompt_len: int, new: int) -> float:
 class Served:
     """``moeray up --detach`` on the checkpoint (1 attention × 1 expert), stopped on exit."""
 
-    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None):
+    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None, threads: int = 1):
         self.url = f"http://127.0.0.1:{port}"
-        self.env = env | {"PYTHONPATH": tree} if tree else env  # serve another checkout's code
+        # another checkout's code: first on the path, and the working directory (Ray's workers import from it)
+        self.env, self.cwd = (env | {"PYTHONPATH": tree}, tree) if tree else (env, None)
         self.cfg = Path(env["MOERAY_CACHE_DIR"]) / f"serve-{port}.yaml"
         cfg = {"model": str(path), "port": port, "attention": 1, "experts": 1, "max_num_seqs": 64}
-        self.cfg.write_text(yaml.safe_dump(cfg | ({"ping_pong": True} if ping_pong else {})))
+        cfg |= ({"ping_pong": True} if ping_pong else {}) | ({"actor_threads": threads} if threads > 1 else {})
+        self.cfg.write_text(yaml.safe_dump(cfg))
         self.moeray = str(Path(sys.executable).parent / "moeray")
 
     def __enter__(self) -> "Served":
-        subprocess.run([self.moeray, "up", "--detach", "--config", str(self.cfg)], env=self.env, check=True)
+        subprocess.run([self.moeray, "up", "--detach", "--config", str(self.cfg)], env=self.env, cwd=self.cwd,
+                       check=True)
         return self
 
     def __exit__(self, *exc) -> None:
-        subprocess.run([self.moeray, "down"], env=self.env, check=False)
+        subprocess.run([self.moeray, "down"], env=self.env, cwd=self.cwd, check=False)
 
     def breakdown(self) -> dict:
-        return httpx.get(f"{self.url}/status", timeout=30).json().get("breakdown", {})
+        st = httpx.get(f"{self.url}/status", timeout=30).json()
+        return st.get("breakdown", {})
 
 
 def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int, q):
@@ -222,6 +226,8 @@ def main() -> None:
     ap.add_argument("--before-tree", help="also serve this checkout (an earlier commit) in the same run, "
                                           "ping-pong off: the 'before' row")
     ap.add_argument("--skip-exchange", action="store_true", help="skip the exchange-vs-floor measurement")
+    ap.add_argument("--actor-threads", default="1", type=lambda t: [int(x) for x in t.split(",")],
+                    help="served runs with these torch threads per actor, e.g. 1,2")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     new, plen, reps = args.new_tokens, args.prompt_len, args.repeats
@@ -237,11 +243,12 @@ def main() -> None:
             rows.setdefault("single-process runner, 2 threads", {})[n] = med(lambda: single_rate(path, n, plen, new))
             print(json.dumps({k: v.get(n) for k, v in rows.items()} | {"streams": n}), flush=True)
         breakdowns = {}
-        runs = [("before", "off", args.before_tree)] if args.before_tree else []
-        runs += [("now", mode, None) for mode in args.ping_pong.split(",")]
-        for label, mode, tree in runs:
-            name = f"served 1x1, {label}, ping-pong {mode}"
-            with Served(path, args.port, mode == "on", env, tree) as app:
+        runs = [("before", "off", args.before_tree, 1)] if args.before_tree else []
+        runs += [("now", mode, None, t) for mode in args.ping_pong.split(",") for t in args.actor_threads]
+        for label, mode, tree, threads in runs:
+            name = f"served 1x1, {label}, ping-pong {mode}" + (f", {threads} threads/actor" if threads > 1 else "")
+            label += f"/{threads}t" if threads > 1 else ""
+            with Served(path, args.port, mode == "on", env, tree, threads) as app:
                 for n in streams:
                     b0 = app.breakdown()
                     t0 = time.perf_counter()

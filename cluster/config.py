@@ -34,6 +34,7 @@ class EngineConfig:
     # data plane: ping-pong splits each step into micro-batches so attention and expert actors compute at
     # once; the exchange's wire format (actors/dispatch.py: dense, sparse, or auto by the table's shape)
     ping_pong: bool = False
+    actor_threads: int = 1  # torch threads per attention / expert actor (intra-op parallelism of each)
     micro_batches: int = 2
     exchange: str = "auto"
     # warm standby actors, started ahead in their own bundles and joined to no process group: a dead
@@ -43,7 +44,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
-                     "report_every_steps"):
+                     "report_every_steps", "actor_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
         if self.micro_batches < 2:

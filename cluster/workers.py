@@ -485,13 +485,14 @@ class WorkerGroup:
         opts = self._options(home.reservation.attention_options(home.index))
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
-            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange)
+            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange, threads=c.actor_threads)
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:
         opts = self._options(home.reservation.expert_options(home.index))
         return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table, dtype=self.config.dtype,
-                                                          exchange=self.config.exchange), home)
+                                                          exchange=self.config.exchange,
+                                                          threads=self.config.actor_threads), home)
 
     def _form_group(self, table: PlacementTable, attention: list[Member], experts: list[Member], what: str) -> None:
         c = self.config

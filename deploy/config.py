@@ -53,6 +53,8 @@ class ServeConfig(BaseModel):
     ping_pong: bool = Field(False, description="Split each step into micro-batches so attention and expert actors "
                                                "compute at the same time (MegaScale-Infer's ping-pong).")
     micro_batches: int = Field(2, ge=2, description="Micro-batches per step with ping_pong.")
+    actor_threads: int = Field(1, ge=1, description="Torch threads of each attention and expert actor (CPU "
+                                                    "intra-op parallelism; on GPUs 1 is enough).")
     exchange: Literal["auto", "dense", "sparse"] = Field(
         "auto", description="The expert exchange's wire format: dense (every token to every expert actor, no counts "
                             "exchange) or sparse (pairs only where their expert lives); auto: dense while there are "
@@ -90,7 +92,7 @@ class ServeConfig(BaseModel):
                             auto_rebalance=self.auto_rebalance, rebalance_threshold=self.rebalance_threshold,
                             rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
                             load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
-                            micro_batches=self.micro_batches, exchange=self.exchange,
+                            micro_batches=self.micro_batches, exchange=self.exchange, actor_threads=self.actor_threads,
                             standby_attention=self.standby_attention, standby_experts=self.standby_experts)
 
     def cluster_spec(self):
