@@ -215,11 +215,8 @@ class DistDispatcher(_Collectives):
     def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         return self.collect(self.issue(layer, x, topk_idx, topk_w))
 
-    def idle(self, layer: int) -> None:
-        """Take part in a layer's exchange with no tokens (a replica with nothing to run)."""
-        self.exchange(layer, *self.empty())
-
     def empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, topk_idx, topk_w) of no tokens: a replica with nothing to run still takes part in every exchange."""
         dev = self.device
         return (torch.empty(0, self.hidden, dtype=self.dtype, device=dev),
                 torch.empty(0, self.top_k, dtype=torch.long, device=dev), torch.empty(0, self.top_k, device=dev))
