@@ -1,6 +1,9 @@
 """The `moeray` console script end to end: make-checkpoint, generate, params, and its errors.
 
-Runs the installed entry point in a subprocess, as a user would."""
+Runs the installed entry point in a subprocess, as a user would. Each kind of user error (a bad
+tensor, a bad config, a bad prompt, an unknown model, a bad cluster flag) goes through the real
+subprocess at least once; further cases of the same kind run the same Typer app in this process
+(`in_process`), which checks the same exit code and stderr without paying a Python start-up each."""
 
 import json
 import os
@@ -8,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -23,6 +27,19 @@ def moeray(*args, env_extra=None, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"moeray {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def in_process(*args) -> SimpleNamespace:
+    """`moeray ARGS` through the same Typer app and error handling, in this process: exit code,
+    stdout and stderr as a subprocess would give them."""
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception  # an uncaught exception: a subprocess would print a traceback
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +114,7 @@ def test_missing_tensor(k2_dir, tmp_path):
 def test_wrong_shape(k2_dir, tmp_path):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     bad = _broken_copy(k2_dir, tmp_path / "m", lambda t: t.__setitem__(name, t[name][:-1].clone()))
-    _assert_clear_error(moeray("generate", "--model", str(bad), "--prompt-ids", "1", check=False), name)
+    _assert_clear_error(in_process("generate", "--model", str(bad), "--prompt-ids", "1"), name)
 
 
 def test_unexpected_tensor(k2_dir, tmp_path):
@@ -105,22 +122,24 @@ def test_unexpected_tensor(k2_dir, tmp_path):
 
     name = "model.layers.1.mlp.experts.99.up_proj.weight"
     bad = _broken_copy(k2_dir, tmp_path / "m", lambda t: t.__setitem__(name, torch.zeros(2, 2)))
-    _assert_clear_error(moeray("generate", "--model", str(bad), "--prompt-ids", "1", check=False), name)
+    _assert_clear_error(in_process("generate", "--model", str(bad), "--prompt-ids", "1"), name)
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda c: c.__setitem__("model_type", "llama"), "model_type"),
-    (lambda c: c.pop("kv_lora_rank"), "kv_lora_rank"),
-    (lambda c: c.__setitem__("hidden_size", "big"), "hidden_size"),
-    (lambda c: c.__setitem__("n_group", 3), "n_group"),
-    (lambda c: c.__setitem__("rope_scaling", {"type": "yarn", "factor": 4.0}), "original_max_position_embeddings"),
+@pytest.mark.parametrize("edit,needle,run", [
+    (lambda c: c.__setitem__("model_type", "llama"), "model_type", "subprocess"),
+    (lambda c: c.pop("kv_lora_rank"), "kv_lora_rank", "in_process"),
+    (lambda c: c.__setitem__("hidden_size", "big"), "hidden_size", "in_process"),
+    (lambda c: c.__setitem__("n_group", 3), "n_group", "in_process"),
+    (lambda c: c.__setitem__("rope_scaling", {"type": "yarn", "factor": 4.0}), "original_max_position_embeddings",
+     "in_process"),
 ])
-def test_bad_config(k2_dir, tmp_path, edit, needle):
+def test_bad_config(k2_dir, tmp_path, edit, needle, run):
     shutil.copytree(k2_dir, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     edit(cfg)
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    _assert_clear_error(moeray("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1", check=False), needle)
+    args = ("generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1")
+    _assert_clear_error(moeray(*args, check=False) if run == "subprocess" else in_process(*args), needle)
 
 
 def test_malformed_config_json(k2_dir, tmp_path):
@@ -132,7 +151,7 @@ def test_malformed_config_json(k2_dir, tmp_path):
 def test_prompt_ids_out_of_vocabulary(k2_dir):
     _assert_clear_error(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,99999", check=False),
                         "99999", "vocabulary")
-    _assert_clear_error(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,x", check=False), "--prompt-ids")
+    _assert_clear_error(in_process("generate", "--model", str(k2_dir), "--prompt-ids", "1,x"), "--prompt-ids")
 
 
 def test_unknown_model_or_preset():
