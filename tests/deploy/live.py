@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -62,6 +63,15 @@ def oracle(path, prompts, n):
     seqs = generate(runner, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     tok = Tokenizer.from_dir(path)
     return [tok.decode(s.output_ids) for s in seqs]
+
+
+def oracle_soon(path, prompts, n) -> Future:
+    """oracle() in a thread of this process, started before deploy() so that the single-process run
+    overlaps the app's start (mostly other processes starting); .result() gives the texts."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(oracle, path, prompts, n)
+    pool.shutdown(wait=False)
+    return future
 
 
 class Stream(threading.Thread):

@@ -15,13 +15,13 @@ import time
 import httpx
 import pytest
 import ray
-from live import KEY, deploy, finish, moeray, oracle, run_cli, series, start_streams
+from live import KEY, deploy, finish, moeray, oracle_soon, run_cli, series, start_streams
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
 from model.presets import build_preset
 
-N_TOKENS = 120
+N_TOKENS = 80  # a stream runs for seconds after the kill (asserted), recovery takes about one
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -57,14 +57,16 @@ def test_chaos_kills_while_6_streams_run(port, tmp_path_factory, preset, kills):
     attention kill is covered at the engine level, tests/cluster/test_engine.py)."""
     name = preset.split("-")[1]
     path = build_preset(preset, tmp_path_factory.mktemp(name) / name, seed=11, progress=False)
-    url = deploy(port, path, name, attention=2, experts=3)
     prompts = _prompts(6)
-    expected = oracle(path, prompts, N_TOKENS)
+    expected = oracle_soon(path, prompts, N_TOKENS)
+    url = deploy(port, path, name, attention=2, experts=3)
+    expected = expected.result()
     for kind, index in kills:
         before = _status(url)
         streams = start_streams(url, name, prompts, N_TOKENS)
-        out, _ = run_cli(url, "chaos", f"kill-{kind}", str(index))
+        out, killed_at = run_cli(url, "chaos", f"kill-{kind}", str(index))
         assert f"killed {kind}[{index}]" in out
+        assert all(s.ended is None or s.ended > killed_at for s in streams), "a stream ended before the kill"
         assert finish(streams) == expected, f"after killing {kind}[{index}]"
         assert all(len(s.pieces) == N_TOKENS for s in streams)  # nothing repeated or skipped
         assert httpx.get(f"{url}/health").status_code == 200
@@ -89,9 +91,12 @@ def _engine_actors():
 
 
 def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port, tmp_path_factory):
+    """The streams cut by the kill ask for 400 tokens (they are surely still running when it comes);
+    the healed app's output is checked token for token on 40 (what it serves, not for how long)."""
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("eng") / "eng", seed=12, progress=False)
+    expected = oracle_soon(path, _prompts(3), 40)
     url = deploy(port, path, "eng", attention=1, experts=2)
-    expected = oracle(path, _prompts(3), 400)
+    expected = expected.result()
     actors = _engine_actors()  # this app's, plus any other app's still on the session cluster
     assert len(_engine_pgs("eng")) == 1 and actors.count("ExpertWorker") >= 2
     pid = _status(url)["pid"]
@@ -104,9 +109,9 @@ def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port
     deadline = time.monotonic() + 240
     while not _healthy(url):  # Serve starts a new replica by itself
         assert time.monotonic() < deadline, "the app did not heal by itself"
-        time.sleep(1)
+        time.sleep(0.25)
     assert _status(url)["pid"] != pid
-    assert finish(start_streams(url, "eng", _prompts(3), 400)) == expected
+    assert finish(start_streams(url, "eng", _prompts(3), 40)) == expected
     assert len(_engine_pgs("eng")) == 1  # the dead replica's reservation did not stay behind
     assert _engine_actors() == actors  # the dead replica's actors are gone, the new one's are there
     serve.delete("eng")
@@ -121,9 +126,10 @@ def test_no_capacity_answers_503_with_retry_after_and_heals_when_a_node_returns(
     node = ray_cluster.add_node(ip, num_cpus=2)
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("cap") / "cap", seed=13, progress=False)
     try:
+        expected = oracle_soon(path, _prompts(2), 30)
         url = deploy(port, path, "cap", serve_on_head=True, attention=1, experts=2, expert_nodes=[ip],
                      attention_nodes=[ray_cluster.node_ips[0]])
-        expected = oracle(path, _prompts(2), 30)
+        expected = expected.result()
         streams = start_streams(url, "cap", _prompts(2), 2000)
         ray_cluster.remove_node(node)
         node = None
