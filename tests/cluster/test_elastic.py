@@ -161,29 +161,32 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
     assert before_out == after_out == _alone(path, prompts, params)
 
 
+AUTO_POLICY = dict(window_steps=4, rebalance_threshold=1.0, rebalance_interval_s=0.0)  # would act at once
+
+
 def test_automatic_policy_rebalances_by_itself_when_on(ray_cluster, presets):
+    """On, it rebalances unasked; off by default (the same settings, without auto_rebalance): in
+    test_refused_shapes_say_why_change_nothing_and_auto_rebalance_is_off_by_default, on its engine."""
     path = presets["kimi-k2-tiny"]
     prompts = _skewed(6, seed=6)
-    with _engine(path, 1, 2, auto_rebalance=True, window_steps=4, rebalance_threshold=1.0,
-                 rebalance_interval_s=0.0, redundant_slots=2) as eng:
+    with _engine(path, 1, 2, auto_rebalance=True, redundant_slots=2, **AUTO_POLICY) as eng:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
         assert eng.changes and eng.changes[0].kind == "rebalance"  # no one asked for it
         assert eng.table.num_physical() == 16 + 2
-    with _engine(path, 1, 2, window_steps=4, rebalance_threshold=1.0, rebalance_interval_s=0.0) as eng:
-        eng.generate(prompts, GREEDY)
-        assert not eng.changes and eng.table.epoch == 0  # off by default
     assert got == _alone(path, prompts, GREEDY)
 
 
-def test_refused_shapes_say_why_and_change_nothing(ray_cluster, presets):
+def test_refused_shapes_say_why_change_nothing_and_auto_rebalance_is_off_by_default(ray_cluster, presets):
     cfg = load_config(presets["kimi-k2-tiny"])
-    with _engine(presets["kimi-k2-tiny"], 1, 2) as eng:
+    with _engine(presets["kimi-k2-tiny"], 1, 2, **AUTO_POLICY) as eng:
         with pytest.raises(ValueError, match=f"expert actors must be in 1..{cfg.n_routed_experts}"):
             eng.begin_scale_experts(cfg.n_routed_experts + 1)
         with pytest.raises(ValueError, match="redundant_slots must be an integer >= 0"):
             eng.begin_rebalance(-1)
         assert eng.transition is None and eng.table.epoch == 0
         assert eng.generate([[1, 2, 3]], GREEDY)[0].output_ids == _alone(presets["kimi-k2-tiny"], [[1, 2, 3]], GREEDY)[0]
+        eng.generate(_skewed(6, seed=6), GREEDY)  # the automatic policy's skewed mix
+        assert not eng.changes and eng.table.epoch == 0  # auto_rebalance is off by default
 
 
 def test_only_the_router_builds_placement_tables():
