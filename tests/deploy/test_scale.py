@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from live import KEY, deploy, finish, metrics, moeray, oracle, run_cli, start_streams
+from live import KEY, deploy, finish, metrics, moeray, oracle_soon, run_cli, start_streams
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -37,9 +37,10 @@ N_TOKENS = 160
 
 def test_scale_experts_2_4_2_and_attention_2_1_while_8_streams_run(port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("k2") / "k2", seed=8, progress=False)
-    url = deploy(port, path, "k2", attention=2, experts=2)
     prompts = _prompts(8)
-    expected = oracle(path, prompts, N_TOKENS)
+    expected = oracle_soon(path, prompts, N_TOKENS)
+    url = deploy(port, path, "k2", attention=2, experts=2)
+    expected = expected.result()
     before = metrics(url)
     assert before["moeray:epoch"] == 0
 
@@ -74,9 +75,11 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     """kimi-k3-tiny: 16 experts from 2 actors to 3 (6/5/5) while streams run, then `moeray rebalance`
     with replicas; outputs unchanged, the imbalance report printed."""
     path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("k3") / "k3", seed=9, progress=False)
-    url = deploy(port, path, "k3", attention=1, experts=2, rebalance_window_steps=16)
     prompts = _prompts(8)
-    expected = oracle(path, prompts, N_TOKENS)
+    skewed = [[t] * 30 for t in (5, 5, 9, 5, 9, 5)]  # a skewed mix: the same experts win again and again
+    oracles = [oracle_soon(path, prompts, N_TOKENS), oracle_soon(path, skewed, 12), oracle_soon(path, prompts, 40)]
+    url = deploy(port, path, "k3", attention=1, experts=2, rebalance_window_steps=16)
+    expected, skewed_expected, expected_40 = (o.result() for o in oracles)
     streams = start_streams(url, "k3", prompts, N_TOKENS)
     out, at = run_cli(url, "scale", "experts", "3")
     assert "1 attention × 2 expert actors → 1 attention × 3 expert actors" in out, out
@@ -85,8 +88,6 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     st = json.loads(moeray("status", "--url", url, "--api-key", KEY, "--json").stdout)
     assert [len(e["slots"][next(iter(e["slots"]))]) for e in st["experts"]] == [6, 5, 5]
 
-    skewed = [[t] * 30 for t in (5, 5, 9, 5, 9, 5)]  # a skewed mix: the same experts win again and again
-    skewed_expected = oracle(path, skewed, 12)
     run_cli(url, "scale", "experts", "3")  # the same shape: a new epoch, so the gauge below sees this mix alone
     assert finish(start_streams(url, "k3", skewed, 12)) == skewed_expected
     before = _imbalance(url)  # and the router's 16-step window holds this mix too
@@ -97,7 +98,7 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     assert finish(start_streams(url, "k3", skewed, 12)) == skewed_expected  # the same mix, re-placed experts
     after = _imbalance(url)  # the gauge's window holds the current epoch's steps only
     assert 0 < after < before, (before, after)
-    assert finish(start_streams(url, "k3", prompts, N_TOKENS)) == expected
+    assert finish(start_streams(url, "k3", prompts, 40)) == expected_40  # the 8 prompts on the re-placed experts
     bad = httpx.post(f"{url}/admin/scale/experts", json={"n": 0}, headers={"Authorization": f"Bearer {KEY}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
     too_many = moeray("scale", "experts", "99", "--url", url, "--api-key", KEY)
