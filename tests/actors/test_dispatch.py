@@ -2,6 +2,7 @@
 and a collective whose peer is gone or stuck raises a clear error instead of hanging."""
 
 import multiprocessing as mp
+import queue
 import socket
 import time
 import traceback
@@ -61,77 +62,98 @@ def _micro(rank: int, layer: int, m: int):
     return (x[:cut], idx[:cut], w[:cut]) if m == 0 else (x[cut:], idx[cut:], w[cut:])
 
 
-def _run(rank, world, port, A, slots, mode, q, exchange="dense"):
+def _exchange_ok(rank, A, key, slots, exchange, q):
+    """One placement and wire format: one exchange per layer, then two micro-batches per layer posted
+    before collecting; answers (key, rank, "ok", max |diff|) or (key, rank, "rows", per-slot rows)."""
+    table = _table(slots, A)
+    shards = _shards(table)
+    if rank < A:
+        d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32, K, exchange)
+        d.begin_step(5)
+        local = LocalDispatcher(table, shards)
+        diffs = []
+        for layer in (1, 2):
+            x, idx, w = _inputs(rank, layer)
+            got = d.exchange(layer, x, idx, w)
+            ref = local.for_layer(layer)(x, idx, w)
+            diffs.append(float((got - ref).abs().max()) if len(x) else 0.0)
+        experts, slots = d.take_stats()
+        n = sum(_inputs(rank, layer)[1].numel() for layer in (1, 2))
+        assert int(experts.sum()) == int(slots.sum()) == n
+        for layer in (1, 2):  # ping-pong order: both micro-batches posted, then collected
+            parts = [_micro(rank, layer, m) for m in (0, 1)]
+            pending = [d.issue(layer, *p) for p in parts]
+            for p, part in zip(pending, parts):
+                got = d.collect(p)
+                ref = local.for_layer(layer)(*part)
+                diffs.append(float((got - ref).abs().max()) if len(part[0]) else 0.0)
+        q.put((key, rank, "ok", max(diffs)))
+    else:
+        ex = ExpertExchange(f"expert[{rank - A}]", rank - A, table, K, exchange)
+        tokens = tuple(len(_inputs(r, 1)[0]) for r in range(A))
+        rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32, tokens).tolist() for layer in (1, 2)]
+        for layer in (1, 2):
+            for m in (0, 1):
+                ex.serve(layer, shards[layer][rank - A], H, torch.float32,
+                         tuple(len(_micro(r, layer, m)[0]) for r in range(A)))
+        q.put((key, rank, "rows", rows))
+
+
+def _run(rank, world, port, A, configs, mode, q):
+    """configs: (key, slots, exchange) for each case, run one after another over the same gloo group
+    (mode "ok": each rank, in the same order), or the one case of a failure mode ("stuck", "gone")."""
+    key = None
     try:
         import torch.distributed as dist
 
-        table = _table(slots, A)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=4 if mode != "ok" else 60))
-        shards = _shards(table)
-        if mode == "ok":  # one exchange per layer, then two micro-batches per layer posted before collecting
-            if rank < A:
-                d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32, K, exchange)
-                d.begin_step(5)
-                local = LocalDispatcher(table, shards)
-                diffs = []
-                for layer in (1, 2):
-                    x, idx, w = _inputs(rank, layer)
-                    got = d.exchange(layer, x, idx, w)
-                    ref = local.for_layer(layer)(x, idx, w)
-                    diffs.append(float((got - ref).abs().max()) if len(x) else 0.0)
-                experts, slots = d.take_stats()
-                n = sum(_inputs(rank, layer)[1].numel() for layer in (1, 2))
-                assert int(experts.sum()) == int(slots.sum()) == n
-                for layer in (1, 2):  # ping-pong order: both micro-batches posted, then collected
-                    parts = [_micro(rank, layer, m) for m in (0, 1)]
-                    pending = [d.issue(layer, *p) for p in parts]
-                    for p, part in zip(pending, parts):
-                        got = d.collect(p)
-                        ref = local.for_layer(layer)(*part)
-                        diffs.append(float((got - ref).abs().max()) if len(part[0]) else 0.0)
-                q.put((rank, "ok", max(diffs)))
-            else:
-                ex = ExpertExchange(f"expert[{rank - A}]", rank - A, table, K, exchange)
-                tokens = tuple(len(_inputs(r, 1)[0]) for r in range(A))
-                rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32, tokens).tolist() for layer in (1, 2)]
-                for layer in (1, 2):
-                    for m in (0, 1):
-                        ex.serve(layer, shards[layer][rank - A], H, torch.float32,
-                                 tuple(len(_micro(r, layer, m)[0]) for r in range(A)))
-                q.put((rank, "rows", rows))
-        elif rank == 0:  # "stuck" / "gone": the attention rank must fail clearly
+        if mode == "ok":
+            for key, slots, exchange in configs:
+                _exchange_ok(rank, A, key, slots, exchange, q)
+            return
+        ((key, slots, exchange),) = configs
+        table = _table(slots, A)
+        if rank == 0:  # "stuck" / "gone": the attention rank must fail clearly
             d = DistDispatcher("attention[0]", table, H, torch.float32, K, exchange)
             d.begin_step(42)
             x, idx, w = _inputs(0, 1)
             t0 = time.monotonic()
             try:
                 d.exchange(1, x, idx, w)
-                q.put((rank, "no error", 0))
+                q.put((key, rank, "no error", 0))
             except ExchangeError as e:
-                q.put((rank, str(e), time.monotonic() - t0))
+                q.put((key, rank, str(e), time.monotonic() - t0))
         elif mode == "stuck":
             time.sleep(15)
         # mode == "gone": the expert rank simply exits
     except Exception:
-        q.put((rank, "crash", traceback.format_exc()))
+        q.put((key, rank, "crash", traceback.format_exc()))
 
 
-def _spawn(world, A, slots, mode, wait_for, exchange="dense"):
+def _spawn(world, A, configs, mode, wait_for) -> dict:
+    """Answers per config key; waits for `wait_for` answers in all, or until none came for 90 s (a
+    crashed rank leaves its peers to their collective timeout: the tests then name what is missing)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, A, slots, mode, q, exchange), daemon=True)
+    procs = [ctx.Process(target=_run, args=(r, world, port, A, configs, mode, q), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
+    out = {key: [] for key, _, _ in configs}
     try:
-        return [q.get(timeout=90) for _ in range(wait_for)]
+        for _ in range(wait_for):
+            key, *answer = q.get(timeout=90)
+            out.setdefault(key, []).append(tuple(answer))
+    except queue.Empty:
+        pass
     finally:  # a "stuck" peer sleeps on after the results are in: it is killed, not waited for
         for p in procs:
             p.join(timeout=20 if mode == "ok" else 2)
             if p.is_alive():
                 p.kill()
+    return out
 
 
 UNEVEN = [[(0, 1, 2, 3), (4, 5, 6), (7, 8, 9)]] * 2
@@ -139,12 +161,23 @@ UNEVEN = [[(0, 1, 2, 3), (4, 5, 6), (7, 8, 9)]] * 2
 REPLICATED = [[(3, 0, 1, 2), (3, 4, 5, 6), (7, 8, 9)], [(0, 1, 2, 9), (0, 3, 4, 5), (6, 7, 8, 9)]]
 
 
+CASES = [(f"{name}-{exchange}", slots, exchange) for name, slots in (("uneven", UNEVEN), ("replicated", REPLICATED))
+         for exchange in ("dense", "sparse")]
+
+
+@pytest.fixture(scope="module")
+def gloo_answers():
+    """Every case over one gloo group of 2 attention + 3 expert processes (one process start for all)."""
+    return _spawn(world=2 + 3, A=2, configs=CASES, mode="ok", wait_for=5 * len(CASES))
+
+
 @pytest.mark.parametrize("exchange", ["dense", "sparse"])
 @pytest.mark.parametrize("slots", [UNEVEN, REPLICATED], ids=["uneven", "replicated"])
-def test_gloo_exchange_equals_local_dispatch(slots, exchange):
-    out = _spawn(world=2 + 3, A=2, slots=slots, mode="ok", wait_for=5, exchange=exchange)
+def test_gloo_exchange_equals_local_dispatch(gloo_answers, slots, exchange):
+    out = gloo_answers[f"{'uneven' if slots is UNEVEN else 'replicated'}-{exchange}"]
     crashes = [o for o in out if o[1] == "crash"]
     assert not crashes, crashes[0][2]
+    assert sorted(o[0] for o in out) == list(range(5)), f"answers from ranks {sorted(o[0] for o in out)} of 0..4"
     diffs = [o[2] for o in out if o[1] == "ok"]
     assert len(diffs) == 2 and max(diffs) < 1e-5
     rows = {o[0] - 2: o[2] for o in out if o[1] == "rows"}  # expert actor → [layer][local slot] rows
@@ -187,8 +220,7 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
 
 @pytest.mark.parametrize("mode,exchange", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
 def test_peer_gone_or_stuck_raises_clear_error(mode, exchange):
-    (res,) = [o for o in _spawn(world=2, A=1, slots=[[tuple(range(10))]] * 2, mode=mode, wait_for=1,
-                                exchange=exchange)]
+    (res,) = _spawn(world=2, A=1, configs=[(mode, [[tuple(range(10))]] * 2, exchange)], mode=mode, wait_for=1)[mode]
     rank, msg, seconds = res
     assert rank == 0 and msg not in ("no error", "crash"), res
     assert "attention[0]" in msg and "step 42" in msg and "MoE layer 1" in msg, msg
