@@ -83,10 +83,14 @@ def single_rate(path: Path, streams: int, prompt_len: int, new: int) -> float:
     return streams * new / dt
 
 
-def served_rate(url: str, streams: int, prompt_len: int, new: int) -> float:
-    """Output tokens/s of ``streams`` concurrent streamed requests (``moeray bench serve``'s load generator)."""
-    spec = LoadSpec(url, concurrency=(streams,), prompt_len=prompt_len, max_tokens=new, requests=streams)
-    (level,) = run_bench(spec).levels
+def served_rate(app: "Served", streams: int, prompt_len: int, new: int, parts: list) -> float:
+    """Output tokens/s of ``streams`` concurrent streamed requests (``moeray bench serve``'s load
+    generator). The engine's breakdown over the level alone (not the load generator's probe
+    request before it) is appended to ``parts`` as (before, after)."""
+    spec = LoadSpec(app.url, concurrency=(streams,), prompt_len=prompt_len, max_tokens=new, requests=streams)
+    start: list[dict] = []
+    (level,) = run_bench(spec, lambda msg: start.append(app.breakdown()) if msg.startswith("concurrency") else None).levels
+    parts.append((start[0], app.breakdown(), level.duration_s))
     assert level.errors == 0 and level.tokens_received == level.tokens_requested, level.error_samples
     return level.output_tokens_per_s
 
@@ -207,12 +211,15 @@ def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str,
             "ratio": statistics.median(net) / statistics.median(floor)}
 
 
-def per_step_ms(after: dict, before: dict) -> dict:
-    """Mean milliseconds per step of each component between two /status breakdowns."""
-    steps = after.get("steps", 0) - before.get("steps", 0)
+def level_ms(parts: list) -> dict:
+    """Mean milliseconds per step of each component over the measured levels (each a (before,
+    after, duration) of one level), and the client's wall time per step."""
+    steps = sum(a.get("steps", 0) - b.get("steps", 0) for b, a, _ in parts)
     if steps <= 0:
         return {}
-    return {k: 1000 * (v - before.get(k, 0.0)) / steps for k, v in after.items() if k != "steps"} | {"steps": steps}
+    keys = {k for _, a, _ in parts for k in a if k != "steps"}
+    out = {k: 1000 * sum(a.get(k, 0.0) - b.get(k, 0.0) for b, a, _ in parts) / steps for k in keys}
+    return out | {"steps": steps, "client_per_step": 1000 * sum(d for *_, d in parts) / steps}
 
 
 def main() -> None:
@@ -250,13 +257,9 @@ def main() -> None:
             label += f"/{threads}t" if threads > 1 else ""
             with Served(path, args.port, mode == "on", env, tree, threads) as app:
                 for n in streams:
-                    b0 = app.breakdown()
-                    t0 = time.perf_counter()
-                    rows.setdefault(name, {})[n] = med(lambda: served_rate(app.url, n, plen, new))
-                    wall = time.perf_counter() - t0
-                    b = per_step_ms(app.breakdown(), b0)
-                    if b:
-                        b["client_per_step"] = 1000 * wall / b["steps"]
+                    parts: list = []
+                    rows.setdefault(name, {})[n] = med(lambda: served_rate(app, n, plen, new, parts))
+                    b = level_ms(parts)
                     breakdowns[(f"{label}/pp {mode}", n)] = b
                     print(json.dumps({"run": name, "streams": n, "tok_s": rows[name][n], "breakdown_ms": b}), flush=True)
     exchanges = [] if args.skip_exchange else [
