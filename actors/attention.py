@@ -88,21 +88,22 @@ class AttentionWorker:
             raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
                                f"epoch {self.table.epoch}")
         d.begin_step(req.step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
         batches = [req.chunks[a:b] for a, b in zip(bounds, bounds[1:])]
         hidden = self._forward(batches)
         t1 = time.perf_counter()
         tokens = self._sample(req.chunks, hidden) if req.chunks else ()
-        sample_s = time.perf_counter() - t1
+        sample_s, cpu_s = time.perf_counter() - t1, time.thread_time() - c0
         counts = slots = ()
         if req.chunks:  # one host sync for the whole step's statistics
             expert, slot = d.take_stats()
             counts, slots = tuple(map(tuple, expert.tolist())), tuple(tuple(map(tuple, per)) for per in slot.tolist())
         return StepResult(step=req.step, actor=self.name, tokens=tokens, expert_tokens=counts, slot_tokens=slots,
                           forward_s=t1 - t0, exchange_s=d.exchange_s, sample_s=sample_s,
-                          dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"])
+                          dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"],
+                          cpu_s=cpu_s)
 
     def _forward(self, batches: list[tuple[SeqChunk, ...]]) -> list:
         """Every micro-batch's forward, interleaved at the MoE exchanges (ping-pong): while one

@@ -126,15 +126,16 @@ class ExpertWorker:
             raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
                                f"epoch {self.table.epoch}")
         self.exchange.reset_timers(req.step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         hidden = self.cfg.expert_hidden_size
         per_slot = [sum(self.exchange.serve(layer, self.experts[layer], hidden, self.dtype, tokens)
                         for tokens in req.tokens)
                     for layer in self.table.moe_layers]
-        total = time.perf_counter() - t0
+        total, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         ph = self.exchange.phase_s
         slots = torch.stack(per_slot).tolist() if per_slot else []
         return ExpertStepResult(step=req.step, actor=self.name, rows_per_layer=tuple(sum(r) for r in slots),
                                 rows_per_slot=tuple(tuple(r) for r in slots),
                                 compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s,
-                                dispatch_s=ph["counts"] + ph["dispatch"], combine_s=ph["combine"])
+                                dispatch_s=ph["counts"] + ph["dispatch"], combine_s=ph["combine"],
+                                cpu_s=cpu_s)

@@ -145,6 +145,7 @@ class StepResult:
     exchange_s: float = 0.0  # time inside collectives (dispatch + combine)
     dispatch_s: float = 0.0  # counts + token rows out
     combine_s: float = 0.0  # result rows back
+    cpu_s: float = 0.0  # the actor thread's CPU time in the step (its wall time less this: waiting or descheduled)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class ExpertStepResult:
     exchange_s: float = 0.0
     dispatch_s: float = 0.0
     combine_s: float = 0.0
+    cpu_s: float = 0.0  # the actor thread's CPU time in the step
 
 
 @dataclass(frozen=True)

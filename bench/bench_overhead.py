@@ -8,6 +8,9 @@ prompts, ignoring EOS, at each stream count, by:
 
 * transformers ``generate`` (a test dependency; skipped with a note when it is not installed),
 * our single-process runner (``model.runner.generate``, 2 threads),
+* the cluster engine without Serve (``--engine``, default on): the same 1 attention × 1 expert
+  actors on one local Ray node, driven in this process (``Engine.generate``, all streams submitted at
+  once) — the data plane's cost apart from Serve/HTTP's,
 * the served cluster: ``moeray up --detach`` (1 attention × 1 expert actor), driven over HTTP with
   streaming completions, with ping-pong micro-batches off and on (``--ping-pong``); with
   ``--before-tree DIR`` also a checkout of an earlier commit, served from DIR in the same run (the
@@ -81,6 +84,38 @@ def single_rate(path: Path, streams: int, prompt_len: int, new: int) -> float:
     dt = time.perf_counter() - t0
     assert all(len(s.output_ids) == new for s in seqs)
     return streams * new / dt
+
+
+def engine_rates(path: Path, streams: list[int], prompt_len: int, new: int, reps: int) -> tuple[dict, dict]:
+    """The cluster engine (1 attention × 1 expert actor on one local node) without Serve: tokens/s
+    (median of ``reps``) and the per-step breakdown over the measured runs, per stream count."""
+    import ray
+
+    from cluster.config import EngineConfig
+    from cluster.engine import Engine
+    from cluster.local import LocalCluster
+    from cluster.topology import ClusterSpec
+
+    rates, parts = {}, {}
+    with LocalCluster(nodes=1, num_cpus=4, first_ip=60) as cluster:
+        ray.init(address=cluster.address, logging_level="WARNING")
+        try:
+            with Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=64),
+                        ClusterSpec(attention=1, experts=1)) as eng:
+                eng.generate(prompts(2, prompt_len), SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+                for n in streams:
+                    runs = []
+                    for _ in range(reps):
+                        b0, t0 = dict(eng.stats.breakdown), time.perf_counter()
+                        seqs = eng.generate(prompts(n, prompt_len), SamplingParams(max_tokens=new, ignore_eos=True))
+                        dt = time.perf_counter() - t0
+                        assert all(len(s.output_ids) == new for s in seqs)
+                        runs.append((b0, dict(eng.stats.breakdown), dt))
+                    rates[n] = statistics.median(n * new / dt for *_, dt in runs)
+                    parts[n] = level_ms(runs)
+        finally:
+            ray.shutdown()
+    return rates, parts
 
 
 def served_rate(app: "Served", streams: int, prompt_len: int, new: int, parts: list) -> float:
@@ -232,6 +267,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8793)
     ap.add_argument("--before-tree", help="also serve this checkout (an earlier commit) in the same run, "
                                           "ping-pong off: the 'before' row")
+    ap.add_argument("--engine", default="on", choices=("on", "off"),
+                    help="also the cluster engine without Serve (the data plane apart from Serve/HTTP)")
     ap.add_argument("--skip-exchange", action="store_true", help="skip the exchange-vs-floor measurement")
     ap.add_argument("--actor-threads", default="1", type=lambda t: [int(x) for x in t.split(",")],
                     help="served runs with these torch threads per actor, e.g. 1,2")
@@ -250,6 +287,11 @@ def main() -> None:
             rows.setdefault("single-process runner, 2 threads", {})[n] = med(lambda: single_rate(path, n, plen, new))
             print(json.dumps({k: v.get(n) for k, v in rows.items()} | {"streams": n}), flush=True)
         breakdowns = {}
+        if args.engine == "on":
+            rows["cluster engine 1x1, no Serve"], per = engine_rates(path, streams, plen, new, reps)
+            breakdowns |= {("engine, no Serve", n): b for n, b in per.items()}
+            print(json.dumps({"run": "engine, no Serve", "tok_s": rows["cluster engine 1x1, no Serve"],
+                              "breakdown_ms": per}), flush=True)
         runs = [("before", "off", args.before_tree, 1)] if args.before_tree else []
         runs += [("now", mode, None, t) for mode in args.ping_pong.split(",") for t in args.actor_threads]
         for label, mode, tree, threads in runs:

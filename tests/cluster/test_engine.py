@@ -58,7 +58,11 @@ def test_one_attention_one_expert_equals_single_process(ray_cluster, presets):
     prompts = _prompts(3)
     with Engine(EngineConfig(model=str(path)), ClusterSpec(attention=1, experts=1)) as eng:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
+        b = dict(eng.stats.breakdown)
     assert got == _alone(path, prompts, GREEDY)
+    # the per-step breakdown: each actor's thread CPU time is measured, and is within its wall time
+    assert b["steps"] > 0 and 0 < b["attention_cpu"] <= b["attention_compute"] + b["attention_post"] + b["attention_wait"] + b["sample"]
+    assert 0 < b["expert_cpu"] <= b["expert_compute"] + b["expert_receive"] + b["expert_send"]
 
 
 def test_two_by_four_on_three_nodes_equals_single_process(k2_2x4, presets, ray_cluster):
