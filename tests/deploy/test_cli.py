@@ -19,14 +19,35 @@ from safetensors.torch import load_file, save_file
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs"
 
 
+def _cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "moeray"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "deploy.cli"]
+
+
 def moeray(*args, env_extra=None, check=True):
     env = {**os.environ, **(env_extra or {})}
-    exe = Path(sys.executable).parent / "moeray"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "deploy.cli"]
-    proc = subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(_cmd() + list(args), capture_output=True, text=True, env=env, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"moeray {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def moeray_at_once(*arg_lists) -> list[str]:
+    """Several `moeray` runs as separate processes at the same time (each its own start-up, as
+    two runs by a user); their stdout, in order. Any failure fails the test with its stderr."""
+    procs = [subprocess.Popen(_cmd() + list(a), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in arg_lists]
+    outs = []
+    for a, p in zip(arg_lists, procs):
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, f"moeray {' '.join(a)} failed ({p.returncode}):\n{err}"
+        outs.append(out)
+    return outs
 
 
 def in_process(*args) -> SimpleNamespace:
@@ -64,15 +85,11 @@ def test_make_checkpoint_writes_a_real_hf_directory(k2_dir):
 
 
 def test_generate_json_is_deterministic(k2_dir):
-    a = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt", "Hello there", "--max-tokens", "8",
-                          "--ignore-eos", "--json").stdout)
-    b = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt", "Hello there", "--max-tokens", "8",
-                          "--ignore-eos", "--json").stdout)
+    greedy = ["generate", "--model", str(k2_dir), "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos", "--json"]
+    seeded = ["generate", "--model", str(k2_dir), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0.8",
+              "--seed", "5", "--ignore-eos", "--json"]
+    a, b, c, d = map(json.loads, moeray_at_once(greedy, greedy, seeded, seeded))  # four separate processes
     assert set(a) == {"token_ids", "text"} and len(a["token_ids"]) == 8 and a == b
-    c = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,2,3", "--max-tokens", "4",
-                          "--temperature", "0.8", "--seed", "5", "--ignore-eos", "--json").stdout)
-    d = json.loads(moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1,2,3", "--max-tokens", "4",
-                          "--temperature", "0.8", "--seed", "5", "--ignore-eos", "--json").stdout)
     assert c == d and len(c["token_ids"]) == 4
 
 
@@ -200,8 +217,7 @@ def test_k3_preset_mxfp4_checkpoint_generates(tmp_path):
 
 def test_generate_on_a_three_node_cluster_equals_single_process(k2_dir):
     args = ["generate", "--model", str(k2_dir), "--prompt", "Hello world", "--max-tokens", "6", "--ignore-eos", "--json"]
-    alone = json.loads(moeray(*args).stdout)
-    on_cluster = json.loads(moeray(*args, "--attention", "2", "--experts", "3", "--nodes", "3").stdout)
+    alone, on_cluster = map(json.loads, moeray_at_once(args, args + ["--attention", "2", "--experts", "3", "--nodes", "3"]))
     assert on_cluster == alone
 
 
