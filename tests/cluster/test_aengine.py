@@ -14,12 +14,32 @@ from cluster.stats import EngineStats
 from model.sampling import SamplingParams
 
 
-class FailingEngine:
-    """Runs one request; its first step waits until a second request is queued, then fails."""
+class FakeEngine:
+    """What the async engine needs of an engine beyond the step: requests by id, an empty scheduler
+    queue, statistics, and no epoch changes."""
 
     def __init__(self):
         self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
         self.stats = EngineStats([], 0)  # the async engine adds its delivery time to the breakdown
+
+    def advance(self):
+        pass
+
+    def record(self):
+        pass
+
+    def abort(self, sid):
+        self.requests.pop(sid, None)
+
+    def release(self, sid):
+        return self.requests.pop(sid, None)
+
+
+class FailingEngine(FakeEngine):
+    """Runs one request; its first step waits until a second request is queued, then fails."""
+
+    def __init__(self):
+        super().__init__()
         self.queued = threading.Event()
         self._ids = iter(range(100))
 
@@ -35,9 +55,6 @@ class FailingEngine:
     def has_work(self):
         return bool(self.requests)
 
-    def advance(self):
-        pass
-
     def launch(self):
         return "step 1"
 
@@ -46,14 +63,6 @@ class FailingEngine:
         assert self.queued.wait(30), "the test never queued its second request"
         raise RuntimeError("a collective failed and nothing can be recovered")
 
-    def record(self):
-        pass
-
-    def abort(self, sid):
-        self.requests.pop(sid, None)
-
-    def release(self, sid):
-        return self.requests.pop(sid, None)
 
 
 def test_queued_and_later_requests_get_the_error_not_a_hang():
@@ -81,13 +90,12 @@ def test_queued_and_later_requests_get_the_error_not_a_hang():
     assert "nothing can be recovered" in str(results[0]) and not aeng.healthy
 
 
-class RecordingEngine:
+class RecordingEngine(FakeEngine):
     """Admits every queued request at the next step and gives each running request one token per
     step; logs each admission with the step it waited for and each step with the requests in it."""
 
     def __init__(self, step_s: float = 0.02):
-        self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
-        self.stats = EngineStats([], 0)  # the async engine adds its delivery time to the breakdown
+        super().__init__()
         self.log, self.steps, self.step_s = [], 0, step_s
         self._ids = iter(range(1000))
 
@@ -104,9 +112,6 @@ class RecordingEngine:
     @property
     def has_work(self):
         return any(left > 0 for left in self.requests.values())
-
-    def advance(self):
-        pass
 
     def launch(self):
         running = sorted(s for s, left in self.requests.items() if left > 0)
@@ -128,14 +133,6 @@ class RecordingEngine:
             events.append(TokenEvent(sid, (sid,), (), "length" if self.requests[sid] == 0 else None))
         return events
 
-    def record(self):
-        pass
-
-    def abort(self, sid):
-        self.requests.pop(sid, None)
-
-    def release(self, sid):
-        return self.requests.pop(sid, None)
 
 
 def test_one_requests_sequences_are_admitted_together_before_its_first_token():
