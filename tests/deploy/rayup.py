@@ -43,6 +43,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -162,6 +163,7 @@ class RayUpCluster:
          self.serve_port, self.agent_head, self.agent_worker) = _free_ports(8)
         self.sshd: subprocess.Popen | None = None
         self.user_created = False
+        self.opened: list[tuple[Path, int]] = []  # directories given search permission for others, old modes
         self.downed = False
         self.calls = 0
         self.cluster_yaml = self.base / "cluster.yaml"
@@ -225,11 +227,27 @@ class RayUpCluster:
         site = venv / "lib" / f"python{want}" / "site-packages"
         runner_site = next(p for p in sys.path if p.startswith(sys.prefix) and p.endswith("site-packages"))
         (site / "runner.pth").write_text(f"import site; site.addsitedir({runner_site!r})\n")
+        self._let_others_reach(Path(runner_site))
         for script in ("ray", "serve"):  # the console scripts, with this interpreter
             body = (Path(sys.prefix) / "bin" / script).read_text().split("\n", 1)[1]
             (venv / "bin" / script).write_text(f"#!{venv / 'bin' / 'python'}\n{body}")
             (venv / "bin" / script).chmod(0o755)
         return venv
+
+    def _let_others_reach(self, path: Path) -> None:
+        """Search permission for others on each directory down to ``path`` that lacks it (a checkout
+        under `mktemp -d` is 0700, and the throwaway user must import this venv's packages); close()
+        puts the old modes back."""
+        for d in [*reversed(path.parents), path]:
+            mode = d.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                d.chmod(mode | stat.S_IXOTH)
+                self.opened.append((d, stat.S_IMODE(mode)))
+
+    def _restore_modes(self) -> None:
+        while self.opened:
+            d, mode = self.opened.pop()
+            d.chmod(mode)
 
     def _make_keys(self) -> None:
         self._run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.base / "key"))
@@ -357,7 +375,8 @@ class RayUpCluster:
         (by PID), close Ray's ssh masters, stop sshd, remove the user and the files. Idempotent; every
         step runs even when an earlier one fails."""
         errors = []
-        for step in (self._kill_user_processes, self._close_ssh_masters, self.stop_sshd, self._remove_user):
+        for step in (self._kill_user_processes, self._close_ssh_masters, self.stop_sshd, self._remove_user,
+                     self._restore_modes):
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - the next steps must still run
