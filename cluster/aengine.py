@@ -105,15 +105,9 @@ class AsyncEngine:
         """Stream the sequences of one request (its ``n`` choices, its list of prompts), which enter the
         engine together: all are admitted at one step boundary, so none waits behind another's first
         token. Yields ``(index into jobs, seq_id, chunk)`` as they come, until every one finished.
-        Raises ValueError for bad input before anything is queued. Closing the
-        iterator aborts the sequences still running."""
-        if not self.healthy:
-            raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
-                               else f"engine is not running: {self.error}")
-        if not jobs:
-            raise ValueError("a request needs at least one sequence")
-        for prompt_ids, params in jobs:
-            self.engine.validate(prompt_ids, params)
+        Raises as :meth:`check` does, before anything is queued. Closing the iterator aborts the
+        sequences still running."""
+        self.check(jobs)
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
         streams = [_Stream(loop, IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None, out, i)
                    for i in range(len(jobs))]
@@ -136,6 +130,16 @@ class AsyncEngine:
         finally:  # the consumer went away (or one sequence failed): free the others now
             for i in running:
                 self._inbox.put(("abort", seq_ids[i]))
+
+    def check(self, jobs: list[tuple[list[int], SamplingParams]]) -> None:
+        """Raises ValueError for bad input and RuntimeError when the engine cannot take work now."""
+        if not self.healthy:
+            raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
+                               else f"engine is not running: {self.error}")
+        if not jobs:
+            raise ValueError("a request needs at least one sequence")
+        for prompt_ids, params in jobs:
+            self.engine.validate(prompt_ids, params)
 
     def control(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread at the next step boundary; the future holds its

@@ -34,6 +34,7 @@ from . import openai_api as oa
 from . import openai_responses as out
 from .config import ServeConfig
 from .fanout import Fanout
+from .mux import EngineStreams, StreamMux
 from .metrics import EngineMetrics
 from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
 
@@ -69,7 +70,7 @@ class RebalanceRequest(BaseModel):
 
 @dataclass(frozen=True)
 class Reject:
-    """EngineServer → Ingress instead of a first chunk: the request was not admitted."""
+    """EngineServer → Ingress, the answer to a submit: the request was not admitted."""
 
     status: int
     message: str
@@ -88,27 +89,30 @@ class EngineServer:
         self.engine = Engine(cfg.engine_config(model_path, owner), cfg.cluster_spec(),
                              stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
+        self.streams = EngineStreams(self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
                                      expert_metrics=cfg.expert_metrics)
 
-    async def generate_many(self, jobs: list[tuple[list[int], SamplingParams]]):
-        """Stream one request's sequences, admitted together: ``(index, seq_id, chunk)`` items, or a
-        :class:`Reject` instead of the first."""
+    async def subscribe(self, sink: str):
+        """One Ingress replica's stream of every chunk of its requests (:mod:`deploy.mux`)."""
+        async for batch in self.streams.subscribe(sink):
+            yield batch
+
+    async def submit(self, sink: str, key: int, jobs: list[tuple[list[int], SamplingParams]]) -> Reject | None:
+        """Admit one request's sequences together; their chunks ride on subscription ``sink``. None, or
+        a :class:`Reject` when the request was not admitted."""
         if self.aengine.num_waiting + len(jobs) > self.max_queue:
-            yield Reject(503, f"the request queue is full ({self.max_queue} waiting); retry shortly")
-            return
+            return Reject(503, f"the request queue is full ({self.max_queue} waiting); retry shortly")
         try:
-            stream = self.aengine.generate_many(jobs)
-            first = await stream.__anext__()
+            self.streams.submit(sink, key, jobs)
         except ValueError as e:
-            yield Reject(400, str(e), "prompt")
-            return
+            return Reject(400, str(e), "prompt")
         except RuntimeError as e:
-            yield Reject(503, f"the engine is unavailable: {e}")
-            return
-        yield first
-        async for chunk in stream:
-            yield chunk
+            return Reject(503, f"the engine is unavailable: {e}")
+        return None
+
+    def cancel(self, sink: str, keys: list[int]) -> None:
+        self.streams.cancel(sink, keys)
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -167,6 +171,7 @@ class EngineServer:
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
             "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
             "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown),
+            "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "attention": [{"index": i, "node": workers.node_ip(m),
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}
                           for i, (m, a) in enumerate(zip(attention, sched.blocks))],
@@ -280,7 +285,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, raw: dict, model_path: str):
         self.cfg = ServeConfig.parse(raw)
         self.engine = engine
-        self.stream_handle = engine.options(stream=True)
+        self.mux = StreamMux(engine, CONTROL_TIMEOUT_S)
         self.tok = Tokenizer.from_dir(model_path)
         mcfg = load_config(model_path)
         self.context = min(mcfg.max_position_embeddings, self.cfg.max_model_len or mcfg.max_position_embeddings)
@@ -305,11 +310,23 @@ class Ingress:
         return await request.body()
 
     async def _open(self, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[Fanout, list[StreamChunk]]:
-        """Submit every sequence of one request in one call (the engine admits them together); the first
-        chunk of each decides the status (Reject → error)."""
-        fan = Fanout(self.stream_handle.generate_many.remote(jobs), len(jobs), _raise_reject)
+        """Submit every sequence of one request in one call (the engine admits them together); the
+        engine's refusal is the request's error status, and so is an engine that fails before every
+        choice's first chunk."""
+        try:
+            fan, refusal = await self.mux.open(jobs)
+        except asyncio.TimeoutError:
+            raise oa.APIError(503, f"the engine did not take the request within {CONTROL_TIMEOUT_S:.0f}s",
+                              retry_after_s=1) from None
+        except Exception as e:  # noqa: BLE001 — the engine replica is unreachable (restarting)
+            raise oa.APIError(503, _stream_error(e)["error"]["message"], retry_after_s=1) from None
+        if refusal is not None:
+            _raise_reject(refusal)
         try:
             return fan, await fan.open()
+        except Exception as e:  # noqa: BLE001 — the engine failed before the first tokens
+            fan.close()
+            raise oa.APIError(503, _stream_error(e)["error"]["message"], retry_after_s=1) from None
         except BaseException:
             fan.close()
             raise

@@ -1,17 +1,19 @@
-"""One request's choices over one engine stream (the Ingress side of ``EngineServer.generate_many``).
+"""One request's choices, fed from the Ingress replica's engine stream (:mod:`deploy.mux`).
 
 All sequences of a request (``n`` choices, a list of prompts) are submitted in one call, so the engine
 admits them at one step boundary and no choice's first token waits for another's. :class:`Fanout`
-owns that call's stream: it reads ``(index, seq_id, chunk)`` items and hands each chunk to its
-choice's :class:`ChoiceStream`, which the Ingress reads like one stream per choice.
-Never: touches the engine (it only reads the stream and cancels it), or ends a choice's stream without
-a finish or an error (a stream that ends early is an error to every choice still open).
+is that request's end of the multiplexed stream: :meth:`Fanout.feed` hands each chunk to its
+choice's queue, which the Ingress reads like one stream per choice (:class:`ChoiceStream`).
+Never: touches the engine (``cancel`` is how it says it wants no more), or ends a choice's stream
+without a finish or an error (a request that ends early is an error to every choice still open).
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Callable
+
+END = "end"  # the request-wide item after the last chunk of every choice
 
 
 class ChoiceStream:
@@ -33,51 +35,49 @@ class ChoiceStream:
 
 
 class Fanout:
-    """``gen``: the engine stream. ``reject``: called with a first item that is not a chunk (it raises).
+    """``n`` choices; ``cancel()`` is called once, when every choice is released (or at :meth:`close`).
 
     A choice that stops early (a stop string) is only released: its sequence runs on in the engine until
-    every choice of the request is released, then the stream is cancelled, which aborts what still
-    runs (the engine has no per-sequence cancel over one stream)."""
+    every choice of the request is released, then the request is cancelled, which aborts what still
+    runs (the engine has no per-sequence cancel for one request)."""
 
-    def __init__(self, gen, n: int, reject: Callable[[object], None]):
-        self.gen, self.n, self.reject = gen, n, reject
+    def __init__(self, n: int, cancel: Callable[[], None]):
+        self.n, self._cancel = n, cancel
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
         self.open_choices = set(range(n))
-        self.task: asyncio.Task | None = None
+        self.finished: set[int] = set()
+        self.closed = False
+
+    def feed(self, index: int | None, item) -> None:
+        """A chunk of choice ``index``; or, with ``index`` None, :data:`END` (the request is done) or an
+        exception (the engine failed), for every choice still unfinished."""
+        if index is not None:
+            if item.finish_reason is not None:
+                self.finished.add(index)
+            self.queues[index].put_nowait(item)
+            return
+        if item == END:
+            item = RuntimeError("the engine stream ended before every choice finished")
+        for i in range(self.n):
+            if i not in self.finished:
+                self.queues[i].put_nowait(item)
+        self.finished = set(range(self.n))
 
     async def open(self) -> list:
-        """The first chunk of every choice (a rejection raises). Then chunks flow to the choices' queues."""
-        item = await self.gen.__anext__()
-        if not isinstance(item, tuple):
-            self.reject(item)
-        first: dict[int, object] = {}
-        while True:
-            index, _, chunk = item
-            if index in first:
-                self.queues[index].put_nowait(chunk)
-            else:
-                first[index] = chunk
-            if len(first) == self.n:
-                break
-            item = await self.gen.__anext__()
-        self.task = asyncio.create_task(self._pump())
-        for i, chunk in first.items():
+        """The first chunk of every choice (an engine failure raises). Later chunks wait in the queues."""
+        first = []
+        for i in range(self.n):
+            item = await self.queues[i].get()
+            if isinstance(item, BaseException):
+                raise item
+            first.append(item)
+        for i, chunk in enumerate(first):
             if chunk.finish_reason is not None:  # done at its first token (max_tokens=1)
                 self.release(i)
-        return [first[i] for i in range(self.n)]
+        return first
 
     def stream(self, index: int) -> ChoiceStream:
         return ChoiceStream(self, index)
-
-    async def _pump(self) -> None:
-        try:
-            async for index, _, chunk in self.gen:
-                self.queues[index].put_nowait(chunk)
-            err: Exception = RuntimeError("the engine stream ended before every choice finished")
-        except Exception as e:  # noqa: BLE001 — the engine failed mid-stream: every open choice gets it
-            err = e
-        for i in self.open_choices:
-            self.queues[i].put_nowait(err)
 
     def release(self, index: int) -> None:
         self.open_choices.discard(index)
@@ -85,8 +85,8 @@ class Fanout:
             self.close()
 
     def close(self) -> None:
-        """Stop reading and cancel the engine stream (which aborts whatever still runs)."""
+        """Want no more: cancel the request in the engine (aborting whatever still runs), once."""
         self.open_choices.clear()
-        if self.task is not None:
-            self.task.cancel()
-        self.gen.cancel()
+        if not self.closed:
+            self.closed = True
+            self._cancel()

@@ -142,13 +142,26 @@ def test_sixteen_concurrent_streams_equal_their_solo_output(server):
             return (await aclient.completions.create(**kw)).choices[0].text
         return "".join([c.choices[0].text async for c in await aclient.completions.create(**kw, stream=True)])
 
+    async def watch(done: asyncio.Event, seen: list):
+        async with httpx.AsyncClient(headers=_headers(), timeout=30) as c:
+            while not done.is_set():
+                seen.append((await c.get(f"{server['url']}/status")).json()["streams"])
+                await asyncio.sleep(0.05)
+
     async def run():
         solo = [await one(p, False) for p in prompts]
+        done, seen = asyncio.Event(), []
+        watcher = asyncio.create_task(watch(done, seen))
         together = await asyncio.gather(*(one(p, True) for p in prompts))
-        return solo, together
+        done.set()
+        await watcher
+        return solo, together, seen
 
-    solo, together = asyncio.run(run())
+    solo, together, seen = asyncio.run(run())
     assert together == solo
+    # one multiplexed engine stream carries every request of the (one) Ingress replica
+    assert {s["subscriptions"] for s in seen} == {1}, seen
+    assert max(s["requests"] for s in seen) > 1, seen
 
 
 BAD = [  # (route, body, status, param)
@@ -221,6 +234,7 @@ def test_disconnect_frees_the_sequence(server):
         assert time.monotonic() < deadline, st
         time.sleep(0.2)
     assert all(a["cache_blocks_used"] == 0 for a in st["attention"])
+    assert st["streams"] == {"subscriptions": 1, "requests": 0}, st
 
 
 def _metrics(server) -> dict:

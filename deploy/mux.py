@@ -1,0 +1,172 @@
+"""One multiplexed engine stream per Ingress replica (issue 10).
+
+A Ray item costs the same whether it carries one token or a hundred. One streaming call per request
+made the engine replica send, and the Ingress receive, one item per request per step. Instead each
+Ingress replica holds one subscription (:meth:`EngineStreams.subscribe`). Requests enter by a unary
+``submit`` naming that subscription and are cancelled by a unary ``cancel``. Per step, the
+subscription carries one item: every chunk for every request of that replica.
+
+* :class:`EngineStreams` is the engine replica's side. It keeps one sink per subscription, and one task
+  per request that forwards the request's :meth:`AsyncEngine.generate_many` chunks into its sink.
+* :class:`StreamMux` is the Ingress replica's side. It owns the subscription, opened on first use and
+  reopened after a failure. A pump task hands each chunk to its request's :class:`~deploy.fanout.Fanout`.
+
+Never: loses a request silently. When a subscription ends, with an error or because its engine
+replica went away, every request that rode on it gets an error. When an Ingress replica goes away,
+its subscription's requests are aborted in the engine. Every wait has a timeout, except the wait for
+tokens, which the engine's own health bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+
+from cluster.aengine import AsyncEngine
+
+from .fanout import END, Fanout
+
+
+class _Sink:
+    """One subscription's pending items and its requests' forwarding tasks."""
+
+    def __init__(self):
+        self.items: list = []
+        self.ready = asyncio.Event()
+        self.tasks: dict[int, asyncio.Task] = {}
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+
+class EngineStreams:
+    """The engine replica's side: sinks by subscription id."""
+
+    def __init__(self, aengine: AsyncEngine):
+        self.aengine = aengine
+        self.sinks: dict[str, _Sink] = {}
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.tasks) for s in self.sinks.values())
+
+    async def subscribe(self, sink_id: str):
+        """Yield ``[]`` at once (subscribed), then, whenever some are pending, lists of ``(key, index,
+        item)``: a chunk of choice ``index``, or with index None :data:`END` or an exception. Closing
+        it (the Ingress went away) aborts its requests."""
+        sink = self.sinks[sink_id] = _Sink()
+        try:
+            yield []
+            while True:
+                await sink.ready.wait()
+                sink.ready.clear()
+                batch, sink.items = sink.items, []
+                yield batch
+        finally:
+            self.sinks.pop(sink_id, None)
+            for task in list(sink.tasks.values()):
+                task.cancel()
+
+    def submit(self, sink_id: str, key: int, jobs: list) -> None:
+        """Start request ``key`` of subscription ``sink_id``. Raises ValueError for bad input and
+        RuntimeError when the engine cannot take it (or does not know the subscription)."""
+        sink = self.sinks.get(sink_id)
+        if sink is None:
+            raise RuntimeError("this engine replica holds no such stream (it was restarted); retry")
+        self.aengine.check(jobs)
+        sink.tasks[key] = asyncio.get_running_loop().create_task(self._forward(sink, key, jobs))
+
+    def cancel(self, sink_id: str, keys: list[int]) -> None:
+        """Abort these requests (the client went away, or every choice stopped early)."""
+        sink = self.sinks.get(sink_id)
+        for key in keys if sink is not None else ():
+            task = sink.tasks.pop(key, None)
+            if task is not None:
+                task.cancel()
+
+    async def _forward(self, sink: _Sink, key: int, jobs: list) -> None:
+        stream = self.aengine.generate_many(jobs)
+        try:
+            async for index, _, chunk in stream:
+                sink.put((key, index, chunk))
+            sink.put((key, None, END))
+        except Exception as e:  # noqa: BLE001 — the engine failed: the request's error, as plain text
+            sink.put((key, None, RuntimeError(f"{type(e).__name__}: {e}")))
+        finally:
+            sink.tasks.pop(key, None)
+            await stream.aclose()  # a request cut short aborts its sequences still running
+
+
+class StreamMux:
+    """The Ingress replica's side. ``engine``: the engine deployment's handle."""
+
+    def __init__(self, engine, timeout_s: float):
+        self.engine, self.timeout_s = engine, timeout_s
+        self.requests: dict[int, tuple[str, Fanout]] = {}  # key → (subscription, its request)
+        self.sink: str | None = None
+        self.pump: asyncio.Task | None = None
+        self._keys = itertools.count()
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+
+    async def open(self, jobs: list) -> tuple[Fanout, object]:
+        """Submit one request's sequences; returns its :class:`Fanout` and the engine's answer (None:
+        admitted, else its refusal). Raises TimeoutError when the engine replica does not answer."""
+        sink = await self._connect()
+        key = next(self._keys)
+        fan = Fanout(len(jobs), lambda: self._cancel(key))
+        self.requests[key] = (sink, fan)
+        try:
+            refusal = await asyncio.wait_for(self.engine.submit.remote(sink, key, jobs), self.timeout_s)
+        except BaseException:
+            fan.close()
+            raise
+        if refusal is not None:
+            self.requests.pop(key, None)
+        return fan, refusal
+
+    async def _connect(self) -> str:
+        async with self._lock:
+            if self.pump is None or self.pump.done():
+                sink = uuid.uuid4().hex
+                gen = self.engine.options(stream=True).subscribe.remote(sink)
+                try:
+                    await asyncio.wait_for(gen.__anext__(), self.timeout_s)
+                except BaseException:
+                    gen.cancel()
+                    raise
+                self.sink, self.pump = sink, asyncio.create_task(self._pump(gen, sink))
+            return self.sink
+
+    async def _pump(self, gen, sink: str) -> None:
+        try:
+            async for batch in gen:
+                for key, index, item in batch:
+                    entry = self.requests.get(key)
+                    if entry is not None:
+                        entry[1].feed(index, item)
+                        if index is None:
+                            del self.requests[key]
+            err: BaseException = RuntimeError("the engine's stream ended")
+        except Exception as e:  # noqa: BLE001 — the engine replica is gone: every request on it fails
+            err = e
+        for key, (s, fan) in list(self.requests.items()):
+            if s == sink:
+                del self.requests[key]
+                fan.feed(None, err)
+
+    def _cancel(self, key: int) -> None:
+        entry = self.requests.pop(key, None)
+        if entry is None:  # already ended (or refused): nothing runs in the engine
+            return
+        task = asyncio.get_running_loop().create_task(self._send_cancel(entry[0], key))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_cancel(self, sink: str, key: int) -> None:
+        try:
+            await asyncio.wait_for(self.engine.cancel.remote(sink, [key]), self.timeout_s)
+        except Exception:  # noqa: BLE001 — best effort: a subscription that ends aborts its requests anyway
+            pass
