@@ -91,13 +91,32 @@ def grouped_ffn(x: torch.Tensor, expert_ids: torch.Tensor, n: int,
 
 def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """:func:`grouped_ffn` over stacked dense weights: one GEMM pair per expert with rows."""
+    """:func:`grouped_ffn` over stacked dense weights: one GEMM pair per expert with rows.
+
+    On CPU the pairs run as two grouped GEMMs (``torch._grouped_mm``, no Python loop over experts),
+    which give every row bit for bit what its expert's own GEMM gives: a row's result never depends
+    on which other experts or rows share the call, so an expert actor holding a shard computes what
+    the single process computes."""
+    if _grouped_gemm(x, w13):
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        order = expert_ids.argsort(stable=True)
+        ends = torch.cumsum(torch.bincount(expert_ids, minlength=w13.shape[0]), 0).to(torch.int32)
+        gate, up = torch._grouped_mm(x[order], w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return torch.empty_like(x).index_copy_(0, order, torch._grouped_mm(act(gate, up), w2.transpose(1, 2), offs=ends))
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
         gate, up = (xs @ w13[e].t()).chunk(2, dim=-1)  # [c, 2I] → 2 × [c, I]
         return act(gate, up) @ w2[e].t()
 
     return grouped_ffn(x, expert_ids, w13.shape[0], expert)
+
+
+def _grouped_gemm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch's grouped GEMM serves this call: CPU, fp32 or bf16 (on GPU it wants other layouts and
+    dtypes per architecture; the per-expert loop serves there)."""
+    return (hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and w.device.type == "cpu"
+            and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16))
 
 
 class RoutedExperts(nn.Module):
