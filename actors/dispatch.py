@@ -42,6 +42,14 @@ from model.moe import RoutedExperts
 from .messages import PlacementTable
 
 
+def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (bytes) as ``dtype``: a view when its strides allow one, else a copy."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return t.contiguous().view(dtype)
+
+
 class ExchangeError(RuntimeError):
     """A collective of the expert exchange failed or timed out (a peer is gone or stuck)."""
 
@@ -65,7 +73,7 @@ class Routing:
 
     def __init__(self, table: PlacementTable, device: torch.device | str = "cpu"):
         self.table, self.max_local = table, table.max_local
-        self.num_copies, self.where = {}, {}
+        self.num_copies, self.where, self.single = {}, {}, {}
         for i, layer in enumerate(table.moe_layers):
             copies = table.copies(i)
             C = max(len(c) for c in copies)
@@ -74,23 +82,29 @@ class Routing:
                 where[e, : len(c)] = torch.tensor(c)
             self.where[layer] = where.to(device)  # [E, C, 2]
             self.num_copies[layer] = torch.tensor([len(c) for c in copies], device=device)  # [E]
+            if C == 1:  # no replicas: (expert actor, local slot) of each logical expert, for direct lookup
+                self.single[layer] = (where[:, 0, 0].contiguous().to(device), where[:, 0, 1].contiguous().to(device))
+
+    def replicated(self, layer: int) -> bool:
+        return layer not in self.single
 
     def assign(self, layer: int, topk_idx: torch.Tensor, sender: torch.Tensor | None = None, senders: int = 1):
         """(expert actor, local slot) of every pair, in batch order; ``sender`` [pairs] (optional)
         names each pair's sender (of ``senders``) when pairs of several senders are routed at once."""
         flat = topk_idx.reshape(-1)
+        if layer in self.single:
+            actor_of, local_of = self.single[layer]
+            return actor_of[flat], local_of[flat]
         where, n_copies = self.where[layer].to(flat.device), self.num_copies[layer].to(flat.device)
-        if where.shape[1] == 1:
-            copy = torch.zeros_like(flat)
-        else:  # rank of each pair among the pairs of its (sender, expert), in batch order
-            E = n_copies.numel()
-            key = flat if sender is None else sender * E + flat
-            by_key = torch.argsort(key, stable=True)
-            counts = torch.bincount(key, minlength=E * senders)
-            starts = torch.cumsum(counts, 0) - counts
-            rank = torch.empty_like(flat)
-            rank[by_key] = torch.arange(flat.numel(), device=flat.device) - starts[key[by_key]]
-            copy = rank % n_copies[flat]
+        # rank of each pair among the pairs of its (sender, expert), in batch order
+        E = n_copies.numel()
+        key = flat if sender is None else sender * E + flat
+        by_key = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=E * senders)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(flat)
+        rank[by_key] = torch.arange(flat.numel(), device=flat.device) - starts[key[by_key]]
+        copy = rank % n_copies[flat]
         return where[flat, copy, 0], where[flat, copy, 1]
 
     def route(self, layer: int, topk_idx: torch.Tensor):
@@ -225,19 +239,25 @@ class DistDispatcher(_Collectives):
         """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
         i, dev = self.layer_index[layer], self.device
         idx = topk_idx.to(dev)
-        actor, local = self.routing.assign(layer, idx)
+        if self.mode == "dense":
+            pending, actor, local = self._issue_dense(layer, x, idx, topk_w), None, None
+        else:
+            actor, local = self.routing.assign(layer, idx)
+            pending = self._issue_sparse(layer, x, idx, topk_w, actor, local)
+        # the statistics once the exchange is posted: they overlap the expert actors' work
+        if actor is None:
+            actor, local = self.routing.assign(layer, idx)
         self.expert_tokens[i] += torch.bincount(idx.reshape(-1), minlength=self.table.num_experts)
         self.slot_tokens[i] += torch.bincount(actor * self.table.max_local + local, minlength=self.slot_tokens.shape[1])
-        if self.mode == "dense":
-            return self._issue_dense(layer, x, idx, topk_w)
-        return self._issue_sparse(layer, x, idx, topk_w, actor, local)
+        return pending
 
     def _issue_dense(self, layer, x, idx, w) -> Pending:
         T, A, E, dev = x.shape[0], self.num_attention, self.num_experts, self.device
         payload = torch.cat([x.to(dev, self.dtype).contiguous().view(torch.uint8),
                              idx.to(torch.int32).contiguous().view(torch.uint8),
                              w.to(dev, torch.float32).contiguous().view(torch.uint8)], 1)
-        payload = payload.repeat(E, 1)  # the same rows to every expert actor
+        if E > 1:
+            payload = payload.repeat(E, 1)  # the same rows to every expert actor
         none, each = [0] * self.world, [0] * A + [T] * E
         sent = torch.empty(0, payload.shape[1], dtype=torch.uint8, device=dev)
         back = torch.empty(E * T, self.hidden, dtype=self.dtype, device=dev)
@@ -270,7 +290,7 @@ class DistDispatcher(_Collectives):
         for work in p.works:
             self.wait(work, p.layer, "combine")
         if self.mode == "dense":  # one weighted partial sum per expert actor, added in actor order
-            out = p.back.view(self.num_experts, p.tokens, self.hidden).float().sum(0)
+            out = p.back if self.num_experts == 1 else p.back.view(self.num_experts, p.tokens, self.hidden).float().sum(0)
             return out.to(p.x_device, p.x_dtype)
         out = torch.zeros(p.tokens, self.hidden, dtype=p.x_dtype, device=p.x_device)
         rows = p.back.to(p.x_device, p.x_dtype) * p.weights[:, None].to(p.x_device, p.x_dtype)
@@ -285,6 +305,9 @@ class ExpertExchange(_Collectives):
         super().__init__(actor, table, top_k, mode, group, device)
         self.index = index  # this expert actor's index in the table
         self.routing = Routing(table, self.device)
+        # MoE layers where this actor holds every expert and no other actor holds any
+        self.holds_all = {layer: table.num_actors == 1 and not self.routing.replicated(layer)
+                          for layer in table.moe_layers}
 
     def serve(self, layer: int, experts: RoutedExperts, hidden: int, dtype: torch.dtype,
               tokens: tuple[int, ...] = ()) -> torch.Tensor:
@@ -301,17 +324,24 @@ class ExpertExchange(_Collectives):
         none, each = [0] * self.world, list(tokens) + [0] * self.num_experts
         self.a2a(rows, torch.empty(0, width, dtype=torch.uint8, device=dev), each, none, layer, "dispatch")
         hb = hidden * dtype.itemsize
-        x = rows[:, :hb].contiguous().view(dtype)
-        idx = rows[:, hb: hb + 4 * k].contiguous().view(torch.int32).long()
-        w = rows[:, hb + 4 * k:].contiguous().view(torch.float32)
-        sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
-        actor, local = self.routing.assign(layer, idx, sender, A)
-        mine = (actor == self.index).nonzero().squeeze(1)
-        tok, edev = mine // k, experts.device  # the exchange may be staged in host memory (gloo)
-        y = experts.grouped(x[tok].to(edev), local[mine].to(edev)).to(dev, torch.float32) * w.reshape(-1)[mine, None]
+        x, idx, w = _view(rows[:, :hb], dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
+            _view(rows[:, hb + 4 * k:], torch.float32)  # views of the packed rows where strides allow
+        flat = idx.long().reshape(-1)
+        if self.routing.replicated(layer):
+            sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
+            actor, local = self.routing.assign(layer, flat, sender, A)
+        else:
+            actor, local = self.routing.assign(layer, flat)
+        if self.holds_all.get(layer, False):  # every pair is this actor's (one expert actor)
+            tok, local, wm = torch.arange(N * k, device=dev) // k, local, w.reshape(-1)
+        else:
+            mine = (actor == self.index).nonzero().squeeze(1)
+            tok, local, wm = mine // k, local[mine], w.reshape(-1)[mine]
+        edev = experts.device  # the exchange may be staged in host memory (gloo)
+        y = experts.grouped(x[tok].to(edev), local.to(edev)).to(dev, torch.float32) * wm[:, None]
         partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)
         self.a2a(torch.empty(0, hidden, dtype=dtype, device=dev), partial, none, each, layer, "combine")
-        return torch.bincount(local[mine], minlength=L)
+        return torch.bincount(local, minlength=L)
 
     def _serve_sparse(self, layer, experts, hidden, dtype) -> torch.Tensor:
         dev, L = self.device, self.table.max_local
