@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from model.sampling import SamplingParams
 
 
@@ -133,13 +135,14 @@ class SampledToken:
 class StepResult:
     """Attention worker → engine. ``expert_tokens[i][e]``: tokens this worker routed to logical
     expert e at the i-th MoE layer in this step; ``slot_tokens[i][j][s]``: the rows it sent to
-    expert actor j's local slot s there (a replicated expert's copies counted apart)."""
+    expert actor j's local slot s there (a replicated expert's copies counted apart). Both are
+    integer tensors (nested tuples are accepted too); empty when the step ran no tokens here."""
 
     step: int
     actor: str
     tokens: tuple[SampledToken, ...] = ()
-    expert_tokens: tuple[tuple[int, ...], ...] = ()
-    slot_tokens: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    expert_tokens: torch.Tensor | tuple = ()
+    slot_tokens: torch.Tensor | tuple = ()
     forward_s: float = 0.0  # the micro-batches' forward, exchanges included
     sample_s: float = 0.0  # logits and sampling
     exchange_s: float = 0.0  # time inside collectives (dispatch + combine)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import time
-
-import torch
 from dataclasses import dataclass, field
 
 from actors.messages import ExpertStep, PlacementTable, SampledToken, StepRequest
@@ -214,7 +212,7 @@ class Engine:
         self._unrecorded = None
         self.stats.record_step(tokens, attn, expert, step_s, table)
         if self.stats.last_expert_tokens is not None:
-            step = torch.tensor(self.stats.last_expert_tokens, dtype=torch.long)
+            step = self.stats.last_expert_tokens
             self._unreported = step if self._unreported is None else self._unreported + step
             self._unreported_steps += 1
             if self._unreported_steps >= self.config.report_every_steps:

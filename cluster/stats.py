@@ -36,7 +36,7 @@ class EngineStats:
     finished: int = 0
     generation_tokens: int = 0
     prompt_tokens: int = 0
-    last_expert_tokens: list[list[int]] | None = None
+    last_expert_tokens: torch.Tensor | None = None  # [moe layers, experts] of the last step
     last_slot_tokens: torch.Tensor | None = None  # [moe layers, expert actors, max local slots] of the last step
     expert_tokens_total: torch.Tensor | None = None  # [moe layers, experts], over the engine's life
     actor_tokens_total: list[int] = field(default_factory=list)  # per expert actor index, over all epochs
@@ -67,17 +67,17 @@ class EngineStats:
         if rows and len(rows) == len(expert):
             step_rows = torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
             self.epoch_slot_rows = step_rows if self.epoch_slot_rows is None else self.epoch_slot_rows + step_rows
-        counts = [r.expert_tokens for r in attn if r.expert_tokens]
-        slots = [r.slot_tokens for r in attn if r.slot_tokens]
+        counts = [torch.as_tensor(r.expert_tokens, dtype=torch.long) for r in attn if len(r.expert_tokens)]
+        slots = [torch.as_tensor(r.slot_tokens, dtype=torch.long) for r in attn if len(r.slot_tokens)]
         per_actor = None
         if counts:
-            step = torch.tensor(counts, dtype=torch.long).sum(0)  # [moe layers, experts]
-            self.last_expert_tokens = step.tolist()
+            step = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)  # [moe layers, experts]
+            self.last_expert_tokens = step
             self.expert_tokens_total += step
         else:
             self.last_expert_tokens = None
         if slots:
-            self.last_slot_tokens = torch.tensor(slots, dtype=torch.long).sum(0)  # [layers, actors, slots]
+            self.last_slot_tokens = slots[0] if len(slots) == 1 else torch.stack(slots).sum(0)  # [layers, actors, slots]
             self.epoch_slot_tokens = (self.last_slot_tokens if self.epoch_slot_tokens is None
                                       else self.epoch_slot_tokens + self.last_slot_tokens)
             layer_actor = self.last_slot_tokens.sum(2)  # [layers, actors]
