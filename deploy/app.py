@@ -8,6 +8,7 @@ directly, and every error leaves as OpenAI's envelope.
 """
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -189,6 +190,30 @@ class EngineServer:
             self.aengine.stop(timeout=5)
         finally:
             self.engine.shutdown()
+
+
+async def _events(choices: list):
+    """Every choice's ``(choice, text, sampled, finish)`` pieces as they come, or the exception that
+    ended them. One choice is read directly; several are pumped into one queue."""
+    if len(choices) == 1:
+        c = choices[0]
+        try:
+            async for piece in c.chunks():
+                yield (c, *piece)
+        except Exception as e:  # noqa: BLE001 — the engine failed mid-stream: an error event, not a hang
+            yield e
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(c.pump(queue)) for c in choices]
+    try:
+        for _ in choices:
+            while (item := await queue.get()) is not None:
+                yield item
+                if isinstance(item, Exception):
+                    return
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _raise_reject(first: Reject):
@@ -462,14 +487,9 @@ class Ingress:
 
     async def _sse(self, choices: list, chat: bool, prompt_tokens: int, include_usage: bool):
         rid, created = oa.new_request_id("chatcmpl" if chat else "cmpl"), int(time.time())
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(c.pump(queue)) for c in choices]
         try:
-            for _ in choices:
-                while True:
-                    item = await queue.get()
-                    if item is None:
-                        break
+            async with contextlib.aclosing(_events(choices)) as events:
+                async for item in events:
                     if isinstance(item, Exception):
                         yield oa.sse(_stream_error(item))
                         yield oa.SSE_DONE
@@ -480,8 +500,6 @@ class Ingress:
                 yield oa.sse(oa.usage_chunk(rid, self.name, created, oa.usage(prompt_tokens, done), chat=chat))
             yield oa.SSE_DONE
         finally:  # a client that went away cancels every choice, which frees its cache
-            for t in tasks:
-                t.cancel()
             for c in choices:
                 c.gen.cancel()
 
