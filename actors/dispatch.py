@@ -239,14 +239,12 @@ class DistDispatcher(_Collectives):
         """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
         i, dev = self.layer_index[layer], self.device
         idx = topk_idx.to(dev)
-        if self.mode == "dense":
-            pending, actor, local = self._issue_dense(layer, x, idx, topk_w), None, None
+        if self.mode == "dense":  # posted first: the statistics below overlap the expert actors' work
+            pending = self._issue_dense(layer, x, idx, topk_w)
+            actor, local = self.routing.assign(layer, idx)
         else:
             actor, local = self.routing.assign(layer, idx)
             pending = self._issue_sparse(layer, x, idx, topk_w, actor, local)
-        # the statistics once the exchange is posted: they overlap the expert actors' work
-        if actor is None:
-            actor, local = self.routing.assign(layer, idx)
         self.expert_tokens[i] += torch.bincount(idx.reshape(-1), minlength=self.table.num_experts)
         self.slot_tokens[i] += torch.bincount(actor * self.table.max_local + local, minlength=self.slot_tokens.shape[1])
         return pending
@@ -305,9 +303,6 @@ class ExpertExchange(_Collectives):
         super().__init__(actor, table, top_k, mode, group, device)
         self.index = index  # this expert actor's index in the table
         self.routing = Routing(table, self.device)
-        # MoE layers where this actor holds every expert and no other actor holds any
-        self.holds_all = {layer: table.num_actors == 1 and not self.routing.replicated(layer)
-                          for layer in table.moe_layers}
 
     def serve(self, layer: int, experts: RoutedExperts, hidden: int, dtype: torch.dtype,
               tokens: tuple[int, ...] = ()) -> torch.Tensor:
@@ -332,7 +327,7 @@ class ExpertExchange(_Collectives):
             actor, local = self.routing.assign(layer, flat, sender, A)
         else:
             actor, local = self.routing.assign(layer, flat)
-        if self.holds_all.get(layer, False):  # every pair is this actor's (one expert actor)
+        if self.num_experts == 1 and not self.routing.replicated(layer):  # every pair is this actor's
             tok, local, wm = torch.arange(N * k, device=dev) // k, local, w.reshape(-1)
         else:
             mine = (actor == self.index).nonzero().squeeze(1)
