@@ -320,6 +320,9 @@ class Ingress:
         doc.specialize(model_names=[self.name], vocab_size=self.tok.vocab_size, max_model_len=self.context,
                        api_key=self.cfg.api_key is not None)
 
+    def __del__(self):  # Serve calls it at shutdown, on the replica's event loop
+        self.mux.close()
+
     # ---- plumbing ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
         key = self.cfg.api_key

@@ -107,6 +107,7 @@ class StreamMux:
         self.requests: dict[int, tuple[str, Fanout]] = {}  # key → (subscription, its request)
         self.sink: str | None = None
         self.pump: asyncio.Task | None = None
+        self.gen = None  # the subscription's stream
         self._keys = itertools.count()
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
@@ -137,8 +138,19 @@ class StreamMux:
                 except BaseException:
                     gen.cancel()
                     raise
-                self.sink, self.pump = sink, asyncio.create_task(self._pump(gen, sink))
+                self.sink, self.gen, self.pump = sink, gen, asyncio.create_task(self._pump(gen, sink))
             return self.sink
+
+    def close(self) -> None:
+        """Drop the subscription (this replica is shutting down): the engine replica aborts what ran
+        on it and has no call left open that would hold up its own shutdown."""
+        try:
+            if self.pump is not None:
+                self.pump.cancel()
+            if self.gen is not None:
+                self.gen.cancel()
+        except RuntimeError:  # the event loop is already closed: nothing is left to cancel
+            pass
 
     async def _pump(self, gen, sink: str) -> None:
         try:
