@@ -1,6 +1,7 @@
 """Shared Ray fixtures for cluster tests."""
 
 import socket
+import time
 
 import pytest
 import ray
@@ -21,6 +22,30 @@ def ray_cluster():
             yield cluster
         finally:
             ray.shutdown()
+
+
+def wait_until_idle(timeout_s: float = 30.0) -> None:
+    """Wait until every node's CPUs are free again. Ray frees a removed placement group's and a
+    killed actor's resources asynchronously, so a test that plans on an empty cluster right after
+    another test released its reservation must wait for that first; fails naming what is held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]}
+        free = ray._private.state.available_resources_per_node()
+        held = {nid[:8]: cpus - free.get(nid, {}).get("CPU", 0.0) for nid, cpus in total.items()
+                if free.get(nid, {}).get("CPU", 0.0) < cpus}
+        if not held:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Ray cluster is still busy {timeout_s:.0f} s after the last test: CPUs held per node {held}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def idle_cluster(ray_cluster):
+    """The session's cluster once nothing holds its CPUs (see :func:`wait_until_idle`)."""
+    wait_until_idle()
+    return ray_cluster
 
 
 @pytest.fixture(scope="session")

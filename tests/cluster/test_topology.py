@@ -87,7 +87,7 @@ def test_plan_pins_by_ip_or_id_and_rejects_unknown_nodes():
 # --- reservations on the 3-node cluster ------------------------------------------------------
 
 
-def test_reserve_packs_attention_spreads_experts_and_actors_land_there(ray_cluster):
+def test_reserve_packs_attention_spreads_experts_and_actors_land_there(idle_cluster):
     spec = ClusterSpec(attention=2, experts=4, attention_resources={"CPU": 1}, expert_resources={"CPU": 0.5})
     with reserve(spec, timeout_s=30) as r:
         attn = [r.node_of("attention", i) for i in range(2)]
@@ -101,8 +101,8 @@ def test_reserve_packs_attention_spreads_experts_and_actors_land_there(ray_clust
         assert r.expert_options(0)["num_cpus"] == 0.5
 
 
-def test_explicit_nodes_pin_bundles(ray_cluster):
-    ips = ray_cluster.node_ips
+def test_explicit_nodes_pin_bundles(idle_cluster):
+    ips = idle_cluster.node_ips
     spec = ClusterSpec(attention=1, experts=3, attention_nodes=(ips[2],), expert_nodes=(ips[1], ips[0]))
     with reserve(spec, timeout_s=30) as r:
         assert r.node_ip_of("attention", 0) == ips[2]
@@ -132,7 +132,7 @@ def test_unknown_node_is_a_value_error(ray_cluster):
         reserve(ClusterSpec(expert_nodes=("127.0.0.99",)), timeout_s=2)
 
 
-def test_release_frees_resources(ray_cluster):
+def test_release_frees_resources(idle_cluster):
     total = ray.cluster_resources()["CPU"]
     r = reserve(ClusterSpec(attention=2, experts=3, expert_resources={"CPU": 2}), timeout_s=30)
     assert ray.available_resources().get("CPU", 0) <= total - 8
