@@ -148,14 +148,33 @@ class _Collectives:
         self.top_k, self.mode = top_k, exchange_mode(table, top_k, mode)
         self.device = torch.device(device)  # nccl needs the exchanged tensors on the GPU
         self.world = table.world_size
-        self.step, self.exchange_s = -1, 0.0
+        self.step, self.exchange_s, self.calls = -1, 0.0, 0
         self.phase_s = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
+        # gloo: point-to-point sends and receives with the peers that have rows (half the latency of
+        # gloo's all_to_all_single here, which runs on a worker thread and visits every rank); nccl:
+        # all_to_all_single (one grouped kernel)
+        self.p2p = dist.get_backend(group) == "gloo"
 
-    def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, layer: int, phase: str,
-            async_op: bool = False):
+    def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int,
+            phase: str, async_op: bool = False):
+        """``all_to_all_single`` semantics (rows of ``inp`` to each rank by ``in_splits``, rows from
+        each by ``out_splits`` into ``out``); on gloo as point-to-point ops with the ranks that have
+        rows, tagged with this step's call number (both sides make the same calls in the same order)."""
         t0 = time.perf_counter()
+        self.calls += 1
         try:
-            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
+            if not self.p2p:
+                return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
+            works = _P2P([], (out, inp))
+            for tensor, splits, op in ((inp, in_splits, dist.isend), (out, out_splits, dist.irecv)):
+                start = 0
+                for peer, n in enumerate(splits):
+                    if n:
+                        works.works.append(op(tensor[start: start + n], peer, group=self.group, tag=self.calls))
+                    start += n
+            if not async_op:
+                works.wait()
+            return works
         except Exception as e:  # gloo raises RuntimeError on timeout or a closed peer
             raise self.error(layer, phase, e) from e
         finally:
@@ -180,12 +199,25 @@ class _Collectives:
         self.phase_s[phase] += dt
 
     def reset_timers(self, step: int) -> None:
-        self.step, self.exchange_s = step, 0.0
+        self.step, self.exchange_s, self.calls = step, 0.0, 0
         self.phase_s = dict.fromkeys(self.phase_s, 0.0)
 
     def row_bytes(self, hidden: int, dtype: torch.dtype) -> int:
         """Bytes of one dense-format row: the hidden vector, then top-k int32 ids and fp32 weights."""
         return hidden * dtype.itemsize + 8 * self.top_k
+
+
+@dataclass
+class _P2P:
+    """The point-to-point ops of one :meth:`_Collectives.a2a` call on gloo, waited for together."""
+
+    works: list
+    keep: tuple  # the tensors they read or write, alive until they finish
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
 
 
 @dataclass
@@ -270,17 +302,17 @@ class DistDispatcher(_Collectives):
         order = torch.argsort(actor * L + local, stable=True)
         send = torch.zeros(self.world, L, dtype=torch.long, device=dev)
         send[A:].index_put_((actor, local), torch.ones_like(actor), accumulate=True)
-        recv = torch.empty_like(send)  # attention ranks receive no counts; the call keeps ranks in step
         rows_to = send.sum(1).tolist()
         tok = torch.arange(T, device=dev).repeat_interleave(k)[order]
         payload = x.to(dev, self.dtype)[tok].contiguous()
         none = [0] * self.world
         empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
         back = torch.empty(len(tok), self.hidden, dtype=self.dtype, device=dev)
-        works = [self.a2a(recv.view(-1), send.reshape(-1), None, None, layer, "counts", async_op=True),
+        counts = send[A:].reshape(-1)  # [expert actors × local slots] to the expert actors only
+        works = [self.a2a(counts[:0], counts, none, [0] * A + [L] * self.num_experts, layer, "counts", async_op=True),
                  self.a2a(empty, payload, none, rows_to, layer, "dispatch", async_op=True),
                  self.a2a(back, empty, rows_to, none, layer, "dispatch", async_op=True)]
-        return Pending(layer, works, back, (send, recv, payload, empty), x.dtype, x.device, T,
+        return Pending(layer, works, back, (send, counts, payload, empty), x.dtype, x.device, T,
                        weights=w.reshape(-1).to(dev)[order], tok=tok)
 
     def collect(self, p: Pending) -> torch.Tensor:
@@ -303,11 +335,25 @@ class ExpertExchange(_Collectives):
         super().__init__(actor, table, top_k, mode, group, device)
         self.index = index  # this expert actor's index in the table
         self.routing = Routing(table, self.device)
+        self.sending: tuple | None = None  # the last combine, still in flight: (layer, work, tensors)
+
+    def drain(self) -> None:
+        """Wait for the last combine to leave (before the next exchange, and at the end of a step)."""
+        if self.sending is not None:
+            layer, work, _ = self.sending
+            self.sending = None
+            self.wait(work, layer, "combine")
+
+    def _send_back(self, layer: int, y: torch.Tensor, splits: list[int]) -> None:
+        """Post the combine (results to the attention ranks by ``splits``) without waiting for it."""
+        none = [0] * self.world
+        self.sending = (layer, self.a2a(y[:0], y, none, splits, layer, "combine", async_op=True), y)
 
     def serve(self, layer: int, experts: RoutedExperts, hidden: int, dtype: torch.dtype,
               tokens: tuple[int, ...] = ()) -> torch.Tensor:
         """One micro-batch's exchange; ``tokens[s]`` is attention rank s's token count (dense format).
         Returns the rows computed per local slot [max_local]."""
+        self.drain()
         if self.mode == "dense":
             return self._serve_dense(layer, experts, hidden, dtype, tokens)
         return self._serve_sparse(layer, experts, hidden, dtype)
@@ -335,19 +381,19 @@ class ExpertExchange(_Collectives):
         edev = experts.device  # the exchange may be staged in host memory (gloo)
         y = experts.grouped(x[tok].to(edev), local.to(edev)).to(dev, torch.float32) * wm[:, None]
         partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)
-        self.a2a(torch.empty(0, hidden, dtype=dtype, device=dev), partial, none, each, layer, "combine")
+        self._send_back(layer, partial, each)
         return torch.bincount(local, minlength=L)
 
     def _serve_sparse(self, layer, experts, hidden, dtype) -> torch.Tensor:
         dev, L = self.device, self.table.max_local
-        recv = torch.empty(self.world, L, dtype=torch.long, device=dev)
-        self.a2a(recv.view(-1), torch.zeros(self.world * L, dtype=torch.long, device=dev), None, None, layer, "counts")
-        rows_from = recv.sum(1).tolist()  # [source, local] → rows per source
+        A, E = self.num_attention, self.num_experts
+        recv = torch.empty(A, L, dtype=torch.long, device=dev)  # [attention rank, local slot] pair counts
+        self.a2a(recv.view(-1), recv.view(-1)[:0], [L] * A + [0] * E, [0] * self.world, layer, "counts")
+        rows_from = recv.sum(1).tolist() + [0] * E  # rows per source rank
         none = [0] * self.world
         x = torch.empty(sum(rows_from), hidden, dtype=dtype, device=dev)
-        empty = torch.empty(0, hidden, dtype=dtype, device=dev)
-        self.a2a(x, empty, rows_from, none, layer, "dispatch")
-        local = torch.arange(L, device=dev).repeat(self.world).repeat_interleave(recv.reshape(-1))
+        self.a2a(x, x[:0], rows_from, none, layer, "dispatch")
+        local = torch.arange(L, device=dev).repeat(A).repeat_interleave(recv.reshape(-1))
         y = experts.grouped(x.to(experts.device), local.to(experts.device)).to(dev)
-        self.a2a(empty, y.contiguous(), none, rows_from, layer, "combine")
+        self._send_back(layer, y.contiguous(), rows_from)
         return recv.sum(0)

@@ -131,6 +131,7 @@ class ExpertWorker:
         per_slot = [sum(self.exchange.serve(layer, self.experts[layer], hidden, self.dtype, tokens)
                         for tokens in req.tokens)
                     for layer in self.table.moe_layers]
+        self.exchange.drain()
         total, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         ph = self.exchange.phase_s
         slots = torch.stack(per_slot).tolist() if per_slot else []

@@ -199,6 +199,7 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
             d.exchange(1, x, idx, w)
         else:
             ex.serve(1, shard, hidden, torch.float32, (tokens,))
+            ex.drain()
         times.append(time.perf_counter() - t0)
     if mode == "dense":
         out_rows, back_rows, width = tokens, tokens, hidden + 2 * k
@@ -214,10 +215,22 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
         dist.all_to_all_single(b, a, [out_rows, 0] if rank == 1 else [0, 0], [0, out_rows] if rank == 0 else [0, 0])
         dist.all_to_all_single(e, c, [0, back_rows] if rank == 0 else [0, 0], [back_rows, 0] if rank == 1 else [0, 0])
         floor.append(time.perf_counter() - t0)
+    p2p = []  # the same bytes as one send and one receive each way (what the exchange uses on gloo)
+    for _ in range(iters):
+        a, c = torch.randn(out_rows, width), torch.randn(back_rows, hidden)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(a, 1)
+            dist.recv(c, 1)
+        else:
+            dist.recv(a, 0)
+            dist.send(c, 0)
+        p2p.append(time.perf_counter() - t0)
     if rank == 1:
         q.put(("expert", spent))
     else:
-        q.put(("attention", times, floor))
+        q.put(("attention", times, floor, p2p))
     dist.destroy_process_group()
 
 
@@ -238,11 +251,11 @@ def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str,
     got = dict((m[0], m[1:]) for m in (q.get(timeout=600), q.get(timeout=600)))
     for p in procs:
         p.join(60)
-    times, floor = got["attention"]
+    times, floor, p2p = got["attention"]
     (spent,) = got["expert"]
     net = [t - c for t, c in zip(times, spent)]
     return {"mode": mode, "tokens": tokens, "exchange_ms": 1000 * statistics.median(net),
-            "floor_ms": 1000 * statistics.median(floor),
+            "floor_ms": 1000 * statistics.median(floor), "p2p_floor_ms": 1000 * statistics.median(p2p),
             "ratio": statistics.median(net) / statistics.median(floor)}
 
 
@@ -319,10 +332,11 @@ def main() -> None:
         print(f"{'component':32}" + "".join(f"{f'{m}, {n} str':>22}" for m, n in breakdowns))
         for k in keys:
             print(f"{k:32}" + "".join(f"{b.get(k, float('nan')):>22.3f}" for b in breakdowns.values()))
-    print("\none MoE layer's exchange (1 attention, 1 expert actor; the expert's compute taken out) vs the floor")
+    print("\none MoE layer's exchange (1 attention, 1 expert actor; the expert's compute taken out) vs the floor: "
+          "all_to_all_single of the same bytes out and back (and, for reference, one send + one recv each way)")
     for e in exchanges:
         print(f"  {e['mode']:6} {e['tokens']:>3} tokens: {e['exchange_ms']:.3f} ms vs floor {e['floor_ms']:.3f} ms "
-              f"= {e['ratio']:.2f}x")
+              f"= {e['ratio']:.2f}x  (send/recv floor {e['p2p_floor_ms']:.3f} ms)")
     print(json.dumps({"rates": rows, "breakdown_ms": {f"{m}/{n}": b for (m, n), b in breakdowns.items()},
                       "exchange": exchanges}))
 

@@ -96,6 +96,7 @@ def _exchange_ok(rank, A, key, slots, exchange, q):
             for m in (0, 1):
                 ex.serve(layer, shards[layer][rank - A], H, torch.float32,
                          tuple(len(_micro(r, layer, m)[0]) for r in range(A)))
+        ex.drain()  # the last combine has left
         q.put((key, rank, "rows", rows))
 
 
