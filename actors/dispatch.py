@@ -19,6 +19,11 @@ replicas of a hot expert share its pairs) and combines the weighted results. Two
     the rows, and the unweighted rows back. For many expert actors (> k), where the dense format
     would send every token to every actor.
 
+  Each exchange is ``all_to_all_single``-shaped (rows to and from each rank by split sizes). On
+  NCCL it is that call; on gloo it is point-to-point sends and receives with just the ranks that
+  have rows (gloo's all-to-all runs on a worker thread and visits every rank: twice the latency of a
+  send and a receive on this machine), each tagged with its call number in the step.
+
   The attention side is asynchronous (:meth:`DistDispatcher.issue` posts a micro-batch's exchange,
   :meth:`DistDispatcher.collect` waits for it), so an attention worker can compute one micro-batch
   while the expert actors compute another (ping-pong). Every attention rank and expert actor runs
