@@ -174,7 +174,9 @@ class AttentionWorker:
 
 
 def step_stats(d: DistDispatcher) -> dict:
-    """The step's routing statistics for its :class:`StepResult`: two host tensors (one host sync),
-    never Python lists — at Kimi K2 scale they hold 23k and 23k counts."""
+    """The step's routing statistics for its :class:`StepResult`: two host arrays (one host sync),
+    never Python lists — at Kimi K2 scale they hold 23k and 23k counts. numpy, not torch: Ray
+    serialises a numpy array out of band, and a torch tensor through its pickle reducer (about
+    0.2 ms more per step and actor here)."""
     expert, slot = d.take_stats()
-    return {"expert_tokens": expert, "slot_tokens": slot}
+    return {"expert_tokens": expert.numpy(), "slot_tokens": slot.numpy()}

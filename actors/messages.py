@@ -1,11 +1,12 @@
-"""What crosses actor boundaries. Every message is a frozen dataclass of plain Python values
-(no tensors): one Ray call per actor per step carries one of these; per-layer traffic never
+"""What crosses actor boundaries. Every message is a frozen dataclass of plain Python values (and
+a step result's two count arrays): one Ray call per actor per step carries one of these; per-layer traffic never
 does — it moves through the process group (see :mod:`actors.dispatch`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.sampling import SamplingParams
@@ -136,13 +137,14 @@ class StepResult:
     """Attention worker → engine. ``expert_tokens[i][e]``: tokens this worker routed to logical
     expert e at the i-th MoE layer in this step; ``slot_tokens[i][j][s]``: the rows it sent to
     expert actor j's local slot s there (a replicated expert's copies counted apart). Both are
-    integer tensors (nested tuples are accepted too); empty when the step ran no tokens here."""
+    integer numpy arrays from a worker (tensors and nested tuples are accepted too); empty when the
+    step ran no tokens here."""
 
     step: int
     actor: str
     tokens: tuple[SampledToken, ...] = ()
-    expert_tokens: torch.Tensor | tuple = ()
-    slot_tokens: torch.Tensor | tuple = ()
+    expert_tokens: np.ndarray | torch.Tensor | tuple = ()
+    slot_tokens: np.ndarray | torch.Tensor | tuple = ()
     forward_s: float = 0.0  # the micro-batches' forward, exchanges included
     sample_s: float = 0.0  # logits and sampling
     exchange_s: float = 0.0  # time inside collectives (dispatch + combine)
