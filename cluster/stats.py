@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from actors.messages import ExpertStepResult, PlacementTable, StepResult
@@ -67,8 +68,8 @@ class EngineStats:
         if rows and len(rows) == len(expert):
             step_rows = torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
             self.epoch_slot_rows = step_rows if self.epoch_slot_rows is None else self.epoch_slot_rows + step_rows
-        counts = [torch.as_tensor(r.expert_tokens, dtype=torch.long) for r in attn if len(r.expert_tokens)]
-        slots = [torch.as_tensor(r.slot_tokens, dtype=torch.long) for r in attn if len(r.slot_tokens)]
+        counts = [_counts(r.expert_tokens) for r in attn if len(r.expert_tokens)]
+        slots = [_counts(r.slot_tokens) for r in attn if len(r.slot_tokens)]
         per_actor = None
         if counts:
             step = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)  # [moe layers, experts]
@@ -164,3 +165,10 @@ class EngineStats:
         self.prompt_tokens += seq.num_prompt_tokens
         for fn in self.listeners:
             fn("finished", seconds=seconds, seq=seq)
+
+
+def _counts(x) -> torch.Tensor:
+    """A step result's counts as a long tensor of our own (Ray hands a numpy array over read-only)."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x.astype(np.int64, copy=True))
+    return torch.as_tensor(x, dtype=torch.long)
