@@ -26,7 +26,8 @@ from model.sampling import draw_seed, sample, top_logprobs
 from .device import choose_device
 from .group import exchange_device, join_group, leave_group
 from .dispatch import DistDispatcher
-from .messages import GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult
+from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult,
+                       refuse_ahead)
 from .progress import LoadProgress
 
 
@@ -49,6 +50,8 @@ class AttentionWorker:
         self._moe = self.model.moe_blocks()
         self.moe_layers = sorted(self._moe)
         self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
+        self.completed = -1  # the last step that completed here
+        self.sampled: dict[int, int] = {}  # seq id → the token that step sampled (AHEAD chunks read it)
 
     # ---- control plane -----------------------------------------------------------------
     def node_id(self) -> str:
@@ -87,6 +90,7 @@ class AttentionWorker:
         if req.epoch != self.table.epoch:
             raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
                                f"epoch {self.table.epoch}")
+        refuse_ahead(self.name, req.step, req.ahead, self.completed)
         d.begin_step(req.step)
         t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
@@ -96,6 +100,7 @@ class AttentionWorker:
         t1 = time.perf_counter()
         tokens = self._sample(req.chunks, hidden) if req.chunks else ()
         sample_s, cpu_s = time.perf_counter() - t1, time.thread_time() - c0
+        self.completed, self.sampled = req.step, {t.seq_id: t.token_id for t in tokens}
         return StepResult(step=req.step, actor=self.name, tokens=tokens, **(step_stats(d) if req.chunks else {}),
                           forward_s=t1 - t0, exchange_s=d.exchange_s, sample_s=sample_s,
                           dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"],
@@ -138,13 +143,22 @@ class AttentionWorker:
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
                 self.cache.kda.reset(c.state_slot)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+        ids = torch.tensor([self._known(c.seq_id) if t == AHEAD else t for c in chunks for t in c.token_ids],
+                           device=self.device)
         meta = build_attn_meta(
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
             [list(c.block_table) for c in chunks], self.block_size, device=self.device,
             state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None)
         h = yield from self.model.stages(ids, meta, self.cache, self.impl)
         return h[meta.last_token_index.to(h.device)]  # each chunk's last token
+
+    def _known(self, seq_id: int) -> int:
+        """The token the last step sampled here for ``seq_id`` (an AHEAD chunk's input)."""
+        try:
+            return self.sampled[seq_id]
+        except KeyError:
+            raise RuntimeError(f"{self.name}: sequence {seq_id} was sent ahead, but step {self.completed} "
+                               f"sampled no token for it here") from None
 
     def _sample(self, chunks: tuple[SeqChunk, ...], last: list) -> tuple[SampledToken, ...]:
         rows = [b for b, c in enumerate(chunks) if c.sample]

@@ -26,7 +26,7 @@ from model.moe import RoutedExperts, gather_experts
 from .device import Placement, choose_device
 from .group import exchange_device, join_group, leave_group
 from .dispatch import ExpertExchange
-from .messages import ExpertStep, ExpertStepResult, GroupInfo, PlacementTable
+from .messages import ExpertStep, ExpertStepResult, GroupInfo, PlacementTable, refuse_ahead
 from .progress import LoadProgress
 
 
@@ -51,6 +51,7 @@ class ExpertWorker:
                                            on_progress=self.progress.update)
         self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
         self.exchange: ExpertExchange | None = None
+        self.completed = -1  # the last step that completed here
 
     # ---- control plane -------------------------------------------------------------------
     def node_id(self) -> str:
@@ -125,6 +126,7 @@ class ExpertWorker:
         if req.epoch != self.table.epoch:
             raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
                                f"epoch {self.table.epoch}")
+        refuse_ahead(self.name, req.step, req.ahead, self.completed)
         self.exchange.reset_timers(req.step)
         t0, c0 = time.perf_counter(), time.thread_time()
         hidden = self.cfg.expert_hidden_size
@@ -135,6 +137,7 @@ class ExpertWorker:
         total, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         ph = self.exchange.phase_s
         slots = torch.stack(per_slot).tolist() if per_slot else []
+        self.completed = req.step
         return ExpertStepResult(step=req.step, actor=self.name, rows_per_layer=tuple(sum(r) for r in slots),
                                 rows_per_slot=tuple(tuple(r) for r in slots),
                                 compute_s=total - self.exchange.exchange_s, exchange_s=self.exchange.exchange_s,

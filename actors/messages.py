@@ -87,6 +87,10 @@ class PlacementTable:
         return f"{self.num_attention} attention × {self.num_actors} expert actors"
 
 
+AHEAD = -1  # a token id the engine does not know yet: the one the attention worker sampled for the
+# sequence in the step before (a step sent ahead of the last one's results, see StepRequest.ahead)
+
+
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's work in one step. Created by the scheduler; consumed by the attention worker
@@ -112,6 +116,9 @@ class StepRequest:
     epoch: int
     chunks: tuple[SeqChunk, ...] = ()
     micro: tuple[int, ...] = ()  # chunks per micro-batch, in order (ping-pong); () → one micro-batch
+    # sent before step - 1's results reached the engine (async scheduling): its AHEAD tokens are what
+    # step - 1 sampled here, and an actor where step - 1 did not complete refuses it at once
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,15 @@ class ExpertStep:
     step: int
     epoch: int
     tokens: tuple[tuple[int, ...], ...]
+    ahead: bool = False  # as StepRequest.ahead: refused at once where step - 1 did not complete
+
+
+def refuse_ahead(actor: str, step: int, ahead: bool, completed: int) -> None:
+    """A step sent ahead needs the step before it to have completed on this actor (``completed``):
+    it reads that step's samples, and peers that saw that step fail will not take part in its
+    exchanges — so it fails at once instead of waiting out the collective timeout."""
+    if ahead and completed != step - 1:
+        raise RuntimeError(f"{actor}: step {step} was sent ahead of step {step - 1}, which did not complete here")
 
 
 @dataclass(frozen=True)

@@ -163,9 +163,10 @@ class AsyncEngine:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        """Steps back to back, pipelined: once a step's tokens are applied the next step is launched,
-        and only then are the finished step's statistics recorded and its tokens detokenised and
-        delivered — that work overlaps the actors computing the next step."""
+        """Steps back to back, pipelined: a decode step is sent before the last one's results are
+        back (:meth:`Engine.launch_ahead`), else once its tokens are applied; only then are the
+        finished step's statistics recorded and its tokens detokenised and delivered — that work
+        overlaps the actors computing the next step."""
         launched = None
         while not self._stop.is_set():
             self._drain(block=launched is None and not self.engine.has_work)
@@ -180,8 +181,12 @@ class AsyncEngine:
                 if launched is None and not self.engine.has_work:
                     self.engine.advance()  # an epoch change can happen while idle too
                     continue
-                events = self.engine.finish(launched or self.engine.launch())
-                launched = self.engine.launch() if self.engine.has_work else None
+                current = launched or self.engine.launch()
+                self.engine.launch_ahead(current)  # the next step goes out before this one's results
+                events = self.engine.finish(current)
+                launched = self.engine.take_ahead()
+                if launched is None and self.engine.has_work:
+                    launched = self.engine.launch()
                 self.engine.record()
                 t0 = time.perf_counter()
                 for ev in events:

@@ -37,6 +37,9 @@ class EngineConfig:
     actor_threads: int = 1  # torch threads per attention / expert actor (intra-op parallelism of each)
     micro_batches: int = 2
     exchange: str = "auto"
+    # async scheduling: a decode step goes out before the last step's results are back (the engine's and
+    # Ray's per-step work then overlaps the actors' compute; the same tokens)
+    async_scheduling: bool = True
     # warm standby actors, started ahead in their own bundles and joined to no process group: a dead
     # actor's index is taken by a standby (failover without starting a process), then a new standby starts
     standby_attention: int = 0  # each holds the attention weights and a cache, like a replica

@@ -12,17 +12,18 @@ does), builds a placement table (the Router does), or waits on an actor without 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
 
-from actors.messages import ExpertStep, PlacementTable, SampledToken, StepRequest
+from actors.messages import AHEAD, ExpertStep, PlacementTable, SampledToken, StepRequest
 from model.config import ModelConfig, load_config
 from model.runner import check_stop
 from model.sampling import SamplingParams
 
 from .config import EngineConfig
-from .scheduler import Scheduler, Seq
+from .scheduler import Plan, Scheduler, Seq
 from .stats import EngineStats
 from .topology import ClusterSpec
 from .workers import EngineError, EpochChange, NoCapacity, StepFailed, Transition, WorkerGroup
@@ -50,6 +51,7 @@ class Launched:
     refs: list
     t0: float
     table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
+    ahead: bool = False  # sent before the previous step's results came back (async scheduling)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Engine:
         self._last_auto = time.monotonic()
         self.unrecovered: list[tuple[str, int]] | None = None  # dead actors not yet replaced (no capacity)
         self.ping_pong = config.ping_pong  # may be switched between steps
+        self._ahead: Launched | None = None  # the step sent ahead of the one being finished
         self._unrecorded = None  # the statistics of the last finished step, until record()
         self._unreported, self._unreported_steps = None, 0  # counts not yet sent to the router
 
@@ -166,38 +169,91 @@ class Engine:
 
     def launch(self) -> Launched | None:
         """Schedule the next step and send it to the actors (it runs while the caller does other
-        work); None when there is nothing to run. At most one step is in flight."""
+        work); None when there is nothing to run. Nothing may be in flight: a step sent ahead
+        (:meth:`launch_ahead`) is finished first."""
+        if self._ahead is not None:
+            raise RuntimeError("launch() while a step sent ahead is in flight: finish it first")
         self.advance()  # a step boundary: an epoch change whose actors are ready happens here
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if plan.empty:
             return None
+        return self._send(plan, ahead=False, t_plan=t0)
+
+    def _send(self, plan: Plan, *, ahead: bool, t_plan: float) -> Launched:
         self.step_no += 1
         micro = self._micro_batches(plan.chunks)
-        reqs = [StepRequest(self.step_no, self.table.epoch, tuple(chunks), tuple(len(g) for g in groups))
+        reqs = [StepRequest(self.step_no, self.table.epoch, tuple(chunks), tuple(len(g) for g in groups), ahead)
                 for chunks, groups in zip(plan.chunks, micro)]
         tokens = tuple(tuple(sum(len(c.token_ids) for c in groups[m]) for groups in micro)
                        for m in range(len(micro[0])))
         self.stats.micro_batched_steps += len(tokens) > 1
         t1 = time.perf_counter()
-        refs = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens))
-        self.stats.add_time(schedule=t1 - t0, launch=time.perf_counter() - t1)
-        return Launched(self.step_no, plan, refs, t1, self.table)
+        refs = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens, ahead))
+        self.stats.add_time(schedule=t1 - t_plan, launch=time.perf_counter() - t1)
+        self.stats.ahead_steps += ahead
+        return Launched(self.step_no, plan, refs, t1, self.table, ahead)
+
+    def launch_ahead(self, current: Launched | None) -> Launched | None:
+        """Async scheduling: send the step after ``current`` before ``current``'s results are back,
+        so the actors find it queued when they finish and the engine's and Ray's per-step work
+        (results back, stop checks, scheduling, the next call) overlaps their compute. Only where
+        that next step is known without those results: every sequence of ``current`` ends its known
+        tokens there (so it decodes the token sampled there next: an :data:`AHEAD` token, read by
+        the attention worker from its own last samples), none reaches its length limit there, its
+        cache has room for one more token, no request waits to be admitted and no epoch change is
+        pending. A sequence that stops at ``current`` (a stop token or string) has its extra token
+        dropped, so the streams are exactly those of the plain loop. :meth:`take_ahead` hands it on."""
+        if (current is None or not self.config.async_scheduling or self._ahead is not None
+                or self.transition is not None or self.unrecovered is not None or self.scheduler.waiting):
+            return None
+        chunks = [c for replica in current.plan.chunks for c in replica]
+        if not chunks or not all(c.sample for c in chunks):
+            return None
+        max_ctx, nxt = self.cfg.max_position_embeddings, []
+        for c in chunks:
+            req = self.requests.get(c.seq_id)
+            if req is None or req.seq.finish_reason is not None:
+                continue
+            seq = req.seq
+            if len(seq.output_ids) + 1 >= seq.params.max_tokens or len(seq.token_ids) + 1 >= max_ctx:
+                continue  # it ends at `current` by length
+            nxt.append(seq)
+        t0 = time.perf_counter()
+        ahead = self.scheduler.decode_ahead(nxt, AHEAD) if nxt else None
+        if ahead is None:
+            return None
+        plan = Plan([[] for _ in current.plan.chunks])
+        for seq, chunk in zip(nxt, ahead):
+            plan.chunks[seq.replica].append(chunk)
+        launched = self._send(plan, ahead=True, t_plan=t0)
+        self._ahead = launched
+        return launched
+
+    def take_ahead(self) -> Launched | None:
+        """The step :meth:`launch_ahead` sent (None if none), now the next one to finish."""
+        launched, self._ahead = self._ahead, None
+        return launched
 
     def finish(self, launched: Launched | None) -> list[TokenEvent]:
         """Wait for a launched step and apply its tokens (stop checks); its statistics wait for
-        :meth:`record`. A failed step is undone and the dead actors replaced (raises NoCapacity
-        when that is impossible)."""
+        :meth:`record`. A failed step is undone, with the step sent ahead of it, and the dead actors
+        replaced (raises NoCapacity when that is impossible)."""
         if launched is None:
             return []
         t0 = time.perf_counter()
         try:
             attn, expert = self.workers.collect(launched.step, launched.refs)
         except StepFailed as failure:
-            self._recover(launched.plan, failure)
+            plans = [launched.plan]
+            if self._ahead is not None:  # it read this step's samples: undone too (its actors refuse it)
+                plans.insert(0, self.take_ahead().plan)
+            self._recover(plans, failure)
             return []
         t1 = time.perf_counter()
+        if self._ahead is not None:  # its actors could start it only now: its time counts from here
+            self._ahead = dataclasses.replace(self._ahead, t0=max(self._ahead.t0, t1))
         events = self._apply([t for r in attn for t in r.tokens])
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
         self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table)
@@ -243,10 +299,10 @@ class Engine:
         return out
 
     # ---- recovery -------------------------------------------------------------------------------
-    def _recover(self, plan, failure: StepFailed) -> None:
-        """An actor died or a collective failed: undo the failed step in the scheduler, replace the
-        dead actors in a recovery epoch, and let the next step redo the work. Raises NoCapacity (the
-        engine is then unavailable until :meth:`heal` succeeds)."""
+    def _recover(self, plans: list, failure: StepFailed) -> None:
+        """An actor died or a collective failed: undo the failed step (and one sent ahead of it,
+        first) in the scheduler, replace the dead actors in a recovery epoch, and let the next step
+        redo the work. Raises NoCapacity (the engine is then unavailable until :meth:`heal` succeeds)."""
         t0 = time.monotonic()
         dead = sorted(set(failure.dead) | set(self.workers.lost()))  # and those dying with their node
         for kind, _ in dead:
@@ -254,21 +310,22 @@ class Engine:
         if self.transition is not None:  # the change in progress is off; its requester hears why
             self.workers.abort(self.transition)
             self._finish_transition(EngineError(f"the epoch change was interrupted: {failure}"))
-        self._undo(plan, {i for kind, i in dead if kind == "attention"})
+        self._undo(plans, {i for kind, i in dead if kind == "attention"})
         self.unrecovered = dead
         self.heal()
         self.stats.observe_recovery(time.monotonic() - t0)
 
-    def _undo(self, plan, dead_replicas: set[int]) -> None:
-        """Make the scheduler state what it was before the failed step. Latent-cache writes are
-        idempotent (a retry rewrites the same positions with the same values), so MLA-only models
-        just recompute the step's tokens; a KDA state update is not (layers before the failure
-        already advanced it), so on hybrid models the step's sequences are re-prefilled from zero,
-        as are all sequences of a dead attention replica (their cache is gone)."""
+    def _undo(self, plans: list, dead_replicas: set[int]) -> None:
+        """Make the scheduler state what it was before the failed steps (``plans``, newest first).
+        Latent-cache writes are idempotent (a retry rewrites the same positions with the same
+        values), so MLA-only models just recompute the steps' tokens; a KDA state update is not
+        (layers before the failure already advanced it), so on hybrid models the steps' sequences
+        are re-prefilled from zero, as are all sequences of a dead attention replica (their cache is
+        gone)."""
         by_id = {s.seq_id: s for s in self.scheduler.running}
         redo = [s for s in self.scheduler.running if s.replica in dead_replicas]
-        for replica, chunks in enumerate(plan.chunks):
-            for c in chunks:
+        for plan in plans:
+            for c in (c for chunks in plan.chunks for c in chunks):
                 seq = by_id.get(c.seq_id)
                 if seq is None or seq in redo:
                     continue
@@ -396,9 +453,15 @@ class Engine:
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Seq]:
-        """Run requests to completion (offline use and tests)."""
+        """Run requests to completion (offline use and tests), pipelined like the async engine: each
+        step is sent ahead of the last one's results where it can be (:meth:`launch_ahead`)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        while self.has_work:
-            self.step()
+        launched = None
+        while self.has_work or launched is not None:
+            current = launched or self.launch()
+            self.launch_ahead(current)
+            self.finish(current)
+            launched = self.take_ahead()
+            self.record()
         return [self.release(i).seq for i in ids]

@@ -143,6 +143,26 @@ class Scheduler:
             budget -= n
         return plan
 
+    def decode_ahead(self, seqs: list[Seq], token: int) -> list[SeqChunk] | None:
+        """The next decode chunk of each of ``seqs``, whose last token is not known yet (``token``
+        stands for it; the engine's async scheduling): their cache grows by one position each, all
+        or none — None when a replica lacks the room (the plain schedule then preempts as usual)."""
+        need: dict[int, int] = {}
+        for seq in seqs:
+            if seq not in self.running:
+                return None
+            alloc = self.blocks[seq.replica]
+            need[seq.replica] = need.get(seq.replica, 0) + alloc.blocks_needed(seq.num_cached + 1, len(seq.block_table))
+        if not all(self.blocks[r].can_allocate(n) for r, n in need.items()):
+            return None
+        chunks = []
+        for seq in seqs:
+            start = seq.num_cached
+            self._take(seq, 1)
+            chunks.append(SeqChunk(seq.seq_id, (token,), start, tuple(seq.block_table), seq.state_slot, False, True,
+                                   seq.params))
+        return chunks
+
     def _chunk(self, seq: Seq, n: int, reset: bool) -> SeqChunk:
         start = seq.num_cached - n  # _take already advanced num_cached
         sample = seq.num_cached == len(seq.token_ids)

@@ -32,6 +32,7 @@ class EngineStats:
     tokens_computed: int = 0
     preemptions: int = 0
     micro_batched_steps: int = 0  # steps split into micro-batches (ping-pong)
+    ahead_steps: int = 0  # steps sent ahead of the last one's results (async scheduling)
     # cumulative seconds per part of the step, and the steps they cover (the per-step breakdown)
     breakdown: dict = field(default_factory=lambda: {"steps": 0})
     finished: int = 0

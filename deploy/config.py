@@ -59,6 +59,9 @@ class ServeConfig(BaseModel):
         "auto", description="The expert exchange's wire format: dense (every token to every expert actor, no counts "
                             "exchange) or sparse (pairs only where their expert lives); auto: dense while there are "
                             "no more expert actors than experts per token.")
+    async_scheduling: bool = Field(True, description="Send a decode step before the last step's results are back "
+                                                     "(the engine's and Ray's per-step work overlaps the actors'; "
+                                                     "the same tokens).")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(
@@ -93,6 +96,7 @@ class ServeConfig(BaseModel):
                             rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
                             load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
                             micro_batches=self.micro_batches, exchange=self.exchange, actor_threads=self.actor_threads,
+                            async_scheduling=self.async_scheduling,
                             standby_attention=self.standby_attention, standby_experts=self.standby_experts)
 
     def cluster_spec(self):

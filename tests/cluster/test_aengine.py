@@ -28,6 +28,12 @@ class FakeEngine:
     def record(self):
         pass
 
+    def launch_ahead(self, current):  # no async scheduling: each step waits for the last one's results
+        return None
+
+    def take_ahead(self):
+        return None
+
     def abort(self, sid):
         self.requests.pop(sid, None)
 
