@@ -24,6 +24,12 @@ def k2(tmp_path_factory):
                         progress=False)
 
 
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    return build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("async") / "k3", seed=4, dtype="float32",
+                        progress=False)
+
+
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 760, (int(k),), generator=g).tolist() for k in torch.randint(3, 30, (n,), generator=g)]
@@ -78,12 +84,15 @@ def _pipelined_with_a_kill(eng, kill, at_step: int):
     assert killed, "no step was ever sent ahead"
 
 
-@pytest.mark.parametrize("kind", ["expert", "attention"])
-def test_actor_killed_with_a_step_sent_ahead_recovers_exactly(ray_cluster, k2, kind):
+@pytest.mark.parametrize("model,kind", [("k2", "expert"), ("k2", "attention"), ("k3", "expert")])
+def test_actor_killed_with_a_step_sent_ahead_recovers_exactly(ray_cluster, request, model, kind):
+    """K2: both steps' cache positions are undone; K3: a half-run step advanced the KDA state, so the
+    sequences of both steps are re-prefilled."""
+    path = request.getfixturevalue(model)
     prompts = _prompts(4, seed=9)
     params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 4
-    expected = _alone(k2, prompts, params)
-    eng = Engine(EngineConfig(model=str(k2), collective_timeout_s=5, step_timeout_s=30),
+    expected = _alone(path, prompts, params)
+    eng = Engine(EngineConfig(model=str(path), collective_timeout_s=5, step_timeout_s=30),
                  ClusterSpec(attention=2, experts=2)).start()
     try:
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
