@@ -227,9 +227,9 @@ def test_disconnect_frees_the_sequence(server):
         for _ in zip(range(3), r.iter_lines()):
             pass
     deadline = time.monotonic() + 20
-    while True:
-        st = httpx.get(f"{server['url']}/status", headers=_headers(), timeout=30).json()
-        if st["running"] == 0 and st["waiting"] == 0:
+    while True:  # the engine thread aborts the sequence and the replica's event loop drops its stream
+        st = httpx.get(f"{server['url']}/status", headers=_headers(), timeout=30).json()  # apart: both must end
+        if st["running"] == 0 and st["waiting"] == 0 and st["streams"]["requests"] == 0:
             break
         assert time.monotonic() < deadline, st
         time.sleep(0.2)
