@@ -181,12 +181,7 @@ class AsyncEngine:
                 if launched is None and not self.engine.has_work:
                     self.engine.advance()  # an epoch change can happen while idle too
                     continue
-                current = launched or self.engine.launch()
-                self.engine.launch_ahead(current)  # the next step goes out before this one's results
-                events = self.engine.finish(current)
-                launched = self.engine.take_ahead()
-                if launched is None and self.engine.has_work:
-                    launched = self.engine.launch()
+                events, launched = self.engine.pipelined(launched)
                 self.engine.record()
                 t0 = time.perf_counter()
                 for ev in events:

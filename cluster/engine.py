@@ -51,7 +51,6 @@ class Launched:
     refs: list
     t0: float
     table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
-    ahead: bool = False  # sent before the previous step's results came back (async scheduling)
 
 
 @dataclass(frozen=True)
@@ -193,7 +192,7 @@ class Engine:
         refs = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens, ahead))
         self.stats.add_time(schedule=t1 - t_plan, launch=time.perf_counter() - t1)
         self.stats.ahead_steps += ahead
-        return Launched(self.step_no, plan, refs, t1, self.table, ahead)
+        return Launched(self.step_no, plan, refs, t1, self.table)
 
     def launch_ahead(self, current: Launched | None) -> Launched | None:
         """Async scheduling: send the step after ``current`` before ``current``'s results are back,
@@ -235,6 +234,19 @@ class Engine:
         """The step :meth:`launch_ahead` sent (None if none), now the next one to finish."""
         launched, self._ahead = self._ahead, None
         return launched
+
+    def pipelined(self, launched: Launched | None) -> tuple[list[TokenEvent], Launched | None]:
+        """One turn of the pipelined loop (the async engine's and :meth:`generate`'s): finish
+        ``launched`` (or a step launched now), the next step sent ahead of its results where it can
+        be, else launched once they are applied. Returns the finished step's events and the step now
+        in flight; its statistics wait for :meth:`record`."""
+        current = launched or self.launch()
+        self.launch_ahead(current)
+        events = self.finish(current)
+        nxt = self.take_ahead()
+        if nxt is None and self.has_work:
+            nxt = self.launch()
+        return events, nxt
 
     def finish(self, launched: Launched | None) -> list[TokenEvent]:
         """Wait for a launched step and apply its tokens (stop checks); its statistics wait for
@@ -459,9 +471,6 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         launched = None
         while self.has_work or launched is not None:
-            current = launched or self.launch()
-            self.launch_ahead(current)
-            self.finish(current)
-            launched = self.take_ahead()
+            _, launched = self.pipelined(launched)
             self.record()
         return [self.release(i).seq for i in ids]

@@ -28,11 +28,9 @@ class FakeEngine:
     def record(self):
         pass
 
-    def launch_ahead(self, current):  # no async scheduling: each step waits for the last one's results
-        return None
-
-    def take_ahead(self):
-        return None
+    def pipelined(self, launched):  # no async scheduling: each step waits for the last one's results
+        events = self.finish(launched or self.launch())
+        return events, (self.launch() if self.has_work else None)
 
     def abort(self, sid):
         self.requests.pop(sid, None)

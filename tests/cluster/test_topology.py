@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from cluster.topology import ClusterSpec, NodeInfo, ReservationTimeoutError, plan_bundles, reserve
+from conftest import wait_until_idle
 
 
 @ray.remote(num_cpus=0)
@@ -138,10 +139,7 @@ def test_release_frees_resources(idle_cluster):
     assert ray.available_resources().get("CPU", 0) <= total - 8
     r.release()
     r.release()  # idempotent
-    deadline = time.monotonic() + 10
-    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ray.available_resources().get("CPU", 0) == total
+    wait_until_idle(timeout_s=10)  # fails unless every CPU is free again
 
 
 # --- LocalCluster lifecycle (own process: this one holds the fixture's driver) ---------------
