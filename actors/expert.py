@@ -21,7 +21,7 @@ import torch
 from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
 from model.loader import load_routed_experts, parse_dtype
-from model.moe import RoutedExperts, gather_experts
+from model.moe import ExpertThreads, RoutedExperts, gather_experts
 
 from .device import Placement, choose_device
 from .group import exchange_device, join_group, leave_group
@@ -33,8 +33,10 @@ from .progress import LoadProgress
 class ExpertWorker:
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, dtype: str = "float32",
                  threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS,
-                 exchange: str = "auto"):
-        """``index`` None: a warm standby, holding no experts until :meth:`enter_epoch` gives it slots."""
+                 exchange: str = "auto", expert_threads: int = 1):
+        """``index`` None: a warm standby, holding no experts until :meth:`enter_epoch` gives it slots.
+        ``expert_threads`` > 1: the dense experts' GEMMs on CPU run over that many threads
+        (:class:`~model.moe.ExpertThreads`)."""
         if threads:
             torch.set_num_threads(threads)
         self.path, self.index, self.table = model_path, index, table
@@ -45,10 +47,11 @@ class ExpertWorker:
         self.device = torch.device(self.placement.device)
         self.dequantize, self.read_threads, self.mode = dequantize, read_threads, exchange
         self.progress = LoadProgress(self.name)
+        self.gemm_threads = ExpertThreads(expert_threads) if expert_threads > 1 and self.device.type == "cpu" else None
         shard = {} if index is None else table.experts_of(index)
-        self.experts = load_routed_experts(model_path, self.cfg, shard, dtype=self.dtype, device=self.device,
-                                           dequantize=dequantize, threads=read_threads,
-                                           on_progress=self.progress.update)
+        self.experts = self._run_on_threads(load_routed_experts(
+            model_path, self.cfg, shard, dtype=self.dtype, device=self.device, dequantize=dequantize,
+            threads=read_threads, on_progress=self.progress.update))
         self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
         self.exchange: ExpertExchange | None = None
         self.completed = -1  # the last step that completed here
@@ -108,7 +111,7 @@ class ExpertWorker:
         if table.experts_of(index) != self.held():
             if self.staged is None or self.staged[:2] != (table.epoch, index):
                 self.prepare(table, index)
-            self.experts = self.staged[2]
+            self.experts = self._run_on_threads(self.staged[2])
         self.staged = None
         self.index, self.name, self.table = index, f"expert[{index}]", table
         join_group(info, table.num_attention + index, table.world_size)
@@ -117,6 +120,14 @@ class ExpertWorker:
 
     def shutdown(self) -> None:
         leave_group()
+
+    def _run_on_threads(self, experts: dict[int, RoutedExperts]) -> dict[int, RoutedExperts]:
+        """``experts`` with this actor's GEMM threads attached (dense experts only: a quantised
+        module keeps its own path)."""
+        for ex in experts.values():
+            if isinstance(ex, RoutedExperts):
+                ex.threads = self.gemm_threads
+        return experts
 
     # ---- data plane -----------------------------------------------------------------------
     @torch.no_grad()

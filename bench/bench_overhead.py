@@ -14,7 +14,9 @@ prompts, ignoring EOS, at each stream count, by:
 * the served cluster: ``moeray up --detach`` (1 attention × 1 expert actor), driven over HTTP with
   streaming completions, with ping-pong micro-batches off and on (``--ping-pong``); with
   ``--before-tree DIR`` also a checkout of an earlier commit, served from DIR in the same run (the
-  "before" row; its /status needs the breakdown for the per-step table).
+  "before" row; its /status needs the breakdown for the per-step table); with ``--expert-threads 1,2``
+  also with the expert actor's GEMMs over 2 threads, and the single-process runner given the same
+  threads (a like-for-like row).
 
 Each figure is the median of ``--repeats`` runs; the table gives tokens/s and the served cluster's
 ratio to the single-process runner at the same stream count. Then the engine's per-step breakdown
@@ -75,9 +77,17 @@ def transformers_rate(path: Path, streams: int, prompt_len: int, new: int) -> fl
     return streams * new / dt
 
 
-def single_rate(path: Path, streams: int, prompt_len: int, new: int) -> float:
-    runner = ModelRunner(load_model(path, dtype=torch.float32, progress=False),
-                         num_blocks=streams * (-(-(prompt_len + new) // 16) + 1) + 4, block_size=16)
+def single_rate(path: Path, streams: int, prompt_len: int, new: int, expert_threads: int = 1) -> float:
+    """The single-process runner's tokens/s; ``expert_threads`` > 1 gives its routed experts the
+    expert actors' GEMM threads (:class:`model.moe.ExpertThreads`), for a like-for-like row."""
+    from model.moe import ExpertThreads, RoutedExperts
+
+    model = load_model(path, dtype=torch.float32, progress=False)
+    threads = ExpertThreads(expert_threads) if expert_threads > 1 else None
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            m.threads = threads
+    runner = ModelRunner(model, num_blocks=streams * (-(-(prompt_len + new) // 16) + 1) + 4, block_size=16)
     generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
     t0 = time.perf_counter()
     seqs = generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=new, ignore_eos=True))
@@ -133,13 +143,15 @@ def served_rate(app: "Served", streams: int, prompt_len: int, new: int, parts: l
 class Served:
     """``moeray up --detach`` on the checkpoint (1 attention × 1 expert), stopped on exit."""
 
-    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None, threads: int = 1):
+    def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None, threads: int = 1,
+                 expert_threads: int = 1):
         self.url = f"http://127.0.0.1:{port}"
         # another checkout's code: first on the path, and the working directory (Ray's workers import from it)
         self.env, self.cwd = (env | {"PYTHONPATH": tree}, tree) if tree else (env, None)
         self.cfg = Path(env["MOERAY_CACHE_DIR"]) / f"serve-{port}.yaml"
         cfg = {"model": str(path), "port": port, "attention": 1, "experts": 1, "max_num_seqs": 64}
         cfg |= ({"ping_pong": True} if ping_pong else {}) | ({"actor_threads": threads} if threads > 1 else {})
+        cfg |= {"expert_threads": expert_threads} if expert_threads > 1 else {}
         self.cfg.write_text(yaml.safe_dump(cfg))
         self.moeray = str(Path(sys.executable).parent / "moeray")
 
@@ -285,6 +297,8 @@ def main() -> None:
     ap.add_argument("--skip-exchange", action="store_true", help="skip the exchange-vs-floor measurement")
     ap.add_argument("--actor-threads", default="1", type=lambda t: [int(x) for x in t.split(",")],
                     help="served runs with these torch threads per actor, e.g. 1,2")
+    ap.add_argument("--expert-threads", default="1", type=lambda t: [int(x) for x in t.split(",")],
+                    help="served runs (and single-process rows) with these expert GEMM threads, e.g. 1,2")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     new, plen, reps = args.new_tokens, args.prompt_len, args.repeats
@@ -298,6 +312,9 @@ def main() -> None:
             if have_transformers():
                 rows.setdefault("transformers generate", {})[n] = med(lambda: transformers_rate(path, n, plen, new))
             rows.setdefault("single-process runner, 2 threads", {})[n] = med(lambda: single_rate(path, n, plen, new))
+            for et in (t for t in args.expert_threads if t > 1):
+                rows.setdefault(f"single-process runner, 2 threads, {et} expert threads", {})[n] = med(
+                    lambda: single_rate(path, n, plen, new, et))
             print(json.dumps({k: v.get(n) for k, v in rows.items()} | {"streams": n}), flush=True)
         breakdowns = {}
         if args.engine == "on":
@@ -305,12 +322,14 @@ def main() -> None:
             breakdowns |= {("engine, no Serve", n): b for n, b in per.items()}
             print(json.dumps({"run": "engine, no Serve", "tok_s": rows["cluster engine 1x1, no Serve"],
                               "breakdown_ms": per}), flush=True)
-        runs = [("before", "off", args.before_tree, 1)] if args.before_tree else []
-        runs += [("now", mode, None, t) for mode in args.ping_pong.split(",") for t in args.actor_threads]
-        for label, mode, tree, threads in runs:
+        runs = [("before", "off", args.before_tree, 1, 1)] if args.before_tree else []
+        runs += [("now", mode, None, t, et) for mode in args.ping_pong.split(",") for t in args.actor_threads
+                 for et in args.expert_threads]
+        for label, mode, tree, threads, et in runs:
             name = f"served 1x1, {label}, ping-pong {mode}" + (f", {threads} threads/actor" if threads > 1 else "")
-            label += f"/{threads}t" if threads > 1 else ""
-            with Served(path, args.port, mode == "on", env, tree, threads) as app:
+            name += f", {et} expert threads" if et > 1 else ""
+            label += (f"/{threads}t" if threads > 1 else "") + (f"/{et}et" if et > 1 else "")
+            with Served(path, args.port, mode == "on", env, tree, threads, et) as app:
                 for n in streams:
                     parts: list = []
                     rows.setdefault(name, {})[n] = med(lambda: served_rate(app, n, plen, new, parts))
@@ -321,9 +340,9 @@ def main() -> None:
         exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m)
         for n in streams for m in ("dense", "sparse")]
     single = rows["single-process runner, 2 threads"]
-    print(f"\n{'system':40}" + "".join(f"{f'{n} streams tok/s':>20}{'vs single':>10}" for n in streams))
+    print(f"\n{'system':58}" + "".join(f"{f'{n} streams tok/s':>20}{'vs single':>10}" for n in streams))
     for name, r in rows.items():
-        print(f"{name:40}" + "".join(f"{r[n]:>20.1f}{r[n] / single[n]:>10.2f}" for n in streams))
+        print(f"{name:58}" + "".join(f"{r[n]:>20.1f}{r[n] / single[n]:>10.2f}" for n in streams))
     if not args.before_tree:
         print("(no --before-tree: the 'before' row needs a checkout of the earlier commit)")
     keys = sorted({k for b in breakdowns.values() for k in b if k != "steps"})

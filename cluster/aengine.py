@@ -7,7 +7,8 @@ iterating (a client that disconnected) aborts its request, which frees its cache
 A failed step is recovered inside the engine (dead actors replaced, the step redone), invisible to
 the streams. When recovery is impossible for now (no capacity), every open and queued request gets
 the error, new ones are refused with the reason (``unavailable``), and the thread retries the
-recovery every ``heal_every_s`` until it succeeds. Any other failure of a step is fatal: every open
+recovery every ``heal_every_s`` until it succeeds. Work that fails every time it is redone
+(:class:`~cluster.engine.RequestsFailed`) ends its own requests with the error; the rest go on. Any other failure of a step is fatal: every open
 request gets the error and the engine is marked unhealthy (Serve's health check replaces it).
 Control calls (epoch changes, status) reach the engine only through this thread too
 (:meth:`AsyncEngine.control`), between steps.
@@ -26,7 +27,7 @@ from typing import AsyncIterator, Callable
 from model.sampling import SamplingParams
 from model.tokenizer import IncrementalDecoder, Tokenizer
 
-from .engine import Engine, EpochChange, NoCapacity, TokenEvent, Transition
+from .engine import Engine, EpochChange, NoCapacity, RequestsFailed, TokenEvent, Transition
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,13 @@ class AsyncEngine:
                 for ev in events:
                     self._deliver(ev)
                 self.engine.stats.add_time(deliver=time.perf_counter() - t0)
+            except RequestsFailed as e:  # work that failed every time it ran: only its requests end
+                launched = None
+                for seq_id in e.seq_ids:
+                    stream = self._streams.pop(seq_id, None)
+                    if stream is not None:
+                        stream.push(e)
+                continue
             except NoCapacity as e:  # recovery must wait for room: fail what is open, refuse new work
                 launched = None
                 self.unavailable = str(e)

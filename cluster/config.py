@@ -19,6 +19,9 @@ class EngineConfig:
     backend: str | None = None  # None: nccl when actors have GPUs, else gloo
     collective_timeout_s: float = 60.0
     step_timeout_s: float = 120.0
+    # a step that fails this many more times in a row, each failure recovered, drops its sequences
+    # (RequestsFailed) rather than retrying for ever
+    max_step_retries: int = 2
     start_timeout_s: float = 300.0  # reserving placement groups, starting actors
     load_timeout_s: float | None = None  # actors loading weights; None: scales with the bytes to read
     # elastic plane: the router's sliding window, and the automatic rebalancing policy (off by default)
@@ -35,6 +38,9 @@ class EngineConfig:
     # once; the exchange's wire format (actors/dispatch.py: dense, sparse, or auto by the table's shape)
     ping_pong: bool = False
     actor_threads: int = 1  # torch threads per attention / expert actor (intra-op parallelism of each)
+    # threads of an expert actor's routed-expert GEMMs on CPU, each over its own range of experts
+    # (model.moe.ExpertThreads); torch's intra-op threads stay actor_threads
+    expert_threads: int = 1
     micro_batches: int = 2
     exchange: str = "auto"
     # async scheduling: a decode step goes out before the last step's results are back (the engine's and
@@ -47,14 +53,14 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
-                     "report_every_steps", "actor_threads"):
+                     "report_every_steps", "actor_threads", "expert_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
         if self.micro_batches < 2:
             raise ValueError(f"engine setting 'micro_batches' must be >= 2 (ping-pong needs two), got {self.micro_batches}")
         if self.exchange not in ("auto", "dense", "sparse"):
             raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
-        for name in ("redundant_slots", "standby_attention", "standby_experts"):
+        for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.rebalance_threshold < 1:

@@ -26,10 +26,10 @@ from .config import EngineConfig
 from .scheduler import Plan, Scheduler, Seq
 from .stats import EngineStats
 from .topology import ClusterSpec
-from .workers import EngineError, EpochChange, NoCapacity, StepFailed, Transition, WorkerGroup
+from .workers import EngineError, EpochChange, NoCapacity, RequestsFailed, StepFailed, Transition, WorkerGroup
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request", "TokenEvent",
-           "Transition"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request", "RequestsFailed",
+           "TokenEvent", "Transition"]
 
 
 @dataclass
@@ -90,6 +90,7 @@ class Engine:
         self._ahead: Launched | None = None  # the step sent ahead of the one being finished
         self._unrecorded = None  # the statistics of the last finished step, until record()
         self._unreported, self._unreported_steps = None, 0  # counts not yet sent to the router
+        self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -251,7 +252,8 @@ class Engine:
     def finish(self, launched: Launched | None) -> list[TokenEvent]:
         """Wait for a launched step and apply its tokens (stop checks); its statistics wait for
         :meth:`record`. A failed step is undone, with the step sent ahead of it, and the dead actors
-        replaced (raises NoCapacity when that is impossible)."""
+        replaced (raises NoCapacity when that is impossible). After ``max_step_retries`` failed
+        redos in a row the failed step's sequences are dropped instead (raises RequestsFailed)."""
         if launched is None:
             return []
         t0 = time.perf_counter()
@@ -262,7 +264,11 @@ class Engine:
             if self._ahead is not None:  # it read this step's samples: undone too (its actors refuse it)
                 plans.insert(0, self.take_ahead().plan)
             self._recover(plans, failure)
+            self.failed_in_a_row += 1
+            if self.failed_in_a_row > self.config.max_step_retries:
+                self._give_up(plans, failure)
             return []
+        self.failed_in_a_row = 0
         t1 = time.perf_counter()
         if self._ahead is not None:  # its actors could start it only now: its time counts from here
             self._ahead = dataclasses.replace(self._ahead, t0=max(self._ahead.t0, t1))
@@ -326,6 +332,16 @@ class Engine:
         self.unrecovered = dead
         self.heal()
         self.stats.observe_recovery(time.monotonic() - t0)
+
+    def _give_up(self, plans: list, failure: StepFailed) -> None:
+        """The step failed ``failed_in_a_row`` times, each failure recovered: drop its sequences (the
+        cluster itself is whole again) and raise RequestsFailed naming them and the last failure."""
+        tries, self.failed_in_a_row = self.failed_in_a_row, 0
+        ids = sorted({c.seq_id for plan in plans for chunks in plan.chunks for c in chunks})
+        for seq_id in ids:
+            self.abort(seq_id)
+        raise RequestsFailed(f"the step failed {tries} times in a row, recovered each time, so its "
+                             f"{len(ids)} sequence(s) were dropped; the last failure: {failure}", ids)
 
     def _undo(self, plans: list, dead_replicas: set[int]) -> None:
         """Make the scheduler state what it was before the failed steps (``plans``, newest first).

@@ -53,6 +53,16 @@ class StepFailed(EngineError):
         self.dead = dead  # (kind, index) with kind "attention" or "expert"
 
 
+class RequestsFailed(EngineError):
+    """The same work failed step after step although every failure was recovered (the actors
+    replaced or regrouped each time): its sequences ``seq_ids`` are dropped with this error, so that
+    work that fails every time (a bug an input meets, say) ends instead of being retried for ever."""
+
+    def __init__(self, message: str, seq_ids: list[int]):
+        super().__init__(message)
+        self.seq_ids = seq_ids
+
+
 class NoCapacity(EngineError):
     """Recovery needs a replacement actor that the cluster has no room for right now."""
 
@@ -492,7 +502,8 @@ class WorkerGroup:
         opts = self._options(home.reservation.expert_options(home.index))
         return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table, dtype=self.config.dtype,
                                                           exchange=self.config.exchange,
-                                                          threads=self.config.actor_threads), home)
+                                                          threads=self.config.actor_threads,
+                                                          expert_threads=self.config.expert_threads), home)
 
     def _form_group(self, table: PlacementTable, attention: list[Member], experts: list[Member], what: str) -> None:
         c = self.config

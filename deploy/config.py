@@ -55,6 +55,15 @@ class ServeConfig(BaseModel):
     micro_batches: int = Field(2, ge=2, description="Micro-batches per step with ping_pong.")
     actor_threads: int = Field(1, ge=1, description="Torch threads of each attention and expert actor (CPU "
                                                     "intra-op parallelism; on GPUs 1 is enough).")
+    max_step_retries: int = Field(2, ge=0, le=100,
+                                  description="Times a failed step is redone after its failure was recovered "
+                                              "(actors replaced or regrouped) before its requests end with the "
+                                              "error instead: work that fails every time is not retried for ever.")
+    expert_threads: int = Field(1, ge=1, le=256,
+                                description="Threads of each expert actor's routed-expert GEMMs on CPU, each over "
+                                            "its own range of experts (decode reads every expert's weights: "
+                                            "bound by memory, so a second core helps where it is idle; the same "
+                                            "results bit for bit). Ignored on GPUs.")
     exchange: Literal["auto", "dense", "sparse"] = Field(
         "auto", description="The expert exchange's wire format: dense (every token to every expert actor, no counts "
                             "exchange) or sparse (pairs only where their expert lives); auto: dense while there are "
@@ -96,6 +105,7 @@ class ServeConfig(BaseModel):
                             rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
                             load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
                             micro_batches=self.micro_batches, exchange=self.exchange, actor_threads=self.actor_threads,
+                            expert_threads=self.expert_threads, max_step_retries=self.max_step_retries,
                             async_scheduling=self.async_scheduling,
                             standby_attention=self.standby_attention, standby_experts=self.standby_experts)
 

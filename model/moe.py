@@ -20,6 +20,7 @@ so run one micro-batch's attention while another's tokens are with the expert ac
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generator, Protocol, Sequence
 
@@ -90,26 +91,70 @@ def grouped_ffn(x: torch.Tensor, expert_ids: torch.Tensor, n: int,
 
 
 def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                       act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       threads: ExpertThreads | None = None) -> torch.Tensor:
     """:func:`grouped_ffn` over stacked dense weights: one GEMM pair per expert with rows.
 
     On CPU the pairs run as two grouped GEMMs (``torch._grouped_mm``, no Python loop over experts),
     which give every row bit for bit what its expert's own GEMM gives: a row's result never depends
     on which other experts or rows share the call, so an expert actor holding a shard computes what
-    the single process computes."""
+    the single process computes. With ``threads`` (w of them) the experts are cut into w contiguous
+    ranges whose grouped GEMMs run at once, this thread running the first: the
+    weights are read on w cores (a decode batch's expert GEMMs are bound by reading them), and
+    torch releases the GIL inside each GEMM. Each row still meets its own expert's GEMM alone."""
     if _grouped_gemm(x, w13):
         if x.shape[0] == 0:
             return torch.empty_like(x)
+        n = w13.shape[0]
         order = expert_ids.argsort(stable=True)
-        ends = torch.cumsum(torch.bincount(expert_ids, minlength=w13.shape[0]), 0).to(torch.int32)
-        gate, up = torch._grouped_mm(x[order], w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return torch.empty_like(x).index_copy_(0, order, torch._grouped_mm(act(gate, up), w2.transpose(1, 2), offs=ends))
+        ends = torch.cumsum(torch.bincount(expert_ids, minlength=n), 0)
+        xs = x[order]
+        ranges = [(0, n)] if threads is None else threads.ranges(n, x.shape[0])
+        if len(ranges) == 1:
+            ys = _grouped_pair(xs, ends, w13, w2, act)
+        else:
+            rows = [0] + ends[[hi - 1 for _, hi in ranges]].tolist()  # host tensor: no device sync
+            jobs = [(xs[rows[i]: rows[i + 1]], ends[lo:hi] - rows[i], w13[lo:hi], w2[lo:hi], act)
+                    for i, (lo, hi) in enumerate(ranges)]
+            rest = [threads.pool.submit(_grouped_pair, *job) for job in jobs[1:]]
+            ys = torch.cat([_grouped_pair(*jobs[0])] + [f.result() for f in rest])
+        return torch.empty_like(x).index_copy_(0, order, ys)
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
         gate, up = (xs @ w13[e].t()).chunk(2, dim=-1)  # [c, 2I] → 2 × [c, I]
         return act(gate, up) @ w2[e].t()
 
     return grouped_ffn(x, expert_ids, w13.shape[0], expert)
+
+
+def _grouped_pair(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
+    """Rows ``xs`` sorted by expert (expert e's end at ``ends[e]``) through their experts' GEMM pair."""
+    offs = ends.to(torch.int32)
+    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(act(gate, up), w2.transpose(1, 2), offs=offs)
+
+
+class ExpertThreads:
+    """``count`` threads for the routed experts' GEMMs on CPU: the caller's and a pool of count - 1
+    (see :func:`grouped_expert_ffn`). Torch's own intra-op threads stay 1: on these small GEMMs they
+    cost more than they give, and their spinning steals the core of the process beside."""
+
+    def __init__(self, count: int):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+            raise ValueError(f"expert threads must be an integer >= 2 (1: no pool), got {count!r}")
+        self.count = count
+        self.pool = ThreadPoolExecutor(count - 1, thread_name_prefix="experts")
+
+    MIN_ROWS = 16  # per thread: below it the hand-off costs more than the second core gives (measured)
+
+    def ranges(self, n: int, rows: int) -> list[tuple[int, int]]:
+        """``n`` experts as one contiguous range per thread, or one range when ``rows`` are too few."""
+        w = max(1, min(n, self.count, rows // self.MIN_ROWS))
+        cuts = [n * i // w for i in range(w + 1)]
+        return list(zip(cuts, cuts[1:]))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
 
 
 def _grouped_gemm(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -131,6 +176,7 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate))
         self.act = act
+        self.threads: ExpertThreads | None = None  # set by the owner: its GEMMs over several threads
 
     @property
     def hidden_size(self) -> int:
@@ -146,7 +192,7 @@ class RoutedExperts(nn.Module):
 
     def grouped(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Row r of ``x`` [N, H] through local slot ``local_ids[r]``; returns [N, H] (unweighted)."""
-        return grouped_expert_ffn(x, local_ids, self.w13, self.w2, self.act)
+        return grouped_expert_ffn(x, local_ids, self.w13, self.w2, self.act, self.threads)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights held (what an expert actor's memory is made of)."""

@@ -174,3 +174,45 @@ def test_dead_actor_is_replaced_and_requests_continue_exactly(ray_cluster, prese
     finally:
         eng.shutdown()
     assert got == _alone(path, prompts, GREEDY)
+
+
+def test_a_step_that_fails_every_time_ends_its_requests_not_the_engine(ray_cluster, presets):
+    """Work that fails each time it is redone (here: the attention actor raises on one prompt, as a
+    bug an input meets would) is retried ``max_step_retries`` times, each failure recovered, then
+    its request ends with an error naming the failure; the engine serves the next request exactly."""
+    path = presets["kimi-k2-tiny"]
+    tok = Tokenizer.from_dir(path)
+    poisoned, good = [7, 7, 7, 11, 12], _prompts(1, seed=8)[0]
+
+    def poison(worker):  # runs inside the attention actor: its sampling raises on the poisoned prompt
+        sample = worker._sample
+
+        def failing(chunks, last):
+            if any(c.token_ids[:3] == (7, 7, 7) for c in chunks):
+                raise RuntimeError("the poisoned prompt")
+            return sample(chunks, last)
+
+        worker._sample = failing
+
+    eng = _engine(path, 1, 1, collective_timeout_s=5, step_timeout_s=30, max_step_retries=2)
+    aeng = AsyncEngine(eng, tok).start()
+
+    async def run():
+        with pytest.raises(Exception, match=r"failed 3 times in a row.*the poisoned prompt") as err:
+            async for _ in aeng.generate(poisoned, GREEDY):
+                pass
+        chunks = [c async for c in aeng.generate(good, GREEDY)]
+        return err.value, [t for c in chunks for t in c.token_ids]
+
+    try:
+        ray.get(eng.workers.attention[0].actor.__ray_call__.remote(poison), timeout=30)
+        t0 = time.monotonic()
+        failure, got = asyncio.run(asyncio.wait_for(run(), 90))  # unbounded retries would hang here
+        assert "1 sequence(s) were dropped" in str(failure)
+        assert len(eng.stats.recoveries) == 3 and eng.failed_in_a_row == 0  # 1 try + 2 retries, then it stopped
+        assert aeng.healthy and not eng.requests
+        assert all(a.num_free == a.num_blocks for a in eng.scheduler.blocks)
+    finally:
+        aeng.stop()
+        eng.shutdown()
+    assert got == _alone(path, [good], GREEDY)[0]

@@ -50,3 +50,23 @@ def test_ping_pong_on_and_off_give_identical_tokens(ray_cluster, presets, preset
              for p in prompts]
     assert out[True][0] == alone
     assert len({tuple(o) for o in out[True][1]}) > 1  # the seeded draws are not all alike
+
+
+def test_expert_threads_give_identical_tokens(ray_cluster, presets):
+    """Expert actors running their GEMMs over 2 threads (``expert_threads``) give the single
+    process's tokens, greedy and seeded; the threads are really there."""
+    path, prompts = presets["kimi-k2-tiny"], _prompts(seed=1)
+    config = EngineConfig(model=str(path), max_tokens_per_step=512, expert_threads=2)
+    with Engine(config, ClusterSpec(attention=1, experts=2)).start() as eng:
+        import ray
+
+        counts = ray.get([m.actor.__ray_call__.remote(lambda w: w.gemm_threads and w.gemm_threads.count)
+                          for m in eng.workers.experts], timeout=60)
+        assert counts == [2, 2]
+        greedy = [s.output_ids for s in eng.generate(prompts, GREEDY)]
+        seeded = [s.output_ids for s in eng.generate(prompts, SEEDED)]
+    net = load_model(path, progress=False)
+    runner = lambda: ModelRunner(net, num_blocks=64, block_size=16, num_slots=2)  # noqa: E731
+    assert greedy == [generate(runner(), [p], [GREEDY])[0].output_ids for p in prompts]
+    assert seeded == [s.output_ids for s in generate(ModelRunner(net, num_blocks=256, block_size=16, num_slots=8),
+                                                     prompts, SEEDED)]

@@ -68,3 +68,41 @@ def test_grouped_experts_give_each_row_its_own_experts_gemm_bit_for_bit(dtype, t
             assert torch.equal(grouped_expert_ffn(x[part], ids[part], w13, w2, silu_glu), got[part])
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [2, 3])
+def test_expert_threads_give_the_one_thread_results_bit_for_bit(dtype, count):
+    """The experts cut into ranges over ``count`` threads (an expert actor's ``expert_threads``) give
+    exactly the one-thread grouped GEMMs' rows, with experts left empty, rows below the split's
+    threshold (one thread runs them) and far above it; a thread's error reaches the caller."""
+    from model.layers import silu_glu
+    from model.moe import ExpertThreads, grouped_expert_ffn
+
+    g = torch.Generator().manual_seed(7)
+    E, H, inter = 16, 64, 32
+    w13, w2 = (torch.randn(E, 2 * inter, H, generator=g) / 8).to(dtype), (torch.randn(E, H, inter, generator=g) / 8).to(dtype)
+    threads = ExpertThreads(count)
+    try:
+        assert threads.ranges(E, 8) == [(0, E)]  # too few rows: no hand-off
+        assert threads.ranges(E, 16 * count) == [(E * i // count, E * (i + 1) // count) for i in range(count)]
+        used = []
+        uniform = lambda n: torch.randint(0, E, (n,), generator=g)  # noqa: E731
+        low = lambda n: torch.randint(0, 3, (n,), generator=g)  # noqa: E731 — the later ranges empty
+        high = lambda n: E - 1 - torch.randint(0, 3, (n,), generator=g)  # noqa: E731 — the first ranges empty
+        for n, draw in ((1, uniform), (15, uniform), (40, uniform), (130, uniform), (200, low), (200, high)):
+            x, ids = torch.randn(n, H, generator=g).to(dtype), draw(n)
+            assert torch.equal(grouped_expert_ffn(x, ids, w13, w2, silu_glu, threads),
+                               grouped_expert_ffn(x, ids, w13, w2, silu_glu))
+            used.append(len(threads.ranges(E, n)))
+        assert max(used) == count and min(used) == 1
+
+        def broken(gate, up):
+            raise RuntimeError("boom in an expert thread")
+
+        with pytest.raises(RuntimeError, match="boom in an expert thread"):
+            grouped_expert_ffn(torch.randn(64, H).to(dtype), torch.arange(64) % E, w13, w2, broken, threads)
+    finally:
+        threads.close()
+    with pytest.raises(ValueError, match="expert threads must be an integer >= 2"):
+        ExpertThreads(1)
