@@ -24,7 +24,7 @@ from model.moe import COMBINE, Dispatch
 from model.sampling import draw_seed, sample, top_logprobs
 
 from .device import choose_device
-from .group import exchange_device, join_group, leave_group
+from .group import exchange_device, join_group, leave_group, open_store
 from .dispatch import DistDispatcher
 from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult,
                        refuse_ahead)
@@ -52,6 +52,7 @@ class AttentionWorker:
         self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
         self.completed = -1  # the last step that completed here
         self.sampled: dict[int, int] = {}  # seq id → the token that step sampled (AHEAD chunks read it)
+        self._store = None  # the rendezvous store this actor opened for an epoch where it is rank 0
 
     # ---- control plane -----------------------------------------------------------------
     def node_id(self) -> str:
@@ -60,22 +61,21 @@ class AttentionWorker:
         return ray.get_runtime_context().get_node_id()
 
     def rendezvous(self) -> tuple[str, int]:
-        """An address and free port on this node for the epoch's process group (rank 0 calls)."""
-        import socket
-
+        """The address and port of the next epoch's rendezvous store, opened (and listening) here,
+        where this actor is rank 0 of that epoch."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        self._store = open_store(ip)
+        return ip, self._store.port
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group and join the epoch's as attention rank ``index``, dispatching
         by the epoch's table. The cache and KDA state are untouched."""
         leave_group()
         self.index, self.name, self.table = index, f"attention[{index}]", table
-        join_group(info, index, table.world_size)
+        store = self._store if index == 0 and self._store is not None and self._store.port == info.port else None
+        join_group(info, index, table.world_size, store)
         self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
                                          self.cfg.num_experts_per_tok, self.exchange, device=exchange_device(info, self.device))
 

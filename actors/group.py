@@ -20,9 +20,22 @@ from .messages import GroupInfo
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 
 
-def join_group(info: GroupInfo, rank: int, world_size: int) -> None:
-    dist.init_process_group(info.backend, init_method=f"tcp://{info.address}:{info.port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=info.timeout_s))
+def open_store(ip: str) -> dist.TCPStore:
+    """The epoch's rendezvous store, listening at once on a port the kernel picks on ``ip`` (its
+    ``port``): rank 0 opens it and keeps it, so no other process can take the port between the
+    choice and the group's start (a port found free and let go can be taken meanwhile)."""
+    return dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+
+
+def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None) -> None:
+    """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
+    where given, else as a client of the store at the group's address."""
+    timeout = timedelta(seconds=info.timeout_s)
+    if store is None:
+        store = dist.TCPStore(info.address, info.port, world_size, is_master=False, timeout=timeout)
+    else:
+        store.set_timeout(timeout)
+    dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def leave_group() -> None:

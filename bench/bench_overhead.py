@@ -79,7 +79,8 @@ def transformers_rate(path: Path, streams: int, prompt_len: int, new: int) -> fl
 
 def single_rate(path: Path, streams: int, prompt_len: int, new: int, expert_threads: int = 1) -> float:
     """The single-process runner's tokens/s; ``expert_threads`` > 1 gives its routed experts the
-    expert actors' GEMM threads (:class:`model.moe.ExpertThreads`), for a like-for-like row."""
+    expert actors' GEMM threads (:class:`model.moe.ExpertThreads`) and, as in the actors, one torch
+    thread (a torch pool under each of them would oversubscribe the cores), for a like-for-like row."""
     from model.moe import ExpertThreads, RoutedExperts
 
     model = load_model(path, dtype=torch.float32, progress=False)
@@ -88,10 +89,18 @@ def single_rate(path: Path, streams: int, prompt_len: int, new: int, expert_thre
         if isinstance(m, RoutedExperts):
             m.threads = threads
     runner = ModelRunner(model, num_blocks=streams * (-(-(prompt_len + new) // 16) + 1) + 4, block_size=16)
-    generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
-    t0 = time.perf_counter()
-    seqs = generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=new, ignore_eos=True))
-    dt = time.perf_counter() - t0
+    torch_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(1)
+    try:
+        generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+        t0 = time.perf_counter()
+        seqs = generate(runner, prompts(streams, prompt_len), SamplingParams(max_tokens=new, ignore_eos=True))
+        dt = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(torch_threads)
+        if threads is not None:
+            threads.close()
     assert all(len(s.output_ids) == new for s in seqs)
     return streams * new / dt
 
@@ -313,7 +322,7 @@ def main() -> None:
                 rows.setdefault("transformers generate", {})[n] = med(lambda: transformers_rate(path, n, plen, new))
             rows.setdefault("single-process runner, 2 threads", {})[n] = med(lambda: single_rate(path, n, plen, new))
             for et in (t for t in args.expert_threads if t > 1):
-                rows.setdefault(f"single-process runner, 2 threads, {et} expert threads", {})[n] = med(
+                rows.setdefault(f"single-process runner, 1 thread + {et} expert threads", {})[n] = med(
                     lambda: single_rate(path, n, plen, new, et))
             print(json.dumps({k: v.get(n) for k, v in rows.items()} | {"streams": n}), flush=True)
         breakdowns = {}
@@ -325,17 +334,23 @@ def main() -> None:
         runs = [("before", "off", args.before_tree, 1, 1)] if args.before_tree else []
         runs += [("now", mode, None, t, et) for mode in args.ping_pong.split(",") for t in args.actor_threads
                  for et in args.expert_threads]
-        for label, mode, tree, threads, et in runs:
-            name = f"served 1x1, {label}, ping-pong {mode}" + (f", {threads} threads/actor" if threads > 1 else "")
-            name += f", {et} expert threads" if et > 1 else ""
-            label += (f"/{threads}t" if threads > 1 else "") + (f"/{et}et" if et > 1 else "")
-            with Served(path, args.port, mode == "on", env, tree, threads, et) as app:
-                for n in streams:
-                    parts: list = []
-                    rows.setdefault(name, {})[n] = med(lambda: served_rate(app, n, plen, new, parts))
-                    b = level_ms(parts)
-                    breakdowns[(f"{label}/pp {mode}", n)] = b
-                    print(json.dumps({"run": name, "streams": n, "tok_s": rows[name][n], "breakdown_ms": b}), flush=True)
+        # interleaved: each round serves every configuration once, in turn, so that the machine's
+        # drift (shared cores) falls on all of them alike; the figure is the median over the rounds
+        rates: dict = {}
+        parts: dict = {}
+        for r in range(reps):
+            for label, mode, tree, threads, et in (runs if r % 2 == 0 else runs[::-1]):
+                name = f"served 1x1, {label}, ping-pong {mode}" + (f", {threads} threads/actor" if threads > 1 else "")
+                name += f", {et} expert threads" if et > 1 else ""
+                key = label + (f"/{threads}t" if threads > 1 else "") + (f"/{et}et" if et > 1 else "") + f"/pp {mode}"
+                with Served(path, args.port, mode == "on", env, tree, threads, et) as app:
+                    for n in streams:
+                        rate = served_rate(app, n, plen, new, parts.setdefault((key, n), []))
+                        rates.setdefault((name, n), []).append(rate)
+                        print(json.dumps({"run": name, "round": r, "streams": n, "tok_s": rate}), flush=True)
+                        if r == reps - 1:
+                            rows.setdefault(name, {})[n] = statistics.median(rates[(name, n)])
+                            breakdowns[(key, n)] = level_ms(parts[(key, n)])
     exchanges = [] if args.skip_exchange else [
         exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m)
         for n in streams for m in ("dense", "sparse")]

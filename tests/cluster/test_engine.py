@@ -71,6 +71,18 @@ def test_two_by_four_on_three_nodes_equals_single_process(k2_2x4, presets, ray_c
     assert k2_2x4.stats.actor_tokens_total and all(n > 0 for n in k2_2x4.stats.actor_tokens_total)
 
 
+def test_the_rendezvous_port_is_held_until_the_group_forms(k2_2x4):
+    """Rank 0's rendezvous store listens from the moment its port is chosen, so no other process can
+    take the port before the next epoch's group starts (a recovery epoch once failed so: EADDRINUSE)."""
+    import errno
+    import socket
+
+    ip, port = ray.get(k2_2x4.workers.attention[0].actor.rendezvous.remote(), timeout=30)
+    with socket.socket() as s, pytest.raises(OSError) as err:
+        s.bind((ip, port))
+    assert err.value.errno == errno.EADDRINUSE
+
+
 def test_expert_actors_hold_only_their_shard_on_their_node(k2_2x4, presets):
     cfg = load_config(presets["kimi-k2-tiny"])
     w = k2_2x4.workers
