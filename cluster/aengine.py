@@ -8,8 +8,9 @@ A failed step is recovered inside the engine (dead actors replaced, the step red
 the streams. When recovery is impossible for now (no capacity), every open and queued request gets
 the error, new ones are refused with the reason (``unavailable``), and the thread retries the
 recovery every ``heal_every_s`` until it succeeds. Work that fails every time it is redone
-(:class:`~cluster.engine.RequestsFailed`) ends its own requests with the error; the rest go on. Any other failure of a step is fatal: every open
-request gets the error and the engine is marked unhealthy (Serve's health check replaces it).
+(:class:`~cluster.engine.RequestsFailed`) ends its own requests with the error; the rest go on.
+Any other failure of a step is fatal: every open request gets the error and the engine is marked
+unhealthy (Serve's health check replaces it).
 Control calls (epoch changes, status) reach the engine only through this thread too
 (:meth:`AsyncEngine.control`), between steps.
 """

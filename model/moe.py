@@ -136,8 +136,9 @@ def _grouped_pair(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: t
 
 class ExpertThreads:
     """``count`` threads for the routed experts' GEMMs on CPU: the caller's and a pool of count - 1
-    (see :func:`grouped_expert_ffn`). Torch's own intra-op threads stay 1: on these small GEMMs they
-    cost more than they give, and their spinning steals the core of the process beside."""
+    (see :func:`grouped_expert_ffn`). Best with one torch intra-op thread (``actor_threads`` 1): a torch
+    pool under each of these threads would oversubscribe the cores, and on these small GEMMs its
+    spinning costs more than it gives."""
 
     def __init__(self, count: int):
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:

@@ -222,6 +222,10 @@ def test_a_step_that_fails_every_time_ends_its_requests_not_the_engine(ray_clust
         failure, got = asyncio.run(asyncio.wait_for(run(), 90))  # unbounded retries would hang here
         assert "1 sequence(s) were dropped" in str(failure)
         assert len(eng.stats.recoveries) == 3 and eng.failed_in_a_row == 0  # 1 try + 2 retries, then it stopped
+        # the engine thread releases a finished sequence just after handing its stream the last chunk
+        deadline = time.monotonic() + 10
+        while eng.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert aeng.healthy and not eng.requests
         assert all(a.num_free == a.num_blocks for a in eng.scheduler.blocks)
     finally:
