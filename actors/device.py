@@ -32,6 +32,8 @@ class Placement:
 def _ray_assignment() -> tuple[tuple[str, ...], str]:
     import ray
 
+    if not ray.is_initialized():  # a worker built outside Ray (a benchmark): no GPUs assigned, and no
+        return (), "this process (no Ray)"  # local Ray instance started just to ask
     ctx = ray.get_runtime_context()
     ids = tuple(str(i) for i in ctx.get_accelerator_ids().get("GPU", []))
     return ids, f"{ray.util.get_node_ip_address()} ({ctx.get_node_id()[:12]})"

@@ -29,10 +29,10 @@ def open_store(ip: str) -> dist.TCPStore:
 
 def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None) -> None:
     """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
-    where given, else as a client of the store at the group's address."""
+    where given, else through the store at the group's address (opened there by rank 0 if it has none)."""
     timeout = timedelta(seconds=info.timeout_s)
     if store is None:
-        store = dist.TCPStore(info.address, info.port, world_size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(info.address, info.port, world_size, is_master=rank == 0, timeout=timeout)
     else:
         store.set_timeout(timeout)
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
