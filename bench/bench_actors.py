@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import SHAPE  # noqa: E402
+from bench_overhead import SHAPE, prompts  # noqa: E402
 
 from model.presets import build_preset  # noqa: E402
 
@@ -53,15 +53,14 @@ def _worker(rank: int, path: str, streams: int, steps: int, port: int, expert_th
         w = ExpertWorker(path, index=0, table=table, expert_threads=expert_threads)
     w.enter_epoch(GroupInfo(0, "127.0.0.1", port), table, 0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(10, 1000, (PROMPT,), generator=g).tolist() for _ in range(streams)]
+    ids = prompts(streams, PROMPT)
     sizes = [streams // micro + (m < streams % micro) for m in range(micro)]
     last: dict[int, int] = {}
 
     def step(s: int, cached: int) -> None:
         split = tuple(x for x in sizes if x) if cached else ()
         if rank == 0:
-            chunks = tuple(SeqChunk(i, tuple(prompts[i]) if cached == 0 else (last[i],), cached,
+            chunks = tuple(SeqChunk(i, tuple(ids[i]) if cached == 0 else (last[i],), cached,
                                     tuple(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)), params=params)
                            for i in range(streams))
             last.update((t.seq_id, t.token_id) for t in w.step(StepRequest(s, 0, chunks, split)).tokens)
@@ -119,9 +118,7 @@ def single_ms(path: Path, streams: int, steps: int, threads: int) -> float:
     try:
         runner = ModelRunner(load_model(path, dtype=torch.float32, progress=False),
                              num_blocks=streams * BLOCKS_PER_SEQ + 1)
-        g = torch.Generator().manual_seed(1)
-        seqs = [Sequence(i, torch.randint(10, 1000, (PROMPT,), generator=g).tolist(), PROMPT, SamplingParams())
-                for i in range(streams)]
+        seqs = [Sequence(i, p, PROMPT, SamplingParams()) for i, p in enumerate(prompts(streams, PROMPT))]
         for s in seqs:
             runner.reserve(s, PROMPT + steps + 8)
         with torch.no_grad():
