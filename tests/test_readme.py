@@ -1,6 +1,7 @@
 """The README's commands, exactly as written: CI's .ci/run installs with the README's set-up command
 into a fresh virtual environment, and this test runs the README's quick-start block in a shell."""
 
+import json
 import os
 import re
 import subprocess
@@ -30,7 +31,12 @@ def test_readme_quick_start_serves_and_stops(tmp_path):
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, env=env,
                           timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert '"object":"text_completion"' in proc.stdout and '"completion_tokens":16' in proc.stdout, proc.stdout
+    # the README's curl samples (OpenAI's default temperature 1, no seed): 16 tokens ending by length,
+    # or fewer when the model's stop token was drawn — the one CI run that drew it had asserted 16
+    body = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index('{"id"'):])[0]
+    assert body["object"] == "text_completion", proc.stdout
+    n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+    assert (n, finish) == (16, "length") or (1 <= n < 16 and finish == "stop"), proc.stdout
     assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
     assert "stopped moeray" in proc.stderr
     assert not (tmp_path / "up.json").exists()
