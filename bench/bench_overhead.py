@@ -16,7 +16,8 @@ prompts, ignoring EOS, at each stream count, by:
   ``--before-tree DIR`` also a checkout of an earlier commit, served from DIR in the same run (the
   "before" row; its /status needs the breakdown for the per-step table); with ``--expert-threads 1,2``
   also with the expert actor's GEMMs over 2 threads, and the single-process runner given the same
-  threads (a like-for-like row).
+  threads (a like-for-like row); with ``--ingress haproxy,proxy`` behind HAProxy (Serve's direct
+  ingress, the default) and behind Serve's proxy actor.
 
 Each figure is the median of ``--repeats`` runs; the table gives tokens/s and the served cluster's
 ratio to the single-process runner at the same stream count. Then the engine's per-step breakdown
@@ -153,7 +154,7 @@ class Served:
     """``moeray up --detach`` on the checkpoint (1 attention × 1 expert), stopped on exit."""
 
     def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None, threads: int = 1,
-                 expert_threads: int = 1):
+                 expert_threads: int = 1, ingress: str | None = None):
         self.url = f"http://127.0.0.1:{port}"
         # another checkout's code: first on the path, and the working directory (Ray's workers import from it)
         self.env, self.cwd = (env | {"PYTHONPATH": tree}, tree) if tree else (env, None)
@@ -161,6 +162,7 @@ class Served:
         cfg = {"model": str(path), "port": port, "attention": 1, "experts": 1, "max_num_seqs": 64}
         cfg |= ({"ping_pong": True} if ping_pong else {}) | ({"actor_threads": threads} if threads > 1 else {})
         cfg |= {"expert_threads": expert_threads} if expert_threads > 1 else {}
+        cfg |= {"ingress": ingress} if ingress else {}  # None: the checkout's default (a "before" tree has none)
         self.cfg.write_text(yaml.safe_dump(cfg))
         self.moeray = str(Path(sys.executable).parent / "moeray")
 
@@ -308,6 +310,8 @@ def main() -> None:
                     help="served runs with these torch threads per actor, e.g. 1,2")
     ap.add_argument("--expert-threads", default="1", type=lambda t: [int(x) for x in t.split(",")],
                     help="served runs (and single-process rows) with these expert GEMM threads, e.g. 1,2")
+    ap.add_argument("--ingress", default="haproxy", help="served runs with these HTTP ingresses: haproxy, proxy "
+                                                         "or haproxy,proxy (the serving config's `ingress`)")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     new, plen, reps = args.new_tokens, args.prompt_len, args.repeats
@@ -331,19 +335,22 @@ def main() -> None:
             breakdowns |= {("engine, no Serve", n): b for n, b in per.items()}
             print(json.dumps({"run": "engine, no Serve", "tok_s": rows["cluster engine 1x1, no Serve"],
                               "breakdown_ms": per}), flush=True)
-        runs = [("before", "off", args.before_tree, 1, 1)] if args.before_tree else []
-        runs += [("now", mode, None, t, et) for mode in args.ping_pong.split(",") for t in args.actor_threads
-                 for et in args.expert_threads]
+        ingresses = args.ingress.split(",")
+        runs = [("before", "off", args.before_tree, 1, 1, None)] if args.before_tree else []
+        runs += [("now", mode, None, t, et, ing) for mode in args.ping_pong.split(",") for t in args.actor_threads
+                 for et in args.expert_threads for ing in ingresses]
         # interleaved: each round serves every configuration once, in turn, so that the machine's
         # drift (shared cores) falls on all of them alike; the figure is the median over the rounds
         rates: dict = {}
         parts: dict = {}
         for r in range(reps):
-            for label, mode, tree, threads, et in (runs if r % 2 == 0 else runs[::-1]):
+            for label, mode, tree, threads, et, ing in (runs if r % 2 == 0 else runs[::-1]):
                 name = f"served 1x1, {label}, ping-pong {mode}" + (f", {threads} threads/actor" if threads > 1 else "")
-                name += f", {et} expert threads" if et > 1 else ""
+                shown = ing if len(ingresses) > 1 and ing else None
+                name += (f", {et} expert threads" if et > 1 else "") + (f", ingress {shown}" if shown else "")
                 key = label + (f"/{threads}t" if threads > 1 else "") + (f"/{et}et" if et > 1 else "") + f"/pp {mode}"
-                with Served(path, args.port, mode == "on", env, tree, threads, et) as app:
+                key += f"/{shown}" if shown else ""
+                with Served(path, args.port, mode == "on", env, tree, threads, et, ing) as app:
                     for n in streams:
                         rate = served_rate(app, n, plen, new, parts.setdefault((key, n), []))
                         rates.setdefault((name, n), []).append(rate)

@@ -9,6 +9,7 @@ directly, and every error leaves as OpenAI's envelope.
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .fanout import Fanout
 from .mux import EngineStreams, StreamMux
 from .metrics import EngineMetrics
 from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
+from .settings import serve_ingress
 
 
 CONTROL_TIMEOUT_S = 15.0
@@ -93,6 +95,10 @@ class EngineServer:
         self.streams = EngineStreams(self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
                                      expert_metrics=cfg.expert_metrics)
+        if serve_ingress() != cfg.ingress:  # set when the Ray nodes start, not by the app (settings.py)
+            logging.getLogger("ray.serve").warning(
+                "the serving config asks for ingress %r, but this Ray cluster's nodes run %r: the `ray start` "
+                "environment decides (deploy/ray-cluster-*.yaml carry the haproxy one)", cfg.ingress, serve_ingress())
 
     async def subscribe(self, sink: str):
         """One Ingress replica's stream of every chunk of its requests (:mod:`deploy.mux`)."""
@@ -171,7 +177,7 @@ class EngineServer:
             "failures": dict(eng.stats.actor_failures), "recoveries_s": list(eng.stats.recoveries),
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
             "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
-            "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown),
+            "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown), "ingress": serve_ingress(),
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "attention": [{"index": i, "node": workers.node_ip(m),
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}

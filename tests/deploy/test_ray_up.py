@@ -184,6 +184,7 @@ def test_serve_deploy_places_experts_on_both_nodes_and_serves_through_the_head_p
     assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["text"]
     status = httpx.get(f"{cluster.url}/status", timeout=60).json()
     assert status["healthy"] and len(status["experts"]) == 2
+    assert status["ingress"] == "haproxy"  # the YAML's `ray start` environment (deploy/settings.py)
     assert {e["node"] for e in status["experts"]} == {cluster.head_ip, cluster.worker_ip}, status["experts"]
     assert all(e["tokens"] > 0 for e in status["experts"]), status["experts"]
 
