@@ -21,7 +21,7 @@ import torch
 from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
 from model.loader import load_routed_experts, parse_dtype
-from model.moe import ExpertThreads, RoutedExperts, gather_experts
+from model.moe import ExpertThreads, RoutedExperts, attach_threads, gather_experts
 
 from .device import Placement, choose_device
 from .group import exchange_device, join_group, leave_group
@@ -122,11 +122,8 @@ class ExpertWorker:
         leave_group()
 
     def _run_on_threads(self, experts: dict[int, RoutedExperts]) -> dict[int, RoutedExperts]:
-        """``experts`` with this actor's GEMM threads attached (dense experts only: a quantised
-        module keeps its own path)."""
-        for ex in experts.values():
-            if isinstance(ex, RoutedExperts):
-                ex.threads = self.gemm_threads
+        """``experts`` with this actor's GEMM threads attached (:func:`~model.moe.attach_threads`)."""
+        attach_threads(experts.values(), self.gemm_threads)
         return experts
 
     # ---- data plane -----------------------------------------------------------------------

@@ -82,13 +82,11 @@ def single_rate(path: Path, streams: int, prompt_len: int, new: int, expert_thre
     """The single-process runner's tokens/s; ``expert_threads`` > 1 gives its routed experts the
     expert actors' GEMM threads (:class:`model.moe.ExpertThreads`) and, as in the actors, one torch
     thread (a torch pool under each of them would oversubscribe the cores), for a like-for-like row."""
-    from model.moe import ExpertThreads, RoutedExperts
+    from model.moe import ExpertThreads, attach_threads
 
     model = load_model(path, dtype=torch.float32, progress=False)
     threads = ExpertThreads(expert_threads) if expert_threads > 1 else None
-    for m in model.modules():
-        if isinstance(m, RoutedExperts):
-            m.threads = threads
+    attach_threads(model.modules(), threads)
     runner = ModelRunner(model, num_blocks=streams * (-(-(prompt_len + new) // 16) + 1) + 4, block_size=16)
     torch_threads = torch.get_num_threads()
     if threads is not None:

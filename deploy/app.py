@@ -95,10 +95,11 @@ class EngineServer:
         self.streams = EngineStreams(self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
                                      expert_metrics=cfg.expert_metrics)
-        if serve_ingress() != cfg.ingress:  # set when the Ray nodes start, not by the app (settings.py)
+        self.ingress = serve_ingress()  # set when the Ray nodes start, not by the app (settings.py)
+        if self.ingress != cfg.ingress:
             logging.getLogger("ray.serve").warning(
                 "the serving config asks for ingress %r, but this Ray cluster's nodes run %r: the `ray start` "
-                "environment decides (deploy/ray-cluster-*.yaml carry the haproxy one)", cfg.ingress, serve_ingress())
+                "environment decides (deploy/ray-cluster-*.yaml carry the haproxy one)", cfg.ingress, self.ingress)
 
     async def subscribe(self, sink: str):
         """One Ingress replica's stream of every chunk of its requests (:mod:`deploy.mux`)."""
@@ -177,7 +178,7 @@ class EngineServer:
             "failures": dict(eng.stats.actor_failures), "recoveries_s": list(eng.stats.recoveries),
             "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
             "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
-            "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown), "ingress": serve_ingress(),
+            "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown), "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "attention": [{"index": i, "node": workers.node_ip(m),
                            "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}

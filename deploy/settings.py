@@ -15,8 +15,8 @@ from pathlib import Path
 # default, one directory for every user of the machine: whoever starts HAProxy second is refused
 # its node's directory there (measured). So they go under a directory of this user's own (short:
 # the sockets' paths, with a node id, must stay within 107 bytes).
-HAPROXY_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-                       "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+HAPROXY_FLAGS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+HAPROXY_INGRESS_ENV = HAPROXY_FLAGS | {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 HAPROXY_FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
                  "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
                  "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
@@ -43,5 +43,4 @@ def ingress_env(ingress: str) -> dict[str, str]:
 def serve_ingress() -> str:
     """The HTTP ingress this process's Ray cluster runs: "haproxy" (direct ingress behind HAProxy,
     :data:`HAPROXY_INGRESS_ENV`) or "proxy" (Serve's Python proxy actor)."""
-    on = all(os.environ.get(k) == "1" for k in ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY"))
-    return "haproxy" if on else "proxy"
+    return "haproxy" if all(os.environ.get(k) == v for k, v in HAPROXY_FLAGS.items()) else "proxy"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Generator, Protocol, Sequence
+from typing import Callable, Generator, Iterable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +156,14 @@ class ExpertThreads:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+
+
+def attach_threads(modules: Iterable[nn.Module], threads: ExpertThreads | None) -> None:
+    """Give every dense :class:`RoutedExperts` among ``modules`` these GEMM threads (None: one
+    thread); a quantised module keeps its own path."""
+    for m in modules:
+        if isinstance(m, RoutedExperts):
+            m.threads = threads
 
 
 def _grouped_gemm(x: torch.Tensor, w: torch.Tensor) -> bool:

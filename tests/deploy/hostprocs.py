@@ -74,6 +74,12 @@ def socket_inodes(pid: int) -> set[int]:
     return out
 
 
+def port_holders(port: int) -> list[str]:
+    """The command lines of this user's processes that hold a listening socket on ``port``."""
+    inodes = {inode for _, p, inode in listeners() if p == port}
+    return [cmd for pid, uid, cmd in processes() if uid == os.getuid() and socket_inodes(pid) & inodes]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -15,19 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.hostprocs import listeners, processes, socket_inodes
+from tests.deploy.hostprocs import port_holders
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _port_holders(port: int) -> list[str]:
-    """The command lines of the processes holding a listening socket on ``port``."""
-    inodes = {inode for _, p, inode in listeners() if p == port}
-    return [cmd for pid, uid, cmd in processes() if uid == os.getuid() and socket_inodes(pid) & inodes]
 
 
 def _first_chunk_while_running(url: str) -> tuple[int, int]:
@@ -66,7 +60,7 @@ def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path, ingress, holde
                 pass
             time.sleep(0.5)
         url = f"http://127.0.0.1:{port}"
-        holders = _port_holders(port)
+        holders = port_holders(port)
         assert holders and all(holder in cmd for cmd in holders), holders
         assert httpx.get(f"{url}/status", timeout=30).json()["ingress"] == ingress
         running, chunks = _first_chunk_while_running(url)
