@@ -75,7 +75,7 @@ class AttentionWorker:
         leave_group()
         self.index, self.name, self.table = index, f"attention[{index}]", table
         store = self._store if index == 0 and self._store is not None and self._store.port == info.port else None
-        join_group(info, index, table.world_size, store)
+        join_group(info, index, table.world_size, store, num_attention=table.num_attention)
         self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
                                          self.cfg.num_experts_per_tok, self.exchange, device=exchange_device(info, self.device))
 

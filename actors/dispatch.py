@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from model.moe import RoutedExperts
 
+from .group import current_mesh
 from .messages import PlacementTable
 
 
@@ -155,10 +157,12 @@ class _Collectives:
         self.world = table.world_size
         self.step, self.exchange_s, self.calls = -1, 0.0, 0
         self.phase_s = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
-        # gloo: point-to-point sends and receives with the peers that have rows (half the latency of
-        # gloo's all_to_all_single here, which runs on a worker thread and visits every rank); nccl:
-        # all_to_all_single (one grouped kernel)
+        # gloo: point-to-point sends and receives with the peers that have rows, over the epoch's
+        # direct sockets (actors/wire.py) unless its transport is "group" (then gloo's own isend /
+        # irecv: half the latency of its all_to_all_single, which visits every rank from a worker
+        # thread); nccl: all_to_all_single (one grouped kernel)
         self.p2p = dist.get_backend(group) == "gloo"
+        self.mesh = current_mesh() if self.p2p and group is None else None
 
     def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int,
             phase: str, async_op: bool = False):
@@ -171,16 +175,21 @@ class _Collectives:
             if not self.p2p:
                 return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
             works = _P2P([], (out, inp))
-            for tensor, splits, op in ((inp, in_splits, dist.isend), (out, out_splits, dist.irecv)):
+            if self.mesh is not None:
+                ops = (inp, in_splits, self.mesh.send), (out, out_splits, self.mesh.recv)
+            else:
+                ops = ((inp, in_splits, partial(dist.isend, group=self.group)),
+                       (out, out_splits, partial(dist.irecv, group=self.group)))
+            for tensor, splits, op in ops:
                 start = 0
                 for peer, n in enumerate(splits):
                     if n:
-                        works.works.append(op(tensor[start: start + n], peer, group=self.group, tag=self.calls))
+                        works.works.append(op(tensor[start: start + n], peer, tag=self.calls))
                     start += n
             if not async_op:
                 works.wait()
             return works
-        except Exception as e:  # gloo raises RuntimeError on timeout or a closed peer
+        except Exception as e:  # gloo raises RuntimeError, the sockets OSError, on a timeout or a closed peer
             raise self.error(layer, phase, e) from e
         finally:
             self.clock(phase, t0)

@@ -114,7 +114,7 @@ class ExpertWorker:
             self.experts = self._run_on_threads(self.staged[2])
         self.staged = None
         self.index, self.name, self.table = index, f"expert[{index}]", table
-        join_group(info, table.num_attention + index, table.world_size)
+        join_group(info, table.num_attention + index, table.world_size, num_attention=table.num_attention)
         self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok, self.mode,
                                        device=exchange_device(info, self.device))
 

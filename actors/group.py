@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .messages import GroupInfo
+from .wire import SocketMesh, local_ip
 
 # the environment of every actor of an NCCL deployment (a Ray runtime_env; nothing here reads it)
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -27,19 +28,58 @@ def open_store(ip: str) -> dist.TCPStore:
     return dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
 
 
-def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None) -> None:
+TRANSPORTS = ("auto", "group")
+_mesh: SocketMesh | None = None  # the current epoch's exchange sockets (gloo groups, transport auto)
+
+
+def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None,
+               num_attention: int | None = None) -> None:
     """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
-    where given, else through the store at the group's address (opened there by rank 0 if it has none)."""
+    where given, else through the store at the group's address (opened there by rank 0 if it has none).
+    On gloo with transport ``auto`` also the epoch's exchange sockets (:mod:`actors.wire`) between its
+    ``num_attention`` attention ranks and the expert actors after them."""
+    global _mesh
+    if info.transport not in TRANSPORTS:
+        raise ValueError(f"exchange transport must be one of {', '.join(TRANSPORTS)}, got {info.transport!r}")
     timeout = timedelta(seconds=info.timeout_s)
     if store is None:
         store = dist.TCPStore(info.address, info.port, world_size, is_master=rank == 0, timeout=timeout)
     else:
         store.set_timeout(timeout)
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    if info.backend == "gloo" and info.transport == "auto" and num_attention is not None:
+        try:
+            _mesh = SocketMesh(store, rank, num_attention, world_size, _node_ip(info.address), info.timeout_s,
+                               prefix=f"moeray/wire/{info.epoch}")
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+
+
+def current_mesh() -> SocketMesh | None:
+    """The exchange sockets of the group this process is in (None: the group's own ops)."""
+    return _mesh
+
+
+def _node_ip(toward: str) -> str:
+    """Where this process's expert-exchange socket listens: its Ray node's address, else this host's
+    address on the route to the group's rank 0."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return local_ip(toward)
 
 
 def leave_group() -> None:
     """Leave the current process group, if any (an abort on NCCL, see the module docstring)."""
+    global _mesh
+    if _mesh is not None:
+        _mesh.close()
+        _mesh = None
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

@@ -194,3 +194,4 @@ class GroupInfo:
     port: int
     backend: str = "gloo"
     timeout_s: float = 60.0
+    transport: str = "auto"  # the exchange on gloo: "auto" direct sockets (actors/wire.py), "group" gloo's own

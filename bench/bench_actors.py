@@ -1,7 +1,8 @@
 """The data plane without Ray or Serve: one attention and one expert worker in two processes over
 gloo, against the single-process runner, on the issue-10 checkpoint (bench_overhead's shape).
 
-    python bench/bench_actors.py [--streams 1,16] [--steps 40] [--expert-threads 1,2] [--micro 1] [--profile]
+    python bench/bench_actors.py [--streams 1,16] [--steps 40] [--expert-threads 1,2] [--micro 1]
+                                 [--transport auto,group] [--profile]
 
 Each worker is the real class (``AttentionWorker``, ``ExpertWorker``), joined to a two-rank process
 group and driven step by step in its own process: the attention rank builds its decode chunks from
@@ -9,7 +10,8 @@ the tokens it sampled, the expert rank serves the exchanges of the same token co
 wall ms per decode step and each worker thread's CPU ms per step — what the cluster's step costs
 before Ray's calls and Serve's processes add theirs — and the single-process runner's ms per step
 (1 and 2 torch threads) on the same checkpoint. ``--micro 2`` splits each step into two
-micro-batches (ping-pong); ``--profile`` adds torch profiler tables of 10 more steps per worker."""
+micro-batches (ping-pong); ``--transport auto,group`` runs the exchange over the direct sockets
+(``actors/wire.py``, the default) and over gloo's own sends and receives; ``--profile`` adds torch profiler tables of 10 more steps per worker."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ PROMPT, BLOCKS_PER_SEQ = 32, 8
 
 
 def _worker(rank: int, path: str, streams: int, steps: int, port: int, expert_threads: int, micro: int,
-            profile: bool, q) -> None:
+            transport: str, profile: bool, q) -> None:
     from actors.messages import ExpertStep, GroupInfo, SeqChunk, StepRequest
     from actors.router import even_table
     from model.config import load_config
@@ -51,7 +53,7 @@ def _worker(rank: int, path: str, streams: int, steps: int, port: int, expert_th
         from actors.expert import ExpertWorker
 
         w = ExpertWorker(path, index=0, table=table, expert_threads=expert_threads)
-    w.enter_epoch(GroupInfo(0, "127.0.0.1", port), table, 0)
+    w.enter_epoch(GroupInfo(0, "127.0.0.1", port, transport=transport), table, 0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     ids = prompts(streams, PROMPT)
     sizes = [streams // micro + (m < streams % micro) for m in range(micro)]
@@ -91,13 +93,15 @@ def _worker(rank: int, path: str, streams: int, steps: int, port: int, expert_th
     q.put(out)
 
 
-def actors_ms(path: Path, streams: int, steps: int, expert_threads: int, micro: int, profile: bool) -> dict:
+def actors_ms(path: Path, streams: int, steps: int, expert_threads: int, micro: int, transport: str,
+              profile: bool) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, str(path), streams, steps, port, expert_threads, micro, profile, q))
+    procs = [ctx.Process(target=_worker, args=(r, str(path), streams, steps, port, expert_threads, micro, transport,
+                                                        profile, q))
              for r in (0, 1)]
     for p in procs:
         p.start()
@@ -142,6 +146,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--expert-threads", default="1", help="e.g. 1,2")
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per step (2: ping-pong)")
+    ap.add_argument("--transport", default="auto", help="the exchange's transport(s): auto (direct sockets), "
+                                                         "group (gloo's sends), or auto,group")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.steps + 16 + PROMPT > BLOCKS_PER_SEQ * 16:
@@ -152,10 +158,11 @@ def main() -> None:
         for n in (int(x) for x in args.streams.split(",")):
             row = {"streams": n, **{f"single_{t}t_ms": single_ms(path, n, args.steps, t) for t in (1, 2)}}
             for et in (int(x) for x in args.expert_threads.split(",")):
-                r = actors_ms(path, n, args.steps, et, max(1, min(args.micro, n)), args.profile)
-                for table in filter(None, r.pop("profiles")):
-                    print(table)
-                row |= {f"actors_{et}et_{k}": v for k, v in r.items()}
+                for tr in args.transport.split(","):
+                    r = actors_ms(path, n, args.steps, et, max(1, min(args.micro, n)), tr, args.profile)
+                    for table in filter(None, r.pop("profiles")):
+                        print(table)
+                    row |= {f"actors_{et}et-{tr}_{k}": v for k, v in r.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:

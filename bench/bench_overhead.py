@@ -177,19 +177,22 @@ class Served:
         return st.get("breakdown", {})
 
 
-def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int, q):
+def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int,
+                     transport: str, q):
     """Rank 0 is an attention rank, rank 1 an expert actor holding every expert. Times one MoE
-    layer's exchange (minus the expert's compute, which the expert reports) and the bare floor:
-    all_to_all_single of the same bytes out and back."""
+    layer's exchange over ``transport`` (minus the expert's compute, which the expert reports) and the
+    bare floors of the same bytes out and back: gloo's all_to_all_single, one gloo send and receive
+    each way, and (transport auto) one send and receive each way over the direct sockets alone."""
     import torch.distributed as dist
 
     from actors.dispatch import DistDispatcher, ExpertExchange
-    from actors.messages import PlacementTable
+    from actors.group import current_mesh, join_group, leave_group
+    from actors.messages import GroupInfo, PlacementTable
     from model.layers import silu_glu
     from model.moe import RoutedExperts
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(GroupInfo(0, "127.0.0.1", port, transport=transport), rank, 2, num_attention=1)
     table = PlacementTable(0, experts, 1, (1,), ((tuple(range(experts)),),))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g)
@@ -248,15 +251,28 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
             dist.recv(a, 0)
             dist.send(c, 0)
         p2p.append(time.perf_counter() - t0)
+    wire, mesh = [], current_mesh()  # the same bytes over the exchange's sockets, nothing else
+    for i in range(iters if mesh is not None else 0):
+        a, c = torch.randn(out_rows, width), torch.randn(back_rows, hidden)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            mesh.send(a, 1, tag=i).wait()
+            mesh.recv(c, 1, tag=i).wait()
+        else:
+            mesh.recv(a, 0, tag=i).wait()
+            mesh.send(c, 0, tag=i).wait()
+        wire.append(time.perf_counter() - t0)
     if rank == 1:
         q.put(("expert", spent))
     else:
-        q.put(("attention", times, floor, p2p))
-    dist.destroy_process_group()
+        q.put(("attention", times, floor, p2p, wire))
+    leave_group()
 
 
-def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int = 200) -> dict:
-    """Median ms of one MoE layer's exchange (the expert's compute taken out) and of the floor."""
+def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int = 200,
+                      transport: str = "auto") -> dict:
+    """Median ms of one MoE layer's exchange (the expert's compute taken out) and of the floors."""
     import multiprocessing as mp
     import socket
 
@@ -265,18 +281,19 @@ def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str,
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_exchange_worker, args=(r, port, tokens, hidden, k, experts, mode, iters, q))
+    procs = [ctx.Process(target=_exchange_worker, args=(r, port, tokens, hidden, k, experts, mode, iters, transport, q))
              for r in (0, 1)]
     for p in procs:
         p.start()
     got = dict((m[0], m[1:]) for m in (q.get(timeout=600), q.get(timeout=600)))
     for p in procs:
         p.join(60)
-    times, floor, p2p = got["attention"]
+    times, floor, p2p, wire = got["attention"]
     (spent,) = got["expert"]
     net = [t - c for t, c in zip(times, spent)]
-    return {"mode": mode, "tokens": tokens, "exchange_ms": 1000 * statistics.median(net),
+    return {"mode": mode, "transport": transport, "tokens": tokens, "exchange_ms": 1000 * statistics.median(net),
             "floor_ms": 1000 * statistics.median(floor), "p2p_floor_ms": 1000 * statistics.median(p2p),
+            "wire_floor_ms": 1000 * statistics.median(wire) if wire else None,
             "ratio": statistics.median(net) / statistics.median(floor)}
 
 
@@ -357,8 +374,9 @@ def main() -> None:
                             rows.setdefault(name, {})[n] = statistics.median(rates[(name, n)])
                             breakdowns[(key, n)] = level_ms(parts[(key, n)])
     exchanges = [] if args.skip_exchange else [
-        exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m)
-        for n in streams for m in ("dense", "sparse")]
+        exchange_vs_floor(n, SHAPE["hidden_size"], SHAPE["num_experts_per_tok"], SHAPE["n_routed_experts"], m,
+                          transport=t)
+        for n in streams for m in ("dense", "sparse") for t in ("auto", "group")]
     single = rows["single-process runner, 2 threads"]
     print(f"\n{'system':58}" + "".join(f"{f'{n} streams tok/s':>20}{'vs single':>10}" for n in streams))
     for name, r in rows.items():
@@ -372,10 +390,12 @@ def main() -> None:
         for k in keys:
             print(f"{k:32}" + "".join(f"{b.get(k, float('nan')):>22.3f}" for b in breakdowns.values()))
     print("\none MoE layer's exchange (1 attention, 1 expert actor; the expert's compute taken out) vs the floor: "
-          "all_to_all_single of the same bytes out and back (and, for reference, one send + one recv each way)")
+          "gloo's all_to_all_single of the same bytes out and back (and, for reference, one gloo send + one recv "
+          "each way, and one over the direct sockets alone); transport auto: the direct sockets, group: gloo's sends")
     for e in exchanges:
-        print(f"  {e['mode']:6} {e['tokens']:>3} tokens: {e['exchange_ms']:.3f} ms vs floor {e['floor_ms']:.3f} ms "
-              f"= {e['ratio']:.2f}x  (send/recv floor {e['p2p_floor_ms']:.3f} ms)")
+        wire = f", sockets floor {e['wire_floor_ms']:.3f} ms" if e["wire_floor_ms"] is not None else ""
+        print(f"  {e['mode']:6} {e['tokens']:>3} tokens, {e['transport']:5}: {e['exchange_ms']:.3f} ms vs floor "
+              f"{e['floor_ms']:.3f} ms = {e['ratio']:.2f}x  (gloo send/recv floor {e['p2p_floor_ms']:.3f} ms{wire})")
     print(json.dumps({"rates": rows, "breakdown_ms": {f"{m}/{n}": b for (m, n), b in breakdowns.items()},
                       "exchange": exchanges}))
 

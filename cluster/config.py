@@ -43,6 +43,9 @@ class EngineConfig:
     expert_threads: int = 1
     micro_batches: int = 2
     exchange: str = "auto"
+    # how the exchange travels on gloo (CPU) groups: auto, direct sockets between the calling threads
+    # (actors/wire.py); group, gloo's own sends and receives. NCCL groups use all_to_all_single either way
+    transport: str = "auto"
     # async scheduling: a decode step goes out before the last step's results are back (the engine's and
     # Ray's per-step work then overlaps the actors' compute; the same tokens)
     async_scheduling: bool = True
@@ -60,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"engine setting 'micro_batches' must be >= 2 (ping-pong needs two), got {self.micro_batches}")
         if self.exchange not in ("auto", "dense", "sparse"):
             raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
+        if self.transport not in ("auto", "group"):
+            raise ValueError(f"engine setting 'transport' must be auto or group, got {self.transport!r}")
         for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")

@@ -510,7 +510,7 @@ class WorkerGroup:
         # the first answers from new actors wait for their weights to load
         addr, port = self._get(attention[0].actor.rendezvous.remote(), self.load_timeout_s, f"{what}: rendezvous")
         info = GroupInfo(epoch=table.epoch, address=addr, port=port, backend=self.backend,
-                         timeout_s=c.collective_timeout_s)
+                         timeout_s=c.collective_timeout_s, transport=c.transport)
         refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
         refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
         self._get(refs, self.load_timeout_s, what, names=_names(len(attention), len(experts)))

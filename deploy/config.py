@@ -68,6 +68,11 @@ class ServeConfig(BaseModel):
         "auto", description="The expert exchange's wire format: dense (every token to every expert actor, no counts "
                             "exchange) or sparse (pairs only where their expert lives); auto: dense while there are "
                             "no more expert actors than experts per token.")
+    transport: Literal["auto", "group"] = Field(
+        "auto", description="How the expert exchange travels between CPU actors (gloo process groups): auto, "
+                            "a direct socket per attention and expert actor pair, written and read by the "
+                            "actors' own threads; group, gloo's own sends and receives (through its I/O "
+                            "thread: slower). GPU actors on NCCL use all_to_all_single either way.")
     async_scheduling: bool = Field(True, description="Send a decode step before the last step's results are back "
                                                      "(the engine's and Ray's per-step work overlaps the actors'; "
                                                      "the same tokens).")
@@ -109,7 +114,8 @@ class ServeConfig(BaseModel):
                             auto_rebalance=self.auto_rebalance, rebalance_threshold=self.rebalance_threshold,
                             rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
                             load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
-                            micro_batches=self.micro_batches, exchange=self.exchange, actor_threads=self.actor_threads,
+                            micro_batches=self.micro_batches, exchange=self.exchange, transport=self.transport,
+                            actor_threads=self.actor_threads,
                             expert_threads=self.expert_threads, max_step_retries=self.max_step_retries,
                             async_scheduling=self.async_scheduling,
                             standby_attention=self.standby_attention, standby_experts=self.standby_experts)

@@ -1,18 +1,19 @@
 """The torch.distributed dispatcher over a real gloo process group == the in-process dispatcher,
-and a collective whose peer is gone or stuck raises a clear error instead of hanging."""
+and a collective whose peer is gone or stuck raises a clear error instead of hanging: over the
+group's direct sockets (actors/wire.py, the default transport) and over gloo's own sends."""
 
 import multiprocessing as mp
 import queue
 import socket
 import time
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 
 from actors.dispatch import DistDispatcher, ExchangeError, ExpertExchange, LocalDispatcher, Routing
-from actors.messages import PlacementTable
+from actors.group import current_mesh, join_group
+from actors.messages import GroupInfo, PlacementTable
 from actors.router import balanced_layer
 from model.layers import silu_glu
 from model.moe import RoutedExperts
@@ -100,15 +101,15 @@ def _exchange_ok(rank, A, key, slots, exchange, q):
         q.put((key, rank, "rows", rows))
 
 
-def _run(rank, world, port, A, configs, mode, q):
+def _run(rank, world, port, A, configs, mode, transport, q):
     """configs: (key, slots, exchange) for each case, run one after another over the same gloo group
-    (mode "ok": each rank, in the same order), or the one case of a failure mode ("stuck", "gone")."""
+    (mode "ok": each rank, in the same order), or the one case of a failure mode ("stuck", "gone");
+    the exchange over the group's direct sockets (transport "auto") or gloo's own ops ("group")."""
     key = None
     try:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=4 if mode != "ok" else 60))
+        info = GroupInfo(0, "127.0.0.1", port, timeout_s=4 if mode != "ok" else 60, transport=transport)
+        join_group(info, rank, world, num_attention=A)
+        assert (current_mesh() is not None) == (transport == "auto")
         if mode == "ok":
             for key, slots, exchange in configs:
                 _exchange_ok(rank, A, key, slots, exchange, q)
@@ -132,13 +133,13 @@ def _run(rank, world, port, A, configs, mode, q):
         q.put((key, rank, "crash", traceback.format_exc()))
 
 
-def _spawn(world, A, configs, mode, wait_for) -> dict:
+def _spawn(world, A, configs, mode, wait_for, transport="auto") -> dict:
     """Answers per config key; waits for `wait_for` answers in all, or until none came for 90 s (a
     crashed rank leaves its peers to their collective timeout: the tests then name what is missing)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_run, args=(r, world, port, A, configs, mode, q), daemon=True)
+    procs = [ctx.Process(target=_run, args=(r, world, port, A, configs, mode, transport, q), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -166,10 +167,11 @@ CASES = [(f"{name}-{exchange}", slots, exchange) for name, slots in (("uneven", 
          for exchange in ("dense", "sparse")]
 
 
-@pytest.fixture(scope="module")
-def gloo_answers():
-    """Every case over one gloo group of 2 attention + 3 expert processes (one process start for all)."""
-    return _spawn(world=2 + 3, A=2, configs=CASES, mode="ok", wait_for=5 * len(CASES))
+@pytest.fixture(scope="module", params=["auto", "group"])
+def gloo_answers(request):
+    """Every case over one gloo group of 2 attention + 3 expert processes (one process start for all),
+    per transport: the direct sockets and gloo's own sends."""
+    return _spawn(world=2 + 3, A=2, configs=CASES, mode="ok", wait_for=5 * len(CASES), transport=request.param)
 
 
 @pytest.mark.parametrize("exchange", ["dense", "sparse"])
@@ -219,9 +221,11 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
     assert max(per_actor) / (sum(per_actor) / 3) < max(contiguous) / (sum(contiguous) / 3)
 
 
+@pytest.mark.parametrize("transport", ["auto", "group"])
 @pytest.mark.parametrize("mode,exchange", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
-def test_peer_gone_or_stuck_raises_clear_error(mode, exchange):
-    (res,) = _spawn(world=2, A=1, configs=[(mode, [[tuple(range(10))]] * 2, exchange)], mode=mode, wait_for=1)[mode]
+def test_peer_gone_or_stuck_raises_clear_error(mode, exchange, transport):
+    (res,) = _spawn(world=2, A=1, configs=[(mode, [[tuple(range(10))]] * 2, exchange)], mode=mode, wait_for=1,
+                    transport=transport)[mode]
     rank, msg, seconds = res
     assert rank == 0 and msg not in ("no error", "crash"), res
     assert "attention[0]" in msg and "step 42" in msg and "MoE layer 1" in msg, msg

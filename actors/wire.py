@@ -1,0 +1,245 @@
+"""Direct sockets for the expert exchange on CPU: one TCP connection per (attention rank, expert actor).
+
+gloo's point-to-point ops hand every message to its device thread and back: on these machines a
+16 KiB send and receive each way took 0.37-0.46 ms (``bench_overhead``'s p2p floor), against about
+0.025 ms for the same bytes over a plain loopback socket written and read by the calling thread.
+An MoE layer makes two such exchanges per step, so on gloo groups the exchange runs here instead:
+
+* :class:`SocketMesh` is one epoch's connections, made through the epoch's rendezvous store right
+  after the process group (each expert actor listens on the address that routes to rank 0, every
+  attention rank connects to each). The group itself stays: it is the epoch's membership, and NCCL
+  groups keep ``all_to_all_single``.
+* A send is written by the calling thread when the socket takes it whole (the common case); what the
+  kernel does not take goes to the link's sender thread, in order, so a large send never blocks the
+  caller while its peer is blocked sending too (ping-pong's crossing exchanges).
+* Receives complete in the order they were posted on a link. Each message carries its call number
+  and size, so a desynchronised peer is an error naming both, never misread bytes.
+* Every wait has the group's timeout (the sockets' SO_RCVTIMEO / SO_SNDTIMEO); a closed peer raises at
+  once instead of at the timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import struct
+import threading
+import time
+
+import torch
+
+_HEADER = struct.Struct("<qq")  # call number, payload bytes
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes (shared, not copied)."""
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+class _Done:
+    """A send the calling thread wrote whole."""
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = _Done()
+
+
+class _Queued:
+    """A send (or its rest) waiting for the link's sender thread."""
+
+    def __init__(self, link: "Link", parts: list[memoryview]):
+        self.link, self.parts, self.done, self.error = link, parts, threading.Event(), None
+
+    def wait(self) -> None:
+        if not self.done.wait(self.link.timeout_s):
+            raise TimeoutError(f"a send to rank {self.link.peer} did not leave within {self.link.timeout_s:g} s")
+        if self.error is not None:
+            raise ConnectionError(f"sending to rank {self.link.peer}: {self.error}") from self.error
+
+
+class _Recv:
+    """A posted receive of ``view``'s size, for call ``call``."""
+
+    def __init__(self, link: "Link", call: int, view: memoryview):
+        self.link, self.call, self.view, self.done = link, call, view, False
+
+    def wait(self) -> None:
+        self.link.complete(self)
+
+
+class Link:
+    """One connected socket to ``peer``."""
+
+    def __init__(self, sock: socket.socket, peer: int, timeout_s: float):
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
+        self.posted: collections.deque[_Recv] = collections.deque()
+        self.queue: collections.deque[_Queued] = collections.deque()
+        self.cv = threading.Condition()
+        self.sender: threading.Thread | None = None
+        self.closed = False
+
+    # ---- sending ------------------------------------------------------------------------
+    def send(self, call: int, t: torch.Tensor):
+        parts = [memoryview(_HEADER.pack(call, t.numel() * t.element_size())), _bytes(t)]
+        with self.cv:
+            if not self.queue:  # nothing ahead of it: try to write it whole, now, from this thread
+                try:
+                    sent = self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                parts = _rest(parts, sent)
+                if not parts:
+                    return DONE
+            work = _Queued(self, parts)
+            self.queue.append(work)
+            if self.sender is None:
+                self.sender = threading.Thread(target=self._send_loop, name=f"moeray-send-{self.peer}", daemon=True)
+                self.sender.start()
+            self.cv.notify()
+            return work
+
+    def _send_loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.closed:
+                    self.cv.wait()
+                if self.closed:
+                    for w in self.queue:
+                        w.error = ConnectionError("the exchange's sockets were closed")
+                        w.done.set()
+                    return
+                work = self.queue[0]
+            try:
+                for part in work.parts:
+                    self.sock.sendall(part)
+            except OSError as e:
+                work.error = e
+            with self.cv:
+                self.queue.popleft()
+            work.done.set()
+
+    # ---- receiving ----------------------------------------------------------------------
+    def post(self, call: int, t: torch.Tensor) -> _Recv:
+        if not t.is_contiguous():
+            raise ValueError("a receive needs a contiguous tensor (its bytes are written in place)")
+        r = _Recv(self, call, _bytes(t).cast("B"))
+        self.posted.append(r)
+        return r
+
+    def complete(self, want: _Recv) -> None:
+        """Read the posted receives in order, up to and including ``want``."""
+        while not want.done:
+            r = self.posted[0]
+            call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
+            if (call, size) != (r.call, len(r.view)):
+                raise ConnectionError(f"rank {self.peer} sent call {call} of {size} bytes where call {r.call} of "
+                                      f"{len(r.view)} bytes was due (the two sides' exchanges differ)")
+            self._read(r.view)
+            r.done = True
+            self.posted.popleft()
+
+    def _read(self, view: memoryview) -> memoryview:
+        got, n = 0, len(view)
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:], n - got)
+            except BlockingIOError:  # SO_RCVTIMEO ran out
+                raise TimeoutError(f"rank {self.peer} sent nothing for {self.timeout_s:g} s") from None
+            if k == 0:
+                raise ConnectionError(f"rank {self.peer} closed its connection")
+            got += k
+        return view
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _rest(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What of ``parts`` is left after their first ``sent`` bytes went."""
+    out = []
+    for p in parts:
+        if sent >= len(p):
+            sent -= len(p)
+            continue
+        out.append(p[sent:])
+        sent = 0
+    return out
+
+
+def local_ip(toward: str) -> str:
+    """This host's address on the route to ``toward`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((toward, 9))
+        return s.getsockname()[0]
+
+
+class SocketMesh:
+    """One epoch's links: every attention rank (ranks below ``num_attention``) to every expert actor."""
+
+    def __init__(self, store, rank: int, num_attention: int, world: int, host: str, timeout_s: float,
+                 prefix: str = "moeray/wire"):
+        self.rank, self.links = rank, {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            if rank >= num_attention:  # expert actor: listen, accept one connection per attention rank
+                with socket.create_server((host, 0)) as srv:
+                    host, port = srv.getsockname()[:2]
+                    store.set(f"{prefix}/{rank}", f"{host}:{port}")
+                    while len(self.links) < num_attention:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or not select.select([srv], [], [], left)[0]:
+                            raise TimeoutError(f"rank {rank}: {num_attention - len(self.links)} attention rank(s) "
+                                               f"did not connect within {timeout_s:g} s")
+                        sock, _ = srv.accept()
+                        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                        peer = struct.unpack("<q", _recv_exact(sock, 8))[0]
+                        sock.settimeout(None)
+                        self.links[peer] = Link(sock, peer, timeout_s)
+            else:  # attention rank: connect to each expert actor
+                for peer in range(num_attention, world):
+                    host, port = store.get(f"{prefix}/{peer}").decode().rsplit(":", 1)
+                    sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.001))
+                    sock.sendall(struct.pack("<q", rank))
+                    sock.settimeout(None)
+                    self.links[peer] = Link(sock, peer, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, t: torch.Tensor, peer: int, tag: int):
+        """Send ``t`` to rank ``peer`` as call ``tag`` of the step; returns a work to wait for."""
+        return self.links[peer].send(tag, t)
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int):
+        """Post a receive of ``t``'s size from rank ``peer`` (call ``tag``); returns a work to wait for."""
+        return self.links[peer].post(tag, t)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links = {}
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("a peer closed its connection while the exchange's sockets were made")
+        buf += chunk
+    return buf

@@ -1,0 +1,114 @@
+"""The expert exchange's direct sockets (actors/wire.py) on their own: two meshes of one epoch made
+through a real rendezvous store, one per thread (an attention rank and an expert actor)."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from actors.wire import SocketMesh
+
+
+def _pair(timeout_s: float = 20.0):
+    """(attention rank 0's mesh, expert rank 1's mesh), made concurrently as the two actors make them."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+    with ThreadPoolExecutor(2) as pool:  # one store client each, as in two processes
+        futs = [pool.submit(SocketMesh, store, r, 1, 2, "127.0.0.1", timeout_s) for r, store in ((0, master), (1, client))]
+        return tuple(f.result(timeout=30) for f in futs)
+
+
+@pytest.fixture
+def pair():
+    a, e = _pair()
+    yield a, e
+    a.close()
+    e.close()
+
+
+def test_crossing_sends_larger_than_the_socket_buffers_complete_exactly(pair):
+    """Both sides post a 48 MB send before either receives (ping-pong's crossing exchanges): the part
+    the kernel does not take goes to the link's sender thread, so neither caller blocks and both
+    arrive byte for byte."""
+    a, e = pair
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3_000_000, 4, generator=g), torch.randn(3_000_000, 4, generator=g).to(torch.bfloat16)
+    gx, gy = torch.empty_like(x), torch.empty_like(y)
+    t0 = time.monotonic()
+    sends = [a.send(x, 1, tag=1), e.send(y, 0, tag=1)]  # both return before any receive is posted
+    assert time.monotonic() - t0 < 5
+    assert any(type(s).__name__ == "_Queued" for s in sends)  # too big for the kernel: really queued
+    recvs = [a.recv(gy, 1, tag=1), e.recv(gx, 0, tag=1)]
+    for w in recvs + sends:
+        w.wait()
+    assert torch.equal(gx, x) and torch.equal(gy.view(torch.int16), y.view(torch.int16))
+
+
+def test_receives_complete_in_posted_order_whichever_is_waited_first(pair):
+    a, e = pair
+    msgs = [torch.full((5 + i,), float(i)) for i in range(4)]
+    got = [torch.empty_like(m) for m in msgs]
+    posted = [e.recv(g, 0, tag=i) for i, g in enumerate(got)]
+    for i, m in enumerate(msgs):
+        a.send(m, 1, tag=i).wait()
+    posted[2].wait()  # reads 0, 1 and 2 off the link, in order
+    assert [p.done for p in posted] == [True, True, True, False]
+    posted[3].wait()
+    assert all(torch.equal(g, m) for g, m in zip(got, msgs))
+
+
+def test_a_message_other_than_the_one_due_is_an_error_naming_both(pair):
+    a, e = pair
+    a.send(torch.zeros(4), 1, tag=3).wait()
+    with pytest.raises(ConnectionError, match=r"rank 0 sent call 3 of 16 bytes where call 2 of 16 bytes was due"):
+        e.recv(torch.empty(4), 0, tag=2).wait()
+
+
+def test_a_closed_peer_raises_at_once_and_a_silent_one_at_the_timeout():
+    a, e = _pair(timeout_s=1.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="rank 1 sent nothing for 1.5 s"):
+            a.recv(torch.empty(4), 1, tag=0).wait()
+        assert 1.0 < time.monotonic() - t0 < 5
+        threading.Timer(0.3, e.close).start()
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="rank 1 closed its connection"):
+            a.recv(torch.empty(4), 1, tag=1).wait()
+        assert time.monotonic() - t0 < 1.4  # not the 1.5 s timeout
+    finally:
+        a.close()
+        e.close()
+
+
+def test_a_receive_into_a_non_contiguous_tensor_is_refused(pair):
+    a, _ = pair
+    with pytest.raises(ValueError, match="contiguous"):
+        a.recv(torch.empty(4, 4).t(), 1, tag=0)
+
+
+def test_an_attention_rank_that_never_connects_fails_the_expert_side_in_time():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 1: 1 attention rank\(s\) did not connect within 1 s"):
+        SocketMesh(store, 1, 1, 2, "127.0.0.1", 1.0)
+    assert time.monotonic() - t0 < 4
+
+
+def test_an_unknown_transport_is_refused_by_name():
+    from actors.group import join_group
+    from actors.messages import GroupInfo
+    from cluster.config import EngineConfig
+    from deploy.config import ServeConfig
+
+    with pytest.raises(ValueError, match="engine setting 'transport' must be auto or group, got 'tcp'"):
+        EngineConfig(model="m", transport="tcp")
+    with pytest.raises(ValueError, match="exchange transport must be one of auto, group, got 'tcp'"):
+        join_group(GroupInfo(0, "127.0.0.1", 1, transport="tcp"), 0, 2)
+    with pytest.raises(ValueError, match="transport"):
+        ServeConfig.parse({"transport": "tcp"})
+    assert ServeConfig.parse({}).engine_config("m").transport == "auto"
