@@ -30,6 +30,7 @@ import time
 import torch
 
 _HEADER = struct.Struct("<qq")  # call number, payload bytes
+_HELLO, _MAGIC = struct.Struct("<8sq"), b"moeray-x"  # a new connection's first bytes: magic, attention rank
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -85,6 +86,7 @@ class Link:
         self.cv = threading.Condition()
         self.sender: threading.Thread | None = None
         self.closed = False
+        self.broken: OSError | None = None  # the receive error that left the stream at an unknown point
 
     # ---- sending ------------------------------------------------------------------------
     def send(self, call: int, t: torch.Tensor):
@@ -135,16 +137,24 @@ class Link:
         return r
 
     def complete(self, want: _Recv) -> None:
-        """Read the posted receives in order, up to and including ``want``."""
-        while not want.done:
-            r = self.posted[0]
-            call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
-            if (call, size) != (r.call, len(r.view)):
-                raise ConnectionError(f"rank {self.peer} sent call {call} of {size} bytes where call {r.call} of "
-                                      f"{len(r.view)} bytes was due (the two sides' exchanges differ)")
-            self._read(r.view)
-            r.done = True
-            self.posted.popleft()
+        """Read the posted receives in order, up to and including ``want``. After a failure the link
+        is broken: its stream position is unknown, so every later wait raises the same error (the
+        engine regroups: a new epoch makes new links)."""
+        if self.broken is not None:
+            raise ConnectionError(f"the link to rank {self.peer} failed earlier: {self.broken}")
+        try:
+            while not want.done:
+                r = self.posted[0]
+                call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
+                if (call, size) != (r.call, len(r.view)):
+                    raise ConnectionError(f"rank {self.peer} sent call {call} of {size} bytes where call {r.call} "
+                                          f"of {len(r.view)} bytes was due (the two sides' exchanges differ)")
+                self._read(r.view)
+                r.done = True
+                self.posted.popleft()
+        except OSError as e:
+            self.broken = e
+            raise
 
     def _read(self, view: memoryview) -> memoryview:
         got, n = 0, len(view)
@@ -197,7 +207,7 @@ class SocketMesh:
         deadline = time.monotonic() + timeout_s
         try:
             if rank >= num_attention:  # expert actor: listen, accept one connection per attention rank
-                with socket.create_server((host, 0)) as srv:
+                with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as srv:
                     host, port = srv.getsockname()[:2]
                     store.set(f"{prefix}/{rank}", f"{host}:{port}")
                     while len(self.links) < num_attention:
@@ -206,15 +216,16 @@ class SocketMesh:
                             raise TimeoutError(f"rank {rank}: {num_attention - len(self.links)} attention rank(s) "
                                                f"did not connect within {timeout_s:g} s")
                         sock, _ = srv.accept()
-                        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                        peer = struct.unpack("<q", _recv_exact(sock, 8))[0]
-                        sock.settimeout(None)
+                        peer = _hello(sock, deadline)
+                        if peer is None or not 0 <= peer < num_attention or peer in self.links:
+                            sock.close()  # not one of this epoch's attention ranks: ignored
+                            continue
                         self.links[peer] = Link(sock, peer, timeout_s)
             else:  # attention rank: connect to each expert actor
                 for peer in range(num_attention, world):
                     host, port = store.get(f"{prefix}/{peer}").decode().rsplit(":", 1)
                     sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.001))
-                    sock.sendall(struct.pack("<q", rank))
+                    sock.sendall(_HELLO.pack(_MAGIC, rank))
                     sock.settimeout(None)
                     self.links[peer] = Link(sock, peer, timeout_s)
         except BaseException:
@@ -235,11 +246,19 @@ class SocketMesh:
         self.links = {}
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _hello(sock: socket.socket, deadline: float) -> int | None:
+    """The attention rank a new connection announces, or None for anything else (a stray client,
+    garbage, silence past the setup's deadline)."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
     buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("a peer closed its connection while the exchange's sockets were made")
-        buf += chunk
-    return buf
+    try:
+        while len(buf) < _HELLO.size:
+            chunk = sock.recv(_HELLO.size - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+    except OSError:
+        return None
+    sock.settimeout(None)
+    magic, rank = _HELLO.unpack(buf)
+    return rank if magic == _MAGIC else None
