@@ -162,7 +162,9 @@ class _Collectives:
         # irecv: half the latency of its all_to_all_single, which visits every rank from a worker
         # thread); nccl: all_to_all_single (one grouped kernel)
         self.p2p = dist.get_backend(group) == "gloo"
-        self.mesh = current_mesh() if self.p2p and group is None else None
+        mesh = current_mesh() if self.p2p and group is None else None
+        self.send, self.recv = ((mesh.send, mesh.recv) if mesh is not None else
+                                (partial(dist.isend, group=group), partial(dist.irecv, group=group)))
 
     def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int,
             phase: str, async_op: bool = False):
@@ -175,12 +177,7 @@ class _Collectives:
             if not self.p2p:
                 return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
             works = _P2P([], (out, inp))
-            if self.mesh is not None:
-                ops = (inp, in_splits, self.mesh.send), (out, out_splits, self.mesh.recv)
-            else:
-                ops = ((inp, in_splits, partial(dist.isend, group=self.group)),
-                       (out, out_splits, partial(dist.irecv, group=self.group)))
-            for tensor, splits, op in ops:
+            for tensor, splits, op in ((inp, in_splits, self.send), (out, out_splits, self.recv)):
                 start = 0
                 for peer, n in enumerate(splits):
                     if n:

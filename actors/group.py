@@ -32,8 +32,8 @@ TRANSPORTS = ("auto", "group")
 _mesh: SocketMesh | None = None  # the current epoch's exchange sockets (gloo groups, transport auto)
 
 
-def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None,
-               num_attention: int | None = None) -> None:
+def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None, *,
+               num_attention: int) -> None:
     """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
     where given, else through the store at the group's address (opened there by rank 0 if it has none).
     On gloo with transport ``auto`` also the epoch's exchange sockets (:mod:`actors.wire`) between its
@@ -47,7 +47,7 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     else:
         store.set_timeout(timeout)
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    if info.backend == "gloo" and info.transport == "auto" and num_attention is not None:
+    if info.backend == "gloo" and info.transport == "auto":
         try:
             _mesh = SocketMesh(store, rank, num_attention, world_size, _node_ip(info.address), info.timeout_s,
                                prefix=f"moeray/wire/{info.epoch}")

@@ -1,13 +1,14 @@
 """Direct sockets for the expert exchange on CPU: one TCP connection per (attention rank, expert actor).
 
 gloo's point-to-point ops hand every message to its device thread and back: on these machines a
-16 KiB send and receive each way took 0.37-0.46 ms (``bench_overhead``'s p2p floor), against about
-0.025 ms for the same bytes over a plain loopback socket written and read by the calling thread.
+16 KiB send and receive each way took 0.16-0.46 ms over runs (``bench_overhead``'s p2p floor),
+against about 0.025 ms for the same bytes over a plain loopback socket written and read by the
+calling thread.
 An MoE layer makes two such exchanges per step, so on gloo groups the exchange runs here instead:
 
 * :class:`SocketMesh` is one epoch's connections, made through the epoch's rendezvous store right
-  after the process group (each expert actor listens on the address that routes to rank 0, every
-  attention rank connects to each). The group itself stays: it is the epoch's membership, and NCCL
+  after the process group (each expert actor listens on its node's address, every attention rank
+  connects to each). The group itself stays: it is the epoch's membership, and NCCL
   groups keep ``all_to_all_single``.
 * A send is written by the calling thread when the socket takes it whole (the common case); what the
   kernel does not take goes to the link's sender thread, in order, so a large send never blocks the
@@ -132,7 +133,7 @@ class Link:
     def post(self, call: int, t: torch.Tensor) -> _Recv:
         if not t.is_contiguous():
             raise ValueError("a receive needs a contiguous tensor (its bytes are written in place)")
-        r = _Recv(self, call, _bytes(t).cast("B"))
+        r = _Recv(self, call, _bytes(t))
         self.posted.append(r)
         return r
 

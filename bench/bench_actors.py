@@ -11,7 +11,8 @@ wall ms per decode step and each worker thread's CPU ms per step — what the cl
 before Ray's calls and Serve's processes add theirs — and the single-process runner's ms per step
 (1 and 2 torch threads) on the same checkpoint. ``--micro 2`` splits each step into two
 micro-batches (ping-pong); ``--transport auto,group`` runs the exchange over the direct sockets
-(``actors/wire.py``, the default) and over gloo's own sends and receives; ``--profile`` adds torch profiler tables of 10 more steps per worker."""
+(``actors/wire.py``, the default) and over gloo's own sends and receives; ``--profile`` adds torch
+profiler tables of 10 more steps per worker."""
 
 from __future__ import annotations
 

@@ -13,10 +13,15 @@ import torch.distributed as dist
 from actors.wire import SocketMesh
 
 
+def _stores():
+    """A rendezvous store and a second client of it: one each, as in two processes."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    return master, dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+
+
 def _pair(timeout_s: float = 20.0):
     """(attention rank 0's mesh, expert rank 1's mesh), made concurrently as the two actors make them."""
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
-    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+    master, client = _stores()
     with ThreadPoolExecutor(2) as pool:  # one store client each, as in two processes
         futs = [pool.submit(SocketMesh, store, r, 1, 2, "127.0.0.1", timeout_s) for r, store in ((0, master), (1, client))]
         return tuple(f.result(timeout=30) for f in futs)
@@ -116,7 +121,7 @@ def test_an_unknown_transport_is_refused_by_name():
     with pytest.raises(ValueError, match="engine setting 'transport' must be auto or group, got 'tcp'"):
         EngineConfig(model="m", transport="tcp")
     with pytest.raises(ValueError, match="exchange transport must be one of auto, group, got 'tcp'"):
-        join_group(GroupInfo(0, "127.0.0.1", 1, transport="tcp"), 0, 2)
+        join_group(GroupInfo(0, "127.0.0.1", 1, transport="tcp"), 0, 2, num_attention=1)
     with pytest.raises(ValueError, match="transport"):
         ServeConfig.parse({"transport": "tcp"})
     assert ServeConfig.parse({}).engine_config("m").transport == "auto"
@@ -138,8 +143,7 @@ def test_stray_connections_during_setup_are_ignored():
     take an attention rank's place: the real one still connects and the link works."""
     import socket
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
-    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+    master, client = _stores()
     with ThreadPoolExecutor(1) as pool:
         expert = pool.submit(SocketMesh, client, 1, 1, 2, "127.0.0.1", 10.0)
         host, port = master.get("moeray/wire/1").decode().rsplit(":", 1)
