@@ -32,11 +32,12 @@ def test_readme_quick_start_serves_and_stops(tmp_path):
                           timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the README's curl samples (OpenAI's default temperature 1, no seed): 16 tokens ending by length,
-    # or fewer when the model's stop token was drawn — the one CI run that drew it had asserted 16
+    # or 1 to 16 ending by stop when the model's stop token was drawn (one CI run drew it as the 5th
+    # token, another as the 16th: it counts among the 16, and the finish reason is then stop)
     body = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index('{"id"'):])[0]
     assert body["object"] == "text_completion", proc.stdout
     n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
-    assert (n, finish) == (16, "length") or (1 <= n < 16 and finish == "stop"), proc.stdout
+    assert (n, finish) == (16, "length") or (1 <= n <= 16 and finish == "stop"), proc.stdout
     assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
     assert "stopped moeray" in proc.stderr
     assert not (tmp_path / "up.json").exists()
