@@ -24,6 +24,7 @@ from model.moe import COMBINE, Dispatch
 from model.sampling import draw_seed, sample, top_logprobs
 
 from .device import choose_device
+from .channel import ServesSteps
 from .group import exchange_device, join_group, leave_group, open_store
 from .dispatch import DistDispatcher
 from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult,
@@ -31,7 +32,7 @@ from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk,
 from .progress import LoadProgress
 
 
-class AttentionWorker:
+class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto"):
@@ -72,14 +73,16 @@ class AttentionWorker:
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group and join the epoch's as attention rank ``index``, dispatching
         by the epoch's table. The cache and KDA state are untouched."""
-        leave_group()
-        self.index, self.name, self.table = index, f"attention[{index}]", table
-        store = self._store if index == 0 and self._store is not None and self._store.port == info.port else None
-        join_group(info, index, table.world_size, store, num_attention=table.num_attention)
-        self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
-                                         self.cfg.num_experts_per_tok, self.exchange, device=exchange_device(info, self.device))
+        with self.busy:  # never beside a step (a step runs on the step channel's thread)
+            leave_group()
+            self.index, self.name, self.table = index, f"attention[{index}]", table
+            store = self._store if index == 0 and self._store is not None and self._store.port == info.port else None
+            join_group(info, index, table.world_size, store, num_attention=table.num_attention)
+            self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
+                                             self.cfg.num_experts_per_tok, self.exchange, device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:
+        self.close_channel()
         leave_group()
 
     # ---- data plane ----------------------------------------------------------------------

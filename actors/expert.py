@@ -3,7 +3,7 @@ placement table assigns them — a contiguous shard, or any set with replicas of
 
 Owns: those experts' weights, read lazily from the checkpoint (only their bytes), and the weights
 staged for the next epoch. Never: holds attention, caches or any per-sequence state (stateless
-across steps: it can be restarted or moved and only reloads weights), or takes Ray calls per layer
+across steps: it can be restarted or moved and only reloads weights), or takes calls per layer
 — one ``step`` call serves every MoE layer's exchange through the epoch's process group.
 
 An epoch change comes in two calls: :meth:`prepare` (in the actor's ``control`` concurrency group,
@@ -24,13 +24,14 @@ from model.loader import load_routed_experts, parse_dtype
 from model.moe import ExpertThreads, RoutedExperts, attach_threads, gather_experts
 
 from .device import Placement, choose_device
+from .channel import ServesSteps
 from .group import exchange_device, join_group, leave_group
 from .dispatch import ExpertExchange
 from .messages import ExpertStep, ExpertStepResult, GroupInfo, PlacementTable, refuse_ahead
 from .progress import LoadProgress
 
 
-class ExpertWorker:
+class ExpertWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, dtype: str = "float32",
                  threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS,
                  exchange: str = "auto", expert_threads: int = 1):
@@ -107,18 +108,20 @@ class ExpertWorker:
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group, hold the new slots, join the epoch's group."""
-        leave_group()
-        if table.experts_of(index) != self.held():
-            if self.staged is None or self.staged[:2] != (table.epoch, index):
-                self.prepare(table, index)
-            self.experts = self._run_on_threads(self.staged[2])
-        self.staged = None
-        self.index, self.name, self.table = index, f"expert[{index}]", table
-        join_group(info, table.num_attention + index, table.world_size, num_attention=table.num_attention)
-        self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok, self.mode,
-                                       device=exchange_device(info, self.device))
+        with self.busy:  # never beside a step (a step runs on the step channel's thread)
+            leave_group()
+            if table.experts_of(index) != self.held():
+                if self.staged is None or self.staged[:2] != (table.epoch, index):
+                    self.prepare(table, index)
+                self.experts = self._run_on_threads(self.staged[2])
+            self.staged = None
+            self.index, self.name, self.table = index, f"expert[{index}]", table
+            join_group(info, table.num_attention + index, table.world_size, num_attention=table.num_attention)
+            self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok, self.mode,
+                                           device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:
+        self.close_channel()
         leave_group()
 
     def _run_on_threads(self, experts: dict[int, RoutedExperts]) -> dict[int, RoutedExperts]:

@@ -49,7 +49,7 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     if info.backend == "gloo" and info.transport == "auto":
         try:
-            _mesh = SocketMesh(store, rank, num_attention, world_size, _node_ip(info.address), info.timeout_s,
+            _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
                                prefix=f"moeray/wire/{info.epoch}")
         except BaseException:
             dist.destroy_process_group()
@@ -61,9 +61,9 @@ def current_mesh() -> SocketMesh | None:
     return _mesh
 
 
-def _node_ip(toward: str) -> str:
-    """Where this process's expert-exchange socket listens: its Ray node's address, else this host's
-    address on the route to the group's rank 0."""
+def node_ip(toward: str = "127.0.0.1") -> str:
+    """Where this process's sockets (expert exchange, step channel) listen: its Ray node's address,
+    else this host's address on the route to ``toward`` (the group's rank 0)."""
     try:
         import ray
 

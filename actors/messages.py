@@ -1,5 +1,6 @@
 """What crosses actor boundaries. Every message is a frozen dataclass of plain Python values (and
-a step result's two count arrays): one Ray call per actor per step carries one of these; per-layer traffic never
+a step result's two count arrays): once per actor per step the engine sends one of these over the actor's
+step channel (:mod:`actors.channel`) and gets one back; per-layer traffic never
 does — it moves through the process group (see :mod:`actors.dispatch`)."""
 
 from __future__ import annotations

@@ -57,9 +57,9 @@ class _Queued:
 
     def wait(self) -> None:
         if not self.done.wait(self.link.timeout_s):
-            raise TimeoutError(f"a send to rank {self.link.peer} did not leave within {self.link.timeout_s:g} s")
+            raise TimeoutError(f"a send to {self.link.label} did not leave within {self.link.timeout_s:g} s")
         if self.error is not None:
-            raise ConnectionError(f"sending to rank {self.link.peer}: {self.error}") from self.error
+            raise ConnectionError(f"sending to {self.link.label}: {self.error}") from self.error
 
 
 class _Recv:
@@ -73,15 +73,16 @@ class _Recv:
 
 
 class Link:
-    """One connected socket to ``peer``."""
+    """One connected socket to ``peer`` (named ``label`` in errors: "rank 3", "expert[1]")."""
 
-    def __init__(self, sock: socket.socket, peer: int, timeout_s: float):
+    def __init__(self, sock: socket.socket, peer: int | str, timeout_s: float, label: str | None = None):
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
+        self.label = label or f"rank {peer}"
         self.posted: collections.deque[_Recv] = collections.deque()
         self.queue: collections.deque[_Queued] = collections.deque()
         self.cv = threading.Condition()
@@ -91,7 +92,11 @@ class Link:
 
     # ---- sending ------------------------------------------------------------------------
     def send(self, call: int, t: torch.Tensor):
-        parts = [memoryview(_HEADER.pack(call, t.numel() * t.element_size())), _bytes(t)]
+        return self.send_bytes(call, _bytes(t))
+
+    def send_bytes(self, call: int, data: bytes | memoryview):
+        """Send ``data`` as call ``call``; returns a work to wait for (never blocks on a full socket)."""
+        parts = [memoryview(_HEADER.pack(call, len(data))), memoryview(data)]
         with self.cv:
             if not self.queue:  # nothing ahead of it: try to write it whole, now, from this thread
                 try:
@@ -142,17 +147,31 @@ class Link:
         is broken: its stream position is unknown, so every later wait raises the same error (the
         engine regroups: a new epoch makes new links)."""
         if self.broken is not None:
-            raise ConnectionError(f"the link to rank {self.peer} failed earlier: {self.broken}")
+            raise ConnectionError(f"the link to {self.label} failed earlier: {self.broken}")
         try:
             while not want.done:
                 r = self.posted[0]
                 call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
                 if (call, size) != (r.call, len(r.view)):
-                    raise ConnectionError(f"rank {self.peer} sent call {call} of {size} bytes where call {r.call} "
+                    raise ConnectionError(f"{self.label} sent call {call} of {size} bytes where call {r.call} "
                                           f"of {len(r.view)} bytes was due (the two sides' exchanges differ)")
                 self._read(r.view)
                 r.done = True
                 self.posted.popleft()
+        except OSError as e:
+            self.broken = e
+            raise
+
+    def read_frame(self) -> tuple[int, bytearray]:
+        """The next whole message of unknown size, (call number, bytes), for links that carry no
+        posted receives (the engine's step channels); the socket's timeout applies to each read."""
+        if self.broken is not None:
+            raise ConnectionError(f"the link to {self.label} failed earlier: {self.broken}")
+        try:
+            call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
+            data = bytearray(size)
+            self._read(memoryview(data))
+            return call, data
         except OSError as e:
             self.broken = e
             raise
@@ -163,9 +182,9 @@ class Link:
             try:
                 k = self.sock.recv_into(view[got:], n - got)
             except BlockingIOError:  # SO_RCVTIMEO ran out
-                raise TimeoutError(f"rank {self.peer} sent nothing for {self.timeout_s:g} s") from None
+                raise TimeoutError(f"{self.label} sent nothing for {self.timeout_s:g} s") from None
             if k == 0:
-                raise ConnectionError(f"rank {self.peer} closed its connection")
+                raise ConnectionError(f"{self.label} closed its connection")
             got += k
         return view
 

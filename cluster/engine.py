@@ -1,5 +1,5 @@
 """The engine: one per model deployment. Turns a :class:`ClusterSpec` into running actors, then
-runs the step loop — scheduler plan → one Ray call per actor → sampled tokens → stop checks.
+runs the step loop — scheduler plan → one message per actor (its step channel) → sampled tokens → stop checks.
 
 Owns: the scheduler, per-request state, the step statistics and the epoch change in progress;
 its actors through one seam, :class:`~cluster.workers.WorkerGroup`. It is the only component the

@@ -111,7 +111,7 @@ class EngineStats:
         a = max(attn, key=lambda r: r.forward_s + r.sample_s)
         parts = {"step": step_s, "attention_compute": a.forward_s - a.exchange_s, "attention_wait": a.combine_s,
                  "attention_post": a.dispatch_s, "sample": a.sample_s, "attention_cpu": a.cpu_s,
-                 "ray_round_trip": step_s - a.forward_s - a.sample_s}
+                 "round_trip": step_s - a.forward_s - a.sample_s}
         if expert:
             n = len(expert)
             parts |= {"expert_compute": sum(r.compute_s for r in expert) / n,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.channel import TOKEN_BYTES, ChannelClosed, StepChannel, StepError
 from actors.group import NCCL_ENV
 from actors.messages import ExpertStep, GroupInfo, PlacementTable, StepRequest
 from actors.remote import RemoteAttention, RemoteExpert, RemoteRouter
@@ -78,10 +80,12 @@ class Home:
 
 @dataclass
 class Member:
-    """One actor of the group and the bundle it sits in."""
+    """One actor of the group, the bundle it sits in, and its step channel (opened when it first
+    joins a process group)."""
 
     actor: Any  # a Ray ActorHandle
     home: Home
+    channel: StepChannel | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         for m in self.attention + self.experts + self.standby:
-            _kill(m.actor)
+            _retire(m)
         if self.router is not None:
             _kill(self.router)
         self.attention, self.experts, self.router, self.spare, self.standby = [], [], None, [], []
@@ -181,40 +185,39 @@ class WorkerGroup:
         return member.home.reservation.node_ip_of(member.home.kind, member.home.index)
 
     # ---- the step --------------------------------------------------------------------------
-    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list:
-        """Send one step: one Ray call per actor; :meth:`collect` waits for it."""
-        refs = [m.actor.step.remote(r) for m, r in zip(self.attention, reqs)]
-        return refs + [m.actor.step.remote(expert_req) for m in self.experts]
+    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list[tuple[str, StepChannel]]:
+        """Send one step over every actor's step channel (:mod:`actors.channel`; no Ray call);
+        :meth:`collect` waits for it. Returns where it went: (actor name, channel) in rank order."""
+        members = self.attention + self.experts
+        for m, req in zip(members, list(reqs) + [expert_req] * len(self.experts)):
+            m.channel.send(expert_req.step, req)
+        return list(zip(_names(len(self.attention), len(self.experts)), (m.channel for m in members)))
 
-    def collect(self, step_no: int, refs: list) -> tuple[list, list]:
-        """The results of a launched step. Raises :class:`StepFailed` naming the dead (or stuck)
-        actors once every actor has answered or been given up on."""
-        try:
-            results = ray.get(refs, timeout=self.config.step_timeout_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-            raise self._failure(step_no, refs, e) from None
-        return results[: len(self.attention)], results[len(self.attention):]
-
-    def _failure(self, step_no: int, refs: list, first: Exception) -> StepFailed:
-        """Wait (bounded by the collective timeout) until every actor of the failed step answered:
-        an actor that died, or still has not answered, is to be replaced."""
-        names = _names(len(self.attention), len(self.experts))
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.collective_timeout_s + 5)
-        dead, causes = [], []
-        for name, ref in zip(names, refs):
+    def collect(self, step_no: int, sent: list[tuple[str, StepChannel]]) -> tuple[list, list]:
+        """The results of a launched step. Raises :class:`StepFailed` once every actor has answered
+        or been given up on, naming the dead (closed channel) and stuck (no answer) actors to
+        replace; the others only need a new process group. After the first failure the others
+        get the collective timeout more: a peer of a dead actor answers when its exchange times out."""
+        deadline = time.monotonic() + self.config.step_timeout_s
+        results, dead, causes = [], [], []
+        for name, channel in sent:
             try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.GetTimeoutError:
+                results.append(channel.recv(step_no, deadline))
+                continue
+            except StepError as e:
+                causes.append(f"{name}: {str(e).splitlines()[0]}")
+            except TimeoutError:
                 dead.append(name)
                 causes.append(f"{name} did not answer")
-            except ray.exceptions.RayActorError:
+            except ChannelClosed:
                 dead.append(name)
                 causes.append(f"{name} died")
-            except ray.exceptions.RayTaskError as e:
-                causes.append(f"{name}: {str(e.cause if e.cause is not None else e).splitlines()[0]}")
-        kinds = [("attention" if n.startswith("attention") else "expert", int(n.split("[")[1][:-1])) for n in dead]
-        detail = "; ".join(causes[:4]) or str(first).splitlines()[0]
-        return StepFailed(f"step {step_no} failed: {detail}", kinds)
+            deadline = max(deadline, time.monotonic() + self.config.collective_timeout_s + 5)
+        if causes:
+            kinds = [("attention" if n.startswith("attention") else "expert", int(n.split("[")[1][:-1]))
+                     for n in dead]
+            raise StepFailed(f"step {step_no} failed: {'; '.join(causes[:4])}", kinds)
+        return results[: len(self.attention)], results[len(self.attention):]
 
     def report(self, expert_tokens, steps: int) -> None:
         self.router.report.remote(expert_tokens, steps)  # fire and forget: off the hot path
@@ -281,7 +284,7 @@ class WorkerGroup:
             self.abort(t)
             raise
         for m in t.retired:
-            _kill(m.actor)
+            _retire(m)
             self.spare.append(m.home)
         self.attention, self.experts = t.attention, t.experts
         self.table = self._get(self.router.commit.remote(t.table.epoch), self.config.step_timeout_s, "publishing")
@@ -294,7 +297,7 @@ class WorkerGroup:
     def abort(self, t: Transition) -> None:
         """Undo a change that did not happen: kill the actors it made, free their bundles."""
         for m in t.attention[t.old.num_attention:] + t.experts[t.old.num_actors:]:
-            _kill(m.actor)
+            _retire(m)
             if m.home.reservation not in t.reservations:
                 self.spare.append(m.home)
         for res in t.reservations:
@@ -330,7 +333,7 @@ class WorkerGroup:
         try:
             for kind, i in dead:
                 members = attention if kind == "attention" else experts
-                _kill(members[i].actor)
+                _retire(members[i])
                 freed.append(members[i].home)
                 members[i] = self._take_standby(kind) or self._replacement(kind, members[i].home, table, i,
                                                                             reserve_timeout_s)
@@ -340,7 +343,7 @@ class WorkerGroup:
             regroup = time.monotonic() - t1
         except BaseException:
             for m in made:
-                _kill(m.actor)
+                _retire(m)
             self.router.abort.remote(table.epoch)
             raise
         self.attention, self.experts = attention, experts
@@ -366,7 +369,7 @@ class WorkerGroup:
             state = self._await_start(member, self.config.start_timeout_s)
             if state == "started":
                 return member
-            _kill(member.actor)
+            _retire(member)
             if state == "timeout":
                 raise NoCapacity(f"no node has room for a replacement {kind} actor: it did not start within "
                                  f"{self.config.start_timeout_s:.0f}s")
@@ -432,7 +435,7 @@ class WorkerGroup:
             self.standby.remove(member)
             if self._await_start(member, self.config.start_timeout_s) == "started":
                 return member
-            _kill(member.actor)
+            _retire(member)
         return None
 
     def _refill_standbys(self, timeout_s: float) -> None:
@@ -513,7 +516,26 @@ class WorkerGroup:
                          timeout_s=c.collective_timeout_s, transport=c.transport)
         refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
         refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
-        self._get(refs, self.load_timeout_s, what, names=_names(len(attention), len(experts)))
+        names = _names(len(attention), len(experts))
+        self._get(refs, self.load_timeout_s, what, names=names)
+        self._open_channels(attention + experts, names, what)
+
+    def _open_channels(self, members: list[Member], names: list[str], what: str) -> None:
+        """Connect a step channel to each member that has none yet (new actors, standbys taking a
+        dead one's place): the actor listens on its node, the token keeps anyone else out."""
+        for m, name in zip(members, names):
+            if m.channel is not None:
+                m.channel.name = m.channel.link.label = name  # its index may have changed with the epoch
+        fresh = [(m, n) for m, n in zip(members, names) if m.channel is None]
+        tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in fresh]
+        where = self._get([m.actor.open_channel.remote(t) for (m, _), t in zip(fresh, tokens)],
+                          self.config.step_timeout_s, f"{what}: opening step channels", names=[n for _, n in fresh])
+        for (m, name), address, token in zip(fresh, where, tokens):
+            try:
+                m.channel = StepChannel(name, tuple(address), token, self.config.step_timeout_s)
+            except OSError as e:
+                raise EngineError(f"{what}: cannot connect the step channel of {name} at "
+                                  f"{address[0]}:{address[1]}: {e}") from None
 
     def _get(self, refs, timeout: float, what: str, names: list[str] | None = None):
         try:
@@ -561,6 +583,14 @@ def _raylet_answers(node: dict, timeout_s: float = 1.0) -> bool:
 def _unreachable_nodes() -> frozenset[str]:
     """Nodes the GCS still lists alive whose raylet does not answer."""
     return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"] and not _raylet_answers(n))
+
+
+def _retire(member: Member) -> None:
+    """Close ``member``'s step channel and kill its actor."""
+    if member.channel is not None:
+        member.channel.close()
+        member.channel = None
+    _kill(member.actor)
 
 
 def _kill(actor) -> None:
