@@ -80,7 +80,7 @@ class Routing:
 
     def __init__(self, table: PlacementTable, device: torch.device | str = "cpu"):
         self.table, self.max_local = table, table.max_local
-        self.num_copies, self.where, self.single = {}, {}, {}
+        self.num_copies, self.where, self.single, self.identity = {}, {}, {}, set()
         for i, layer in enumerate(table.moe_layers):
             copies = table.copies(i)
             C = max(len(c) for c in copies)
@@ -91,6 +91,8 @@ class Routing:
             self.num_copies[layer] = torch.tensor([len(c) for c in copies], device=device)  # [E]
             if C == 1:  # no replicas: (expert actor, local slot) of each logical expert, for direct lookup
                 self.single[layer] = (where[:, 0, 0].contiguous().to(device), where[:, 0, 1].contiguous().to(device))
+                if table.num_actors == 1 and table.slots[i][0] == tuple(range(table.num_experts)):
+                    self.identity.add(layer)  # one actor holding every expert in order: local slot = expert
 
     def replicated(self, layer: int) -> bool:
         return layer not in self.single
@@ -255,19 +257,36 @@ class DistDispatcher(_Collectives):
         super().__init__(actor, table, top_k, mode, group, device)
         self.hidden, self.dtype = hidden, dtype
         self.routing = Routing(table, self.device)
-        n = len(table.moe_layers)
         self.layer_index = {layer: i for i, layer in enumerate(table.moe_layers)}
-        self.expert_tokens = torch.zeros(n, table.num_experts, dtype=torch.long, device=self.device)
-        self.slot_tokens = torch.zeros(n, table.num_actors * table.max_local, dtype=torch.long, device=self.device)
+        # the exchanges since the last take_stats: (MoE layer index, top-k ids, physical slot of each
+        # pair or None to look up); counted once per step, off the exchanges' path
+        self.routed: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        S = table.num_actors * table.max_local
+        self.slot_of = {layer: a * table.max_local + l for layer, (a, l) in self.routing.single.items()}  # [E]
+        self.zero_stats = (torch.zeros(len(self.layer_index), table.num_experts, dtype=torch.long),
+                           torch.zeros(len(self.layer_index), S, dtype=torch.long))
 
     def begin_step(self, step: int) -> None:
         self.reset_timers(step)
+        self.routed = []
 
     def take_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pair counts since the last call: [MoE layers, experts] and [MoE layers, expert actors, local slots]."""
-        out = (self.expert_tokens, self.slot_tokens.view(len(self.layer_index), self.num_experts, -1))
-        self.expert_tokens, self.slot_tokens = torch.zeros_like(self.expert_tokens), torch.zeros_like(self.slot_tokens)
-        return out[0].cpu(), out[1].cpu()
+        """Pair counts of this step's exchanges, on the host: [MoE layers, experts] and [MoE layers, expert
+        actors, local slots] (a replicated expert's copies apart)."""
+        routed, self.routed = self.routed, []
+        L, E = len(self.layer_index), self.table.num_experts
+        S = self.num_experts * self.table.max_local
+        if not routed:
+            expert, slot = (z.clone() for z in self.zero_stats)
+        else:
+            layers = torch.repeat_interleave(torch.tensor([i for i, _, _ in routed], device=self.device),
+                                             torch.tensor([idx.numel() for _, idx, _ in routed], device=self.device))
+            ids = torch.cat([idx.reshape(-1) for _, idx, _ in routed])
+            slots = torch.cat([self.slot_of[self.table.moe_layers[i]][idx.reshape(-1)] if s is None else s
+                               for i, idx, s in routed])
+            expert = torch.bincount(layers * E + ids, minlength=L * E).view(L, E).cpu()
+            slot = torch.bincount(layers * S + slots, minlength=L * S).view(L, S).cpu()
+        return expert, slot.view(L, self.num_experts, -1)
 
     def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         return self.collect(self.issue(layer, x, topk_idx, topk_w))
@@ -282,15 +301,19 @@ class DistDispatcher(_Collectives):
         """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
         i, dev = self.layer_index[layer], self.device
         idx = topk_idx.to(dev)
-        if self.mode == "dense":  # posted first: the statistics below overlap the expert actors' work
+        if self.mode == "dense":
             pending = self._issue_dense(layer, x, idx, topk_w)
-            actor, local = self.routing.assign(layer, idx)
+            slots = None if layer in self.slot_of else self._slots(layer, idx)
         else:
             actor, local = self.routing.assign(layer, idx)
             pending = self._issue_sparse(layer, x, idx, topk_w, actor, local)
-        self.expert_tokens[i] += torch.bincount(idx.reshape(-1), minlength=self.table.num_experts)
-        self.slot_tokens[i] += torch.bincount(actor * self.table.max_local + local, minlength=self.slot_tokens.shape[1])
+            slots = actor * self.table.max_local + local
+        self.routed.append((i, idx, slots))
         return pending
+
+    def _slots(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        actor, local = self.routing.assign(layer, idx)
+        return actor * self.table.max_local + local
 
     def _issue_dense(self, layer, x, idx, w) -> Pending:
         T, A, E, dev = x.shape[0], self.num_attention, self.num_experts, self.device
@@ -347,6 +370,14 @@ class ExpertExchange(_Collectives):
         self.index = index  # this expert actor's index in the table
         self.routing = Routing(table, self.device)
         self.sending: tuple | None = None  # the last combine, still in flight: (layer, work, tensors)
+        self._tok: dict[int, torch.Tensor] = {}
+
+    def _pair_tokens(self, tokens: int, k: int) -> torch.Tensor:
+        """The token of each of ``tokens`` × k pairs in batch order (cached per size)."""
+        tok = self._tok.get(tokens)
+        if tok is None:
+            tok = self._tok[tokens] = torch.arange(tokens * k, device=self.device) // k
+        return tok
 
     def drain(self) -> None:
         """Wait for the last combine to leave (before the next exchange, and at the end of a step)."""
@@ -379,16 +410,19 @@ class ExpertExchange(_Collectives):
         x, idx, w = _view(rows[:, :hb], dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
             _view(rows[:, hb + 4 * k:], torch.float32)  # views of the packed rows where strides allow
         flat = idx.long().reshape(-1)
-        if self.routing.replicated(layer):
-            sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
-            actor, local = self.routing.assign(layer, flat, sender, A)
+        if layer in self.routing.identity:  # one actor holding every expert in order: local slot = expert
+            tok, local, wm = self._pair_tokens(N, k), flat, w.reshape(-1)
         else:
-            actor, local = self.routing.assign(layer, flat)
-        if self.num_experts == 1 and not self.routing.replicated(layer):  # every pair is this actor's
-            tok, local, wm = torch.arange(N * k, device=dev) // k, local, w.reshape(-1)
-        else:
-            mine = (actor == self.index).nonzero().squeeze(1)
-            tok, local, wm = mine // k, local[mine], w.reshape(-1)[mine]
+            if self.routing.replicated(layer):
+                sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
+                actor, local = self.routing.assign(layer, flat, sender, A)
+            else:
+                actor, local = self.routing.assign(layer, flat)
+            if self.num_experts == 1 and not self.routing.replicated(layer):  # every pair is this actor's
+                tok, wm = self._pair_tokens(N, k), w.reshape(-1)
+            else:
+                mine = (actor == self.index).nonzero().squeeze(1)
+                tok, local, wm = mine // k, local[mine], w.reshape(-1)[mine]
         edev = experts.device  # the exchange may be staged in host memory (gloo)
         y = experts.grouped(x[tok].to(edev), local.to(edev)).to(dev, torch.float32) * wm[:, None]
         partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)

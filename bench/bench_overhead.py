@@ -180,9 +180,12 @@ class Served:
 def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int,
                      transport: str, q):
     """Rank 0 is an attention rank, rank 1 an expert actor holding every expert. Times one MoE
-    layer's exchange over ``transport`` (minus the expert's compute, which the expert reports) and the
-    bare floors of the same bytes out and back: gloo's all_to_all_single, one gloo send and receive
-    each way, and (transport auto) one send and receive each way over the direct sockets alone."""
+    layer's exchange over ``transport`` twice: with the expert's GEMMs run and their time taken out
+    (which still leaves what they do to the caches: 12.6 MB of weights stream through them between
+    the dispatch and the combine), and with identity experts (each row its own result: the exchange
+    alone, as the floors run). Then the bare floors of the same bytes out and back: gloo's
+    all_to_all_single, one gloo send and receive each way, and (transport auto) one send and
+    receive each way over the direct sockets alone."""
     import torch.distributed as dist
 
     from actors.dispatch import DistDispatcher, ExpertExchange
@@ -216,15 +219,27 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
             return y
 
         shard.grouped = timed
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def run() -> None:
         if rank == 0:
             d.exchange(1, x, idx, w)
         else:
             ex.serve(1, shard, hidden, torch.float32, (tokens,))
             ex.drain()
+
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
         times.append(time.perf_counter() - t0)
+    alone = []  # identity experts: no GEMM, no weights through the caches
+    if rank == 1:
+        shard.grouped = lambda xs, local: xs
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        alone.append(time.perf_counter() - t0)
     if mode == "dense":
         out_rows, back_rows, width = tokens, tokens, hidden + 2 * k
     else:
@@ -266,13 +281,14 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
     if rank == 1:
         q.put(("expert", spent))
     else:
-        q.put(("attention", times, floor, p2p, wire))
+        q.put(("attention", times, floor, p2p, wire, alone))
     leave_group()
 
 
 def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str, iters: int = 200,
                       transport: str = "auto") -> dict:
-    """Median ms of one MoE layer's exchange (the expert's compute taken out) and of the floors."""
+    """Median ms of one MoE layer's exchange (identity experts; and with the GEMMs run and their time
+    taken out) and of the floors."""
     import multiprocessing as mp
     import socket
 
@@ -288,13 +304,15 @@ def exchange_vs_floor(tokens: int, hidden: int, k: int, experts: int, mode: str,
     got = dict((m[0], m[1:]) for m in (q.get(timeout=600), q.get(timeout=600)))
     for p in procs:
         p.join(60)
-    times, floor, p2p, wire = got["attention"]
+    times, floor, p2p, wire, alone = got["attention"]
     (spent,) = got["expert"]
     net = [t - c for t, c in zip(times, spent)]
-    return {"mode": mode, "transport": transport, "tokens": tokens, "exchange_ms": 1000 * statistics.median(net),
+    return {"mode": mode, "transport": transport, "tokens": tokens, "exchange_ms": 1000 * statistics.median(alone),
+            "with_gemms_ms": 1000 * statistics.median(net),
             "floor_ms": 1000 * statistics.median(floor), "p2p_floor_ms": 1000 * statistics.median(p2p),
             "wire_floor_ms": 1000 * statistics.median(wire) if wire else None,
-            "ratio": statistics.median(net) / statistics.median(floor)}
+            "ratio": statistics.median(alone) / statistics.median(floor),
+            "with_gemms_ratio": statistics.median(net) / statistics.median(floor)}
 
 
 def level_ms(parts: list) -> dict:
@@ -389,13 +407,16 @@ def main() -> None:
         print(f"{'component':32}" + "".join(f"{f'{m}, {n} str':>22}" for m, n in breakdowns))
         for k in keys:
             print(f"{k:32}" + "".join(f"{b.get(k, float('nan')):>22.3f}" for b in breakdowns.values()))
-    print("\none MoE layer's exchange (1 attention, 1 expert actor; the expert's compute taken out) vs the floor: "
-          "gloo's all_to_all_single of the same bytes out and back (and, for reference, one gloo send + one recv "
-          "each way, and one over the direct sockets alone); transport auto: the direct sockets, group: gloo's sends")
+    print("\none MoE layer's exchange (1 attention, 1 expert actor; identity experts, as the floors run no compute; "
+          "then with the experts' GEMMs run and their time taken out, which leaves their effect on the caches) vs "
+          "the floor: gloo's all_to_all_single of the same bytes out and back (and, for reference, one gloo send + "
+          "one recv each way, and one over the direct sockets alone); transport auto: the direct sockets, group: "
+          "gloo's sends")
     for e in exchanges:
         wire = f", sockets floor {e['wire_floor_ms']:.3f} ms" if e["wire_floor_ms"] is not None else ""
         print(f"  {e['mode']:6} {e['tokens']:>3} tokens, {e['transport']:5}: {e['exchange_ms']:.3f} ms vs floor "
-              f"{e['floor_ms']:.3f} ms = {e['ratio']:.2f}x  (gloo send/recv floor {e['p2p_floor_ms']:.3f} ms{wire})")
+              f"{e['floor_ms']:.3f} ms = {e['ratio']:.2f}x; with the GEMMs run {e['with_gemms_ms']:.3f} ms = "
+              f"{e['with_gemms_ratio']:.2f}x  (gloo send/recv floor {e['p2p_floor_ms']:.3f} ms{wire})")
     print(json.dumps({"rates": rows, "breakdown_ms": {f"{m}/{n}": b for (m, n), b in breakdowns.items()},
                       "exchange": exchanges}))
 
