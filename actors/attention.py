@@ -79,7 +79,8 @@ class AttentionWorker(ServesSteps):
             store = self._store if index == 0 and self._store is not None and self._store.port == info.port else None
             join_group(info, index, table.world_size, store, num_attention=table.num_attention)
             self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
-                                             self.cfg.num_experts_per_tok, self.exchange, device=exchange_device(info, self.device))
+                                             self.cfg.num_experts_per_tok, self.exchange,
+                                             device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:
         self.close_channel()

@@ -21,6 +21,19 @@ def _soon(seconds: float = 10.0) -> float:
     return time.monotonic() + seconds
 
 
+def _held() -> tuple[threading.Event, StepServer, StepChannel]:
+    """A server whose steps wait until the returned gate opens (at most 10 s), with step 1 sent."""
+    gate = threading.Event()
+
+    def handler(req):
+        gate.wait(10)
+        return req
+
+    server, ch = _open(handler)
+    ch.send(1, "x")
+    return gate, server, ch
+
+
 def test_requests_are_served_in_order_and_answers_match_their_steps():
     seen = []
 
@@ -90,15 +103,8 @@ def test_answers_to_steps_given_up_on_are_skipped():
 
 
 def test_a_closed_actor_end_raises_at_once_not_at_the_deadline():
-    gate = threading.Event()
-
-    def handler(req):
-        gate.wait(10)
-        return req
-
-    server, ch = _open(handler)
+    gate, server, ch = _held()
     try:
-        ch.send(1, "x")
         threading.Timer(0.3, server.close).start()  # the actor's end goes away while the step runs
         t0 = time.monotonic()
         with pytest.raises(ChannelClosed, match=r"actor\[0\] closed its step channel"):
@@ -113,15 +119,8 @@ def test_a_closed_actor_end_raises_at_once_not_at_the_deadline():
 
 
 def test_a_silent_actor_times_out_at_the_deadline():
-    gate = threading.Event()
-
-    def handler(req):
-        gate.wait(10)
-        return req
-
-    server, ch = _open(handler)
+    gate, server, ch = _held()
     try:
-        ch.send(1, "x")
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"actor\[0\] did not answer step 1"):
             ch.recv(1, time.monotonic() + 1.0)
