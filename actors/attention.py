@@ -36,6 +36,7 @@ class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto"):
+        super().__init__()
         if threads:
             torch.set_num_threads(threads)
         self.index, self.name = index, "attention[standby]" if index is None else f"attention[{index}]"

@@ -21,7 +21,6 @@ gRPC and the core worker's threads), against 0.2 ms and 0.3 ms over these socket
 from __future__ import annotations
 
 import pickle
-import select
 import socket
 import struct
 import sys
@@ -30,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .wire import Link
+from .wire import Link, readable
 
 _HELLO, _MAGIC = struct.Struct("<8s16s"), b"moeray-s"  # a connection's first bytes: magic, the engine's token
 TOKEN_BYTES = 16
@@ -52,10 +51,10 @@ class StepServer:
     """Actor side of one step channel: serves ``handler(request) -> result`` on its own thread."""
 
     def __init__(self, host: str, token: bytes, handler: Callable[[Any], Any], name: str,
-                 accept_timeout_s: float = 300.0, read_timeout_s: float = 60.0):
+                 accept_timeout_s: float = 300.0):
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"a step channel token is {TOKEN_BYTES} bytes, got {len(token)}")
-        self.token, self.handler, self.name, self.read_timeout_s = token, handler, name, read_timeout_s
+        self.token, self.handler, self.name = token, handler, name
         self.listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address: tuple[str, int] = (host, self.listener.getsockname()[1])
         self.link: Link | None = None
@@ -71,7 +70,7 @@ class StepServer:
             self.listener.close()
         while self.link is not None and not self.closed:
             try:
-                select.select([self.link.sock], [], [])  # idle until the engine's next request
+                readable(self.link.sock, None)  # idle until the engine's next request
                 step, data = self.link.read_frame()
             except (OSError, ValueError):  # the engine closed the channel (or it was closed here)
                 break
@@ -91,7 +90,7 @@ class StepServer:
         while not self.closed:
             left = self._deadline - time.monotonic()
             try:
-                if left <= 0 or not select.select([self.listener], [], [], left)[0]:
+                if left <= 0 or not readable(self.listener, left):
                     print(f"{self.name}: the engine did not open its step channel", file=sys.stderr)
                     return None
                 sock, _ = self.listener.accept()
@@ -104,7 +103,10 @@ class StepServer:
                 hello = b""
             if len(hello) == _HELLO.size and _HELLO.unpack(hello) == (_MAGIC, self.token):
                 sock.settimeout(None)
-                return Link(sock, "engine", self.read_timeout_s, label="the engine")
+                # no timeouts this side: it idles between steps for as long as the engine likes, and an
+                # answer may wait in the socket while the engine reads a stuck peer's (it closes if the
+                # engine goes)
+                return Link(sock, "engine", None, label="the engine")
             sock.close()  # not the engine: ignored
         return None
 
@@ -119,9 +121,10 @@ class StepServer:
 class StepChannel:
     """Engine side of one actor's step channel (``name``: the actor, for errors)."""
 
-    def __init__(self, name: str, address: tuple[str, int], token: bytes, timeout_s: float):
+    def __init__(self, name: str, address: tuple[str, int], token: bytes, timeout_s: float,
+                 connect_timeout_s: float | None = None):
         self.name = name
-        sock = socket.create_connection(address, timeout=timeout_s)
+        sock = socket.create_connection(address, timeout=connect_timeout_s or timeout_s)
         try:
             sock.sendall(_HELLO.pack(_MAGIC, token))
             sock.settimeout(None)
@@ -141,19 +144,25 @@ class StepChannel:
         except OSError as e:
             self.failed = e
 
-    def recv(self, step: int, deadline: float) -> Any:
+    def recv(self, step: int, deadline: float, alive: Callable[[], bool] | None = None,
+             check_every_s: float = 2.0) -> Any:
         """The answer to step ``step`` (earlier steps' answers are skipped). Raises StepError when the
         actor answered with an error, TimeoutError when no answer came by ``deadline`` (monotonic),
-        ChannelClosed when the actor's end is gone."""
+        ChannelClosed when the actor's end is gone — or, every ``check_every_s`` without an answer,
+        when ``alive()`` says the actor is (its node lost: no connection closes then)."""
         if self.failed is not None:
             raise ChannelClosed(f"{self.name} closed its step channel ({self.failed})")
         while True:
             left = deadline - time.monotonic()
             try:
-                if not select.select([self.link.sock], [], [], max(left, 0.0))[0]:
-                    raise TimeoutError(f"{self.name} did not answer step {step}")
+                if not readable(self.link.sock, min(max(left, 0.0), check_every_s)):
+                    if left <= check_every_s:
+                        raise TimeoutError(f"{self.name} did not answer step {step}")
+                    if alive is not None and not alive():
+                        raise ChannelClosed(f"{self.name} is gone (its node stopped answering)")
+                    continue
                 call, data = self.link.read_frame()
-            except TimeoutError:
+            except (TimeoutError, ChannelClosed):
                 raise
             except (OSError, ValueError) as e:
                 self.failed = e if isinstance(e, OSError) else OSError(str(e))
@@ -188,13 +197,9 @@ class ServesSteps:
 
     name: str
     _channel: StepServer | None = None
-    _busy: threading.Lock | None = None
 
-    @property
-    def busy(self) -> threading.Lock:
-        if self._busy is None:
-            self._busy = threading.Lock()
-        return self._busy
+    def __init__(self):
+        self.busy = threading.Lock()
 
     def open_channel(self, token: bytes) -> tuple[str, int]:
         """Serve this actor's steps to the engine that holds ``token``: returns where it listens."""

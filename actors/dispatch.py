@@ -370,14 +370,14 @@ class ExpertExchange(_Collectives):
         self.index = index  # this expert actor's index in the table
         self.routing = Routing(table, self.device)
         self.sending: tuple | None = None  # the last combine, still in flight: (layer, work, tensors)
-        self._tok: dict[int, torch.Tensor] = {}
+        self._tok = torch.empty(0, dtype=torch.long, device=self.device)
 
     def _pair_tokens(self, tokens: int, k: int) -> torch.Tensor:
-        """The token of each of ``tokens`` × k pairs in batch order (cached per size)."""
-        tok = self._tok.get(tokens)
-        if tok is None:
-            tok = self._tok[tokens] = torch.arange(tokens * k, device=self.device) // k
-        return tok
+        """The token of each of ``tokens`` × k pairs in batch order (a prefix of one cached index,
+        regrown to the largest batch yet)."""
+        if self._tok.numel() < tokens * k:
+            self._tok = torch.arange(tokens * k, device=self.device) // k
+        return self._tok[: tokens * k]
 
     def drain(self) -> None:
         """Wait for the last combine to leave (before the next exchange, and at the end of a step)."""

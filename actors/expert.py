@@ -38,6 +38,7 @@ class ExpertWorker(ServesSteps):
         """``index`` None: a warm standby, holding no experts until :meth:`enter_epoch` gives it slots.
         ``expert_threads`` > 1: the dense experts' GEMMs on CPU run over that many threads
         (:class:`~model.moe.ExpertThreads`)."""
+        super().__init__()
         if threads:
             torch.set_num_threads(threads)
         self.path, self.index, self.table = model_path, index, table

@@ -31,6 +31,7 @@ import time
 import torch
 
 _HEADER = struct.Struct("<qq")  # call number, payload bytes
+MAX_FRAME = 1 << 31  # a message of unknown size (read_frame) above this is a broken stream, not data
 _HELLO, _MAGIC = struct.Struct("<8sq"), b"moeray-x"  # a new connection's first bytes: magic, attention rank
 
 
@@ -72,13 +73,23 @@ class _Recv:
         self.link.complete(self)
 
 
-class Link:
-    """One connected socket to ``peer`` (named ``label`` in errors: "rank 3", "expert[1]")."""
+def readable(sock: socket.socket, timeout_s: float | None) -> bool:
+    """``sock`` has data (or its end of file) within ``timeout_s`` (None: wait for ever). poll, not
+    select: select cannot watch descriptors above 1023, which a long-lived process reaches."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))))
 
-    def __init__(self, sock: socket.socket, peer: int | str, timeout_s: float, label: str | None = None):
+
+class Link:
+    """One connected socket to ``peer`` (named ``label`` in errors: "rank 3", "expert[1]"). Every
+    read and write has ``timeout_s`` (None: none, for a side that may wait for ever)."""
+
+    def __init__(self, sock: socket.socket, peer: int | str, timeout_s: float | None, label: str | None = None):
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+        t = timeout_s or 0  # 0: no timeout
+        tv = struct.pack("ll", int(t), int((t % 1) * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.sock, self.peer, self.timeout_s = sock, peer, timeout_s
@@ -88,7 +99,7 @@ class Link:
         self.cv = threading.Condition()
         self.sender: threading.Thread | None = None
         self.closed = False
-        self.broken: OSError | None = None  # the receive error that left the stream at an unknown point
+        self.broken: OSError | None = None  # the error that left the stream at an unknown point (either way)
 
     # ---- sending ------------------------------------------------------------------------
     def send(self, call: int, t: torch.Tensor):
@@ -98,6 +109,8 @@ class Link:
         """Send ``data`` as call ``call``; returns a work to wait for (never blocks on a full socket)."""
         parts = [memoryview(_HEADER.pack(call, len(data))), memoryview(data)]
         with self.cv:
+            if self.broken is not None:
+                raise ConnectionError(f"the link to {self.label} failed earlier: {self.broken}")
             if not self.queue:  # nothing ahead of it: try to write it whole, now, from this thread
                 try:
                     sent = self.sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
@@ -128,8 +141,18 @@ class Link:
             try:
                 for part in work.parts:
                     self.sock.sendall(part)
-            except OSError as e:
-                work.error = e
+            except OSError as e:  # part of a message may have left: the stream is unusable, for both ends
+                with self.cv:
+                    self.broken = self.broken or e
+                    failed, self.queue = list(self.queue), collections.deque()
+                for w in failed:
+                    w.error = e
+                    w.done.set()
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)  # the peer sees the link close, never half a message
+                except OSError:
+                    pass
+                return
             with self.cv:
                 self.queue.popleft()
             work.done.set()
@@ -169,6 +192,8 @@ class Link:
             raise ConnectionError(f"the link to {self.label} failed earlier: {self.broken}")
         try:
             call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
+            if not 0 <= size <= MAX_FRAME:
+                raise ConnectionError(f"{self.label} announced a message of {size} bytes (the stream is broken)")
             data = bytearray(size)
             self._read(memoryview(data))
             return call, data
@@ -232,7 +257,7 @@ class SocketMesh:
                     store.set(f"{prefix}/{rank}", f"{host}:{port}")
                     while len(self.links) < num_attention:
                         left = deadline - time.monotonic()
-                        if left <= 0 or not select.select([srv], [], [], left)[0]:
+                        if left <= 0 or not readable(srv, left):
                             raise TimeoutError(f"rank {rank}: {num_attention - len(self.links)} attention rank(s) "
                                                f"did not connect within {timeout_s:g} s")
                         sock, _ = srv.accept()

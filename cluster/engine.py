@@ -48,7 +48,7 @@ class Launched:
 
     step: int
     plan: object  # the scheduler's Plan
-    refs: list
+    sent: list  # where it went: (actor name, member), from WorkerGroup.launch
     t0: float
     table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
 
@@ -190,10 +190,10 @@ class Engine:
                        for m in range(len(micro[0])))
         self.stats.micro_batched_steps += len(tokens) > 1
         t1 = time.perf_counter()
-        refs = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens, ahead))
+        sent = self.workers.launch(reqs, ExpertStep(self.step_no, self.table.epoch, tokens, ahead))
         self.stats.add_time(schedule=t1 - t_plan, launch=time.perf_counter() - t1)
         self.stats.ahead_steps += ahead
-        return Launched(self.step_no, plan, refs, t1, self.table)
+        return Launched(self.step_no, plan, sent, t1, self.table)
 
     def launch_ahead(self, current: Launched | None) -> Launched | None:
         """Async scheduling: send the step after ``current`` before ``current``'s results are back,
@@ -258,7 +258,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         try:
-            attn, expert = self.workers.collect(launched.step, launched.refs)
+            attn, expert = self.workers.collect(launched.step, launched.sent)
         except StepFailed as failure:
             plans = [launched.plan]
             if self._ahead is not None:  # it read this step's samples: undone too (its actors refuse it)

@@ -185,24 +185,30 @@ class WorkerGroup:
         return member.home.reservation.node_ip_of(member.home.kind, member.home.index)
 
     # ---- the step --------------------------------------------------------------------------
-    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list[tuple[str, StepChannel]]:
+    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list[tuple[str, Member]]:
         """Send one step over every actor's step channel (:mod:`actors.channel`; no Ray call);
-        :meth:`collect` waits for it. Returns where it went: (actor name, channel) in rank order."""
+        :meth:`collect` waits for it. Returns where it went: (actor name, member) in rank order."""
+        assert len(reqs) == len(self.attention), f"{len(reqs)} step requests for {len(self.attention)} attention actors"
         members = self.attention + self.experts
         for m, req in zip(members, list(reqs) + [expert_req] * len(self.experts)):
-            m.channel.send(expert_req.step, req)
-        return list(zip(_names(len(self.attention), len(self.experts)), (m.channel for m in members)))
+            if m.channel is not None:  # None: an actor retired by a recovery that found no room (collect says so)
+                m.channel.send(expert_req.step, req)
+        return list(zip(_names(len(self.attention), len(self.experts)), members))
 
-    def collect(self, step_no: int, sent: list[tuple[str, StepChannel]]) -> tuple[list, list]:
+    def collect(self, step_no: int, sent: list[tuple[str, Member]]) -> tuple[list, list]:
         """The results of a launched step. Raises :class:`StepFailed` once every actor has answered
-        or been given up on, naming the dead (closed channel) and stuck (no answer) actors to
-        replace; the others only need a new process group. After the first failure the others
-        get the collective timeout more: a peer of a dead actor answers when its exchange times out."""
+        or been given up on, naming the dead (closed channel, node gone) and stuck (no answer)
+        actors to replace; the others only need a new process group. After the first failure the
+        others get until the collective timeout (and 5 s) from then: a peer of a dead actor answers
+        when its exchange times out."""
         deadline = time.monotonic() + self.config.step_timeout_s
+        grace = None
         results, dead, causes = [], [], []
-        for name, channel in sent:
+        for name, member in sent:
             try:
-                results.append(channel.recv(step_no, deadline))
+                if member.channel is None:
+                    raise ChannelClosed(f"{name} has no step channel")
+                results.append(member.channel.recv(step_no, deadline, alive=lambda m=member: _node_reachable(m.home)))
                 continue
             except StepError as e:
                 causes.append(f"{name}: {str(e).splitlines()[0]}")
@@ -212,7 +218,9 @@ class WorkerGroup:
             except ChannelClosed:
                 dead.append(name)
                 causes.append(f"{name} died")
-            deadline = max(deadline, time.monotonic() + self.config.collective_timeout_s + 5)
+            if grace is None:
+                grace = time.monotonic() + self.config.collective_timeout_s + 5
+                deadline = max(deadline, grace)
         if causes:
             kinds = [("attention" if n.startswith("attention") else "expert", int(n.split("[")[1][:-1]))
                      for n in dead]
@@ -531,8 +539,9 @@ class WorkerGroup:
         where = self._get([m.actor.open_channel.remote(t) for (m, _), t in zip(fresh, tokens)],
                           self.config.step_timeout_s, f"{what}: opening step channels", names=[n for _, n in fresh])
         for (m, name), address, token in zip(fresh, where, tokens):
-            try:
-                m.channel = StepChannel(name, tuple(address), token, self.config.step_timeout_s)
+            try:  # the actor listens already: a reachable one connects at once
+                m.channel = StepChannel(name, tuple(address), token, self.config.step_timeout_s,
+                                        connect_timeout_s=min(30.0, self.config.step_timeout_s))
             except OSError as e:
                 raise EngineError(f"{what}: cannot connect the step channel of {name} at "
                                   f"{address[0]}:{address[1]}: {e}") from None

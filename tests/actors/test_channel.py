@@ -131,6 +131,31 @@ def test_a_silent_actor_times_out_at_the_deadline():
         server.close()
 
 
+def test_a_lost_node_is_found_by_its_liveness_check_before_the_deadline():
+    """A node that stops answering closes no connection: the wait asks ``alive()`` every
+    ``check_every_s``, waits on while it says yes and gives the actor up as soon as it says no."""
+    gate, server, ch = _held()
+    asked = []
+
+    def alive():
+        asked.append(time.monotonic())
+        return len(asked) < 3  # the node is lost at the third check
+
+    try:
+        threading.Timer(0.5, gate.set).start()  # a live node's slow step is waited for
+        assert ch.recv(1, _soon(10), alive=lambda: True, check_every_s=0.05) == "x"
+        gate.clear()
+        ch.send(2, "y")
+        t0 = time.monotonic()
+        with pytest.raises(ChannelClosed, match=r"actor\[0\] is gone \(its node stopped answering\)"):
+            ch.recv(2, _soon(30), alive=alive, check_every_s=0.2)
+        assert len(asked) == 3 and time.monotonic() - t0 < 5
+    finally:
+        gate.set()
+        ch.close()
+        server.close()
+
+
 def test_connections_without_the_token_do_not_take_the_engines_place():
     server = StepServer("127.0.0.1", TOKEN, lambda req: ("served", req), "actor[0]")
     strays = [socket.create_connection(server.address, timeout=5) for _ in range(3)]

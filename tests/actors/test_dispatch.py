@@ -78,9 +78,16 @@ def _exchange_ok(rank, A, key, slots, exchange, q):
             got = d.exchange(layer, x, idx, w)
             ref = local.for_layer(layer)(x, idx, w)
             diffs.append(float((got - ref).abs().max()) if len(x) else 0.0)
-        experts, slots = d.take_stats()
-        n = sum(_inputs(rank, layer)[1].numel() for layer in (1, 2))
-        assert int(experts.sum()) == int(slots.sum()) == n
+        experts, per_slot = d.take_stats()  # this step's pair counts, per expert and per actor's slot
+        for layer in (1, 2):
+            li = table.layer_index(layer)
+            want = torch.bincount(_inputs(rank, layer)[1].reshape(-1), minlength=E)
+            assert torch.equal(experts[li], want), (layer, experts[li], want)
+            by_expert = torch.zeros(E, dtype=torch.long)  # each slot's count, back on the expert it holds
+            for j, ids in enumerate(table.slots[li]):
+                by_expert.index_add_(0, torch.tensor(ids, dtype=torch.long), per_slot[li, j, :len(ids)].long())
+                assert int(per_slot[li, j, len(ids):].sum()) == 0  # a padding slot holds nothing
+            assert torch.equal(by_expert, want), (layer, by_expert, want)
         for layer in (1, 2):  # ping-pong order: both micro-batches posted, then collected
             parts = [_micro(rank, layer, m) for m in (0, 1)]
             pending = [d.issue(layer, *p) for p in parts]

@@ -163,3 +163,20 @@ def test_stray_connections_during_setup_are_ignored():
             s.close()
         attention.close()
         e.close()
+
+
+def test_a_send_that_fails_midway_fails_its_wait_and_every_later_send():
+    """Part of a message may have left when a send fails: the stream is unusable, so its wait raises
+    and later sends are refused at once (the engine regroups), never written after half a message."""
+    a, e = _pair(timeout_s=5)
+    try:
+        e.close()  # the peer is gone; what it had not read is reset
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="sending to rank 1"):
+            for tag in range(1, 50):  # the first sends may still fit the kernel's buffers
+                a.send(torch.zeros(1 << 20), 1, tag=tag).wait()
+        assert time.monotonic() - t0 < 4  # not the 5 s timeout
+        with pytest.raises(ConnectionError, match="the link to rank 1 failed earlier"):
+            a.send(torch.zeros(4), 1, tag=99)
+    finally:
+        a.close()
