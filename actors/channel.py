@@ -29,6 +29,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from model.threads import adopt_torch_threads
+
 from .wire import Link, readable
 
 _HELLO, _MAGIC = struct.Struct("<8s16s"), b"moeray-s"  # a connection's first bytes: magic, the engine's token
@@ -64,6 +66,7 @@ class StepServer:
         self.thread.start()
 
     def _run(self) -> None:
+        adopt_torch_threads()  # the steps run here: with the actor's thread count, not one per core
         try:
             self.link = self._accept()
         finally:

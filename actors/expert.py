@@ -22,6 +22,7 @@ from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
 from model.loader import load_routed_experts, parse_dtype
 from model.moe import ExpertThreads, RoutedExperts, attach_threads, gather_experts
+from model.threads import adopt_torch_threads
 
 from .device import Placement, choose_device
 from .channel import ServesSteps
@@ -91,7 +92,9 @@ class ExpertWorker(ServesSteps):
 
     def prepare(self, table: PlacementTable, index: int) -> int:
         """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
-        checkpoint (the rest are reused from what this actor holds)."""
+        checkpoint (the rest are reused from what this actor holds). Runs on the control thread,
+        beside the steps."""
+        adopt_torch_threads()
         want = table.experts_of(index)
         held = self.held()
         missing = {layer: [e for e in ids if e not in held.get(layer, ())] for layer, ids in want.items()}

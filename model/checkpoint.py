@@ -43,6 +43,7 @@ from .names import (
 )
 from .qweights import QuantTensor
 from .quant import pack_int4, pack_mxfp4, quant_fp8_block
+from .threads import adopt_torch_threads
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -263,7 +264,7 @@ def read_checkpoint(
     order = sorted(plans, key=lambda n: (layout.weight_map[next(iter(plans[n].parts.values()))], n))
     total = sum(_stored_bytes(layout, s) for p in plans.values() for s in p.parts.values())
     result: dict[str, Tensor | QuantTensor] = {}
-    with _Files(layout) as files, ThreadPoolExecutor(threads) as pool, _progress_bar(progress) as bar:
+    with _Files(layout) as files, ThreadPoolExecutor(threads, initializer=adopt_torch_threads) as pool, _progress_bar(progress) as bar:
         def load(logical: str) -> tuple[str, Tensor | QuantTensor, int]:
             plan = plans[logical]
             parts = {sfx: files.read(s) for sfx, s in plan.parts.items()}

@@ -30,6 +30,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import GatedMLP, RMSNorm, glu_activation, silu_glu
+from .threads import adopt_torch_threads
 
 
 class RoutedFn(Protocol):
@@ -144,7 +145,7 @@ class ExpertThreads:
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:
             raise ValueError(f"expert threads must be an integer >= 2 (1: no pool), got {count!r}")
         self.count = count
-        self.pool = ThreadPoolExecutor(count - 1, thread_name_prefix="experts")
+        self.pool = ThreadPoolExecutor(count - 1, thread_name_prefix="experts", initializer=adopt_torch_threads)
 
     MIN_ROWS = 16  # per thread: below it the hand-off costs more than the second core gives (measured)
 
