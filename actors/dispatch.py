@@ -261,10 +261,7 @@ class DistDispatcher(_Collectives):
         # the exchanges since the last take_stats: (MoE layer index, top-k ids, physical slot of each
         # pair or None to look up); counted once per step, off the exchanges' path
         self.routed: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        S = table.num_actors * table.max_local
-        self.slot_of = {layer: a * table.max_local + l for layer, (a, l) in self.routing.single.items()}  # [E]
-        self.zero_stats = (torch.zeros(len(self.layer_index), table.num_experts, dtype=torch.long),
-                           torch.zeros(len(self.layer_index), S, dtype=torch.long))
+        self.slot_of = {layer: self._slot(a, l) for layer, (a, l) in self.routing.single.items()}  # [E]
 
     def begin_step(self, step: int) -> None:
         self.reset_timers(step)
@@ -277,7 +274,7 @@ class DistDispatcher(_Collectives):
         L, E = len(self.layer_index), self.table.num_experts
         S = self.num_experts * self.table.max_local
         if not routed:
-            expert, slot = (z.clone() for z in self.zero_stats)
+            expert, slot = torch.zeros(L, E, dtype=torch.long), torch.zeros(L, S, dtype=torch.long)
         else:
             layers = torch.repeat_interleave(torch.tensor([i for i, _, _ in routed], device=self.device),
                                              torch.tensor([idx.numel() for _, idx, _ in routed], device=self.device))
@@ -303,16 +300,16 @@ class DistDispatcher(_Collectives):
         idx = topk_idx.to(dev)
         if self.mode == "dense":
             pending = self._issue_dense(layer, x, idx, topk_w)
-            slots = None if layer in self.slot_of else self._slots(layer, idx)
+            slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
         else:
             actor, local = self.routing.assign(layer, idx)
             pending = self._issue_sparse(layer, x, idx, topk_w, actor, local)
-            slots = actor * self.table.max_local + local
+            slots = self._slot(actor, local)
         self.routed.append((i, idx, slots))
         return pending
 
-    def _slots(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
-        actor, local = self.routing.assign(layer, idx)
+    def _slot(self, actor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The physical slot (expert actor × its local slot) of each pair, as the statistics count them."""
         return actor * self.table.max_local + local
 
     def _issue_dense(self, layer, x, idx, w) -> Pending:

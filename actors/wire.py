@@ -73,6 +73,13 @@ class _Recv:
         self.link.complete(self)
 
 
+def _fail(works: list[_Queued], error: Exception) -> None:
+    """End queued sends that will never leave: their waits raise ``error``."""
+    for w in works:
+        w.error = error
+        w.done.set()
+
+
 def readable(sock: socket.socket, timeout_s: float | None) -> bool:
     """``sock`` has data (or its end of file) within ``timeout_s`` (None: wait for ever). poll, not
     select: select cannot watch descriptors above 1023, which a long-lived process reaches."""
@@ -133,9 +140,8 @@ class Link:
                 while not self.queue and not self.closed:
                     self.cv.wait()
                 if self.closed:
-                    for w in self.queue:
-                        w.error = ConnectionError("the exchange's sockets were closed")
-                        w.done.set()
+                    failed, self.queue = list(self.queue), collections.deque()
+                    _fail(failed, ConnectionError("the exchange's sockets were closed"))
                     return
                 work = self.queue[0]
             try:
@@ -145,9 +151,7 @@ class Link:
                 with self.cv:
                     self.broken = self.broken or e
                     failed, self.queue = list(self.queue), collections.deque()
-                for w in failed:
-                    w.error = e
-                    w.done.set()
+                _fail(failed, e)
                 try:
                     self.sock.shutdown(socket.SHUT_RDWR)  # the peer sees the link close, never half a message
                 except OSError:
