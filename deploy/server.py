@@ -86,6 +86,20 @@ def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = No
     raise ValueError(f"the server did not become healthy at {url} within {timeout_s:.0f}s")
 
 
+def start_proxy(host: str, port: int) -> None:
+    """Serve's HTTP proxy: one, on the head node, as deploy/serve_config.yaml has it (HeadOnly).
+
+    Serve's default (EveryNode) runs a proxy on every node that holds a replica. On a one-machine
+    cluster (Ray nodes on loopback aliases) those proxies all bind host:port with SO_REUSEPORT, so
+    the kernel hands each new connection to any of them; when a replica moves (a scale of the app, a
+    replica that died and came back elsewhere) the old node's proxy drains and is killed, and the
+    connections the kernel had just given it are cut before any response ("Server disconnected").
+    The engine is one replica anyway, so proxies on the workers would only add a hop."""
+    from ray import serve
+
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+
+
 def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address: str | None, status=None) -> None:
     """Start everything, print nothing but progress, block until SIGTERM/SIGINT, then stop it all."""
     from ray import serve
@@ -118,7 +132,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
             load_s = preflight_serve_config(cfg, root)  # refuse before anything is reserved
             _update(status, "building the model and the Serve application")
             app = build_app(cfg.model_dump())
-            serve.start(http_options={"host": cfg.host, "port": cfg.port})
+            start_proxy(cfg.host, cfg.port)
             _update(status, f"loading the model onto {spec.describe()}")
             try:
                 if not stop.is_set():

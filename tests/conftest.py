@@ -51,12 +51,13 @@ def idle_cluster(ray_cluster):
 @pytest.fixture(scope="session")
 def serve_port(ray_cluster):
     """Ray Serve's HTTP proxy on a free loopback port, started once for the session (a second
-    serve.start cannot move the proxy, and serve.shutdown() costs ~30 s each time). Modules deploy
-    their apps under their own names and delete them; the cluster's shutdown ends Serve."""
-    from ray import serve
+    serve.start cannot move the proxy, and serve.shutdown() costs ~30 s each time) as `moeray up`
+    starts it: one proxy, on the head node. Modules deploy their apps under their own names and
+    delete them; the cluster's shutdown ends Serve."""
+    from deploy.server import start_proxy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_proxy("127.0.0.1", port)
     return port

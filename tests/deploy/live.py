@@ -32,13 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deploy(port, path, name, *, serve_on_head=False, **shape):
-    """serve_on_head: the Serve replicas go to the first node (moeray_node_0), as an operator would pin
-    them; otherwise Serve places them (build_app as `serve deploy` does)."""
+def deploy(port, path, name, *, serve_on=None, **shape):
+    """serve_on: the index of the node the Serve replicas go to (moeray_node_<i>; 0 is the head), as
+    an operator would pin them; otherwise Serve places them (build_app as `serve deploy` does)."""
     cfg = ServeConfig(model=str(path), served_model_name=name, api_key=KEY, port=port, num_blocks=512,
                       max_num_seqs=16, max_tokens_per_step=128, **shape)
-    if serve_on_head:
-        raw, where = cfg.model_dump(), {"num_cpus": 0, "resources": {"moeray_node_0": 0.001}}
+    if serve_on is not None:
+        raw, where = cfg.model_dump(), {"num_cpus": 0, "resources": {f"moeray_node_{serve_on}": 0.001}}
         engine = EngineServer.options(ray_actor_options=where).bind(raw, str(path))
         app = Ingress.options(ray_actor_options=where).bind(engine, raw, str(path))
     else:

@@ -90,13 +90,23 @@ def _engine_actors():
                   if a["ActorClassName"] in ("AttentionWorker", "ExpertWorker", "Router"))
 
 
-def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port, tmp_path_factory):
+def _proxy_ips():
+    alive = ray._private.state.actors(actor_state_name="ALIVE").values()
+    return sorted(a["Address"]["IPAddress"] for a in alive if a["ActorClassName"] == "ProxyActor")
+
+
+def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port, ray_cluster, tmp_path_factory):
     """The streams cut by the kill ask for 400 tokens (they are surely still running when it comes);
-    the healed app's output is checked token for token on 40 (what it serves, not for how long)."""
+    the healed app's output is checked token for token on 40 (what it serves, not for how long).
+    The replicas are on a worker node, and the one HTTP proxy stays on the head throughout: a proxy
+    that followed the replica would be drained and killed with connections the kernel had given it
+    (every proxy of a one-machine cluster binds the same port)."""
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("eng") / "eng", seed=12, progress=False)
     expected = oracle_soon(path, _prompts(3), 40)
-    url = deploy(port, path, "eng", attention=1, experts=2)
+    url = deploy(port, path, "eng", serve_on=1, attention=1, experts=2)
     expected = expected.result()
+    head = [ray_cluster.node_ips[0]]
+    assert _proxy_ips() == head
     actors = _engine_actors()  # this app's, plus any other app's still on the session cluster
     assert len(_engine_pgs("eng")) == 1 and actors.count("ExpertWorker") >= 2
     pid = _status(url)["pid"]
@@ -112,6 +122,7 @@ def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port
         time.sleep(0.25)
     assert _status(url)["pid"] != pid
     assert finish(start_streams(url, "eng", _prompts(3), 40)) == expected
+    assert _proxy_ips() == head
     assert len(_engine_pgs("eng")) == 1  # the dead replica's reservation did not stay behind
     assert _engine_actors() == actors  # the dead replica's actors are gone, the new one's are there
     serve.delete("eng")
@@ -127,7 +138,7 @@ def test_no_capacity_answers_503_with_retry_after_and_heals_when_a_node_returns(
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("cap") / "cap", seed=13, progress=False)
     try:
         expected = oracle_soon(path, _prompts(2), 30)
-        url = deploy(port, path, "cap", serve_on_head=True, attention=1, experts=2, expert_nodes=[ip],
+        url = deploy(port, path, "cap", serve_on=0, attention=1, experts=2, expert_nodes=[ip],
                      attention_nodes=[ray_cluster.node_ips[0]])
         expected = expected.result()
         streams = start_streams(url, "cap", _prompts(2), 2000)
