@@ -32,34 +32,38 @@ def _prompts(n):
     return [[(i * 53 + j * 7) % 700 + 3 for j in range(4 + 3 * i)] for i in range(n)]
 
 
-N_TOKENS = 160
+# Long enough that every stream outlasts the changes made while it runs (asserted): measured on 2
+# cores, K2's 2 → 4 → 2 expert actors took 6 s and its 400-token streams 8 s; K3's 2 → 3 took 3 s
+# and its 400-token streams 8.6 s. The streams should end well after the changes, not just after.
+K2_TOKENS = 640
+K3_TOKENS = 400
 
 
 def test_scale_experts_2_4_2_and_attention_2_1_while_8_streams_run(port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("k2") / "k2", seed=8, progress=False)
     prompts = _prompts(8)
-    expected = oracle_soon(path, prompts, N_TOKENS)
+    expected = oracle_soon(path, prompts, K2_TOKENS)
     url = deploy(port, path, "k2", attention=2, experts=2)
     expected = expected.result()
     before = metrics(url)
     assert before["moeray:epoch"] == 0
 
-    streams = start_streams(url, "k2", prompts, N_TOKENS)
+    streams = start_streams(url, "k2", prompts, K2_TOKENS)
     out, up_at = run_cli(url, "scale", "experts", "4")
     assert "epoch 1 (experts): 2 attention × 2 expert actors → 2 attention × 4 expert actors" in out, out
     out, down_at = run_cli(url, "scale", "experts", "2")
     assert "2 attention × 4 expert actors → 2 attention × 2 expert actors" in out and "paused" in out, out
     assert all(s.ended is None or s.ended > down_at for s in streams), "a stream ended before the changes"
     assert finish(streams) == expected
-    assert all(s.finish == "length" and len(s.pieces) == N_TOKENS for s in streams)  # one chunk per token
+    assert all(s.finish == "length" and len(s.pieces) == K2_TOKENS for s in streams)  # one chunk per token
 
     # attention 2 → 1: the removed replica's sequences are re-prefilled on the other; SSE unbroken
-    streams = start_streams(url, "k2", prompts, N_TOKENS)
+    streams = start_streams(url, "k2", prompts, K2_TOKENS)
     out, at = run_cli(url, "scale", "attention", "1")
     assert "→ 1 attention × 2 expert actors" in out and "sequences moved" in out, out
     assert all(s.ended is None or s.ended > at for s in streams)
     assert finish(streams) == expected
-    assert all(len(s.pieces) == N_TOKENS for s in streams)  # nothing repeated or dropped
+    assert all(len(s.pieces) == K2_TOKENS for s in streams)  # nothing repeated or dropped
 
     after = metrics(url)
     assert after["moeray:epoch"] == 3
@@ -77,10 +81,10 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("k3") / "k3", seed=9, progress=False)
     prompts = _prompts(8)
     skewed = [[t] * 30 for t in (5, 5, 9, 5, 9, 5)]  # a skewed mix: the same experts win again and again
-    oracles = [oracle_soon(path, prompts, N_TOKENS), oracle_soon(path, skewed, 12), oracle_soon(path, prompts, 40)]
+    oracles = [oracle_soon(path, prompts, K3_TOKENS), oracle_soon(path, skewed, 12), oracle_soon(path, prompts, 40)]
     url = deploy(port, path, "k3", attention=1, experts=2, rebalance_window_steps=16)
     expected, skewed_expected, expected_40 = (o.result() for o in oracles)
-    streams = start_streams(url, "k3", prompts, N_TOKENS)
+    streams = start_streams(url, "k3", prompts, K3_TOKENS)
     out, at = run_cli(url, "scale", "experts", "3")
     assert "1 attention × 2 expert actors → 1 attention × 3 expert actors" in out, out
     assert all(s.ended is None or s.ended > at for s in streams)
