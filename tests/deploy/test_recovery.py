@@ -84,15 +84,17 @@ def _engine_pgs(app):
             if v.get("name", "").startswith(f"moeray-{app}/") and v.get("state") != "REMOVED"]
 
 
+def _alive(*classes):
+    """The session cluster's alive actors of these classes (Ray's actor table records)."""
+    return [a for a in ray._private.state.actors(actor_state_name="ALIVE").values() if a["ActorClassName"] in classes]
+
+
 def _engine_actors():
-    alive = ray._private.state.actors(actor_state_name="ALIVE").values()
-    return sorted(a["ActorClassName"] for a in alive
-                  if a["ActorClassName"] in ("AttentionWorker", "ExpertWorker", "Router"))
+    return sorted(a["ActorClassName"] for a in _alive("AttentionWorker", "ExpertWorker", "Router"))
 
 
 def _proxy_ips():
-    alive = ray._private.state.actors(actor_state_name="ALIVE").values()
-    return sorted(a["Address"]["IPAddress"] for a in alive if a["ActorClassName"] == "ProxyActor")
+    return sorted(a["Address"]["IPAddress"] for a in _alive("ProxyActor"))
 
 
 def test_killed_engine_replica_ends_streams_with_an_error_and_the_app_heals(port, ray_cluster, tmp_path_factory):
