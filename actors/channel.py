@@ -1,5 +1,5 @@
 """The step channel: one direct TCP connection from the engine to each actor, carrying that actor's
-step requests and results (ARCHITECTURE.md "Engine").
+step requests and results (docs/architecture.md "Engine").
 
 Ray stays the control plane: it creates the actors, opens their channels (each actor's
 ``open_channel``, a Ray call that hands over the engine's token), moves them between epochs and
@@ -16,13 +16,16 @@ gRPC and the core worker's threads), against 0.2 ms and 0.3 ms over these socket
   (the link's sender thread takes the rest) and reads the answers in order. Each message carries its
   step number: an answer to a step the engine gave up on (a step sent ahead of one that failed) is
   skipped. Every read has a deadline; a closed connection raises at once.
+
+Owns: one actor's channel — the server's thread and listener, the engine's link — and the step
+numbers on it. Never: lays out frames or the handshake itself (:mod:`actors.framing` does, for the
+exchange's sockets too), or runs two of an actor's steps at once.
 """
 
 from __future__ import annotations
 
 import pickle
 import socket
-import struct
 import sys
 import threading
 import time
@@ -31,10 +34,14 @@ from typing import Any, Callable
 
 from model.threads import adopt_torch_threads
 
-from .wire import Link, readable
+from .framing import TOKEN_BYTES, Acceptor, check_token, connect, readable
+from .wire import Link
 
-_HELLO, _MAGIC = struct.Struct("<8s16s"), b"moeray-s"  # a connection's first bytes: magic, the engine's token
-TOKEN_BYTES = 16
+__all__ = ["TOKEN_BYTES", "ChannelClosed", "ServesSteps", "StepChannel", "StepError", "StepServer"]
+
+# the channel's handshake (actors/framing.py): this magic, the engine as identity, the engine's token
+_MAGIC, _ENGINE = b"moeray-s", 0
+_HELLO_TIMEOUT_S = 5.0  # a connection that has not said its hello by then is closed
 
 
 class StepError(RuntimeError):
@@ -54,8 +61,7 @@ class StepServer:
 
     def __init__(self, host: str, token: bytes, handler: Callable[[Any], Any], name: str,
                  accept_timeout_s: float = 300.0):
-        if len(token) != TOKEN_BYTES:
-            raise ValueError(f"a step channel token is {TOKEN_BYTES} bytes, got {len(token)}")
+        check_token(token, "a step channel token")
         self.token, self.handler, self.name = token, handler, name
         self.listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address: tuple[str, int] = (host, self.listener.getsockname()[1])
@@ -89,29 +95,21 @@ class StepServer:
         self.close()
 
     def _accept(self) -> Link | None:
-        """The engine's connection: the first one that presents the token before the deadline."""
-        while not self.closed:
-            left = self._deadline - time.monotonic()
-            try:
-                if left <= 0 or not readable(self.listener, left):
-                    print(f"{self.name}: the engine did not open its step channel", file=sys.stderr)
-                    return None
-                sock, _ = self.listener.accept()
-            except (OSError, ValueError):  # closed here meanwhile
-                return None
-            sock.settimeout(max(min(left, 5.0), 0.001))
-            try:
-                hello = _read_exactly(sock, _HELLO.size)
-            except OSError:
-                hello = b""
-            if len(hello) == _HELLO.size and _HELLO.unpack(hello) == (_MAGIC, self.token):
-                sock.settimeout(None)
-                # no timeouts this side: it idles between steps for as long as the engine likes, and an
-                # answer may wait in the socket while the engine reads a stuck peer's (it closes if the
-                # engine goes)
-                return Link(sock, "engine", None, label="the engine")
-            sock.close()  # not the engine: ignored
-        return None
+        """The engine's connection: the first one that presents the token before the deadline
+        (anything else is closed and ignored)."""
+        acceptor = Acceptor(self.listener, _MAGIC, self.token, hello_timeout_s=_HELLO_TIMEOUT_S)
+        try:
+            passed = acceptor.accept(self._deadline)
+        except (OSError, ValueError):  # closed here meanwhile
+            return None
+        finally:
+            acceptor.close()
+        if passed is None:
+            print(f"{self.name}: the engine did not open its step channel", file=sys.stderr)
+            return None
+        # no timeouts this side: it idles between steps for as long as the engine likes, and an answer
+        # may wait in the socket while the engine reads a stuck peer's (it closes if the engine goes)
+        return Link(passed[0], "engine", None, label="the engine")
 
     def close(self) -> None:
         self.closed = True
@@ -127,13 +125,7 @@ class StepChannel:
     def __init__(self, name: str, address: tuple[str, int], token: bytes, timeout_s: float,
                  connect_timeout_s: float | None = None):
         self.name = name
-        sock = socket.create_connection(address, timeout=connect_timeout_s or timeout_s)
-        try:
-            sock.sendall(_HELLO.pack(_MAGIC, token))
-            sock.settimeout(None)
-        except OSError:
-            sock.close()
-            raise
+        sock = connect(address, _MAGIC, _ENGINE, token, connect_timeout_s or timeout_s)
         self.link = Link(sock, name, timeout_s, label=name)
         self.failed: OSError | None = None  # a send that could not be written: the actor's end is gone
 
@@ -181,16 +173,6 @@ class StepChannel:
 
     def close(self) -> None:
         self.link.close()
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
 
 
 class ServesSteps:

@@ -5,12 +5,14 @@ does — it moves through the process group (see :mod:`actors.dispatch`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from model.sampling import SamplingParams
+
+from .framing import check_token
 
 
 @dataclass(frozen=True)
@@ -188,11 +190,17 @@ class ExpertStepResult:
 @dataclass(frozen=True)
 class GroupInfo:
     """The process group of one epoch (all attention then all expert actors; sizes in the epoch's
-    :class:`PlacementTable`): a fresh rendezvous per epoch. Created by the engine's worker group."""
+    :class:`PlacementTable`): a fresh rendezvous per epoch. Created by the engine's worker group.
+    ``token`` (:data:`~actors.framing.TOKEN_BYTES` secret bytes, fresh per epoch) is what every
+    connection of the epoch's exchange sockets presents; anything without it is refused."""
 
     epoch: int
     address: str
     port: int
+    token: bytes = field(repr=False)
     backend: str = "gloo"
     timeout_s: float = 60.0
     transport: str = "auto"  # the exchange on gloo: "auto" direct sockets (actors/wire.py), "group" gloo's own
+
+    def __post_init__(self):
+        check_token(self.token, "group: token")

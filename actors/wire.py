@@ -8,8 +8,8 @@ An MoE layer makes two such exchanges per step, so on gloo groups the exchange r
 
 * :class:`SocketMesh` is one epoch's connections, made through the epoch's rendezvous store right
   after the process group (each expert actor listens on its node's address, every attention rank
-  connects to each). The group itself stays: it is the epoch's membership, and NCCL
-  groups keep ``all_to_all_single``.
+  connects to each with the epoch's token in its hello). The group itself stays: it is the epoch's
+  membership, and NCCL groups keep ``all_to_all_single``.
 * A send is written by the calling thread when the socket takes it whole (the common case); what the
   kernel does not take goes to the link's sender thread, in order, so a large send never blocks the
   caller while its peer is blocked sending too (ping-pong's crossing exchanges).
@@ -17,12 +17,15 @@ An MoE layer makes two such exchanges per step, so on gloo groups the exchange r
   and size, so a desynchronised peer is an error naming both, never misread bytes.
 * Every wait has the group's timeout (the sockets' SO_RCVTIMEO / SO_SNDTIMEO); a closed peer raises at
   once instead of at the timeout.
+
+Owns: one epoch's links, their sender threads and posted receives. Never: lays out frames or
+handshakes itself (:mod:`actors.framing` does, for the step channel too), or takes a connection
+without the epoch's token.
 """
 
 from __future__ import annotations
 
 import collections
-import select
 import socket
 import struct
 import threading
@@ -30,9 +33,9 @@ import time
 
 import torch
 
-_HEADER = struct.Struct("<qq")  # call number, payload bytes
-MAX_FRAME = 1 << 31  # a message of unknown size (read_frame) above this is a broken stream, not data
-_HELLO, _MAGIC = struct.Struct("<8sq"), b"moeray-x"  # a new connection's first bytes: magic, attention rank
+from .framing import Acceptor, check_token, connect, frame_header, read_exactly, read_frame, read_header
+
+_MAGIC = b"moeray-x"  # the mesh's handshake (actors/framing.py): this, the attention rank, the epoch's token
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -80,14 +83,6 @@ def _fail(works: list[_Queued], error: Exception) -> None:
         w.done.set()
 
 
-def readable(sock: socket.socket, timeout_s: float | None) -> bool:
-    """``sock`` has data (or its end of file) within ``timeout_s`` (None: wait for ever). poll, not
-    select: select cannot watch descriptors above 1023, which a long-lived process reaches."""
-    p = select.poll()
-    p.register(sock, select.POLLIN)
-    return bool(p.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))))
-
-
 class Link:
     """One connected socket to ``peer`` (named ``label`` in errors: "rank 3", "expert[1]"). Every
     read and write has ``timeout_s`` (None: none, for a side that may wait for ever)."""
@@ -114,7 +109,7 @@ class Link:
 
     def send_bytes(self, call: int, data: bytes | memoryview):
         """Send ``data`` as call ``call``; returns a work to wait for (never blocks on a full socket)."""
-        parts = [memoryview(_HEADER.pack(call, len(data))), memoryview(data)]
+        parts = [memoryview(frame_header(call, len(data))), memoryview(data)]
         with self.cv:
             if self.broken is not None:
                 raise ConnectionError(f"the link to {self.label} failed earlier: {self.broken}")
@@ -178,11 +173,11 @@ class Link:
         try:
             while not want.done:
                 r = self.posted[0]
-                call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
+                call, size = read_header(self.sock, self.label, self.timeout_s)
                 if (call, size) != (r.call, len(r.view)):
                     raise ConnectionError(f"{self.label} sent call {call} of {size} bytes where call {r.call} "
                                           f"of {len(r.view)} bytes was due (the two sides' exchanges differ)")
-                self._read(r.view)
+                read_exactly(self.sock, r.view, self.label, self.timeout_s)
                 r.done = True
                 self.posted.popleft()
         except OSError as e:
@@ -195,27 +190,10 @@ class Link:
         if self.broken is not None:
             raise ConnectionError(f"the link to {self.label} failed earlier: {self.broken}")
         try:
-            call, size = _HEADER.unpack(self._read(memoryview(bytearray(_HEADER.size))))
-            if not 0 <= size <= MAX_FRAME:
-                raise ConnectionError(f"{self.label} announced a message of {size} bytes (the stream is broken)")
-            data = bytearray(size)
-            self._read(memoryview(data))
-            return call, data
+            return read_frame(self.sock, self.label, self.timeout_s)
         except OSError as e:
             self.broken = e
             raise
-
-    def _read(self, view: memoryview) -> memoryview:
-        got, n = 0, len(view)
-        while got < n:
-            try:
-                k = self.sock.recv_into(view[got:], n - got)
-            except BlockingIOError:  # SO_RCVTIMEO ran out
-                raise TimeoutError(f"{self.label} sent nothing for {self.timeout_s:g} s") from None
-            if k == 0:
-                raise ConnectionError(f"{self.label} closed its connection")
-            got += k
-        return view
 
     def close(self) -> None:
         with self.cv:
@@ -248,10 +226,13 @@ def local_ip(toward: str) -> str:
 
 
 class SocketMesh:
-    """One epoch's links: every attention rank (ranks below ``num_attention``) to every expert actor."""
+    """One epoch's links: every attention rank (ranks below ``num_attention``) to every expert actor.
+    Every connection carries the epoch's ``token`` in its hello; an expert actor closes and ignores
+    any other (a stray, a process of another epoch) and goes on waiting for its attention ranks."""
 
-    def __init__(self, store, rank: int, num_attention: int, world: int, host: str, timeout_s: float,
-                 prefix: str = "moeray/wire"):
+    def __init__(self, store, rank: int, num_attention: int, world: int, host: str, timeout_s: float, *,
+                 token: bytes, prefix: str = "moeray/wire"):
+        check_token(token, "the exchange's token")
         self.rank, self.links = rank, {}
         deadline = time.monotonic() + timeout_s
         try:
@@ -259,27 +240,31 @@ class SocketMesh:
                 with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as srv:
                     host, port = srv.getsockname()[:2]
                     store.set(f"{prefix}/{rank}", f"{host}:{port}")
-                    while len(self.links) < num_attention:
-                        left = deadline - time.monotonic()
-                        if left <= 0 or not readable(srv, left):
-                            raise TimeoutError(f"rank {rank}: {num_attention - len(self.links)} attention rank(s) "
-                                               f"did not connect within {timeout_s:g} s")
-                        sock, _ = srv.accept()
-                        peer = _hello(sock, deadline)
-                        if peer is None or not 0 <= peer < num_attention or peer in self.links:
-                            sock.close()  # not one of this epoch's attention ranks: ignored
-                            continue
-                        self.links[peer] = Link(sock, peer, timeout_s)
+                    self._accept(Acceptor(srv, _MAGIC, token), num_attention, deadline, timeout_s)
             else:  # attention rank: connect to each expert actor
                 for peer in range(num_attention, world):
                     host, port = store.get(f"{prefix}/{peer}").decode().rsplit(":", 1)
-                    sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.001))
-                    sock.sendall(_HELLO.pack(_MAGIC, rank))
-                    sock.settimeout(None)
+                    sock = connect((host, int(port)), _MAGIC, rank, token, max(deadline - time.monotonic(), 0.001))
                     self.links[peer] = Link(sock, peer, timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _accept(self, acceptor: Acceptor, num_attention: int, deadline: float, timeout_s: float) -> None:
+        """One link per attention rank, each from the first connection with the token that announces it."""
+        try:
+            while len(self.links) < num_attention:
+                passed = acceptor.accept(deadline)
+                if passed is None:
+                    raise TimeoutError(f"rank {self.rank}: {num_attention - len(self.links)} attention rank(s) "
+                                       f"did not connect within {timeout_s:g} s")
+                sock, peer = passed
+                if not 0 <= peer < num_attention or peer in self.links:
+                    sock.close()  # not one of this epoch's attention ranks: ignored
+                    continue
+                self.links[peer] = Link(sock, peer, timeout_s)
+        finally:
+            acceptor.close()
 
     def send(self, t: torch.Tensor, peer: int, tag: int):
         """Send ``t`` to rank ``peer`` as call ``tag`` of the step; returns a work to wait for."""
@@ -293,21 +278,3 @@ class SocketMesh:
         for link in self.links.values():
             link.close()
         self.links = {}
-
-
-def _hello(sock: socket.socket, deadline: float) -> int | None:
-    """The attention rank a new connection announces, or None for anything else (a stray client,
-    garbage, silence past the setup's deadline)."""
-    sock.settimeout(max(deadline - time.monotonic(), 0.001))
-    buf = b""
-    try:
-        while len(buf) < _HELLO.size:
-            chunk = sock.recv(_HELLO.size - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-    except OSError:
-        return None
-    sock.settimeout(None)
-    magic, rank = _HELLO.unpack(buf)
-    return rank if magic == _MAGIC else None

@@ -38,6 +38,7 @@ PROMPT, BLOCKS_PER_SEQ = 32, 8
 
 def _worker(rank: int, path: str, streams: int, steps: int, port: int, expert_threads: int, micro: int,
             transport: str, profile: bool, q) -> None:
+    from actors.framing import TOKEN_BYTES
     from actors.messages import ExpertStep, GroupInfo, SeqChunk, StepRequest
     from actors.router import even_table
     from model.config import load_config
@@ -54,7 +55,8 @@ def _worker(rank: int, path: str, streams: int, steps: int, port: int, expert_th
         from actors.expert import ExpertWorker
 
         w = ExpertWorker(path, index=0, table=table, expert_threads=expert_threads)
-    w.enter_epoch(GroupInfo(0, "127.0.0.1", port, transport=transport), table, 0)
+    token = b"b" * TOKEN_BYTES  # the epoch's token: the same in both processes
+    w.enter_epoch(GroupInfo(0, "127.0.0.1", port, token, transport=transport), table, 0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     ids = prompts(streams, PROMPT)
     sizes = [streams // micro + (m < streams % micro) for m in range(micro)]

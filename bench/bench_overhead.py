@@ -112,7 +112,7 @@ def engine_rates(path: Path, streams: list[int], prompt_len: int, new: int, reps
     from cluster.config import EngineConfig
     from cluster.engine import Engine
     from cluster.local import LocalCluster
-    from cluster.topology import ClusterSpec
+    from cluster.spec import ClusterSpec
 
     rates, parts = {}, {}
     with LocalCluster(nodes=1, num_cpus=4, first_ip=60) as cluster:
@@ -189,13 +189,15 @@ def _exchange_worker(rank: int, port: int, tokens: int, hidden: int, k: int, exp
     import torch.distributed as dist
 
     from actors.dispatch import DistDispatcher, ExpertExchange
+    from actors.framing import TOKEN_BYTES
     from actors.group import current_mesh, join_group, leave_group
     from actors.messages import GroupInfo, PlacementTable
     from model.layers import silu_glu
     from model.moe import RoutedExperts
 
     torch.set_num_threads(1)
-    join_group(GroupInfo(0, "127.0.0.1", port, transport=transport), rank, 2, num_attention=1)
+    token = b"b" * TOKEN_BYTES  # the epoch's token: the same in both processes
+    join_group(GroupInfo(0, "127.0.0.1", port, token, transport=transport), rank, 2, num_attention=1)
     table = PlacementTable(0, experts, 1, (1,), ((tuple(range(experts)),),))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g)

@@ -160,7 +160,7 @@ def test_connections_without_the_token_do_not_take_the_engines_place():
     server = StepServer("127.0.0.1", TOKEN, lambda req: ("served", req), "actor[0]")
     strays = [socket.create_connection(server.address, timeout=5) for _ in range(3)]
     strays[0].sendall(b"garbage" * 10)
-    strays[1].sendall(b"moeray-s" + b"x" * TOKEN_BYTES)  # the right magic, a wrong token
+    strays[1].sendall(b"moeray-s" + bytes(8) + b"x" * TOKEN_BYTES)  # the right magic and identity, a wrong token
     strays[2].close()  # silent close
     ch = StepChannel("actor[0]", server.address, TOKEN, 10)
     try:

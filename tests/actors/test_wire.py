@@ -10,7 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from actors.framing import TOKEN_BYTES
 from actors.wire import SocketMesh
+
+TOKEN = b"e" * TOKEN_BYTES  # the epoch's token
 
 
 def _stores():
@@ -23,7 +26,8 @@ def _pair(timeout_s: float = 20.0):
     """(attention rank 0's mesh, expert rank 1's mesh), made concurrently as the two actors make them."""
     master, client = _stores()
     with ThreadPoolExecutor(2) as pool:  # one store client each, as in two processes
-        futs = [pool.submit(SocketMesh, store, r, 1, 2, "127.0.0.1", timeout_s) for r, store in ((0, master), (1, client))]
+        futs = [pool.submit(SocketMesh, store, r, 1, 2, "127.0.0.1", timeout_s, token=TOKEN)
+                for r, store in ((0, master), (1, client))]
         return tuple(f.result(timeout=30) for f in futs)
 
 
@@ -108,7 +112,7 @@ def test_an_attention_rank_that_never_connects_fails_the_expert_side_in_time():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank 1: 1 attention rank\(s\) did not connect within 1 s"):
-        SocketMesh(store, 1, 1, 2, "127.0.0.1", 1.0)
+        SocketMesh(store, 1, 1, 2, "127.0.0.1", 1.0, token=TOKEN)
     assert time.monotonic() - t0 < 4
 
 
@@ -121,10 +125,20 @@ def test_an_unknown_transport_is_refused_by_name():
     with pytest.raises(ValueError, match="engine setting 'transport' must be auto or group, got 'tcp'"):
         EngineConfig(model="m", transport="tcp")
     with pytest.raises(ValueError, match="exchange transport must be one of auto, group, got 'tcp'"):
-        join_group(GroupInfo(0, "127.0.0.1", 1, transport="tcp"), 0, 2, num_attention=1)
+        join_group(GroupInfo(0, "127.0.0.1", 1, TOKEN, transport="tcp"), 0, 2, num_attention=1)
     with pytest.raises(ValueError, match="transport"):
         ServeConfig.parse({"transport": "tcp"})
     assert ServeConfig.parse({}).engine_config("m").transport == "auto"
+
+
+def test_a_group_needs_a_token_of_the_right_size():
+    from actors.messages import GroupInfo
+
+    with pytest.raises(ValueError, match=f"group: token is {TOKEN_BYTES} bytes, got 5"):
+        GroupInfo(0, "127.0.0.1", 1, b"short")
+    with pytest.raises(ValueError, match="group: token must be bytes, got str"):
+        GroupInfo(0, "127.0.0.1", 1, "e" * TOKEN_BYTES)
+    assert "token" not in repr(GroupInfo(0, "127.0.0.1", 1, TOKEN))  # a secret: never in a log line
 
 
 def test_after_a_failed_receive_the_link_stays_failed(pair):
@@ -145,13 +159,13 @@ def test_stray_connections_during_setup_are_ignored():
 
     master, client = _stores()
     with ThreadPoolExecutor(1) as pool:
-        expert = pool.submit(SocketMesh, client, 1, 1, 2, "127.0.0.1", 10.0)
+        expert = pool.submit(SocketMesh, client, 1, 1, 2, "127.0.0.1", 10.0, token=TOKEN)
         host, port = master.get("moeray/wire/1").decode().rsplit(":", 1)
         strays = [socket.create_connection((host, int(port))) for _ in range(3)]
         strays[0].sendall(b"GET / HTTP/1.1\r\n\r\n")
-        strays[1].sendall(b"moeray-x" + (7).to_bytes(8, "little"))  # a rank this epoch does not have
+        strays[1].sendall(b"moeray-x" + (7).to_bytes(8, "little") + TOKEN)  # a rank this epoch does not have
         strays[2].close()
-        attention = SocketMesh(master, 0, 1, 2, "127.0.0.1", 10.0)
+        attention = SocketMesh(master, 0, 1, 2, "127.0.0.1", 10.0, token=TOKEN)
         e = expert.result(timeout=30)
     try:
         got = torch.empty(3)
@@ -161,6 +175,33 @@ def test_stray_connections_during_setup_are_ignored():
     finally:
         for s in strays:
             s.close()
+        attention.close()
+        e.close()
+
+
+def test_a_connection_without_the_epochs_token_is_closed_and_ignored():
+    """A process that announces a free attention rank but not the epoch's token (another epoch's, a
+    stray) does not take that rank's place: it is closed, and the real rank still connects."""
+    import socket
+
+    master, client = _stores()
+    with ThreadPoolExecutor(1) as pool:
+        expert = pool.submit(SocketMesh, client, 1, 1, 2, "127.0.0.1", 10.0, token=TOKEN)
+        host, port = master.get("moeray/wire/1").decode().rsplit(":", 1)
+        stray = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            stray.sendall(b"moeray-x" + (0).to_bytes(8, "little") + b"w" * TOKEN_BYTES)  # rank 0, a wrong token
+            assert stray.recv(16) == b""  # closed by the expert actor before the real rank 0 connects
+        finally:
+            stray.close()
+        attention = SocketMesh(master, 0, 1, 2, "127.0.0.1", 10.0, token=TOKEN)
+        e = expert.result(timeout=30)
+    try:
+        got = torch.empty(3)
+        attention.send(torch.tensor([1.0, 2.0, 3.0]), 1, tag=0).wait()
+        e.recv(got, 0, tag=0).wait()
+        assert got.tolist() == [1.0, 2.0, 3.0] and set(e.links) == {0}
+    finally:
         attention.close()
         e.close()
 
