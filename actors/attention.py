@@ -40,7 +40,8 @@ class AttentionWorker(ServesSteps):
         if threads:
             torch.set_num_threads(threads)
         self.index, self.name = index, "attention[standby]" if index is None else f"attention[{index}]"
-        self.table, self.impl, self.block_size, self.exchange = table, impl, block_size, exchange
+        self.table, self.impl, self.block_size = table, impl, block_size
+        self.exchange_format = exchange  # the exchange's wire format: auto, dense or sparse (actors/dispatch.py)
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
@@ -80,7 +81,7 @@ class AttentionWorker(ServesSteps):
             store = self._store if index == 0 and self._store is not None and self._store.port == info.port else None
             join_group(info, index, table.world_size, store, num_attention=table.num_attention)
             self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
-                                             self.cfg.num_experts_per_tok, self.exchange,
+                                             self.cfg.num_experts_per_tok, self.exchange_format,
                                              device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:

@@ -1,4 +1,4 @@
-"""Dispatch / combine: the data half of the router (ARCHITECTURE.md).
+"""Dispatch / combine: the data half of the router (docs/architecture.md).
 
 Inside an attention worker every MoE layer hands ``(x, topk_idx, topk_w)`` to a dispatcher, which
 exchanges the tokens with the expert actors by the epoch's placement table (:class:`Routing`:
@@ -83,13 +83,13 @@ class Routing:
         self.num_copies, self.where, self.single, self.identity = {}, {}, {}, set()
         for i, layer in enumerate(table.moe_layers):
             copies = table.copies(i)
-            C = max(len(c) for c in copies)
-            where = torch.zeros(table.num_experts, C, 2, dtype=torch.long)
+            max_copies = max(len(c) for c in copies)
+            where = torch.zeros(table.num_experts, max_copies, 2, dtype=torch.long)
             for e, c in enumerate(copies):
                 where[e, : len(c)] = torch.tensor(c)
-            self.where[layer] = where.to(device)  # [E, C, 2]
-            self.num_copies[layer] = torch.tensor([len(c) for c in copies], device=device)  # [E]
-            if C == 1:  # no replicas: (expert actor, local slot) of each logical expert, for direct lookup
+            self.where[layer] = where.to(device)  # [logical experts, max copies, (expert actor, local slot)]
+            self.num_copies[layer] = torch.tensor([len(c) for c in copies], device=device)  # [logical experts]
+            if max_copies == 1:  # no replicas: (expert actor, local slot) of each logical expert, for direct lookup
                 self.single[layer] = (where[:, 0, 0].contiguous().to(device), where[:, 0, 1].contiguous().to(device))
                 if table.num_actors == 1 and table.slots[i][0] == tuple(range(table.num_experts)):
                     self.identity.add(layer)  # one actor holding every expert in order: local slot = expert
@@ -106,10 +106,10 @@ class Routing:
             return actor_of[flat], local_of[flat]
         where, n_copies = self.where[layer].to(flat.device), self.num_copies[layer].to(flat.device)
         # rank of each pair among the pairs of its (sender, expert), in batch order
-        E = n_copies.numel()
-        key = flat if sender is None else sender * E + flat
+        n_experts = n_copies.numel()  # logical experts
+        key = flat if sender is None else sender * n_experts + flat  # [pairs]
         by_key = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=E * senders)
+        counts = torch.bincount(key, minlength=n_experts * senders)  # [senders × logical experts]
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.empty_like(flat)
         rank[by_key] = torch.arange(flat.numel(), device=flat.device) - starts[key[by_key]]
@@ -150,11 +150,12 @@ class LocalDispatcher:
 class _Collectives:
     """The exchanges of one MoE layer, shared by both sides, with timing and clear errors."""
 
-    def __init__(self, actor: str, table: PlacementTable, top_k: int, mode: str = "auto", group=None,
+    def __init__(self, actor: str, table: PlacementTable, top_k: int, exchange_format: str = "auto", group=None,
                  device: str | torch.device = "cpu"):
         self.actor, self.table, self.group = actor, table, group
-        self.num_attention, self.num_experts = table.num_attention, table.num_actors
-        self.top_k, self.mode = top_k, exchange_mode(table, top_k, mode)
+        self.num_attention, self.num_expert_actors = table.num_attention, table.num_actors
+        self.top_k = top_k
+        self.mode = exchange_mode(table, top_k, exchange_format)  # the format in use: dense or sparse
         self.device = torch.device(device)  # nccl needs the exchanged tensors on the GPU
         self.world = table.world_size
         self.step, self.exchange_s, self.calls = -1, 0.0, 0
@@ -253,15 +254,16 @@ class DistDispatcher(_Collectives):
     slot (tensors on its device, read by :meth:`take_stats`)."""
 
     def __init__(self, actor: str, table: PlacementTable, hidden: int, dtype: torch.dtype, top_k: int,
-                 mode: str = "auto", group=None, device: str | torch.device = "cpu"):
-        super().__init__(actor, table, top_k, mode, group, device)
+                 exchange_format: str = "auto", group=None, device: str | torch.device = "cpu"):
+        super().__init__(actor, table, top_k, exchange_format, group, device)
         self.hidden, self.dtype = hidden, dtype
         self.routing = Routing(table, self.device)
         self.layer_index = {layer: i for i, layer in enumerate(table.moe_layers)}
         # the exchanges since the last take_stats: (MoE layer index, top-k ids, physical slot of each
         # pair or None to look up); counted once per step, off the exchanges' path
         self.routed: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        self.slot_of = {layer: self._slot(a, l) for layer, (a, l) in self.routing.single.items()}  # [E]
+        # per unreplicated MoE layer: logical expert → its physical slot, [logical experts]
+        self.slot_of = {layer: self._slot(a, l) for layer, (a, l) in self.routing.single.items()}
 
     def begin_step(self, step: int) -> None:
         self.reset_timers(step)
@@ -271,19 +273,22 @@ class DistDispatcher(_Collectives):
         """Pair counts of this step's exchanges, on the host: [MoE layers, experts] and [MoE layers, expert
         actors, local slots] (a replicated expert's copies apart)."""
         routed, self.routed = self.routed, []
-        L, E = len(self.layer_index), self.table.num_experts
-        S = self.num_experts * self.table.max_local
+        n_layers, n_experts = len(self.layer_index), self.table.num_experts  # MoE layers, logical experts
+        n_physical = self.num_expert_actors * self.table.max_local  # physical slots (padded per actor)
         if not routed:
-            expert, slot = torch.zeros(L, E, dtype=torch.long), torch.zeros(L, S, dtype=torch.long)
+            expert = torch.zeros(n_layers, n_experts, dtype=torch.long)
+            slot = torch.zeros(n_layers, n_physical, dtype=torch.long)
         else:
-            layers = torch.repeat_interleave(torch.tensor([i for i, _, _ in routed], device=self.device),
-                                             torch.tensor([idx.numel() for _, idx, _ in routed], device=self.device))
+            # [pairs]: each pair's MoE layer index (0 .. n_layers - 1, not the model's layer number)
+            moe_index = torch.repeat_interleave(torch.tensor([i for i, _, _ in routed], device=self.device),
+                                                torch.tensor([idx.numel() for _, idx, _ in routed], device=self.device))
             ids = torch.cat([idx.reshape(-1) for _, idx, _ in routed])
             slots = torch.cat([self.slot_of[self.table.moe_layers[i]][idx.reshape(-1)] if s is None else s
                                for i, idx, s in routed])
-            expert = torch.bincount(layers * E + ids, minlength=L * E).view(L, E).cpu()
-            slot = torch.bincount(layers * S + slots, minlength=L * S).view(L, S).cpu()
-        return expert, slot.view(L, self.num_experts, -1)
+            expert = torch.bincount(moe_index * n_experts + ids, minlength=n_layers * n_experts)
+            slot = torch.bincount(moe_index * n_physical + slots, minlength=n_layers * n_physical)
+            expert, slot = expert.view(n_layers, n_experts).cpu(), slot.view(n_layers, n_physical).cpu()
+        return expert, slot.view(n_layers, self.num_expert_actors, -1)  # [MoE layers, expert actors, local slots]
 
     def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         return self.collect(self.issue(layer, x, topk_idx, topk_w))
@@ -313,15 +318,15 @@ class DistDispatcher(_Collectives):
         return actor * self.table.max_local + local
 
     def _issue_dense(self, layer, x, idx, w) -> Pending:
-        T, A, E, dev = x.shape[0], self.num_attention, self.num_experts, self.device
+        T, A, n_actors, dev = x.shape[0], self.num_attention, self.num_expert_actors, self.device
         payload = torch.cat([x.to(dev, self.dtype).contiguous().view(torch.uint8),
                              idx.to(torch.int32).contiguous().view(torch.uint8),
-                             w.to(dev, torch.float32).contiguous().view(torch.uint8)], 1)
-        if E > 1:
-            payload = payload.repeat(E, 1)  # the same rows to every expert actor
-        none, each = [0] * self.world, [0] * A + [T] * E
+                             w.to(dev, torch.float32).contiguous().view(torch.uint8)], 1)  # [T, row bytes]
+        if n_actors > 1:
+            payload = payload.repeat(n_actors, 1)  # the same rows to every expert actor: [n_actors × T, row bytes]
+        none, each = [0] * self.world, [0] * A + [T] * n_actors
         sent = torch.empty(0, payload.shape[1], dtype=torch.uint8, device=dev)
-        back = torch.empty(E * T, self.hidden, dtype=self.dtype, device=dev)
+        back = torch.empty(n_actors * T, self.hidden, dtype=self.dtype, device=dev)  # one partial sum per actor
         empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
         works = [self.a2a(sent, payload, none, each, layer, "dispatch", async_op=True),
                  self.a2a(back, empty, each, none, layer, "dispatch", async_op=True)]
@@ -329,9 +334,9 @@ class DistDispatcher(_Collectives):
 
     def _issue_sparse(self, layer, x, idx, w, actor, local) -> Pending:
         T, k = idx.shape
-        A, L, dev = self.num_attention, self.table.max_local, self.device
-        order = torch.argsort(actor * L + local, stable=True)
-        send = torch.zeros(self.world, L, dtype=torch.long, device=dev)
+        A, n_local, dev = self.num_attention, self.table.max_local, self.device
+        order = torch.argsort(actor * n_local + local, stable=True)
+        send = torch.zeros(self.world, n_local, dtype=torch.long, device=dev)  # [ranks, local slots] pair counts
         send[A:].index_put_((actor, local), torch.ones_like(actor), accumulate=True)
         rows_to = send.sum(1).tolist()
         tok = torch.arange(T, device=dev).repeat_interleave(k)[order]
@@ -340,7 +345,8 @@ class DistDispatcher(_Collectives):
         empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
         back = torch.empty(len(tok), self.hidden, dtype=self.dtype, device=dev)
         counts = send[A:].reshape(-1)  # [expert actors × local slots] to the expert actors only
-        works = [self.a2a(counts[:0], counts, none, [0] * A + [L] * self.num_experts, layer, "counts", async_op=True),
+        works = [self.a2a(counts[:0], counts, none, [0] * A + [n_local] * self.num_expert_actors, layer, "counts",
+                          async_op=True),
                  self.a2a(empty, payload, none, rows_to, layer, "dispatch", async_op=True),
                  self.a2a(back, empty, rows_to, none, layer, "dispatch", async_op=True)]
         return Pending(layer, works, back, (send, counts, payload, empty), x.dtype, x.device, T,
@@ -351,7 +357,8 @@ class DistDispatcher(_Collectives):
         for work in p.works:
             self.wait(work, p.layer, "combine")
         if self.mode == "dense":  # one weighted partial sum per expert actor, added in actor order
-            out = p.back if self.num_experts == 1 else p.back.view(self.num_experts, p.tokens, self.hidden).float().sum(0)
+            n_actors = self.num_expert_actors
+            out = p.back if n_actors == 1 else p.back.view(n_actors, p.tokens, self.hidden).float().sum(0)
             return out.to(p.x_device, p.x_dtype)
         out = torch.zeros(p.tokens, self.hidden, dtype=p.x_dtype, device=p.x_device)
         rows = p.back.to(p.x_device, p.x_dtype) * p.weights[:, None].to(p.x_device, p.x_dtype)
@@ -361,9 +368,9 @@ class DistDispatcher(_Collectives):
 class ExpertExchange(_Collectives):
     """Expert-worker side of one MoE layer and micro-batch: receive, run the local experts, send back."""
 
-    def __init__(self, actor: str, index: int, table: PlacementTable, top_k: int, mode: str = "auto", group=None,
-                 device: str | torch.device = "cpu"):
-        super().__init__(actor, table, top_k, mode, group, device)
+    def __init__(self, actor: str, index: int, table: PlacementTable, top_k: int, exchange_format: str = "auto",
+                 group=None, device: str | torch.device = "cpu"):
+        super().__init__(actor, table, top_k, exchange_format, group, device)
         self.index = index  # this expert actor's index in the table
         self.routing = Routing(table, self.device)
         self.sending: tuple | None = None  # the last combine, still in flight: (layer, work, tensors)
@@ -398,10 +405,10 @@ class ExpertExchange(_Collectives):
         return self._serve_sparse(layer, experts, hidden, dtype)
 
     def _serve_dense(self, layer, experts, hidden, dtype, tokens) -> torch.Tensor:
-        A, dev, k, L = self.num_attention, self.device, self.top_k, self.table.max_local
+        A, dev, k, n_local = self.num_attention, self.device, self.top_k, self.table.max_local
         width, N = self.row_bytes(hidden, dtype), sum(tokens)
-        rows = torch.empty(N, width, dtype=torch.uint8, device=dev)
-        none, each = [0] * self.world, list(tokens) + [0] * self.num_experts
+        rows = torch.empty(N, width, dtype=torch.uint8, device=dev)  # [N, row bytes]: every attention rank's tokens
+        none, each = [0] * self.world, list(tokens) + [0] * self.num_expert_actors
         self.a2a(rows, torch.empty(0, width, dtype=torch.uint8, device=dev), each, none, layer, "dispatch")
         hb = hidden * dtype.itemsize
         x, idx, w = _view(rows[:, :hb], dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
@@ -415,7 +422,7 @@ class ExpertExchange(_Collectives):
                 actor, local = self.routing.assign(layer, flat, sender, A)
             else:
                 actor, local = self.routing.assign(layer, flat)
-            if self.num_experts == 1 and not self.routing.replicated(layer):  # every pair is this actor's
+            if self.num_expert_actors == 1 and not self.routing.replicated(layer):  # every pair is this actor's
                 tok, wm = self._pair_tokens(N, k), w.reshape(-1)
             else:
                 mine = (actor == self.index).nonzero().squeeze(1)
@@ -424,18 +431,18 @@ class ExpertExchange(_Collectives):
         y = experts.grouped(x[tok].to(edev), local.to(edev)).to(dev, torch.float32) * wm[:, None]
         partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)
         self._send_back(layer, partial, each)
-        return torch.bincount(local, minlength=L)
+        return torch.bincount(local, minlength=n_local)
 
     def _serve_sparse(self, layer, experts, hidden, dtype) -> torch.Tensor:
-        dev, L = self.device, self.table.max_local
-        A, E = self.num_attention, self.num_experts
-        recv = torch.empty(A, L, dtype=torch.long, device=dev)  # [attention rank, local slot] pair counts
-        self.a2a(recv.view(-1), recv.view(-1)[:0], [L] * A + [0] * E, [0] * self.world, layer, "counts")
-        rows_from = recv.sum(1).tolist() + [0] * E  # rows per source rank
+        dev, n_local = self.device, self.table.max_local
+        A, n_actors = self.num_attention, self.num_expert_actors
+        recv = torch.empty(A, n_local, dtype=torch.long, device=dev)  # [attention rank, local slot] pair counts
+        self.a2a(recv.view(-1), recv.view(-1)[:0], [n_local] * A + [0] * n_actors, [0] * self.world, layer, "counts")
+        rows_from = recv.sum(1).tolist() + [0] * n_actors  # rows per source rank
         none = [0] * self.world
         x = torch.empty(sum(rows_from), hidden, dtype=dtype, device=dev)
         self.a2a(x, x[:0], rows_from, none, layer, "dispatch")
-        local = torch.arange(L, device=dev).repeat(A).repeat_interleave(recv.reshape(-1))
+        local = torch.arange(n_local, device=dev).repeat(A).repeat_interleave(recv.reshape(-1))  # [pairs]
         y = experts.grouped(x.to(experts.device), local.to(experts.device)).to(dev)
         self._send_back(layer, y.contiguous(), rows_from)
         return recv.sum(0)

@@ -48,7 +48,8 @@ class ExpertWorker(ServesSteps):
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
-        self.dequantize, self.read_threads, self.mode = dequantize, read_threads, exchange
+        self.dequantize, self.read_threads = dequantize, read_threads
+        self.exchange_format = exchange  # the exchange's wire format: auto, dense or sparse (actors/dispatch.py)
         self.progress = LoadProgress(self.name)
         self.gemm_threads = ExpertThreads(expert_threads) if expert_threads > 1 and self.device.type == "cpu" else None
         shard = {} if index is None else table.experts_of(index)
@@ -56,7 +57,7 @@ class ExpertWorker(ServesSteps):
             model_path, self.cfg, shard, dtype=self.dtype, device=self.device, dequantize=dequantize,
             threads=read_threads, on_progress=self.progress.update))
         self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
-        self.exchange: ExpertExchange | None = None
+        self.exchange: ExpertExchange | None = None  # this epoch's side of the exchange, set by enter_epoch
         self.completed = -1  # the last step that completed here
 
     # ---- control plane -------------------------------------------------------------------
@@ -121,8 +122,8 @@ class ExpertWorker(ServesSteps):
             self.staged = None
             self.index, self.name, self.table = index, f"expert[{index}]", table
             join_group(info, table.num_attention + index, table.world_size, num_attention=table.num_attention)
-            self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok, self.mode,
-                                           device=exchange_device(info, self.device))
+            self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok,
+                                           self.exchange_format, device=exchange_device(info, self.device))
 
     def shutdown(self) -> None:
         self.close_channel()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from actors.dispatch import DistDispatcher, ExchangeError, ExpertExchange, LocalDispatcher, Routing
+from actors.framing import TOKEN_BYTES
 from actors.group import current_mesh, join_group
 from actors.messages import GroupInfo, PlacementTable
 from actors.router import balanced_layer
@@ -19,6 +20,7 @@ from model.layers import silu_glu
 from model.moe import RoutedExperts
 
 H, I, E, K = 16, 8, 10, 3
+TOKEN = b"e" * TOKEN_BYTES  # the epoch's token, the same in every process
 
 
 def _free_port() -> int:
@@ -63,13 +65,13 @@ def _micro(rank: int, layer: int, m: int):
     return (x[:cut], idx[:cut], w[:cut]) if m == 0 else (x[cut:], idx[cut:], w[cut:])
 
 
-def _exchange_ok(rank, A, key, slots, exchange, q):
+def _exchange_ok(rank, A, key, slots, exchange_format, q):
     """One placement and wire format: one exchange per layer, then two micro-batches per layer posted
     before collecting; answers (key, rank, "ok", max |diff|) or (key, rank, "rows", per-slot rows)."""
     table = _table(slots, A)
     shards = _shards(table)
     if rank < A:
-        d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32, K, exchange)
+        d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32, K, exchange_format)
         d.begin_step(5)
         local = LocalDispatcher(table, shards)
         diffs = []
@@ -97,7 +99,7 @@ def _exchange_ok(rank, A, key, slots, exchange, q):
                 diffs.append(float((got - ref).abs().max()) if len(part[0]) else 0.0)
         q.put((key, rank, "ok", max(diffs)))
     else:
-        ex = ExpertExchange(f"expert[{rank - A}]", rank - A, table, K, exchange)
+        ex = ExpertExchange(f"expert[{rank - A}]", rank - A, table, K, exchange_format)
         tokens = tuple(len(_inputs(r, 1)[0]) for r in range(A))
         rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32, tokens).tolist() for layer in (1, 2)]
         for layer in (1, 2):
@@ -109,22 +111,22 @@ def _exchange_ok(rank, A, key, slots, exchange, q):
 
 
 def _run(rank, world, port, A, configs, mode, transport, q):
-    """configs: (key, slots, exchange) for each case, run one after another over the same gloo group
+    """configs: (key, slots, exchange_format) for each case, run one after another over the same gloo group
     (mode "ok": each rank, in the same order), or the one case of a failure mode ("stuck", "gone");
     the exchange over the group's direct sockets (transport "auto") or gloo's own ops ("group")."""
     key = None
     try:
-        info = GroupInfo(0, "127.0.0.1", port, timeout_s=4 if mode != "ok" else 60, transport=transport)
+        info = GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=4 if mode != "ok" else 60, transport=transport)
         join_group(info, rank, world, num_attention=A)
         assert (current_mesh() is not None) == (transport == "auto")
         if mode == "ok":
-            for key, slots, exchange in configs:
-                _exchange_ok(rank, A, key, slots, exchange, q)
+            for key, slots, exchange_format in configs:
+                _exchange_ok(rank, A, key, slots, exchange_format, q)
             return
-        ((key, slots, exchange),) = configs
+        ((key, slots, exchange_format),) = configs
         table = _table(slots, A)
         if rank == 0:  # "stuck" / "gone": the attention rank must fail clearly
-            d = DistDispatcher("attention[0]", table, H, torch.float32, K, exchange)
+            d = DistDispatcher("attention[0]", table, H, torch.float32, K, exchange_format)
             d.begin_step(42)
             x, idx, w = _inputs(0, 1)
             t0 = time.monotonic()
@@ -170,8 +172,8 @@ UNEVEN = [[(0, 1, 2, 3), (4, 5, 6), (7, 8, 9)]] * 2
 REPLICATED = [[(3, 0, 1, 2), (3, 4, 5, 6), (7, 8, 9)], [(0, 1, 2, 9), (0, 3, 4, 5), (6, 7, 8, 9)]]
 
 
-CASES = [(f"{name}-{exchange}", slots, exchange) for name, slots in (("uneven", UNEVEN), ("replicated", REPLICATED))
-         for exchange in ("dense", "sparse")]
+CASES = [(f"{name}-{exchange_format}", slots, exchange_format)
+         for name, slots in (("uneven", UNEVEN), ("replicated", REPLICATED)) for exchange_format in ("dense", "sparse")]
 
 
 @pytest.fixture(scope="module", params=["auto", "group"])
@@ -181,10 +183,10 @@ def gloo_answers(request):
     return _spawn(world=2 + 3, A=2, configs=CASES, mode="ok", wait_for=5 * len(CASES), transport=request.param)
 
 
-@pytest.mark.parametrize("exchange", ["dense", "sparse"])
+@pytest.mark.parametrize("exchange_format", ["dense", "sparse"])
 @pytest.mark.parametrize("slots", [UNEVEN, REPLICATED], ids=["uneven", "replicated"])
-def test_gloo_exchange_equals_local_dispatch(gloo_answers, slots, exchange):
-    out = gloo_answers[f"{'uneven' if slots is UNEVEN else 'replicated'}-{exchange}"]
+def test_gloo_exchange_equals_local_dispatch(gloo_answers, slots, exchange_format):
+    out = gloo_answers[f"{'uneven' if slots is UNEVEN else 'replicated'}-{exchange_format}"]
     crashes = [o for o in out if o[1] == "crash"]
     assert not crashes, crashes[0][2]
     assert sorted(o[0] for o in out) == list(range(5)), f"answers from ranks {sorted(o[0] for o in out)} of 0..4"
@@ -229,9 +231,9 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
 
 
 @pytest.mark.parametrize("transport", ["auto", "group"])
-@pytest.mark.parametrize("mode,exchange", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
-def test_peer_gone_or_stuck_raises_clear_error(mode, exchange, transport):
-    (res,) = _spawn(world=2, A=1, configs=[(mode, [[tuple(range(10))]] * 2, exchange)], mode=mode, wait_for=1,
+@pytest.mark.parametrize("mode,exchange_format", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
+def test_peer_gone_or_stuck_raises_clear_error(mode, exchange_format, transport):
+    (res,) = _spawn(world=2, A=1, configs=[(mode, [[tuple(range(10))]] * 2, exchange_format)], mode=mode, wait_for=1,
                     transport=transport)[mode]
     rank, msg, seconds = res
     assert rank == 0 and msg not in ("no error", "crash"), res
