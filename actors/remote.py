@@ -6,9 +6,7 @@ import ray
 
 from .attention import AttentionWorker
 from .expert import ExpertWorker
-from .router import Router
 
 RemoteAttention = ray.remote(max_restarts=0)(AttentionWorker)
 # `control`: epoch preparation (staging the next slots' weights) runs beside the steps
 RemoteExpert = ray.remote(max_restarts=0, concurrency_groups={"control": 1})(ExpertWorker)
-RemoteRouter = ray.remote(num_cpus=0)(Router)

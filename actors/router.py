@@ -1,16 +1,20 @@
-"""Router: the routing authority, off the hot path (ARCHITECTURE.md "Roles").
+"""Router: the routing authority, off the hot path (docs/architecture.md "Roles"). It lives in the
+engine's process (plain Python, no Ray), so it dies only with the engine.
 
 Owns: the placement table — logical expert → physical slots on expert actors, per MoE layer,
 replicas included — versioned by an epoch, and the only code that builds one; the proposal of the
 next epoch's table (a new shape, or a rebalanced placement with redundant copies of hot experts);
-a sliding window of per-layer, per-expert token counts the engine reports every few steps.
+and the load statistics, kept here once: per-(MoE layer, logical expert) token counts over the
+engine's life and over a sliding window of steps, and the tokens each expert actor computed.
+Every imbalance figure comes from one function, :func:`max_over_mean`.
 Never: sees a token (dispatch and combine run inside the epoch's process group), or creates and
-kills actors — the engine's worker group carries out the epoch change the router proposes, then
-asks it to commit.
+kills actors — the epoch owner (cluster/epochs.py) carries out the change the router proposes,
+then asks it to commit.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -70,18 +74,33 @@ def balanced_layer(load: list[float], num_actors: int, redundant: int) -> tuple[
     return tuple(tuple(sorted(ids)) for ids in held)
 
 
-def actor_imbalance(table: PlacementTable, logical: torch.Tensor) -> list[float]:
-    """Per MoE layer: max over mean tokens per expert actor, when each expert's tokens ``logical``
-    [layers, E] split evenly over its copies (1.0 = balanced; 0.0 = no tokens)."""
-    out = []
+def max_over_mean(load: torch.Tensor) -> list[float]:
+    """Per row of ``load`` [rows, n] (a MoE layer's tokens per expert or per expert actor): max over
+    mean (1.0 = balanced; 0.0 = no tokens). The one imbalance figure everything reports."""
+    load = torch.as_tensor(load).double()
+    if load.numel() == 0:
+        return [0.0] * load.shape[0]
+    total = load.sum(1)
+    peak = load.max(1).values * load.shape[1]
+    return [float(p / t) if t > 0 else 0.0 for p, t in zip(peak, total)]
+
+
+def actor_load(table: PlacementTable, logical: torch.Tensor) -> torch.Tensor:
+    """Tokens per (MoE layer, expert actor) when each expert's tokens ``logical`` [layers, E] split
+    evenly over its copies: [layers, actors]."""
+    rows = []
     for i, per_actor in enumerate(table.slots):
-        n_copies = torch.zeros(table.num_experts)
+        n_copies = torch.zeros(table.num_experts, dtype=torch.double)
         for ids in per_actor:
             n_copies[list(ids)] += 1
         share = logical[i].double() / n_copies
-        load = torch.stack([share[list(ids)].sum() for ids in per_actor])
-        out.append(float(load.max() / load.mean()) if load.sum() > 0 else 0.0)
-    return out
+        rows.append(torch.stack([share[list(ids)].sum() for ids in per_actor]))
+    return torch.stack(rows)
+
+
+def actor_imbalance(table: PlacementTable, logical: torch.Tensor) -> list[float]:
+    """Per MoE layer, predicted under ``table``: max over mean tokens per expert actor."""
+    return max_over_mean(actor_load(table, logical))
 
 
 @dataclass(frozen=True)
@@ -102,7 +121,15 @@ class Router:
         self.table: PlacementTable | None = None
         self.pending: PlacementTable | None = None
         self.window_steps = window_steps
-        self.window: deque[tuple[int, torch.Tensor]] = deque()  # (steps, [layers, E] summed over them)
+        self._lock = threading.Lock()
+        # buckets of up to `bucket_steps` consecutive steps of one epoch, oldest first: [epoch, steps,
+        # [layers, E] tokens per logical expert, [layers, actors] rows per expert actor or None]
+        self.window: deque[list] = deque()
+        self.bucket_steps = max(1, window_steps // 16)  # the window is kept in about 16 buckets
+        shape = (len(self.moe_layers), num_experts)
+        self._window_sum = torch.zeros(shape, dtype=torch.long)  # the window's counts, summed
+        self._totals = torch.zeros(shape, dtype=torch.long)  # over the engine's life
+        self._actor_totals: list[int] = []  # per expert actor index, over all epochs
         self.steps = 0
 
     # ---- the table -------------------------------------------------------------------------
@@ -158,29 +185,92 @@ class Router:
         if self.pending is not None and self.pending.epoch == epoch:
             self.pending = None
 
-    # ---- load statistics -------------------------------------------------------------------
-    def report(self, expert_tokens, steps: int = 1) -> None:
-        """Tokens per (MoE layer, logical expert) of the last ``steps`` steps, summed over attention
-        workers (the engine reports every few steps). The window keeps the newest reports that
-        cover at most ``window_steps`` steps (at least the newest one)."""
-        self.window.append((steps, torch.as_tensor(expert_tokens, dtype=torch.long)))
-        self.steps += steps
-        covered = sum(n for n, _ in self.window)
-        while len(self.window) > 1 and covered > self.window_steps:
-            covered -= self.window.popleft()[0]
+    # ---- load statistics (engine thread writes; scrapes and status read, under the lock) ----------
+    def report(self, expert_tokens, actor_tokens=None, *, epoch: int | None = None) -> None:
+        """One step's tokens per (MoE layer, logical expert) [layers, E], summed over attention
+        replicas, and optionally the rows each expert actor was sent [layers, actors] in ``epoch``
+        (measured: a replicated expert's rows land where dispatch sent them). The window keeps the
+        newest buckets that cover at most ``window_steps`` steps (and at least the newest bucket).
+        Tensors are never changed in place: a reader's copy stays valid."""
+        counts = torch.as_tensor(expert_tokens, dtype=torch.long)
+        actors = None if actor_tokens is None else torch.as_tensor(actor_tokens, dtype=torch.long)
+        epoch = self.current().epoch if epoch is None else epoch
+        with self._lock:
+            last = self.window[-1] if self.window else None
+            if last is not None and last[0] == epoch and last[1] < self.bucket_steps and \
+                    (last[3] is None) == (actors is None) and (actors is None or last[3].shape == actors.shape):
+                last[1], last[2] = last[1] + 1, last[2] + counts
+                last[3] = None if actors is None else last[3] + actors
+            else:
+                self.window.append([epoch, 1, counts, actors])
+            self._window_sum = self._window_sum + counts
+            covered = sum(b[1] for b in self.window)
+            while len(self.window) > 1 and covered - self.window[0][1] >= self.window_steps:
+                _, steps, old, _ = self.window.popleft()
+                covered -= steps
+                self._window_sum = self._window_sum - old
+            self._totals = self._totals + counts
+            if actors is not None:
+                per_actor = actors.sum(0).tolist()
+                self._actor_totals += [0] * (len(per_actor) - len(self._actor_totals))
+                for j, n in enumerate(per_actor):
+                    self._actor_totals[j] += n
+            self.steps += 1
 
     def window_counts(self) -> torch.Tensor:
         """Tokens per (MoE layer, logical expert) over the sliding window: [layers, E]."""
-        if not self.window:
-            return torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long)
-        return torch.stack([t for _, t in self.window]).sum(0)
+        with self._lock:
+            return self._window_sum
 
-    def reset_window(self) -> None:
-        self.window.clear()
+    def totals(self) -> torch.Tensor:
+        """Tokens per (MoE layer, logical expert) over the engine's life: [layers, E]."""
+        with self._lock:
+            return self._totals
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+        """(totals [layers, E], window [layers, E], tokens per expert actor, steps in the window), taken
+        together under the lock: consistent with each other."""
+        with self._lock:
+            return self._totals, self._window_sum, list(self._actor_totals), sum(b[1] for b in self.window)
+
+    def actor_totals(self) -> list[int]:
+        """Tokens each expert actor index computed, over all epochs."""
+        with self._lock:
+            return list(self._actor_totals)
+
+    def steps_in_window(self) -> int:
+        with self._lock:
+            return sum(b[1] for b in self.window)
+
+    def measured_imbalance(self, steps: int | None = None) -> list[float]:
+        """Per MoE layer, measured: max over mean rows per expert actor over the window's last
+        ``steps`` steps (default: all of it; whole buckets) of the newest epoch in it. Empty without traffic."""
+        with self._lock:
+            buckets, covered = [], 0
+            for epoch, n, _, actors in reversed(self.window):
+                if steps is not None and covered >= steps:
+                    break
+                covered += n
+                if actors is not None:
+                    buckets.append((epoch, actors))
+        if not buckets:
+            return []
+        epoch = buckets[0][0]
+        return max_over_mean(torch.stack([a for e, a in buckets if e == epoch]).sum(0))
+
+    def expert_imbalance(self) -> list[float]:
+        """Per MoE layer: max over mean tokens per logical expert over the window."""
+        return max_over_mean(self.window_counts())
+
+    def hot(self, k: int) -> list[list[tuple[int, int]]]:
+        """[MoE layer][rank] (logical expert, tokens over the window) of the ``k`` hottest experts with
+        tokens; ties go to the lower expert id."""
+        return [sorted(((e, n) for e, n in enumerate(row) if n), key=lambda x: (-x[1], x[0]))[:k]
+                for row in self.window_counts().tolist()]
 
     def stats(self) -> dict:
         load = self.window_counts()
         table = self.current()
-        return {"epoch": table.epoch, "steps": self.steps, "window_steps": sum(n for n, _ in self.window),
+        return {"epoch": table.epoch, "steps": self.steps, "window_steps": self.steps_in_window(),
                 "moe_layers": list(self.moe_layers), "tokens_per_expert": load.tolist(),
                 "imbalance": actor_imbalance(table, load)}

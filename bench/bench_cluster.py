@@ -23,7 +23,7 @@ import torch
 
 from cluster.engine import Engine, EngineConfig
 from cluster.local import LocalCluster
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.config import load_config
 from model.loader import load_model
 from model.presets import build_preset
@@ -52,7 +52,7 @@ def cluster_run(eng: Engine, conc: int, tokens: int) -> tuple[float, list[float]
     t0 = time.perf_counter()
     eng.generate(prompts(conc), SamplingParams(max_tokens=tokens, ignore_eos=True))
     dt = time.perf_counter() - t0
-    n_moe = len(eng.cfg.moe_layers)
+    n_moe = len(eng.model_cfg.moe_layers)
     recent = list(eng.stats.recent)[-(eng.stats.steps - steps0):]
     per_layer = [x / n_moe for t in recent[1:] for x in t.attention_exchange_s]  # decode steps
     return conc * tokens / dt, per_layer
@@ -129,7 +129,7 @@ def main() -> None:
                                  "moe_exchange_median_ms": round(1000 * statistics.median(per_layer), 3),
                                  "bare_a2a_one_way_median_ms": round(1000 * floor, 3)})
                     print(json.dumps(rows[-1]), flush=True)
-                mem = [(ray.get(e.resident_bytes.remote()), ray.get(e.param_bytes.remote())) for e in (m.actor for m in eng.workers.experts)]
+                mem = [(ray.get(e.resident_bytes.remote()), ray.get(e.param_bytes.remote())) for e in (m.actor for m in eng.executor.fleet.experts)]
                 for j, (rss, shard) in enumerate(mem):
                     print(json.dumps({"shape": f"{A}x{E}", "expert_actor": j, "rss_MiB": round(rss / 2**20, 1),
                                       "shard_MiB": round(shard / 2**20, 3)}), flush=True)

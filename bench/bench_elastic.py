@@ -20,7 +20,7 @@ import torch
 
 from cluster.engine import Engine, EngineConfig
 from cluster.local import LocalCluster
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.presets import build_preset
 from model.sampling import SamplingParams
 
@@ -60,10 +60,10 @@ def one_run(path: str, streams: int) -> dict:
         skewed = [[t] * 40 for t in (5, 5, 5, 9, 9, 17)]
         sp = SamplingParams(max_tokens=16, ignore_eos=True)
         eng.generate(skewed, sp)
-        before = eng.stats.actor_imbalance(10_000)
+        before = eng.router.measured_imbalance()
         change = eng.rebalance(redundant_slots=3)
         eng.generate(skewed, sp)
-        after = eng.stats.actor_imbalance(10_000)
+        after = eng.router.measured_imbalance()
         out["rebalance"] = {"pause_s": change.pause_s, "measured_before": sum(before) / len(before),
                             "measured_after": sum(after) / len(after),
                             "predicted_before": sum(change.imbalance_before) / len(change.imbalance_before),

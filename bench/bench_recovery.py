@@ -29,7 +29,7 @@ import torch
 
 from cluster.engine import Engine, EngineConfig
 from cluster.local import LocalCluster
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.presets import build_preset
 from model.sampling import SamplingParams
 
@@ -49,21 +49,21 @@ def _timed_step(eng: Engine) -> float:
 
 
 def _standbys_up(eng: Engine) -> None:
-    ray.get([m.actor.node_id.remote() for m in eng.workers.standby], timeout=300)
+    ray.get([m.actor.node_id.remote() for m in eng.executor.fleet.standby], timeout=300)
 
 
 def run_with_kill(eng: Engine, prompts, kind: str, index: int) -> tuple[list[list[int]], dict]:
     _standbys_up(eng)  # a standby started by the previous recovery is warm before the next kill
     ids = [eng.add_request(p, PARAMS) for p in prompts]
     decode = [_timed_step(eng) for _ in range(4)][1:]  # the first one prefills
-    members = eng.workers.experts if kind == "expert" else eng.workers.attention
+    members = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
     ray.kill(members[index].actor, no_restart=True)
-    n = len(eng.changes)
+    n = len(eng.epochs.changes)
     failing = _timed_step(eng)
     redo = _timed_step(eng)
     while eng.has_work:
         eng.step()
-    change, recovery = eng.changes[n], eng.stats.recoveries[-1]
+    change, recovery = eng.epochs.changes[n], eng.stats.recoveries[-1]
     return [eng.release(i).seq.output_ids for i in ids], {
         "recovery_s": recovery, "replace_s": change.replace_s, "regroup_s": change.regroup_s,
         "detect_s": failing - recovery, "redo_s": redo, "decode_step_s": statistics.median(decode)}

@@ -23,7 +23,8 @@ import torch
 from actors.attention import step_stats
 from actors.dispatch import DistDispatcher
 from actors.messages import PlacementTable, StepResult
-from cluster.stats import EngineStats
+from actors.router import Router
+from cluster.stats import EngineStats, StepRecord
 from deploy.metrics import EngineMetrics
 
 
@@ -40,8 +41,8 @@ def main() -> None:
     table = PlacementTable(0, E, 1, tuple(range(1, L + 1)),
                            tuple(tuple(tuple(range(j * per, (j + 1) * per)) for j in range(A)) for _ in range(L)))
     d = DistDispatcher("attention[0]", table, 64, torch.float32, k, "dense")
-    stats = EngineStats(moe_layers=list(table.moe_layers), num_experts=E)
-    engine = SimpleNamespace(stats=stats, table=table)
+    stats, router = EngineStats(L), Router(E, list(table.moe_layers))
+    engine = SimpleNamespace(stats=stats, table=table, router=router)
     metrics = EngineMetrics(engine, "k2", expert_metrics="full")
     g = torch.Generator().manual_seed(0)
     parts: dict[str, list[float]] = {"worker packs": [], "ray serialise": [], "ray deserialise": [],
@@ -60,7 +61,9 @@ def main() -> None:
         t2 = time.perf_counter()
         back = pickle.loads(blob)
         t3 = time.perf_counter()
-        stats.record_step(args.tokens, [back], [], 0.01, table)
+        rec = StepRecord.of(args.tokens, [back], [], 0.01, table)  # what Engine.record does
+        router.report(rec.expert_tokens, rec.actor_tokens, epoch=table.epoch)
+        stats.record_step(rec)
         t4 = time.perf_counter()
         for part, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[part].append(dt)

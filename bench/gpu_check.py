@@ -26,7 +26,7 @@ import torch
 
 from cluster.engine import Engine, EngineConfig
 from cluster.local import LocalCluster
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate

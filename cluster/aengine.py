@@ -143,11 +143,13 @@ class AsyncEngine:
         for prompt_ids, params in jobs:
             self.engine.validate(prompt_ids, params)
 
-    def control(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+    def control(self, fn: Callable[[Engine], object], *, even_if_unavailable: bool = False
+                ) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread at the next step boundary; the future holds its
-        result or its exception (which does not stop the engine)."""
+        result or its exception (which does not stop the engine). ``even_if_unavailable``: also while
+        the engine waits for capacity or has failed (status, chaos), as long as its thread runs."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.healthy:
+        if not (self._thread.is_alive() if even_if_unavailable else self.healthy):
             fut.set_exception(RuntimeError(f"engine is not running: {self.error}"))
             return fut
         self._inbox.put(("call", fn, fut))
@@ -168,10 +170,10 @@ class AsyncEngine:
         """Steps back to back, pipelined: a decode step is sent before the last one's results are
         back (:meth:`Engine.launch_ahead`), else once its tokens are applied; only then are the
         finished step's statistics recorded and its tokens detokenised and delivered — that work
-        overlaps the actors computing the next step."""
-        launched = None
+        overlaps the actors computing the next step (the engine keeps the steps in flight)."""
+        engine = self.engine
         while not self._stop.is_set():
-            self._drain(block=launched is None and not self.engine.has_work)
+            self._drain(block=not engine.busy)
             if self._stop.is_set():
                 continue
             try:
@@ -180,30 +182,28 @@ class AsyncEngine:
                 if self.unavailable is not None:
                     self._heal()
                     continue
-                if launched is None and not self.engine.has_work:
-                    self.engine.advance()  # an epoch change can happen while idle too
+                if not engine.busy:
+                    engine.advance()  # an epoch change can happen while idle too
                     continue
-                events, launched = self.engine.pipelined(launched)
-                self.engine.record()
+                events = engine.pipelined()
+                engine.record()
                 t0 = time.perf_counter()
                 for ev in events:
                     self._deliver(ev)
-                self.engine.stats.add_time(deliver=time.perf_counter() - t0)
+                engine.stats.add_time(deliver=time.perf_counter() - t0)
             except RequestsFailed as e:  # work that failed every time it ran: only its requests end
-                launched = None
                 for seq_id in e.seq_ids:
                     stream = self._streams.pop(seq_id, None)
                     if stream is not None:
                         stream.push(e)
                 continue
             except NoCapacity as e:  # recovery must wait for room: fail what is open, refuse new work
-                launched = None
                 self.unavailable = str(e)
                 self._next_heal = time.monotonic() + self.heal_every_s
                 self._fail_all(e)
                 continue
             except BaseException as e:  # noqa: BLE001 — delivered to every waiting request
-                launched = None
+                engine.inflight.clear()
                 self.error = e
                 self._fail_all(e)
 

@@ -1,5 +1,5 @@
 """Runtime knobs of one deployment (the architecture comes from the checkpoint). Built once at the
-edge (deploy/ or the CLI) and handed down; read by the engine and its worker group."""
+edge (deploy/ or the CLI) and handed down; read by the engine, its epoch owner and its fleet."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ class EngineConfig:
     max_step_retries: int = 2
     start_timeout_s: float = 300.0  # reserving placement groups, starting actors
     load_timeout_s: float | None = None  # actors loading weights; None: scales with the bytes to read
-    # elastic plane: the router's sliding window, and the automatic rebalancing policy (off by default)
+    # elastic plane: the router's sliding window of token counts (steps), which rebalancing, the measured
+    # imbalance and the metrics read, and the automatic rebalancing policy (off by default)
     window_steps: int = 256
-    report_every_steps: int = 16  # the engine sends the router its token counts this often (one Ray call)
     auto_rebalance: bool = False
     rebalance_threshold: float = 1.5  # mean over MoE layers of max/mean tokens per expert actor
     rebalance_interval_s: float = 300.0  # at least this long between two automatic rebalances
@@ -56,7 +56,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
-                     "report_every_steps", "actor_threads", "expert_threads"):
+                     "actor_threads", "expert_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
         if self.micro_batches < 2:

@@ -10,7 +10,7 @@ from typing import Iterator
 import ray
 
 from .local import LocalCluster
-from .topology import ClusterSpec
+from .spec import ClusterSpec
 
 
 @contextlib.contextmanager

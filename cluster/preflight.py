@@ -2,7 +2,7 @@
 
 Owns: the check of a :class:`ClusterSpec` against the cluster's *total* resources (an empty
 cluster's view: what could ever be placed) — bundle counts per node (the same planning
-:func:`~cluster.topology.plan_bundles` does) and memory (each node's weights: RAM for CPU
+:func:`~cluster.spec.plan_bundles` does) and memory (each node's weights: RAM for CPU
 actors, HBM of the GPU kind for GPU actors, with :mod:`cluster.planner`'s bytes) — and a
 suggested shape that fits. Never: reserves, creates or kills anything.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from model.config import ModelConfig
 
 from .planner import ATTENTION_WORKSPACE, DEVICES, EXPERT_WORKSPACE, GB, weight_bytes
-from .topology import ClusterSpec, NodeInfo, plan_bundles
+from .spec import ClusterSpec, NodeInfo, plan_bundles
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GPU_UTILIZATION = 0.9

@@ -1,11 +1,14 @@
 """The scheduler: which sequences run each step, how many of their tokens, and where their cache
-lives (continuous batching, ARCHITECTURE.md "Engine").
+lives (continuous batching, docs/architecture.md "The engine").
 
-Owns: the waiting queue and running set, each attention replica's block and KDA-slot allocators,
-and each sequence's block table. Every step mixes decodes and (chunked) prefills under a token
-budget; a decode that finds its replica's cache full preempts the replica's newest sequence,
-whose blocks are freed and which is recomputed later from its prompt plus the tokens it has
-already produced. New sequences go to the least-loaded replica and stay there for life.
+Owns: every live :class:`Seq` — the only code that assigns a sequence's fields (a static test
+holds it to that) — the waiting queue and running set, each attention replica's block and
+KDA-slot allocators, and each sequence's block table. Every step mixes decodes and (chunked)
+prefills under a token budget; a decode that finds its replica's cache full preempts the
+replica's newest sequence, whose blocks are freed and which is recomputed later from its prompt
+plus the tokens it has already produced. New sequences go to the least-loaded replica and stay
+there for life. A step's sampled tokens come back through :meth:`Scheduler.apply` (append, stop
+checks); a failed step is undone through :meth:`Scheduler.rewind`.
 Never: touches tensors or talks to actors — the engine turns a :class:`Plan` into messages.
 """
 
@@ -14,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from actors.messages import SeqChunk
+from actors.messages import SampledToken, SeqChunk
 from model.cache import BlockAllocator
-from model.runner import Sequence
+from model.runner import Sequence, check_stop
 
 
 @dataclass(eq=False)
@@ -45,9 +48,12 @@ class Plan:
 
 class Scheduler:
     def __init__(self, *, num_replicas: int, num_blocks: int, block_size: int, num_slots: int | None,
-                 max_num_seqs: int, max_tokens_per_step: int):
+                 max_num_seqs: int, max_tokens_per_step: int, stop_ids: frozenset[int] = frozenset(),
+                 max_context: int = 1 << 62):
         if max_tokens_per_step < 1 or max_num_seqs < 1:
             raise ValueError("max_tokens_per_step and max_num_seqs must be >= 1")
+        self.stop_ids, self.max_context = frozenset(stop_ids), max_context  # the model's stop tokens and context
+        self.seqs: dict[int, Seq] = {}  # every sequence added and not finished, by id
         self.block_size, self.max_num_seqs, self.budget = block_size, max_num_seqs, max_tokens_per_step
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.blocks: list[BlockAllocator] = []
@@ -83,6 +89,7 @@ class Scheduler:
         need = self.blocks[0].blocks_needed(len(seq.token_ids) + 1, 0)
         if need > self.blocks[0].num_blocks:
             raise ValueError(f"sequence {seq.seq_id} needs {need} cache blocks; a replica has {self.blocks[0].num_blocks}")
+        self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def requeue(self, seqs: list[Seq]) -> None:
@@ -94,8 +101,44 @@ class Scheduler:
                 self._free(seq)
                 self.waiting.appendleft(seq)
 
+    def apply(self, sampled: list[SampledToken]) -> list[tuple[Seq, SampledToken, str | None]]:
+        """A finished step's sampled tokens: each is appended to its sequence and the stop checks run
+        (a stopped sequence is finished and its cache freed). Tokens of sequences finished or
+        aborted meanwhile are dropped. Returns (sequence, token, finish reason or None) per token."""
+        out = []
+        for tok in sampled:
+            seq = self.seqs.get(tok.seq_id)
+            if seq is None:
+                continue
+            seq.token_ids.append(tok.token_id)
+            reason = check_stop(seq, self.stop_ids, self.max_context)
+            if reason:
+                self.finish(seq, reason)
+            out.append((seq, tok, reason))
+        return out
+
+    def rewind(self, failed: list[list[SeqChunk]], dead_replicas: set[int], *, recompute_state: bool) -> None:
+        """Make the state what it was before failed steps (their chunks, newest step first).
+        Latent-cache writes are idempotent (a retry rewrites the same positions with the same
+        values), so the steps' tokens are just computed again; a KDA state update is not (layers
+        before the failure already advanced it), so with ``recompute_state`` the steps' sequences
+        are re-prefilled from zero, as are all sequences of a dead attention replica (their cache
+        is gone)."""
+        redo = [s for s in self.running if s.replica in dead_replicas]
+        for chunks in failed:
+            for c in chunks:
+                seq = self.seqs.get(c.seq_id)
+                if seq is None or seq not in self.running or seq in redo:
+                    continue
+                if recompute_state:
+                    redo.append(seq)
+                else:
+                    seq.num_cached -= len(c.token_ids)
+        self.requeue(sorted(redo, key=self.running.index))
+
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
+        self.seqs.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
             self._free(seq)

@@ -1,11 +1,19 @@
-"""Per-step statistics of the engine: token counts per logical expert and per expert actor, load
-imbalance, exchange and compute times, latencies. Owned by the engine; read by the metrics
-exporter and the benchmarks. Plain numbers only (no Prometheus objects here)."""
+"""The engine's statistics: typed records with one writer (the engine thread), handed to listeners.
+
+Each thing measured is a frozen record — :class:`StepRecord` (one finished step), :class:`TokenTiming`
+(a first or a later token), :class:`Finished` (a request), :class:`EpochPaused`, :class:`ActorFailed`,
+:class:`Recovered` — and :class:`EngineStats` keeps the running figures the status and the
+benchmarks read, then hands each record to its listeners (the metrics exporter: a stat logger, as
+vLLM's). Per-expert token counts are not kept here: the router keeps them, once.
+Plain numbers and tensors only (no Prometheus objects here).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -13,21 +21,86 @@ import torch
 from actors.messages import ExpertStepResult, PlacementTable, StepResult
 
 
-@dataclass
-class StepTimes:
-    step_s: float
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step, made by the engine from the actors' results (:meth:`of`)."""
+
+    epoch: int
     tokens: int
-    attention_exchange_s: tuple[float, ...]
-    expert_exchange_s: tuple[float, ...]
-    expert_compute_s: tuple[float, ...]
+    step_s: float
+    attention_exchange_s: tuple[float, ...] = ()
+    expert_exchange_s: tuple[float, ...] = ()
+    expert_compute_s: tuple[float, ...] = ()
     attention_dispatch_s: tuple[float, ...] = ()
     attention_combine_s: tuple[float, ...] = ()
+    expert_tokens: torch.Tensor | None = None  # [moe layers, experts]: tokens per logical expert
+    slot_tokens: torch.Tensor | None = None  # [moe layers, expert actors, local slots]: rows sent there
+    slot_rows: torch.Tensor | None = None  # [moe layers, expert actors, local slots]: rows computed there
+    parts: tuple[tuple[str, float], ...] = ()  # the actors' side of the step, for the breakdown
+
+    @property
+    def actor_tokens(self) -> torch.Tensor | None:
+        """[moe layers, expert actors]: rows sent to each expert actor."""
+        return None if self.slot_tokens is None else self.slot_tokens.sum(2)
+
+    @classmethod
+    def of(cls, tokens: int, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float,
+           table: PlacementTable) -> "StepRecord":
+        counts = [_counts(r.expert_tokens) for r in attn if len(r.expert_tokens)]
+        slots = [_counts(r.slot_tokens) for r in attn if len(r.slot_tokens)]
+        rows = [r.rows_per_slot for r in expert if r.rows_per_slot]
+        return cls(
+            table.epoch, tokens, step_s, tuple(r.exchange_s for r in attn), tuple(r.exchange_s for r in expert),
+            tuple(r.compute_s for r in expert), tuple(r.dispatch_s for r in attn), tuple(r.combine_s for r in attn),
+            expert_tokens=_sum(counts), slot_tokens=_sum(slots),
+            slot_rows=(torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
+                       if rows and len(rows) == len(expert) else None),
+            parts=tuple(_parts(attn, expert, step_s).items()))
+
+
+@dataclass(frozen=True)
+class TokenTiming:
+    """A request's first token (``first``: time to first token) or a later one (inter-token latency)."""
+
+    seconds: float
+    first: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request that ended (by a stop condition; aborted ones are not counted)."""
+
+    seconds: float  # arrival to last token
+    prompt_tokens: int
+    generation_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class EpochPaused:
+    epoch: int
+    pause_s: float
+
+
+@dataclass(frozen=True)
+class ActorFailed:
+    kind: str  # "attention" | "expert"
+
+
+@dataclass(frozen=True)
+class Recovered:
+    seconds: float  # from the failed step to the cluster serving again
+
+
+Record = StepRecord | TokenTiming | Finished | EpochPaused | ActorFailed | Recovered
 
 
 @dataclass
 class EngineStats:
-    moe_layers: list[int]
-    num_experts: int
+    """Running figures of one engine. Written only on the engine thread, through the ``observe_*``
+    and ``record_step`` methods; readers on other threads copy what they read."""
+
+    num_moe_layers: int
     steps: int = 0
     tokens_computed: int = 0
     preemptions: int = 0
@@ -38,11 +111,6 @@ class EngineStats:
     finished: int = 0
     generation_tokens: int = 0
     prompt_tokens: int = 0
-    last_expert_tokens: torch.Tensor | None = None  # [moe layers, experts] of the last step
-    last_slot_tokens: torch.Tensor | None = None  # [moe layers, expert actors, max local slots] of the last step
-    expert_tokens_total: torch.Tensor | None = None  # [moe layers, experts], over the engine's life
-    actor_tokens_total: list[int] = field(default_factory=list)  # per expert actor index, over all epochs
-    actor_window: deque = field(default_factory=lambda: deque(maxlen=4096))  # (epoch, [layers, actors]) per step
     epoch_pauses: list = field(default_factory=list)  # (epoch, pause seconds) per epoch change
     actor_failures: dict = field(default_factory=dict)  # actor kind → failures seen
     recoveries: list = field(default_factory=list)  # seconds from a failed step to the recovered cluster
@@ -51,121 +119,87 @@ class EngineStats:
     epoch: int = -1
     epoch_slot_tokens: torch.Tensor | None = None
     epoch_slot_rows: torch.Tensor | None = None
-    recent: deque = field(default_factory=lambda: deque(maxlen=512))
+    recent: deque = field(default_factory=lambda: deque(maxlen=512))  # the last StepRecords, without their counts
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))
-    listeners: list = field(default_factory=list)  # callables(event: str, **values), e.g. metrics
+    listeners: list[Callable[[Record], None]] = field(default_factory=list)  # stat loggers, e.g. metrics
 
-    def __post_init__(self):
-        self.expert_tokens_total = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.long)
-
-    def record_step(self, tokens: int, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float,
-                    table: PlacementTable) -> None:
+    def record_step(self, rec: StepRecord) -> None:
         self.steps += 1
-        self.tokens_computed += tokens
-        if table.epoch != self.epoch:
-            self.epoch, self.epoch_slot_tokens, self.epoch_slot_rows = table.epoch, None, None
-        rows = [r.rows_per_slot for r in expert if r.rows_per_slot]
-        if rows and len(rows) == len(expert):
-            step_rows = torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
-            self.epoch_slot_rows = step_rows if self.epoch_slot_rows is None else self.epoch_slot_rows + step_rows
-        counts = [_counts(r.expert_tokens) for r in attn if len(r.expert_tokens)]
-        slots = [_counts(r.slot_tokens) for r in attn if len(r.slot_tokens)]
-        per_actor = None
-        if counts:
-            step = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)  # [moe layers, experts]
-            self.last_expert_tokens = step
-            self.expert_tokens_total += step
-        else:
-            self.last_expert_tokens = None
-        if slots:
-            self.last_slot_tokens = slots[0] if len(slots) == 1 else torch.stack(slots).sum(0)  # [layers, actors, slots]
-            self.epoch_slot_tokens = (self.last_slot_tokens if self.epoch_slot_tokens is None
-                                      else self.epoch_slot_tokens + self.last_slot_tokens)
-            layer_actor = self.last_slot_tokens.sum(2)  # [layers, actors]
-            self.actor_window.append((table.epoch, layer_actor))
-            per_actor = layer_actor.sum(0).tolist()
-            if len(self.actor_tokens_total) < len(per_actor):
-                self.actor_tokens_total += [0] * (len(per_actor) - len(self.actor_tokens_total))
-            for j, n in enumerate(per_actor):
-                self.actor_tokens_total[j] += n
-        else:
-            self.last_slot_tokens = None
-        times = StepTimes(step_s, tokens, tuple(r.exchange_s for r in attn), tuple(r.exchange_s for r in expert),
-                          tuple(r.compute_s for r in expert), tuple(r.dispatch_s for r in attn),
-                          tuple(r.combine_s for r in attn))
-        self.recent.append(times)
-        self._breakdown_step(attn, expert, step_s)
-        for fn in self.listeners:
-            fn("step", times=times, expert_tokens=self.last_expert_tokens, actor_tokens=per_actor)
+        self.tokens_computed += rec.tokens
+        if rec.epoch != self.epoch:
+            self.epoch, self.epoch_slot_tokens, self.epoch_slot_rows = rec.epoch, None, None
+        if rec.slot_rows is not None:
+            self.epoch_slot_rows = _add(self.epoch_slot_rows, rec.slot_rows)
+        if rec.slot_tokens is not None:
+            self.epoch_slot_tokens = _add(self.epoch_slot_tokens, rec.slot_tokens)
+        self.recent.append(dataclasses.replace(rec, expert_tokens=None, slot_tokens=None, slot_rows=None))
+        if rec.parts:
+            self.add_time(**dict(rec.parts))
+            self.breakdown["steps"] += 1
+        self._emit(rec)
 
     def add_time(self, **seconds: float) -> None:
         """Add to the breakdown (engine thread; the status reader copies the dict)."""
         for k, v in seconds.items():
             self.breakdown[k] = self.breakdown.get(k, 0.0) + v
 
-    def _breakdown_step(self, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float) -> None:
-        """The actors' side of one step: the slowest attention replica's parts, the mean expert actor's."""
-        if not attn:
-            return
-        a = max(attn, key=lambda r: r.forward_s + r.sample_s)
-        parts = {"step": step_s, "attention_compute": a.forward_s - a.exchange_s, "attention_wait": a.combine_s,
-                 "attention_post": a.dispatch_s, "sample": a.sample_s, "attention_cpu": a.cpu_s,
-                 "round_trip": step_s - a.forward_s - a.sample_s}
-        if expert:
-            n = len(expert)
-            parts |= {"expert_compute": sum(r.compute_s for r in expert) / n,
-                      "expert_receive": sum(r.dispatch_s for r in expert) / n,
-                      "expert_send": sum(r.combine_s for r in expert) / n,
-                      "expert_cpu": sum(r.cpu_s for r in expert) / n}
-        self.add_time(**parts)
-        self.breakdown["steps"] += 1
-
-    def actor_imbalance(self, steps: int, epoch: int | None = None) -> list[float]:
-        """Measured, per MoE layer: max over mean tokens per expert actor over the last ``steps``
-        steps of ``epoch`` (default: the latest epoch seen). Empty when there is no traffic."""
-        recent = list(self.actor_window)[-steps:]
-        if not recent:
-            return []
-        epoch = recent[-1][0] if epoch is None else epoch
-        rows = [t for e, t in recent if e == epoch]
-        if not rows:
-            return []
-        load = torch.stack(rows).sum(0).double()  # [layers, actors]
-        mean = load.mean(1)
-        return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(1).values, mean)]
-
     def observe_failure(self, kind: str) -> None:
         self.actor_failures[kind] = self.actor_failures.get(kind, 0) + 1
-        for fn in self.listeners:
-            fn("failure", kind=kind)
+        self._emit(ActorFailed(kind))
 
     def observe_recovery(self, seconds: float) -> None:
         self.recoveries.append(seconds)
-        for fn in self.listeners:
-            fn("recovery", seconds=seconds)
+        self._emit(Recovered(seconds))
 
     def observe_epoch(self, epoch: int, pause_s: float) -> None:
         self.epoch_pauses.append((epoch, pause_s))
-        for fn in self.listeners:
-            fn("epoch", epoch=epoch, pause_s=pause_s)
+        self._emit(EpochPaused(epoch, pause_s))
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_s.append(seconds)
-        for fn in self.listeners:
-            fn("ttft", seconds=seconds)
+        self._emit(TokenTiming(seconds, True))
 
     def observe_itl(self, seconds: float) -> None:
-        for fn in self.listeners:
-            fn("itl", seconds=seconds)
+        self._emit(TokenTiming(seconds, False))
 
     def observe_finished(self, seconds: float, seq) -> None:
         self.finished += 1
         self.e2e_s.append(seconds)
         self.generation_tokens += len(seq.output_ids)
         self.prompt_tokens += seq.num_prompt_tokens
+        self._emit(Finished(seconds, seq.num_prompt_tokens, len(seq.output_ids), str(seq.finish_reason)))
+
+    def _emit(self, rec: Record) -> None:
         for fn in self.listeners:
-            fn("finished", seconds=seconds, seq=seq)
+            fn(rec)
+
+
+def _parts(attn: list[StepResult], expert: list[ExpertStepResult], step_s: float) -> dict[str, float]:
+    """The actors' side of one step: the slowest attention replica's parts, the mean expert actor's."""
+    if not attn:
+        return {}
+    a = max(attn, key=lambda r: r.forward_s + r.sample_s)
+    parts = {"step": step_s, "attention_compute": a.forward_s - a.exchange_s, "attention_wait": a.combine_s,
+             "attention_post": a.dispatch_s, "sample": a.sample_s, "attention_cpu": a.cpu_s,
+             "round_trip": step_s - a.forward_s - a.sample_s}
+    if expert:
+        n = len(expert)
+        parts |= {"expert_compute": sum(r.compute_s for r in expert) / n,
+                  "expert_receive": sum(r.dispatch_s for r in expert) / n,
+                  "expert_send": sum(r.combine_s for r in expert) / n,
+                  "expert_cpu": sum(r.cpu_s for r in expert) / n}
+    return parts
+
+
+def _sum(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    if not tensors:
+        return None
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors).sum(0)
+
+
+def _add(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return x if total is None else total + x
 
 
 def _counts(x) -> torch.Tensor:

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
 from cluster.aengine import AsyncEngine, StreamChunk
-from cluster.engine import Engine, EngineError
+from cluster.engine import Engine
 from cluster.progress import load_progress, still_loading
 from model.config import load_config
 from model.sampling import SamplingParams
@@ -84,22 +84,22 @@ class Reject:
                   health_check_timeout_s=10)
 class EngineServer:
     def __init__(self, raw: dict, model_path: str):
-        cfg = ServeConfig.parse(raw)
+        serve_cfg = ServeConfig.parse(raw)
         tok = Tokenizer.from_dir(model_path)
-        self.name = cfg.name_for(Path(model_path))
-        self.max_queue = cfg.max_queue
+        self.name = serve_cfg.name_for(Path(model_path))
+        self.max_queue = serve_cfg.max_queue
         owner = f"moeray-{serve.get_replica_context().app_name}"  # names its placement groups; cleans up orphans
-        self.engine = Engine(cfg.engine_config(model_path, owner), cfg.cluster_spec(),
+        self.engine = Engine(serve_cfg.engine_config(model_path, owner), serve_cfg.cluster_spec(),
                              stop_ids=tok.stop_token_ids).start()
         self.aengine = AsyncEngine(self.engine, tok).start()
         self.streams = EngineStreams(self.aengine)
-        self.metrics = EngineMetrics(self.engine, self.name, prefix=cfg.metrics_prefix,
-                                     expert_metrics=cfg.expert_metrics)
+        self.metrics = EngineMetrics(self.engine, self.name, prefix=serve_cfg.metrics_prefix,
+                                     expert_metrics=serve_cfg.expert_metrics)
         self.ingress = serve_ingress()  # set when the Ray nodes start, not by the app (settings.py)
-        if self.ingress != cfg.ingress:
+        if self.ingress != serve_cfg.ingress:
             logging.getLogger("ray.serve").warning(
                 "the serving config asks for ingress %r, but this Ray cluster's nodes run %r: the `ray start` "
-                "environment decides (deploy/ray-cluster-*.yaml carry the haproxy one)", cfg.ingress, self.ingress)
+                "environment decides (deploy/ray-cluster-*.yaml carry the haproxy one)", serve_cfg.ingress, self.ingress)
 
     async def subscribe(self, sink: str):
         """One Ingress replica's stream of every chunk of its requests (:mod:`deploy.mux`)."""
@@ -139,15 +139,21 @@ class EngineServer:
         if not self.aengine.alive:
             raise RuntimeError(f"the engine failed: {self.aengine.error}")
 
-    def chaos(self, kind: str, index: int) -> dict:
-        """Fault injection: ``ray.kill`` of one attention or expert actor (``moeray chaos``)."""
-        import ray
+    async def chaos(self, kind: str, index: int) -> dict:
+        """Fault injection: ``ray.kill`` of one attention or expert actor (``moeray chaos``), done on
+        the engine thread between steps."""
+        try:
+            killed = await self._on_engine_thread(lambda e: e.executor.kill(kind, index))
+        except ValueError as e:
+            return {"ok": False, "status": 400, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 — the engine is gone or did not answer
+            return {"ok": False, "status": 503, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "killed": killed}
 
-        members = self.engine.workers.attention if kind == "attention" else self.engine.workers.experts
-        if not 0 <= index < len(members):
-            return {"ok": False, "status": 400, "error": f"there is no {kind}[{index}]: the app has {len(members)}"}
-        ray.kill(members[index].actor, no_restart=True)
-        return {"ok": True, "killed": f"{kind}[{index}]"}
+    async def _on_engine_thread(self, fn):
+        """``fn(engine)`` on the engine thread (the only one that touches the engine), waited for."""
+        fut = self.aengine.control(fn, even_if_unavailable=True)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), CONTROL_TIMEOUT_S)
 
     async def change(self, kind: str, value: int | None) -> dict:
         """An epoch change (``kind``: experts, attention, rebalance), waited for; ``{"ok", "change"}`` or
@@ -163,33 +169,33 @@ class EngineServer:
             return {"ok": False, "status": 503, "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "change": change.as_dict()}
 
-    def status(self) -> dict:
-        eng, sched, workers = self.engine, self.engine.scheduler, self.engine.workers
-        table, tokens = eng.table, list(eng.stats.actor_tokens_total)
-        attention, experts = list(workers.attention), list(workers.experts)
+    async def status(self) -> dict:
+        snap = await self._on_engine_thread(lambda e: e.status())
+        table, tokens, actors = snap["table"], snap["actor_tokens"], snap["actors"]
+        weights = []  # each expert actor's resident bytes: asked on the engine thread, waited for here
+        if actors["weight_bytes"]:
+            futs = [asyncio.wrap_future(f) for f in actors["weight_bytes"]]
+            _, pending = await asyncio.wait(futs, timeout=CONTROL_TIMEOUT_S)  # never cancels Ray's futures
+            if not pending and not any(f.exception() for f in futs):  # else an expert actor is down
+                weights = [f.result() for f in futs]
         replicated = [set(table.replicated(i)) for i in range(len(table.moe_layers))]
-        last = eng.changes[-1].as_dict() if eng.changes else None
-        try:
-            weights = eng.expert_weight_bytes(CONTROL_TIMEOUT_S)
-        except EngineError:  # an expert actor is down (recovery reports it); the rest of the status stands
-            weights = []
         return {
             "model": self.name, "healthy": self.aengine.healthy, "shape": table.shape(), "pid": os.getpid(),
-            "failures": dict(eng.stats.actor_failures), "recoveries_s": list(eng.stats.recoveries),
-            "running": len(sched.running), "waiting": len(sched.waiting), "steps": eng.stats.steps,
-            "epoch": table.epoch, "last_change": last, "changing": eng.transition is not None,
-            "ping_pong": eng.ping_pong, "breakdown": dict(eng.stats.breakdown), "ingress": self.ingress,
+            "failures": snap["failures"], "recoveries_s": snap["recoveries_s"],
+            "running": snap["running"], "waiting": snap["waiting"], "steps": snap["steps"],
+            "epoch": table.epoch, "last_change": snap["changes"][-1] if snap["changes"] else None,
+            "changing": snap["changing"], "ping_pong": snap["ping_pong"], "breakdown": snap["breakdown"],
+            "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
-            "attention": [{"index": i, "node": workers.node_ip(m),
-                           "cache_blocks_used": a.num_blocks - a.num_free, "cache_blocks": a.num_blocks}
-                          for i, (m, a) in enumerate(zip(attention, sched.blocks))],
-            "experts": [{"index": j, "node": workers.node_ip(m),
+            "attention": [{"index": i, "node": a["node"], "cache_blocks_used": used, "cache_blocks": total}
+                          for i, (a, (used, total)) in enumerate(zip(actors["attention"], snap["cache"]))],
+            "experts": [{"index": j, "node": x["node"],
                          "slots": {str(layer): list(ids) for layer, ids in table.experts_of(j).items()},
                          "replicas": {str(layer): [e for e in ids if e in replicated[i]]
                                       for i, (layer, ids) in enumerate(table.experts_of(j).items())},
                          "tokens": tokens[j] if j < len(tokens) else 0,
                          "weight_bytes": weights[j] if j < len(weights) else None}
-                        for j, m in enumerate(experts)],
+                        for j, x in enumerate(actors["experts"])],
         }
 
     def __del__(self):
@@ -315,32 +321,32 @@ async def _server_error(_request: Request, err: Exception):
 @serve.ingress(api)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, raw: dict, model_path: str):
-        self.cfg = ServeConfig.parse(raw)
+        self.serve_cfg = ServeConfig.parse(raw)
         self.engine = engine
         self.mux = StreamMux(engine, CONTROL_TIMEOUT_S)
         self.tok = Tokenizer.from_dir(model_path)
         mcfg = load_config(model_path)
-        self.context = min(mcfg.max_position_embeddings, self.cfg.max_model_len or mcfg.max_position_embeddings)
-        self.cache_tokens = self.cfg.num_blocks * self.cfg.block_size  # one replica's cache
-        self.name = self.cfg.name_for(Path(model_path))
+        self.context = min(mcfg.max_position_embeddings, self.serve_cfg.max_model_len or mcfg.max_position_embeddings)
+        self.cache_tokens = self.serve_cfg.num_blocks * self.serve_cfg.block_size  # one replica's cache
+        self.name = self.serve_cfg.name_for(Path(model_path))
         self.created = int(time.time())
         doc.specialize(model_names=[self.name], vocab_size=self.tok.vocab_size, max_model_len=self.context,
-                       api_key=self.cfg.api_key is not None)
+                       api_key=self.serve_cfg.api_key is not None)
 
     def __del__(self):  # Serve calls it at shutdown, on the replica's event loop
         self.mux.close()
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
-        key = self.cfg.api_key
+        key = self.serve_cfg.api_key
         if key is not None and request.headers.get("authorization", "") != f"Bearer {key}":
             raise oa.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise oa.APIError(413, f"request body is {declared} bytes, over the limit of {self.cfg.max_body_bytes}",
+        if declared is not None and declared.isdigit() and int(declared) > self.serve_cfg.max_body_bytes:
+            raise oa.APIError(413, f"request body is {declared} bytes, over the limit of {self.serve_cfg.max_body_bytes}",
                               code="request_too_large")
         return await request.body()
 
@@ -419,25 +425,25 @@ class Ingress:
     @api.post("/admin/scale/experts", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_experts(self, request: Request):
         self._auth(request)
-        body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
+        body = oa.parse_request(ScaleRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         return await self._admin(request, "experts", body.n)
 
     @api.post("/admin/scale/attention", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_attention(self, request: Request):
         self._auth(request)
-        body = oa.parse_request(ScaleRequest, await self._body(request), self.cfg.max_body_bytes)
+        body = oa.parse_request(ScaleRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         return await self._admin(request, "attention", body.n)
 
     @api.post("/admin/rebalance", openapi_extra=doc.body(RebalanceRequest), responses=ADMIN_DOC)
     async def rebalance(self, request: Request):
         self._auth(request)
-        body = oa.parse_request(RebalanceRequest, await self._body(request), self.cfg.max_body_bytes)
+        body = oa.parse_request(RebalanceRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         return await self._admin(request, "rebalance", body.redundant_slots)
 
     @api.post("/admin/chaos", openapi_extra=doc.body(ChaosRequest), responses=errors(400, 401, 413, 503))
     async def chaos(self, request: Request):
         self._auth(request)
-        body = oa.parse_request(ChaosRequest, await self._body(request), self.cfg.max_body_bytes)
+        body = oa.parse_request(ChaosRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         out = await self._ask_engine(self.engine.chaos.options(), "the kill", body.kind, body.index)
         if not out["ok"]:
             raise oa.APIError(out["status"], out["error"], param="index")
@@ -453,7 +459,7 @@ class Ingress:
               responses={**ok(out.CompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
     async def completions(self, request: Request):
         self._auth(request)
-        req = oa.parse_request(oa.CompletionRequest, await self._body(request), self.cfg.max_body_bytes)
+        req = oa.parse_request(oa.CompletionRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         oa.resolve_model(req.model, [self.name])
         prompts = oa.prompt_token_lists(req, self.tok)
         jobs = []
@@ -467,7 +473,7 @@ class Ingress:
               responses={**ok(out.ChatCompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
     async def chat(self, request: Request):
         self._auth(request)
-        req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request), self.cfg.max_body_bytes)
+        req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         oa.resolve_model(req.model, [self.name])
         ids = oa.chat_prompt_ids(req, self.tok)
         params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
@@ -531,7 +537,7 @@ def build_app(args: dict):
 
     from .settings import cache_root
 
-    cfg = ServeConfig.parse(args or {})
-    path = str(resolve_model(cfg.model, cache_root()).resolve())
-    raw = cfg.model_dump()
+    serve_cfg = ServeConfig.parse(args or {})
+    path = str(resolve_model(serve_cfg.model, cache_root()).resolve())
+    raw = serve_cfg.model_dump()
     return Ingress.bind(EngineServer.bind(raw, path), raw, path)

@@ -88,21 +88,21 @@ def params(
     from model.params import cache_bytes_per_token, count_params, format_report, state_bytes_per_sequence
     from model.presets import PRESETS, preset_config
 
-    cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
-    report = count_params(cfg)
+    model_cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
+    report = count_params(model_cfg)
     if as_json:
         out = report.to_dict()
         if cache:
-            out["cache"] = cache_bytes_per_token(cfg)
-            out["kda_state"] = state_bytes_per_sequence(cfg)
+            out["cache"] = cache_bytes_per_token(model_cfg)
+            out["kda_state"] = state_bytes_per_sequence(model_cfg)
         print(json.dumps(out, indent=2))
         return
     print(format_report(report))
     if cache:
-        c = cache_bytes_per_token(cfg)
+        c = cache_bytes_per_token(model_cfg)
         print(f"MLA latent cache per token (bf16): {c['latent']:,} B over {c['mla_layers']} MLA layers; "
               f"naive per-head K/V would be {c['naive']:,} B ({c['naive'] / c['latent']:.1f}x)")
-        k = state_bytes_per_sequence(cfg)
+        k = state_bytes_per_sequence(model_cfg)
         if k["kda_layers"]:
             print(f"KDA state per sequence: {k['total']:,} B over {k['kda_layers']} KDA layers "
                   f"(recurrent fp32 {k['recurrent_per_layer']:,} B + conv bf16 {k['conv_per_layer']:,} B per layer), "
@@ -137,16 +137,16 @@ def plan(
         raise ValueError("give both --attention and --experts, or neither (then a shape is proposed)")
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
-    cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
+    model_cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
     kw = dict(model=Path(model).name if model not in PRESETS else model, device=DEVICES[gpu],
-              context=context or min(cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
+              context=context or min(model_cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
               utilization=utilization, link_gbps=link_gbps)
-    proposal = propose(cfg, nodes=nodes, gpus_per_node=gpus_per_node, **kw)
+    proposal = propose(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, **kw)
     if attention is None:
-        shown = proposal or plan_shape(cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=1,
+        shown = proposal or plan_shape(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=1,
                                        experts=max(nodes * gpus_per_node - 1, 1), **kw)
     else:
-        shown = plan_shape(cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=attention, experts=experts, **kw)
+        shown = plan_shape(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=attention, experts=experts, **kw)
     if as_json:
         out = shown.to_dict()
         out["proposal"] = None if proposal is None else {"attention": proposal.attention, "experts": proposal.experts}
@@ -198,7 +198,7 @@ def generate(
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                         ignore_eos=ignore_eos)
     path = _resolve(model)
-    cfg = load_config(path, gate_bias_in_weights=biased_gate)
+    model_cfg = load_config(path, gate_bias_in_weights=biased_gate)
     tok = Tokenizer.from_dir(path)
     if prompt_ids is not None:
         ids = _parse_ids(prompt_ids)
@@ -208,17 +208,17 @@ def generate(
         ids = tok.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    bad = [t for t in ids if not 0 <= t < model_cfg.vocab_size]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
-    if len(ids) + max_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{model_cfg.vocab_size - 1})")
+    if len(ids) + max_tokens > model_cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens ({max_tokens}) exceeds the context "
-                         f"({cfg.max_position_embeddings})")
-    stop_ids = tok.stop_token_ids | set(cfg.eos_token_ids)
+                         f"({model_cfg.max_position_embeddings})")
+    stop_ids = tok.stop_token_ids | set(model_cfg.eos_token_ids)
     if any(v is not None for v in (attention, experts, nodes, address)):
         output_ids = _cluster_generate(path, ids, sp, stop_ids, dtype, attention or 1, experts or 1, nodes, address)
     else:
-        net = load_model(path, dtype=parse_dtype(dtype), cfg=cfg, progress=sys.stderr.isatty())
+        net = load_model(path, dtype=parse_dtype(dtype), cfg=model_cfg, progress=sys.stderr.isatty())
         block = 16
         runner = ModelRunner(net, num_blocks=-(-(len(ids) + max_tokens) // block) + 1, block_size=block)
         output_ids = run_generate(runner, [ids], sp, stop_ids=stop_ids)[0].output_ids
@@ -232,7 +232,7 @@ def generate(
 def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes, address) -> list[int]:
     from cluster.engine import Engine, EngineConfig
     from cluster.launch import connected
-    from cluster.topology import ClusterSpec
+    from cluster.spec import ClusterSpec
 
     spec = ClusterSpec(attention=attention, experts=experts)
     blocks = -(-(len(ids) + sp.max_tokens) // 16) + 1
@@ -275,17 +275,17 @@ def up(
                  metrics_prefix=metrics_prefix, expert_metrics=expert_metrics, gpus_per_actor=gpus_per_actor,
                  ingress=ingress)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
-    cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
+    serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     root = cache_root()
     if detach:
         argv = [a for a in sys.argv[2:] if a != "--detach"]
         with err.status("starting moeray in the background"):
-            info = start_detached(argv, root, cfg.host, cfg.port)
-        err.print(f"moeray is serving at http://{cfg.host}:{cfg.port}/v1 (pid {info['pid']}, log {info['log']}); "
+            info = start_detached(argv, root, serve_cfg.host, serve_cfg.port)
+        err.print(f"moeray is serving at http://{serve_cfg.host}:{serve_cfg.port}/v1 (pid {info['pid']}, log {info['log']}); "
                   "stop it with: moeray down")
         return
     with err.status("starting Ray") as status:
-        serve_foreground(cfg, root, nodes=nodes, address=address, status=status)
+        serve_foreground(serve_cfg, root, nodes=nodes, address=address, status=status)
 
 
 @app.command()

@@ -2,9 +2,10 @@
 
 :class:`EngineMetrics` owns a private :class:`prometheus_client.CollectorRegistry` (never the
 process-global one, so two engines in one process — tests, benchmarks — never collide) and the
-running totals it derives from the engine's statistics events. It listens on
-``engine.stats.listeners``: callbacks arrive on the engine thread, scrapes on another, so its own
-state sits behind one lock; prometheus-client's metric objects are thread-safe on their own.
+histograms and counters fed by the engine's typed statistics records (:mod:`cluster.stats`). It
+listens on ``engine.stats.listeners``: records arrive on the engine thread, scrapes on another;
+prometheus-client's metric objects are thread-safe on their own. The per-expert token counts are
+the router's (kept there once, behind its lock), read at scrape time.
 
 Names follow vLLM's (``vllm:x`` → ``moeray:x``) where the meaning is the same. With
 ``prefix="vllm"`` the serving series that have a vLLM counterpart (:data:`SERVING`) take vLLM's
@@ -18,21 +19,21 @@ full distribution as JSON-ready data. Units are in the names. Labels are bounded
 ``actor`` (actor index; the metric name says which kind), ``kind``, ``finished_reason`` — never
 request ids.
 
-Never: mutates the engine, calls an actor, or blocks the engine thread on anything but its lock.
+Never: mutates the engine, calls an actor, keeps a copy of the token counts, or blocks the engine thread.
 Scrape-time gauges read the scheduler with single ``len()``-sized reads (atomic under the GIL).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from typing import Any, Iterable, Literal
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from actors.router import max_over_mean
+from cluster.stats import ActorFailed, EpochPaused, Finished, Record, Recovered, StepRecord, TokenTiming
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 PREFIX = "moeray:"
 PREFIXES = ("moeray", "vllm")
 EXPERT_METRICS = ("summary", "full")
-IMBALANCE_WINDOW_STEPS = 64
 HOT_EXPERTS = 4  # per MoE layer, by tokens over the window
 # Serving series with a vLLM counterpart (vllm/v1/metrics/loggers.py, PrometheusStatLogger): under
 # prefix="vllm" they are named vllm:<name> and labelled (model_name, engine[, finished_reason]).
@@ -79,20 +79,17 @@ class _Registry(CollectorRegistry):
 
 
 class EngineMetrics:
-    """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.scheduler``
-    (``waiting``, ``running``, ``blocks``: allocators with ``num_free``/``num_blocks``) and ``.table``
-    (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
+    """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.router`` (the
+    Router: token counts), ``.scheduler`` (``waiting``, ``running``, ``blocks``: allocators with
+    ``num_free``/``num_blocks``) and ``.table`` (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
     ``expert_metrics``: "summary" (default) or "full" (adds the per-(layer, expert) counter)."""
 
     CONTENT_TYPE = CONTENT_TYPE
 
-    def __init__(self, engine: Any, model_name: str, *, imbalance_window_steps: int = IMBALANCE_WINDOW_STEPS,
-                 prefix: Literal["moeray", "vllm"] = "moeray",
+    def __init__(self, engine: Any, model_name: str, *, prefix: Literal["moeray", "vllm"] = "moeray",
                  expert_metrics: Literal["summary", "full"] = "summary", hot_experts: int = HOT_EXPERTS):
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
-        if imbalance_window_steps < 1:
-            raise ValueError(f"imbalance_window_steps must be >= 1, got {imbalance_window_steps}")
         if prefix not in PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {PREFIXES}, got {prefix!r}")
         if expert_metrics not in EXPERT_METRICS:
@@ -105,14 +102,8 @@ class EngineMetrics:
         self._serving = (("vllm:", ("model_name", "engine"), (model_name, VLLM_ENGINE)) if prefix == "vllm"
                          else (PREFIX, ("model_name",), (model_name,)))
         self.registry = _Registry()
-        self._lock = threading.Lock()
-        self._moe_layers: list[int] = list(engine.stats.moe_layers)
-        num_experts = engine.stats.num_experts
-        # [moe layer i][logical expert e] tokens routed, over the engine's life and over the window
-        self._expert_total = torch.zeros(len(self._moe_layers), num_experts, dtype=torch.long)
-        self._window: deque[torch.Tensor] = deque(maxlen=imbalance_window_steps)
-        self._window_sum = torch.zeros_like(self._expert_total)
-        self._actor_total: list[int] = []  # [expert actor j] tokens over all layers
+        self.router = engine.router
+        self._moe_layers: list[int] = list(self.router.moe_layers)
         self._make_metrics()
         self.registry.register(_ScrapeCollector(self))
         engine.stats.listeners.append(self._on_event)
@@ -127,17 +118,17 @@ class EngineMetrics:
     def expert_distribution(self) -> dict:
         """The full token distribution over (MoE layer, logical expert), JSON-ready: what the
         ``full`` counter would export, without its series (served by ``GET /admin/experts``)."""
-        with self._lock:
-            totals, window = self._expert_total.tolist(), self._window_sum.tolist()
-            actors = list(self._actor_total)
-            steps = len(self._window)
+        r = self.router
+        totals, window, actors, steps = r.snapshot()
         return {"model": self.model_name, "epoch": self.engine.table.epoch, "moe_layers": list(self._moe_layers),
-                "num_experts": self.engine.stats.num_experts, "window_steps": self._window.maxlen,
-                "steps_in_window": steps, "tokens_total": totals, "tokens_window": window,
-                "imbalance_window": [_max_over_mean(row) for row in window], "expert_actor_tokens_total": actors}
+                "num_experts": r.num_experts, "window_steps": r.window_steps,
+                "steps_in_window": steps, "tokens_total": totals.tolist(),
+                "tokens_window": window.tolist(), "imbalance_window": max_over_mean(window),
+                "expert_actor_tokens_total": actors}
 
     def close(self) -> None:
-        """Stop listening to the engine (the registry still renders the last values)."""
+        """Stop listening to the engine: the histograms and counters it feeds stop moving (the expert
+        series are read from the router at scrape time and still do)."""
         try:
             self.engine.stats.listeners.remove(self._on_event)
         except ValueError:  # not registered (closed twice)
@@ -197,91 +188,59 @@ class EngineMetrics:
             self.request_success.labels(*svalues, reason)
 
     # ---- engine thread -----------------------------------------------------------------------
-    def _on_event(self, event: str, **values: Any) -> None:
+    def _on_event(self, rec: Record) -> None:
         """EngineStats listener. A metrics fault is logged and must never fail the engine step."""
         try:
-            handler = self._handlers.get(event)
-            if handler is not None:  # events added later are ignored until mapped here
-                handler(self, **values)
+            handler = self._handlers.get(type(rec))
+            if handler is not None:  # records added later are ignored until mapped here
+                handler(self, rec)
         except Exception:
-            log.exception("moeray metrics: dropping %r event after an error", event)
+            log.exception("moeray metrics: dropping a %s record after an error", type(rec).__name__)
 
-    def _on_step(self, times, expert_tokens: torch.Tensor | None, actor_tokens: list[int] | None) -> None:
+    def _on_step(self, rec: StepRecord) -> None:
         name = self.model_name
         self.steps.inc()
-        self.step_duration.observe(times.step_s)
-        for hist, series in ((self.dispatch, times.attention_dispatch_s), (self.combine, times.attention_combine_s),
-                             (self.expert_compute, times.expert_compute_s)):
+        self.step_duration.observe(rec.step_s)
+        for hist, series in ((self.dispatch, rec.attention_dispatch_s), (self.combine, rec.attention_combine_s),
+                             (self.expert_compute, rec.expert_compute_s)):
             for actor, seconds in enumerate(series):
                 hist.labels(model_name=name, actor=str(actor)).observe(seconds)
-        for kind, series in (("attention", times.attention_exchange_s), ("expert", times.expert_exchange_s)):
+        for kind, series in (("attention", rec.attention_exchange_s), ("expert", rec.expert_exchange_s)):
             for actor, seconds in enumerate(series):
                 self.exchange.labels(model_name=name, kind=kind, actor=str(actor)).observe(seconds)
-        if expert_tokens is not None:
-            self._add_expert_tokens(expert_tokens, actor_tokens or [])
 
-    def _on_epoch(self, epoch: int, pause_s: float) -> None:
-        self.epoch_pause.observe(pause_s)  # the epoch itself is read from engine.table at scrape time
+    def _on_epoch(self, rec: EpochPaused) -> None:
+        self.epoch_pause.observe(rec.pause_s)  # the epoch itself is read from engine.table at scrape time
 
-    def _on_failure(self, kind: str) -> None:
-        self.actor_failures.labels(model_name=self.model_name, kind=kind).inc()
+    def _on_failure(self, rec: ActorFailed) -> None:
+        self.actor_failures.labels(model_name=self.model_name, kind=rec.kind).inc()
 
-    def _on_recovery(self, seconds: float) -> None:
-        self.recovery.observe(seconds)
+    def _on_recovery(self, rec: Recovered) -> None:
+        self.recovery.observe(rec.seconds)
 
-    def _add_expert_tokens(self, counts: torch.Tensor, per_actor: list[int]) -> None:
-        """counts[i][e]: tokens routed to logical expert e at the i-th MoE layer in this step (a
-        tensor: three tensor additions per step, whatever the model's size)."""
-        counts = torch.as_tensor(counts, dtype=torch.long)
-        with self._lock:
-            self._expert_total = self._expert_total + counts
-            if len(self._window) == self._window.maxlen:
-                self._window_sum = self._window_sum - self._window[0]
-            self._window.append(counts)
-            self._window_sum = self._window_sum + counts
-            if len(per_actor) > len(self._actor_total):
-                self._actor_total += [0] * (len(per_actor) - len(self._actor_total))
-            for j, n in enumerate(per_actor):
-                self._actor_total[j] += n
+    def _on_token(self, rec: TokenTiming) -> None:
+        for hist in ([self.ttft] if rec.first else self.itl):
+            hist.observe(rec.seconds)
+        self.generation_tokens.inc()  # one per sampled token
 
-    def _on_ttft(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-        self.generation_tokens.inc()  # the first sampled token
+    def _on_finished(self, rec: Finished) -> None:
+        self.e2e.observe(rec.seconds)
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.request_success.labels(*self._serving[2], rec.finish_reason).inc()
 
-    def _on_itl(self, seconds: float) -> None:
-        for hist in self.itl:
-            hist.observe(seconds)
-        self.generation_tokens.inc()  # every later sampled token
-
-    def _on_finished(self, seconds: float, seq) -> None:
-        self.e2e.observe(seconds)
-        self.prompt_tokens.inc(seq.num_prompt_tokens)
-        self.request_success.labels(*self._serving[2], str(seq.finish_reason)).inc()
-
-    _handlers = {"step": _on_step, "ttft": _on_ttft, "itl": _on_itl, "finished": _on_finished, "epoch": _on_epoch,
-                 "failure": _on_failure, "recovery": _on_recovery}
+    _handlers = {StepRecord: _on_step, TokenTiming: _on_token, Finished: _on_finished, EpochPaused: _on_epoch,
+                 ActorFailed: _on_failure, Recovered: _on_recovery}
 
     # ---- scrape thread -----------------------------------------------------------------------
     def snapshot(self) -> tuple[list[list[int]], list[int], list[float]]:
-        """(expert tokens total [moe layer][expert], tokens total [expert actor], imbalance [moe layer])
-        — consistent with each other, copied under the lock."""
-        with self._lock:
-            totals, actors = self._expert_total.tolist(), list(self._actor_total)
-            imbalance = [_max_over_mean(row) for row in self._window_sum.tolist()]
-        return totals, actors, imbalance
+        """(expert tokens total [moe layer][expert], tokens total [expert actor], imbalance [moe layer]
+        over the router's window), read from the router."""
+        totals, window, actors, _ = self.router.snapshot()
+        return totals.tolist(), actors, max_over_mean(window)
 
     def hot(self) -> list[list[tuple[int, int]]]:
-        """[moe layer][rank] (logical expert, tokens over the window) of the ``hot_experts`` hottest
-        experts with tokens; ties go to the lower expert id."""
-        with self._lock:
-            window = self._window_sum.tolist()
-        return [sorted(((e, n) for e, n in enumerate(row) if n), key=lambda x: (-x[1], x[0]))[:self.hot_experts]
-                for row in window]
-
-
-def _max_over_mean(row: list[int]) -> float:
-    total = sum(row)
-    return max(row) * len(row) / total if total else 0.0
+        """[moe layer][rank] (logical expert, tokens over the window) of the ``hot_experts`` hottest."""
+        return self.router.hot(self.hot_experts)
 
 
 class _ScrapeCollector:
@@ -344,7 +303,7 @@ class _ScrapeCollector:
         for j, n in enumerate(actors):
             per_actor.add_metric([name, str(j)], n)
         yield per_actor
-        window = o._window.maxlen
+        window = o.router.window_steps
         imb = GaugeMetricFamily(PREFIX + "moe_load_imbalance",
                                 f"Max over mean tokens per expert of a MoE layer over the last {window} steps "
                                 "(1 = balanced; 0 = no tokens).", labels=["model_name", "layer"])
@@ -360,8 +319,8 @@ class _ScrapeCollector:
         yield hot
         actor_imb = GaugeMetricFamily(PREFIX + "expert_actor_imbalance",
                                       f"Max over mean tokens per expert actor of a MoE layer over the last "
-                                      f"{o._window.maxlen} steps of the current epoch (1 = balanced; 0 = no "
+                                      f"{window} steps of the current epoch (1 = balanced; 0 = no "
                                       f"tokens); `moeray rebalance` lowers it.", labels=["model_name", "layer"])
-        for layer, v in zip(layers, o.engine.stats.actor_imbalance(o._window.maxlen)):
+        for layer, v in zip(layers, o.router.measured_imbalance()):
             actor_imb.add_metric([name, layer], v)
         yield actor_imb

@@ -1,4 +1,4 @@
-"""One multiplexed engine stream per Ingress replica (issue 10).
+"""One multiplexed engine stream per Ingress replica.
 
 A Ray item costs the same whether it carries one token or a hundred. One streaming call per request
 made the engine replica send, and the Ingress receive, one item per request per step. Instead each

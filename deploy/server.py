@@ -100,7 +100,7 @@ def start_proxy(host: str, port: int) -> None:
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
 
 
-def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address: str | None, status=None) -> None:
+def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, address: str | None, status=None) -> None:
     """Start everything, print nothing but progress, block until SIGTERM/SIGINT, then stop it all."""
     from ray import serve
 
@@ -108,7 +108,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
 
     from .app import build_app
 
-    ensure_not_running(root, cfg.host, cfg.port)
+    ensure_not_running(root, serve_cfg.host, serve_cfg.port)
     stop = threading.Event()
 
     def on_signal() -> None:
@@ -119,27 +119,27 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
             signal.signal(sig, lambda *_: stop.set())
 
     on_signal()
-    spec = cfg.cluster_spec()
-    url = f"http://{cfg.host}:{cfg.port}"
+    spec = serve_cfg.cluster_spec()
+    url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     root.mkdir(parents=True, exist_ok=True)
     # recorded first, so that `moeray down` finds this process at every stage of its start-up
-    state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": cfg.model,
-                                            "auth": cfg.api_key is not None}))
+    state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": serve_cfg.model,
+                                            "auth": serve_cfg.api_key is not None}))
     try:
-        with connected(spec, nodes=nodes, address=address, env=ingress_env(cfg.ingress)):
+        with connected(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress)):
             on_signal()
             _update(status, "checking that the cluster can hold the model")
-            load_s = preflight_serve_config(cfg, root)  # refuse before anything is reserved
+            load_s = preflight_serve_config(serve_cfg, root)  # refuse before anything is reserved
             _update(status, "building the model and the Serve application")
-            app = build_app(cfg.model_dump())
-            start_proxy(cfg.host, cfg.port)
+            app = build_app(serve_cfg.model_dump())
+            start_proxy(serve_cfg.host, serve_cfg.port)
             _update(status, f"loading the model onto {spec.describe()}")
             try:
                 if not stop.is_set():
                     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
                     wait_ready(url, timeout_s=load_s + 300, stop=stop)
                     _update(status, None)
-                    _ready_message(url, cfg)
+                    _ready_message(url, serve_cfg)
                 while not stop.wait(0.5):
                     pass
             finally:
@@ -152,7 +152,7 @@ def serve_foreground(cfg: ServeConfig, root: Path, *, nodes: int | None, address
         state_file(root).unlink(missing_ok=True)
 
 
-def preflight_serve_config(cfg: ServeConfig, root: Path) -> float:
+def preflight_serve_config(serve_cfg: ServeConfig, root: Path) -> float:
     """The engine's preflight (planner vs the connected cluster's resources), run by `moeray up`;
     returns the load timeout (the config's, or one scaled by the bytes to read)."""
     from cluster.preflight import preflight
@@ -160,9 +160,9 @@ def preflight_serve_config(cfg: ServeConfig, root: Path) -> float:
     from model.config import load_config
     from model.presets import resolve_model
 
-    model_cfg = load_config(resolve_model(cfg.model, root))
-    preflight(model_cfg, cfg.cluster_spec(), cfg.dtype)
-    return cfg.load_timeout_s or default_load_timeout_s(model_cfg, cfg.attention)
+    model_cfg = load_config(resolve_model(serve_cfg.model, root))
+    preflight(model_cfg, serve_cfg.cluster_spec(), serve_cfg.dtype)
+    return serve_cfg.load_timeout_s or default_load_timeout_s(model_cfg, serve_cfg.attention)
 
 
 def _update(status, text: str | None) -> None:
@@ -173,9 +173,9 @@ def _update(status, text: str | None) -> None:
             status.update(text)
 
 
-def _ready_message(url: str, cfg: ServeConfig) -> None:
-    name = cfg.served_model_name or cfg.model
-    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+def _ready_message(url: str, serve_cfg: ServeConfig) -> None:
+    name = serve_cfg.served_model_name or serve_cfg.model
+    auth = f" -H 'Authorization: Bearer {serve_cfg.api_key}'" if serve_cfg.api_key else ""
     print(f"moeray is serving {name} at {url}/v1", flush=True)
     print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)

@@ -2,8 +2,8 @@
 
 Owns: turning a step's logits into next token ids, on the logits' device, vectorised over the batch
 (a Python loop only to seed each seeded row's generator). A seeded row's tokens are a function of its
-logits and seed alone — the same alone or batched, and the same as ``torch.multinomial`` gave before
-issue 10 (tests/model/test_sampling.py keeps that sampler as the oracle).
+logits and seed alone — the same alone or batched, and the same as the per-row ``torch.multinomial``
+sampler gives (tests/model/test_sampling.py keeps that sampler as the oracle).
 Never: moves the logits to the host, sorts a whole vocabulary when a top-k window decides, or keeps
 state between steps (seeds come from :func:`draw_seed`)."""
 

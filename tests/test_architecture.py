@@ -1,4 +1,4 @@
-"""The import arrows of ARCHITECTURE.md: a test walks every module's imports and fails when an
+"""The import arrows of docs/architecture.md ("Folders"): a test walks every module's imports and fails when an
 arrow points the wrong way, when the package imports transformers (a test-only reference), or
 when anything but deploy/settings.py reads environment variables."""
 

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent('''
     from actors.device import choose_device
     from cluster.engine import Engine, EngineConfig, EngineError
     from cluster.local import LocalCluster
-    from cluster.topology import ClusterSpec
+    from cluster.spec import ClusterSpec
 
     @ray.remote
     class Probe:

@@ -20,7 +20,12 @@ class FakeEngine:
 
     def __init__(self):
         self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
-        self.stats = EngineStats([], 0)  # the async engine adds its delivery time to the breakdown
+        self.stats = EngineStats(0)  # the async engine adds its delivery time to the breakdown
+        self.inflight = []  # the steps in flight (the async engine clears them when a step fails)
+
+    @property
+    def busy(self):
+        return self.has_work or bool(self.inflight)
 
     def advance(self):
         pass
@@ -28,9 +33,11 @@ class FakeEngine:
     def record(self):
         pass
 
-    def pipelined(self, launched):  # no async scheduling: each step waits for the last one's results
-        events = self.finish(launched or self.launch())
-        return events, (self.launch() if self.has_work else None)
+    def pipelined(self):  # no async scheduling: each step waits for the last one's results
+        events = self.finish(self.inflight.pop(0) if self.inflight else self.launch())
+        if self.has_work:
+            self.inflight.append(self.launch())
+        return events
 
     def abort(self, sid):
         self.requests.pop(sid, None)

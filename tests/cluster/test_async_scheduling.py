@@ -11,7 +11,7 @@ import ray
 import torch
 
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate
@@ -68,18 +68,18 @@ def test_async_scheduling_gives_the_plain_loops_tokens(ray_cluster, k2):
 
 def _pipelined_with_a_kill(eng, kill, at_step: int):
     """Engine.generate's loop, killing an actor once a step is out ahead of the one being finished."""
-    launched, steps, killed = None, 0, False
+    steps, killed = 0, False
     deadline = time.monotonic() + 120
-    while eng.has_work or launched is not None:
+    while eng.busy:
         assert time.monotonic() < deadline, "no progress after the kill"
-        current = launched or eng.launch()
-        eng.launch_ahead(current)
+        if not eng.inflight:
+            eng.launch()
+        eng.launch_ahead()
         steps += 1
-        if steps >= at_step and not killed and eng._ahead is not None:
+        if steps >= at_step and not killed and len(eng.inflight) == 2:
             kill()
             killed = True
-        eng.finish(current)
-        launched = eng.take_ahead()
+        eng.finish()
         eng.record()
     assert killed, "no step was ever sent ahead"
 
@@ -96,10 +96,10 @@ def test_actor_killed_with_a_step_sent_ahead_recovers_exactly(ray_cluster, reque
                  ClusterSpec(attention=2, experts=2)).start()
     try:
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        members = eng.workers.experts if kind == "expert" else eng.workers.attention
+        members = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
         _pipelined_with_a_kill(eng, lambda: ray.kill(members[1].actor, no_restart=True), at_step=4)
         got = [eng.release(i).seq.output_ids for i in ids]
-        assert [c.kind for c in eng.changes] == ["recovery"]
+        assert [c.kind for c in eng.epochs.changes] == ["recovery"]
         assert eng.stats.actor_failures == {kind: 1} and eng.stats.ahead_steps > 0
     finally:
         eng.shutdown()

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.config import load_config
 from model.loader import load_model
 from model.presets import build_preset
@@ -54,7 +54,7 @@ def _change_in_flight(eng, begin, steps_first=3):
     import time
 
     t0 = time.monotonic()
-    while not eng.workers.ready(t):
+    while not eng.executor.ready(t.prepared):
         assert time.monotonic() - t0 < deadline, "the new actors never became ready"
         time.sleep(0.05)
     assert eng.has_work and eng.scheduler.running, "nothing in flight: the test would prove nothing"
@@ -65,9 +65,9 @@ def _change_in_flight(eng, begin, steps_first=3):
 
 
 def _holds_its_slots(eng):
-    held = ray.get([m.actor.held.remote() for m in eng.workers.experts])
+    held = ray.get([m.actor.held.remote() for m in eng.executor.fleet.experts])
     assert held == [eng.table.experts_of(j) for j in range(eng.table.num_actors)]
-    assert ray.get(eng.workers.router.current.remote()) == eng.table  # the router's table is the one in use
+    assert eng.router.current() == eng.table  # the router's table is the one in use
 
 
 def test_scale_experts_up_and_down_while_streams_run(ray_cluster, presets):
@@ -79,15 +79,15 @@ def test_scale_experts_up_and_down_while_streams_run(ray_cluster, presets):
         assert (up.old_shape, up.new_shape, up.epoch) == ("1 attention × 2 expert actors",
                                                           "1 attention × 4 expert actors", 1)
         _holds_its_slots(eng)
-        assert len({m.home.reservation for m in eng.workers.experts}) == 2  # the new ones: their own reservation
+        assert len({m.home.reservation for m in eng.executor.fleet.experts}) == 2  # the new ones: their own reservation
         down = _change_in_flight(eng, lambda e: e.begin_scale_experts(2), steps_first=2)
         assert down.new_shape == "1 attention × 2 expert actors" and down.experts_loaded > 0
         _holds_its_slots(eng)
         while eng.has_work:
             eng.step()
         got = [eng.requests.pop(i).seq.output_ids for i in ids]
-        assert len(eng.workers.reservations) == 1  # the scale-up's reservation was released on the way down
-        assert [c.epoch for c in eng.changes] == [1, 2] and all(c.pause_s > 0 for c in eng.changes)
+        assert len(eng.executor.fleet.reservations) == 1  # the scale-up's reservation was released on the way down
+        assert [c.epoch for c in eng.epochs.changes] == [1, 2] and all(c.pause_s > 0 for c in eng.epochs.changes)
         assert [e for e, _ in eng.stats.epoch_pauses] == [1, 2]
     assert got == _alone(path, prompts, GREEDY)
 
@@ -106,7 +106,7 @@ def test_uneven_shards_and_k3_attention_removed_mid_stream(ray_cluster, presets)
         assert on_second
         down = _change_in_flight(eng, lambda e: e.begin_scale_attention(1), steps_first=1)
         assert down.moved_sequences == len(on_second) and down.new_shape == "1 attention × 3 expert actors"
-        assert len(eng.scheduler.blocks) == 1 and len(eng.workers.attention) == 1
+        assert len(eng.scheduler.blocks) == 1 and len(eng.executor.fleet.attention) == 1
         while eng.has_work:
             eng.step()
         got = [eng.requests.pop(i).seq.output_ids for i in ids]
@@ -140,15 +140,16 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     with _engine(path, 1, 3, max_tokens_per_step=256) as eng:
         before_out = [s.output_ids for s in eng.generate(prompts, params)]
-        before = eng.stats.actor_imbalance(10_000)
+        before = eng.router.measured_imbalance()
         change = eng.rebalance(redundant_slots=3)
         assert change.kind == "rebalance" and change.epoch == 1
         assert sum(change.imbalance_after) < sum(change.imbalance_before)  # the router's prediction
         _holds_its_slots(eng)
         replicated = [(i, e) for i in range(len(eng.table.moe_layers)) for e in eng.table.replicated(i)]
         assert replicated and eng.table.num_physical() == 16 + 3
+        logical_before = eng.router.totals()
         after_out = [s.output_ids for s in eng.generate(prompts, params)]
-        after = eng.stats.actor_imbalance(10_000)
+        after = eng.router.measured_imbalance()
         # measured on the same mix: lower in the mean over MoE layers
         assert sum(after) / len(after) < sum(before) / len(before), (before, after)
         # a replicated expert's tokens really are split between its copies: count them on both sides
@@ -156,8 +157,8 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
         assert torch.equal(sent, computed)
         split = [min(int(sent[i, j, local]) for j, local in eng.table.copies(i)[e]) for i, e in replicated]
         assert max(split) > 0
-        logical = eng.stats.last_expert_tokens  # and no pair was lost or duplicated
-        assert int(sent.sum()) >= int(logical.sum()) > 0
+        logical = eng.router.totals() - logical_before  # the epoch's (token, expert) pairs, as the router counted
+        assert int(sent.sum()) == int(logical.sum()) > 0  # each went to exactly one copy: none lost or duplicated
     assert before_out == after_out == _alone(path, prompts, params)
 
 
@@ -171,7 +172,7 @@ def test_automatic_policy_rebalances_by_itself_when_on(ray_cluster, presets):
     prompts = _skewed(6, seed=6)
     with _engine(path, 1, 2, auto_rebalance=True, redundant_slots=2, **AUTO_POLICY) as eng:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
-        assert eng.changes and eng.changes[0].kind == "rebalance"  # no one asked for it
+        assert eng.epochs.changes and eng.epochs.changes[0].kind == "rebalance"  # no one asked for it
         assert eng.table.num_physical() == 16 + 2
     assert got == _alone(path, prompts, GREEDY)
 
@@ -183,15 +184,15 @@ def test_refused_shapes_say_why_change_nothing_and_auto_rebalance_is_off_by_defa
             eng.begin_scale_experts(cfg.n_routed_experts + 1)
         with pytest.raises(ValueError, match="redundant_slots must be an integer >= 0"):
             eng.begin_rebalance(-1)
-        assert eng.transition is None and eng.table.epoch == 0
+        assert eng.epochs.transition is None and eng.table.epoch == 0
         assert eng.generate([[1, 2, 3]], GREEDY)[0].output_ids == _alone(presets["kimi-k2-tiny"], [[1, 2, 3]], GREEDY)[0]
         eng.generate(_skewed(6, seed=6), GREEDY)  # the automatic policy's skewed mix
-        assert not eng.changes and eng.table.epoch == 0  # auto_rebalance is off by default
+        assert not eng.epochs.changes and eng.table.epoch == 0  # auto_rebalance is off by default
 
 
 def test_only_the_router_builds_placement_tables():
     """Static: in the runtime packages, PlacementTable and the placement builders are called only in
-    actors/router.py (the engine, the workers and the metrics ask the router)."""
+    actors/router.py (the engine, its epoch owner and the metrics ask the router)."""
     builders = {"PlacementTable", "even_table", "balanced_layer"}
     found = []
     for pkg in ("model", "actors", "cluster", "deploy"):

@@ -10,7 +10,7 @@ import torch
 
 from cluster.aengine import AsyncEngine
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.config import load_config
 from model.loader import load_model
 from model.presets import build_preset
@@ -68,7 +68,7 @@ def test_one_attention_one_expert_equals_single_process(ray_cluster, presets):
 def test_two_by_four_on_three_nodes_equals_single_process(k2_2x4, presets, ray_cluster):
     prompts = _prompts(4, seed=1)
     assert [s.output_ids for s in k2_2x4.generate(prompts, GREEDY)] == _alone(presets["kimi-k2-tiny"], prompts, GREEDY)
-    assert k2_2x4.stats.actor_tokens_total and all(n > 0 for n in k2_2x4.stats.actor_tokens_total)
+    assert k2_2x4.router.actor_totals() and all(n > 0 for n in k2_2x4.router.actor_totals())
 
 
 def test_the_rendezvous_port_is_held_until_the_group_forms(k2_2x4):
@@ -77,7 +77,7 @@ def test_the_rendezvous_port_is_held_until_the_group_forms(k2_2x4):
     import errno
     import socket
 
-    ip, port = ray.get(k2_2x4.workers.attention[0].actor.rendezvous.remote(), timeout=30)
+    ip, port = ray.get(k2_2x4.executor.fleet.attention[0].actor.rendezvous.remote(), timeout=30)
     with socket.socket() as s, pytest.raises(OSError) as err:
         s.bind((ip, port))
     assert err.value.errno == errno.EADDRINUSE
@@ -85,7 +85,7 @@ def test_the_rendezvous_port_is_held_until_the_group_forms(k2_2x4):
 
 def test_expert_actors_hold_only_their_shard_on_their_node(k2_2x4, presets):
     cfg = load_config(presets["kimi-k2-tiny"])
-    w = k2_2x4.workers
+    w = k2_2x4.executor.fleet
     nodes = ray.get([m.actor.node_id.remote() for m in w.experts])
     assert nodes == [m.home.reservation.node_of("expert", m.home.index) for m in w.experts]
     assert len(set(nodes)) == 3  # spread over the three nodes
@@ -171,16 +171,16 @@ def test_dead_actor_is_replaced_and_requests_continue_exactly(ray_cluster, prese
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         for _ in range(3):
             eng.step()
-        members = eng.workers.experts if kind == "expert" else eng.workers.attention
+        members = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
         ray.kill(members[1].actor, no_restart=True)
         t0 = time.monotonic()
         while eng.has_work:
             eng.step()
         assert time.monotonic() - t0 < 120
         got = [eng.release(i).seq.output_ids for i in ids]
-        assert [c.kind for c in eng.changes] == ["recovery"] and eng.table.epoch == 1
+        assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.epoch == 1
         assert eng.stats.actor_failures == {kind: 1} and len(eng.stats.recoveries) == 1
-        now = eng.workers.experts if kind == "expert" else eng.workers.attention
+        now = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
         assert len(now) == 2 and now[1].actor != members[1].actor
         assert ray.get(now[1].actor.node_id.remote())  # the replacement answers
     finally:
@@ -217,7 +217,7 @@ def test_a_step_that_fails_every_time_ends_its_requests_not_the_engine(ray_clust
         return err.value, [t for c in chunks for t in c.token_ids]
 
     try:
-        ray.get(eng.workers.attention[0].actor.__ray_call__.remote(poison), timeout=30)
+        ray.get(eng.executor.fleet.attention[0].actor.__ray_call__.remote(poison), timeout=30)
         t0 = time.monotonic()
         failure, got = asyncio.run(asyncio.wait_for(run(), 90))  # unbounded retries would hang here
         assert "1 sequence(s) were dropped" in str(failure)

@@ -1,18 +1,18 @@
 """NCCL deployments (issue 9): every actor gets the environment that makes a dead peer abortable
 (async error handling "clean up only"), gloo ones get nothing extra. The GPU path itself cannot run
-here (no GPU); this checks what the worker group asks Ray for."""
+here (no GPU); this checks what the fleet asks Ray for."""
 
 from actors.group import NCCL_ENV
 from cluster.config import EngineConfig
-from cluster.topology import ClusterSpec
-from cluster.workers import WorkerGroup
+from cluster.spec import ClusterSpec
+from cluster.fleet import Fleet
 from model.config import parse_config
 from model.presets import preset_config
 
 
 def _group(**spec):
     cfg = parse_config(preset_config("kimi-k2-tiny"), where="preset")
-    return WorkerGroup(EngineConfig(model="kimi-k2-tiny", load_timeout_s=60), ClusterSpec(**spec), cfg)
+    return Fleet(EngineConfig(model="kimi-k2-tiny", load_timeout_s=60), ClusterSpec(**spec), cfg)
 
 
 def test_nccl_actors_get_the_abortable_environment_and_gloo_ones_do_not():

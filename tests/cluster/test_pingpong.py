@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate
@@ -35,7 +35,7 @@ def test_ping_pong_on_and_off_give_identical_tokens(ray_cluster, presets, preset
     path, prompts = presets[preset], _prompts()
     config = EngineConfig(model=str(path), max_tokens_per_step=512, exchange=exchange)
     with Engine(config, ClusterSpec(attention=2, experts=3)).start() as eng:
-        nodes = {eng.workers.node_ip(m) for m in eng.workers.attention + eng.workers.experts}
+        nodes = {eng.executor.fleet.node_ip(m) for m in eng.executor.fleet.attention + eng.executor.fleet.experts}
         assert len(nodes) == 3, nodes
         out = {}
         for on in (False, True):
@@ -61,7 +61,7 @@ def test_expert_threads_give_identical_tokens(ray_cluster, presets):
         import ray
 
         counts = ray.get([m.actor.__ray_call__.remote(lambda w: w.gemm_threads and w.gemm_threads.count)
-                          for m in eng.workers.experts], timeout=60)
+                          for m in eng.executor.fleet.experts], timeout=60)
         assert counts == [2, 2]
         greedy = [s.output_ids for s in eng.generate(prompts, GREEDY)]
         seeded = [s.output_ids for s in eng.generate(prompts, SEEDED)]

@@ -11,7 +11,7 @@ from ray.util.placement_group import placement_group_table
 from cluster.engine import Engine, EngineConfig
 from cluster.planner import DEVICES, plan_shape, propose, sequence_bytes, weight_bytes
 from cluster.preflight import PreflightError, check
-from cluster.topology import ClusterSpec, NodeInfo
+from cluster.spec import ClusterSpec, NodeInfo
 from model.config import load_config
 from model.presets import build_preset
 
@@ -102,4 +102,4 @@ def test_preflight_refuses_before_reserving_on_the_local_cluster(ray_cluster, tm
     msg = str(e.value)
     assert "cannot be placed" in msg and "CPU 14" in msg and "CPU 12" in msg
     assert "a shape that fits: --attention 6 --experts 6" in msg
-    assert placement_group_table() == before and not eng.workers.reservations and not eng.workers.started
+    assert placement_group_table() == before and not eng.executor.fleet.reservations and not eng.executor.fleet.started

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate
@@ -31,8 +31,8 @@ def test_quantised_experts_on_2x3_equal_the_dequantised_single_process_model(ray
                  ClusterSpec(attention=2, experts=3)).start()
     try:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
-        weights = eng.expert_weight_bytes()
-        held = [ray.get(m.actor.held.remote(), timeout=30) for m in eng.workers.experts]
+        weights = [f.result(timeout=30) for f in eng.executor.describe()["weight_bytes"]]
+        held = [ray.get(m.actor.held.remote(), timeout=30) for m in eng.executor.fleet.experts]
     finally:
         eng.shutdown()
     assert got == expect

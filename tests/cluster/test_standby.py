@@ -10,7 +10,7 @@ import ray
 import torch
 
 from cluster.engine import Engine, EngineConfig
-from cluster.topology import ClusterSpec
+from cluster.spec import ClusterSpec
 from deploy.config import ServeConfig
 from model.loader import load_model
 from model.presets import build_preset
@@ -36,7 +36,7 @@ def _id(actor) -> str:
 
 
 def _standby(eng, kind):
-    (member,) = [m for m in eng.workers.standby if m.home.kind == kind]
+    (member,) = [m for m in eng.executor.fleet.standby if m.home.kind == kind]
     return member
 
 
@@ -52,28 +52,28 @@ def test_standbys_take_the_dead_actors_index_and_are_replaced(ray_cluster, tmp_p
     eng = Engine(cfg, ClusterSpec(attention=2, experts=2)).start()
     try:
         for kind, index in (("expert", 1), ("attention", 0)):
-            ray.get([m.actor.node_id.remote() for m in eng.workers.standby], timeout=120)  # warm
+            ray.get([m.actor.node_id.remote() for m in eng.executor.fleet.standby], timeout=120)  # warm
             standby = _standby(eng, kind)
             if kind == "expert":
                 assert ray.get(standby.actor.held.remote(), timeout=30) == {}  # holds nothing until it takes over
             ids = [eng.add_request(p, GREEDY) for p in prompts]
             for _ in range(3):
                 eng.step()
-            members = eng.workers.experts if kind == "expert" else eng.workers.attention
+            members = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
             ray.kill(members[index].actor, no_restart=True)
             deadline = time.monotonic() + 120
             while eng.has_work:
                 assert time.monotonic() < deadline, f"no progress after killing {kind}[{index}]"
                 eng.step()
             assert [eng.release(i).seq.output_ids for i in ids] == expected, f"after killing {kind}[{index}]"
-            now = eng.workers.experts if kind == "expert" else eng.workers.attention
+            now = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
             assert _id(now[index].actor) == _id(standby.actor)  # the standby took the dead one's index
             if kind == "expert":
                 assert ray.get(now[index].actor.held.remote(), timeout=30) == eng.table.experts_of(index)
             fresh = _standby(eng, kind)  # the pool is full again, with a new actor
-            assert _id(fresh.actor) not in {_id(m.actor) for m in eng.workers.attention + eng.workers.experts}
+            assert _id(fresh.actor) not in {_id(m.actor) for m in eng.executor.fleet.attention + eng.executor.fleet.experts}
             assert ray.get(fresh.actor.node_id.remote(), timeout=120)
-        assert [c.kind for c in eng.changes] == ["recovery", "recovery"] and eng.table.epoch == 2
+        assert [c.kind for c in eng.epochs.changes] == ["recovery", "recovery"] and eng.table.epoch == 2
         assert eng.stats.actor_failures == {"expert": 1, "attention": 1}
     finally:
         eng.shutdown()

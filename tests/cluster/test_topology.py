@@ -7,7 +7,8 @@ import time
 import pytest
 import ray
 
-from cluster.topology import ClusterSpec, NodeInfo, ReservationTimeoutError, plan_bundles, reserve
+from cluster.spec import ClusterSpec, NodeInfo, plan_bundles
+from cluster.topology import ReservationTimeoutError, reserve
 from conftest import wait_until_idle
 
 

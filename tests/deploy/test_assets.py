@@ -22,8 +22,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.messages import ExpertStepResult, StepResult
-from actors.router import even_table
-from cluster.stats import EngineStats
+from actors.router import Router
+from cluster.stats import EngineStats, StepRecord
 from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
@@ -49,9 +49,9 @@ class _Alloc:
 
 
 def populated_metrics() -> EngineMetrics:
-    stats = EngineStats([1, 2], 4)
-    table = even_table(4, [1, 2], 1, 2)
-    engine = SimpleNamespace(stats=stats, table=table,
+    stats, router = EngineStats(2), Router(4, [1, 2])
+    table = router.initial(1, 2)
+    engine = SimpleNamespace(stats=stats, table=table, router=router,
                              scheduler=SimpleNamespace(waiting=deque([object()]), running=[object()],
                                                        blocks=[_Alloc(16, 10)]))
     m = EngineMetrics(engine, "tiny")
@@ -59,7 +59,9 @@ def populated_metrics() -> EngineMetrics:
                        slot_tokens=(((2, 1), (0, 1)), ((0, 3), (1, 0))), exchange_s=0.002,
                        dispatch_s=0.001, combine_s=0.001)]
     expert = [ExpertStepResult(1, f"expert[{j}]", compute_s=0.004, exchange_s=0.002) for j in range(2)]
-    stats.record_step(3, attn, expert, 0.01, table)
+    rec = StepRecord.of(3, attn, expert, 0.01, table)  # what Engine.record does
+    router.report(rec.expert_tokens, rec.actor_tokens, epoch=table.epoch)
+    stats.record_step(rec)
     stats.observe_ttft(0.05)
     stats.observe_itl(0.01)
     seq = SimpleNamespace(output_ids=[5, 6], num_prompt_tokens=3, finish_reason="stop")

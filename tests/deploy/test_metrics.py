@@ -1,5 +1,5 @@
-"""EngineMetrics against a stub engine: the real EngineStats, Scheduler and actor messages, driven by
-hand (no Ray, no model). The rendered text is parsed back with prometheus-client's own parser."""
+"""EngineMetrics against a stub engine: the real EngineStats, Router, Scheduler and actor messages,
+driven by hand as Engine.record drives them (no Ray, no model). The rendered text is parsed back with prometheus-client's own parser."""
 
 import threading
 from types import SimpleNamespace
@@ -8,9 +8,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.messages import ExpertStepResult, StepResult
-from actors.router import even_table
+from actors.router import Router, even_table
 from cluster.scheduler import Scheduler, Seq
-from cluster.stats import EngineStats
+from cluster.stats import EngineStats, StepRecord
 from deploy.metrics import CONTENT_TYPE, EngineMetrics
 from model.sampling import SamplingParams
 
@@ -19,12 +19,20 @@ NUM_EXPERTS = 4
 ALLOWED_LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "le"}
 
 
-def make_engine(*, replicas: int = 2, expert_actors: int = 2):
-    stats = EngineStats(list(MOE_LAYERS), NUM_EXPERTS)
+def make_engine(*, replicas: int = 2, expert_actors: int = 2, window_steps: int = 256):
+    stats = EngineStats(len(MOE_LAYERS))
+    router = Router(NUM_EXPERTS, MOE_LAYERS, window_steps=window_steps)
     scheduler = Scheduler(num_replicas=replicas, num_blocks=8, block_size=4, num_slots=None, max_num_seqs=8,
                           max_tokens_per_step=64)
-    table = even_table(NUM_EXPERTS, MOE_LAYERS, replicas, expert_actors)
-    return SimpleNamespace(stats=stats, scheduler=scheduler, table=table, cfg=SimpleNamespace(moe_layers=MOE_LAYERS))
+    table = router.initial(replicas, expert_actors)
+    return SimpleNamespace(stats=stats, router=router, scheduler=scheduler, table=table)
+
+
+def record(engine, rec: StepRecord) -> None:
+    """What Engine.record does with a finished step's record."""
+    if rec.expert_tokens is not None:
+        engine.router.report(rec.expert_tokens, rec.actor_tokens, epoch=rec.epoch)
+    engine.stats.record_step(rec)
 
 
 def step(engine, counts_per_attention, *, step_s=0.02, dispatch=(0.001, 0.002), combine=(0.003, 0.004),
@@ -34,7 +42,7 @@ def step(engine, counts_per_attention, *, step_s=0.02, dispatch=(0.001, 0.002), 
             for i, (c, d, cb) in enumerate(zip(counts_per_attention, dispatch, combine))]
     expert = [ExpertStepResult(1, f"expert[{j}]", compute_s=s, exchange_s=0.005) for j, s in enumerate(compute)]
     tokens = sum(sum(row) for c in counts_per_attention for row in c[:1])
-    engine.stats.record_step(tokens, attn, expert, step_s, engine.table)
+    record(engine, StepRecord.of(tokens, attn, expert, step_s, engine.table))
 
 
 def _slots(table, counts):
@@ -156,8 +164,9 @@ def test_step_events_move_expert_counters_and_histograms(engine, metrics):
     assert value(s, "moeray:moe_load_imbalance", layer="1") == pytest.approx(2.0)  # ratio does not
 
 
-def test_load_imbalance_is_over_a_sliding_window(engine):
-    m = EngineMetrics(engine, "tiny", imbalance_window_steps=2, expert_metrics="full")
+def test_load_imbalance_is_over_a_sliding_window():
+    engine = make_engine(window_steps=2)  # the router's window is the only one
+    m = EngineMetrics(engine, "tiny", expert_metrics="full")
     hot = [[8, 0, 0, 0], [2, 2, 2, 2]]
     even = [[1, 1, 1, 1], [2, 2, 2, 2]]
     step(engine, [hot])
@@ -207,11 +216,11 @@ def test_no_request_ids_in_labels(engine, metrics):
 
 
 def test_listener_errors_never_reach_the_engine(engine, metrics, caplog):
-    engine.stats.record_step(1, [], [], 0.01, engine.table)  # no expert counts: fine
+    record(engine, StepRecord.of(1, [], [], 0.01, engine.table))  # no expert counts: fine
     for fn in engine.stats.listeners:
-        fn("step", times=None, expert_tokens=None, table=None)  # malformed: logged, not raised
-        fn("some_future_event", x=1)  # unknown: ignored
-    assert "dropping 'step' event" in caplog.text
+        fn(StepRecord(0, 1, None))  # malformed (no step time): logged, not raised
+        fn(object())  # a record type it does not know: ignored
+    assert "dropping a StepRecord record" in caplog.text
     assert value(scrape(metrics), "moeray:engine_steps_total") >= 1
 
 
@@ -228,8 +237,6 @@ def test_close_stops_listening(engine):
 def test_constructor_rejects_bad_values(engine):
     with pytest.raises(ValueError, match="model_name"):
         EngineMetrics(engine, "")
-    with pytest.raises(ValueError, match="imbalance_window_steps"):
-        EngineMetrics(engine, "tiny", imbalance_window_steps=0)
 
 
 def test_scrapes_concurrent_with_steps(engine, metrics):

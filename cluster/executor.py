@@ -1,0 +1,171 @@
+"""The step executor: the engine's one seam to whatever computes its steps.
+
+:class:`Executor` is the protocol the engine (the step loop) and :mod:`cluster.epochs` (shape
+changes) call. :class:`RayExecutor` carries it out on Ray actors: each step's messages travel over
+one step channel per actor (:mod:`actors.channel`), never as a Ray call; the actors themselves —
+reservations, creation, standbys, process groups, liveness probes — are its :class:`~cluster.fleet.Fleet`'s.
+A fake executor (``tests/cluster/fake_executor.py``) drives the same engine in one process, without Ray.
+
+Owns (RayExecutor): the step transport's view of the fleet (who a step went to, what came back).
+Never: decides which sequences run (the scheduler), which shape comes next (the router and the
+epoch owner), or waits on an actor without a timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from actors.channel import ChannelClosed, StepError
+from actors.messages import ExpertStep, PlacementTable, StepRequest
+
+from .errors import StepFailed
+
+Sent = list[tuple[str, Any]]  # where a step went: (actor name, member) in rank order
+MemberId = tuple[str, int]  # (kind, index): kind "attention" or "expert"
+
+
+class Executor(Protocol):
+    """What the engine and the epoch owner need from the actors. ``table`` is the placement the
+    actors run now (set by ``start``, ``commit`` and ``replace``)."""
+
+    table: PlacementTable | None
+
+    @property
+    def started(self) -> bool: ...
+
+    def start(self, table: PlacementTable) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    # the step
+    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> Sent: ...
+
+    def collect(self, step_no: int, sent: Sent) -> tuple[list, list]:
+        """The attention and expert results of a launched step; raises StepFailed."""
+
+    # shape changes (carried out; :mod:`cluster.epochs` decides)
+    def prepare(self, kind: str, table: PlacementTable) -> Any:
+        """Start the actors and staging ``table`` needs while steps go on; returns the change's handle."""
+
+    def ready(self, prepared: Any) -> bool:
+        """True once everything ``prepared`` needs is up; raises EngineError (after aborting) when it failed."""
+
+    def commit(self, prepared: Any) -> tuple[float, int]:
+        """Switch every actor to the prepared table at a step boundary: (regroup seconds, experts loaded)."""
+
+    def abort(self, prepared: Any) -> None: ...
+
+    def lost(self, suspects: list[MemberId]) -> list[MemberId]:
+        """Members that share a node with a suspect and whose node stopped answering."""
+
+    def replace(self, dead: list[MemberId], table: PlacementTable) -> tuple[float, float, int]:
+        """A recovery epoch: each dead member replaced at its index, every actor in a new process
+        group. (replace seconds, regroup seconds, experts loaded); raises NoCapacity."""
+
+    # operations
+    def kill(self, kind: str, index: int) -> str: ...
+
+    def describe(self) -> dict: ...
+
+
+class RayExecutor:
+    """Steps over step channels to the actors of a :class:`~cluster.fleet.Fleet`."""
+
+    def __init__(self, fleet, *, step_timeout_s: float, collective_timeout_s: float):
+        self.fleet = fleet
+        self.step_timeout_s, self.collective_timeout_s = step_timeout_s, collective_timeout_s
+
+    @property
+    def table(self) -> PlacementTable | None:
+        return self.fleet.table
+
+    @property
+    def started(self) -> bool:
+        return self.fleet.started
+
+    def start(self, table: PlacementTable) -> None:
+        self.fleet.start(table)
+
+    def shutdown(self) -> None:
+        self.fleet.shutdown()
+
+    # ---- the step --------------------------------------------------------------------------
+    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> Sent:
+        """Send one step over every actor's step channel (no Ray call); :meth:`collect` waits for it."""
+        fleet = self.fleet
+        assert len(reqs) == len(fleet.attention), f"{len(reqs)} step requests for {len(fleet.attention)} attention actors"
+        members = fleet.attention + fleet.experts
+        for m, req in zip(members, list(reqs) + [expert_req] * len(fleet.experts)):
+            if m.channel is not None:  # None: an actor retired by a recovery that found no room (collect says so)
+                m.channel.send(expert_req.step, req)
+        return list(zip(member_names(len(fleet.attention), len(fleet.experts)), members))
+
+    def collect(self, step_no: int, sent: Sent) -> tuple[list, list]:
+        """The results of a launched step. Raises :class:`StepFailed` once every actor has answered
+        or been given up on, naming the dead (closed channel, node gone) and stuck (no answer)
+        actors to replace, and those that answered with an error (they only need a new process
+        group). After the first failure the others get until the collective timeout (and 5 s) from
+        then: a peer of a dead actor answers when its exchange times out."""
+        deadline = time.monotonic() + self.step_timeout_s
+        grace = None
+        results, dead, errored, causes = [], [], [], []
+        num_attention = sum(name.startswith("attention") for name, _ in sent)
+        for name, member in sent:
+            try:
+                if member.channel is None:
+                    raise ChannelClosed(f"{name} has no step channel")
+                results.append(member.channel.recv(step_no, deadline, alive=lambda m=member: self.fleet.reachable(m)))
+                continue
+            except StepError as e:
+                errored.append(name)
+                causes.append(f"{name}: {str(e).splitlines()[0]}")
+            except TimeoutError:
+                dead.append(name)
+                causes.append(f"{name} did not answer")
+            except ChannelClosed:
+                dead.append(name)
+                causes.append(f"{name} died")
+            if grace is None:
+                grace = time.monotonic() + self.collective_timeout_s + 5
+                deadline = max(deadline, grace)
+        if causes:
+            raise StepFailed(f"step {step_no} failed: {'; '.join(causes[:4])}", [parse_name(n) for n in dead],
+                             [parse_name(n) for n in errored])
+        return results[:num_attention], results[num_attention:]
+
+    # ---- shape changes ---------------------------------------------------------------------
+    def prepare(self, kind: str, table: PlacementTable):
+        return self.fleet.prepare(kind, table)
+
+    def ready(self, prepared) -> bool:
+        return self.fleet.ready(prepared)
+
+    def commit(self, prepared) -> tuple[float, int]:
+        return self.fleet.commit(prepared)
+
+    def abort(self, prepared) -> None:
+        self.fleet.abort(prepared)
+
+    def lost(self, suspects: list[MemberId]) -> list[MemberId]:
+        return self.fleet.lost(suspects)
+
+    def replace(self, dead: list[MemberId], table: PlacementTable) -> tuple[float, float, int]:
+        return self.fleet.replace(dead, table)
+
+    # ---- operations ------------------------------------------------------------------------
+    def kill(self, kind: str, index: int) -> str:
+        return self.fleet.kill(kind, index)
+
+    def describe(self) -> dict:
+        return self.fleet.describe()
+
+
+def member_names(num_attention: int, num_expert_actors: int) -> list[str]:
+    return [f"attention[{i}]" for i in range(num_attention)] + [f"expert[{j}]" for j in range(num_expert_actors)]
+
+
+def parse_name(name: str) -> MemberId:
+    """``"expert[3]"`` → ``("expert", 3)``."""
+    kind, index = name.rstrip("]").split("[")
+    return kind, int(index)

@@ -1,0 +1,420 @@
+"""The fleet: the actors of one engine and the Ray resources they sit in.
+
+Owns: the placement reservations and the bundles in them, the attention and expert actors (in
+rank order) and their step channels, the warm standbys, and the process group of the current
+epoch. It carries out what :mod:`cluster.epochs` decides — new actors for a shape change
+(:meth:`Fleet.prepare` … :meth:`Fleet.commit`), replacements after a failure (:meth:`Fleet.replace`) —
+and answers liveness probes, each about one member's node.
+Never: decides which shape comes next (the router proposes, the epoch owner decides), sends a
+step (the executor does, over the channels opened here), or waits on an actor without a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from pathlib import Path
+
+import ray
+
+from actors.channel import TOKEN_BYTES, StepChannel
+from actors.group import NCCL_ENV
+from actors.messages import GroupInfo, PlacementTable
+from actors.remote import RemoteAttention, RemoteExpert
+from model.config import ModelConfig
+
+from .config import EngineConfig
+from .errors import EngineError, NoCapacity
+from .executor import MemberId, member_names
+from .members import Home, Member, Prepared, retire
+from .preflight import preflight
+from .probes import node_of, node_reachable, unreachable_nodes
+from .startup import default_load_timeout_s
+from .topology import ClusterSpec, Kind, Reservation, ReservationTimeoutError, remove_orphans, reserve
+
+
+class Fleet:
+    def __init__(self, config: EngineConfig, spec: ClusterSpec, model_cfg: ModelConfig):
+        self.config, self.spec, self.model_cfg = config, spec, model_cfg
+        self.path = str(Path(config.model).resolve())
+        self.backend = config.backend or ("nccl" if spec.gpus else "gloo")
+        self.load_timeout_s = config.load_timeout_s or default_load_timeout_s(model_cfg, spec.attention)
+        self.table: PlacementTable | None = None
+        self.attention: list[Member] = []
+        self.experts: list[Member] = []
+        self.spare: list[Home] = []  # bundles of retired actors, reused before reserving more
+        self.standby: list[Member] = []  # warm actors in no process group, each ready to take a dead one's index
+        self.reservations: list[Reservation] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self, table: PlacementTable) -> None:
+        c, spec = self.config, self.spec
+        if c.owner:
+            remove_orphans(c.owner)
+        preflight(self.model_cfg, spec, c.dtype)  # refuse a shape this cluster cannot hold, before reserving
+        res = self._reserve(spec, c.start_timeout_s)
+        self.reservations.append(res)
+        try:
+            self.attention = [self._new_attention(Home(res, "attention", i), table, i) for i in range(spec.attention)]
+            self.experts = [self._new_expert(Home(res, "expert", j), table, j) for j in range(spec.experts)]
+            self._form_group(table, self.attention, self.experts, "joining the process group")
+            self.table = table
+            self._start_standbys(c.start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        for m in self.attention + self.experts + self.standby:
+            retire(m)
+        self.attention, self.experts, self.spare, self.standby = [], [], [], []
+        for res in self.reservations:
+            res.release()
+        self.reservations = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self.attention)
+
+    def node_ip(self, member: Member) -> str:
+        home = member.home
+        if home.ip is None:
+            home.ip = home.reservation.node_ip_of(home.kind, home.index)
+        return home.ip
+
+    def reachable(self, member: Member) -> bool:
+        """``member``'s node answers (its raylet alone is probed)."""
+        return node_reachable(member.home)
+
+    # ---- operations ------------------------------------------------------------------------
+    def kill(self, kind: str, index: int) -> str:
+        """Fault injection (``moeray chaos``): ``ray.kill`` one actor; ValueError for no such actor."""
+        members = self.attention if kind == "attention" else self.experts
+        if kind not in ("attention", "expert") or not 0 <= index < len(members):
+            raise ValueError(f"there is no {kind}[{index}]: the app has {len(members)}")
+        ray.kill(members[index].actor, no_restart=True)
+        return f"{kind}[{index}]"
+
+    def describe(self) -> dict:
+        """Where the actors are (node addresses, looked up once per bundle), and each expert actor's
+        resident weight bytes as futures (the Ray calls are sent here; whoever reads them waits, with
+        its own timeout)."""
+        return {"attention": [{"node": self.node_ip(m)} for m in self.attention],
+                "experts": [{"node": self.node_ip(m)} for m in self.experts],
+                "standby": len(self.standby),
+                "weight_bytes": [m.actor.weight_bytes.remote().future() for m in self.experts]}
+
+    # ---- shape changes -----------------------------------------------------------------------
+    def prepare(self, kind: str, table: PlacementTable) -> Prepared:
+        """Start what ``table`` needs beside the running epoch: new actors in spare bundles or a new
+        reservation (loading their weights in their constructors), kept expert actors staging their
+        new slots in their ``control`` concurrency group. Returns at once."""
+        old = self.table
+        p = Prepared(kind, table, old, self.attention[: table.num_attention], self.experts[: table.num_actors],
+                     self.attention[table.num_attention:] + self.experts[table.num_actors:], [], [])
+        try:
+            homes = self._homes("attention", table.num_attention - len(p.attention), p)
+            p.attention += [self._new_attention(h, table, len(p.attention) + i) for i, h in enumerate(homes)]
+            homes = self._homes("expert", table.num_actors - len(p.experts), p)
+            p.experts += [self._new_expert(h, table, len(p.experts) + i) for i, h in enumerate(homes)]
+            new = p.attention[old.num_attention:] + p.experts[old.num_actors:]
+            p.staging = [m.actor.prepare.options(concurrency_group="control").remote(table, j)
+                         for j, m in enumerate(p.experts[: old.num_actors])
+                         if table.experts_of(j) != old.experts_of(j)]
+            p.pending = [m.actor.node_id.remote() for m in new] + p.staging  # node_id: done once constructed
+        except BaseException:
+            self.abort(p)
+            raise
+        return p
+
+    def ready(self, p: Prepared) -> bool:
+        """True once every new actor started and every kept one staged its weights. Raises
+        EngineError (after aborting the change) when one failed or the start timeout passed."""
+        done, _ = ray.wait(p.pending, num_returns=len(p.pending), timeout=0)
+        if len(done) == len(p.pending):
+            try:
+                self._get(p.pending, self.config.step_timeout_s, f"preparing epoch {p.table.epoch}")
+            except EngineError:
+                self.abort(p)
+                raise
+            return True
+        if time.monotonic() - p.started > self.config.start_timeout_s:
+            self.abort(p)
+            raise EngineError(f"epoch {p.table.epoch}: the new actors were not ready within "
+                              f"{self.config.start_timeout_s:.0f}s")
+        return False
+
+    def commit(self, p: Prepared) -> tuple[float, int]:
+        """At a step boundary, after ``ready``: every actor of the new epoch joins a new process
+        group; retired actors are killed and their bundles kept as spares. (regroup s, experts loaded)."""
+        try:
+            loaded = sum(self._get(p.staging, self.config.step_timeout_s, "staged weights"))
+            t1 = time.monotonic()
+            self._form_group(p.table, p.attention, p.experts, f"entering epoch {p.table.epoch}")
+            regroup = time.monotonic() - t1
+        except BaseException:
+            self.abort(p)
+            raise
+        for m in p.retired:
+            retire(m)
+            self.spare.append(m.home)
+        self.attention, self.experts, self.table = p.attention, p.experts, p.table
+        self._release_unused()
+        return regroup, loaded
+
+    def abort(self, p: Prepared) -> None:
+        """Undo a change that did not happen: kill the actors it made, free their bundles."""
+        for m in p.attention[p.old.num_attention:] + p.experts[p.old.num_actors:]:
+            retire(m)
+            if m.home.reservation not in p.reservations:
+                self.spare.append(m.home)
+        for res in p.reservations:
+            res.release()
+            self.reservations.remove(res)
+
+    # ---- recovery ----------------------------------------------------------------------------
+    def lost(self, suspects: list[MemberId]) -> list[MemberId]:
+        """Members on the nodes of ``suspects`` that stopped answering (each such node probed once).
+        An actor can answer a failed step with an exchange error just before it dies with its node."""
+        members = {("attention", i): m for i, m in enumerate(self.attention)}
+        members |= {("expert", j): m for j, m in enumerate(self.experts)}
+        down: dict[str, bool] = {}
+        for who in suspects:
+            m = members.get(who)
+            if m is not None:
+                down.setdefault(node_of(m.home), not node_reachable(m.home))
+        return sorted(who for who, m in members.items() if down.get(node_of(m.home), False))
+
+    def replace(self, dead: list[MemberId], table: PlacementTable, *,
+                reserve_timeout_s: float = 10.0) -> tuple[float, float, int]:
+        """A recovery epoch (``table``: the same shape and placement, a new epoch): each dead actor
+        replaced at its index — by a warm standby when one is up, else by a new actor in its own
+        bundle while its node answers, else in a new reservation on a node with room
+        (:class:`NoCapacity` when there is none) — and every actor in a new process group.
+        Survivors keep their weights, caches and KDA state. Then the standby pool is refilled (not
+        waited for). Returns (seconds to replace, seconds to regroup, experts loaded)."""
+        t0 = time.monotonic()
+        attention, experts = list(self.attention), list(self.experts)
+        made: list[Member] = []
+        freed: list[Home] = []
+        try:
+            for kind, i in dead:
+                members = attention if kind == "attention" else experts
+                retire(members[i])
+                freed.append(members[i].home)
+                members[i] = self._take_standby(kind) or self._replacement(kind, members[i].home, table, i,
+                                                                            reserve_timeout_s)
+                made.append(members[i])
+            t1 = time.monotonic()
+            self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
+            regroup = time.monotonic() - t1
+        except BaseException:
+            for m in made:
+                retire(m)
+            raise
+        self.attention, self.experts, self.table = attention, experts, table
+        in_use = {id(m.home) for m in attention + experts}  # a replacement can sit in its predecessor's bundle
+        self.spare += [h for h in freed if id(h) not in in_use and node_reachable(h)]
+        self._refill_standbys(min(reserve_timeout_s, 2.0))  # off the step path but for a new reservation
+        self._release_unused()
+        loaded = sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values())
+        return t1 - t0, regroup, loaded
+
+    def _replacement(self, kind: Kind, home: Home, table: PlacementTable, index: int, timeout_s: float) -> Member:
+        """A started new actor for a dead one: in ``home`` (the dead one's bundle) while its node answers,
+        else in a fresh home. The node can be found dead only now (the GCS marks a node dead seconds
+        after it stopped answering): then once more in a fresh home. Never waits on a dead node."""
+        new = self._new_attention if kind == "attention" else self._new_expert
+        if not node_reachable(home):
+            home = self._fresh_home(kind, timeout_s)
+        for attempt in range(2):
+            member = new(home, table, index)
+            state = self._await_start(member, self.config.start_timeout_s)
+            if state == "started":
+                return member
+            retire(member)
+            if state == "timeout":
+                raise NoCapacity(f"no node has room for a replacement {kind} actor: it did not start within "
+                                 f"{self.config.start_timeout_s:.0f}s")
+            if attempt == 0:
+                home = self._fresh_home(kind, timeout_s)
+        raise NoCapacity(f"no node has room for a replacement {kind} actor: the node it was placed on is gone too")
+
+    def _await_start(self, member: Member, timeout_s: float) -> str:
+        """Wait until ``member``'s actor is constructed: "started"; "dead" when it died or the node of
+        its bundle stopped answering; "timeout". Checks the node every second."""
+        ref = member.actor.node_id.remote()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, _ = ray.wait([ref], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            if done:
+                try:
+                    ray.get(ref)
+                    return "started"
+                except ray.exceptions.RayActorError:
+                    return "dead"
+            if not node_reachable(member.home):
+                return "dead"
+            if time.monotonic() >= deadline:
+                return "timeout"
+
+    def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:
+        """A bundle in a new reservation, on a node that answers (a dead node may still be listed alive)."""
+        spec = dataclasses.replace(self.spec, attention=1 if kind == "attention" else 0,
+                                   experts=1 if kind == "expert" else 0)
+        try:
+            res = self._reserve(spec, timeout_s, exclude=unreachable_nodes())
+        except (ReservationTimeoutError, ValueError) as e:  # ValueError: a pinned node is gone
+            raise NoCapacity(f"no node has room for a replacement {kind} actor: {str(e).splitlines()[0]}") from None
+        self.reservations.append(res)
+        return Home(res, kind, 0)
+
+    # ---- standbys ----------------------------------------------------------------------------
+    def _start_standbys(self, timeout_s: float) -> None:
+        """Reserve the configured standbys' bundles (raises like a reservation of the shape does) and
+        start them; their start-up is not waited for."""
+        c = self.config
+        if c.standby_attention + c.standby_experts == 0:
+            return
+        spec = dataclasses.replace(self.spec, attention=c.standby_attention, experts=c.standby_experts)
+        try:
+            res = self._reserve(spec, timeout_s)
+        except ReservationTimeoutError as e:
+            raise ReservationTimeoutError(f"no room for the standby actors (standby_attention={c.standby_attention}, "
+                                          f"standby_experts={c.standby_experts}) beside the shape: {e}") from None
+        self.reservations.append(res)
+        homes = [Home(res, "attention", i) for i in range(c.standby_attention)]
+        homes += [Home(res, "expert", j) for j in range(c.standby_experts)]
+        self.standby += [self._new_standby(h) for h in homes]
+
+    def _new_standby(self, home: Home) -> Member:
+        new = self._new_attention if home.kind == "attention" else self._new_expert
+        return new(home, self.table, None)
+
+    def _take_standby(self, kind: Kind) -> Member | None:
+        """A started standby of ``kind`` out of the pool; None when none is (dead ones are dropped)."""
+        while pool := [m for m in self.standby if m.home.kind == kind]:
+            member = pool[0]
+            self.standby.remove(member)
+            if self._await_start(member, self.config.start_timeout_s) == "started":
+                return member
+            retire(member)
+        return None
+
+    def _refill_standbys(self, timeout_s: float) -> None:
+        """Start standbys until the pool is full: in free bundles whose node answers, else in a new
+        reservation (bounded by ``timeout_s``; without room the pool stays short until the next
+        recovery). The new actors' start-up is not waited for."""
+        c = self.config
+        for kind, want in (("attention", c.standby_attention), ("expert", c.standby_experts)):
+            for _ in range(want - sum(m.home.kind == kind for m in self.standby)):
+                home = next((h for h in self.spare if h.kind == kind and node_reachable(h)), None)
+                if home is not None:
+                    self.spare.remove(home)
+                else:
+                    try:
+                        home = self._fresh_home(kind, timeout_s)
+                    except NoCapacity:
+                        break
+                self.standby.append(self._new_standby(home))
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _homes(self, kind: Kind, count: int, p: Prepared) -> list[Home]:
+        """``count`` bundles for new actors of ``kind``: spare ones first, then one new reservation."""
+        if count <= 0:
+            return []
+        reuse = [h for h in self.spare if h.kind == kind][:count]
+        for h in reuse:
+            self.spare.remove(h)
+        more = count - len(reuse)
+        if more == 0:
+            return reuse
+        spec = dataclasses.replace(self.spec, attention=more if kind == "attention" else 0,
+                                   experts=more if kind == "expert" else 0)
+        try:
+            res = self._reserve(spec, self.config.start_timeout_s)
+        except BaseException:
+            self.spare += reuse
+            raise
+        self.reservations.append(res)
+        p.reservations.append(res)
+        return reuse + [Home(res, kind, i) for i in range(more)]
+
+    def _reserve(self, spec: ClusterSpec, timeout_s: float, exclude: frozenset[str] = frozenset()) -> Reservation:
+        name = f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
+        return reserve(spec, timeout_s=timeout_s, name=name, exclude=exclude)
+
+    def _release_unused(self) -> None:
+        """Release reservations none of whose bundles hold a live actor (or a standby) any more."""
+        live = {id(m.home.reservation) for m in self.attention + self.experts + self.standby}
+        for res in [r for r in self.reservations if id(r) not in live]:
+            res.release()
+            self.reservations.remove(res)
+            self.spare = [h for h in self.spare if h.reservation is not res]
+
+    def _options(self, opts: dict) -> dict:
+        """An actor's Ray options; on NCCL with the environment that makes a dead peer abortable."""
+        return {**opts, "runtime_env": {"env_vars": dict(NCCL_ENV)}} if self.backend == "nccl" else opts
+
+    def _new_attention(self, home: Home, table: PlacementTable, index: int) -> Member:
+        c = self.config
+        opts = self._options(home.reservation.attention_options(home.index))
+        actor = RemoteAttention.options(**opts).remote(
+            self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
+            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange, threads=c.actor_threads)
+        return Member(actor, home)
+
+    def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:
+        opts = self._options(home.reservation.expert_options(home.index))
+        return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table, dtype=self.config.dtype,
+                                                          exchange=self.config.exchange,
+                                                          threads=self.config.actor_threads,
+                                                          expert_threads=self.config.expert_threads), home)
+
+    def _form_group(self, table: PlacementTable, attention: list[Member], experts: list[Member], what: str) -> None:
+        c = self.config
+        # the first answers from new actors wait for their weights to load
+        addr, port = self._get(attention[0].actor.rendezvous.remote(), self.load_timeout_s, f"{what}: rendezvous")
+        info = GroupInfo(epoch=table.epoch, address=addr, port=port, backend=self.backend,
+                         timeout_s=c.collective_timeout_s, transport=c.transport,
+                         token=secrets.token_bytes(TOKEN_BYTES))
+        refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
+        refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
+        names = member_names(len(attention), len(experts))
+        self._get(refs, self.load_timeout_s, what, names=names)
+        self._open_channels(attention + experts, names, what)
+
+    def _open_channels(self, members: list[Member], names: list[str], what: str) -> None:
+        """Connect a step channel to each member that has none yet (new actors, standbys taking a
+        dead one's place): the actor listens on its node, the token keeps anyone else out."""
+        for m, name in zip(members, names):
+            if m.channel is not None:
+                m.channel.name = m.channel.link.label = name  # its index may have changed with the epoch
+        fresh = [(m, n) for m, n in zip(members, names) if m.channel is None]
+        tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in fresh]
+        where = self._get([m.actor.open_channel.remote(t) for (m, _), t in zip(fresh, tokens)],
+                          self.config.step_timeout_s, f"{what}: opening step channels", names=[n for _, n in fresh])
+        for (m, name), address, token in zip(fresh, where, tokens):
+            try:  # the actor listens already: a reachable one connects at once
+                m.channel = StepChannel(name, tuple(address), token, self.config.step_timeout_s,
+                                        connect_timeout_s=min(30.0, self.config.step_timeout_s))
+            except OSError as e:
+                raise EngineError(f"{what}: cannot connect the step channel of {name} at "
+                                  f"{address[0]}:{address[1]}: {e}") from None
+
+    def _get(self, refs, timeout: float, what: str, names: list[str] | None = None):
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            refs_list = refs if isinstance(refs, list) else [refs]
+            _, pending = ray.wait(refs_list, num_returns=len(refs_list), timeout=0)
+            names = names or (member_names(len(self.attention), len(self.experts))
+                              if len(refs_list) == len(self.attention) + len(self.experts) else None)
+            who = ([n for n, r in zip(names, refs_list) if r in pending] if names
+                   else [f"{len(pending)} of {len(refs_list)} actors"])
+            raise EngineError(f"{what}: no answer within {timeout:.0f}s from {', '.join(who)}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise EngineError(f"{what}: {e.cause if e.cause is not None else e}") from None
+        except ray.exceptions.RayActorError as e:
+            raise EngineError(f"{what}: an actor died: {e}") from None

@@ -1,0 +1,246 @@
+"""A fake executor: the engine's seam (:class:`cluster.executor.Executor`) carried out in one process,
+without Ray, torch models or sockets, so the engine's own logic — scheduling, async scheduling,
+stop handling, recovery decisions, epoch sequencing — is tested fast and exactly.
+
+Its "model" keeps what the real actors keep and can get wrong:
+- each attention replica has a latent cache addressed through the block table (position →
+  block → slot) that remembers which sequence wrote which position; reading a position that this
+  sequence never wrote (a wrong ``num_cached``, a block table that lost a block, stale data
+  from another sequence) raises :class:`FakeCacheError`;
+- on hybrid models a per-slot recurrent state folds every token computed since the last reset,
+  exactly once: a step redone without a reset folds its tokens twice and changes every later token;
+- the next token is a hash of the sequence's history (MLA models: read back from the cache; hybrid
+  models: the recurrent state), so any token written at the wrong place changes the output;
+- an :data:`AHEAD` token is what this replica sampled last for the sequence, as the real worker does;
+- a step must carry the epoch the fake runs in, and one step request per attention replica.
+
+:func:`expected` is the oracle: the same hash run one sequence at a time with the engine's stop rules.
+Faults are scheduled by step number (:meth:`FakeExecutor.fail_step`); capacity and preparation
+failures by flags. Every call is logged in :attr:`FakeExecutor.log` for sequencing tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.messages import AHEAD, ExpertStep, ExpertStepResult, PlacementTable, SampledToken, StepRequest
+from cluster.errors import EngineError, NoCapacity, StepFailed
+from model.runner import Sequence, check_stop
+from model.sampling import SamplingParams
+
+MOD = (1 << 61) - 1
+
+
+def fold(h: int, token: int) -> int:
+    return (h * 1_000_003 + token + 1) % MOD
+
+
+def next_token(h: int, vocab: int) -> int:
+    return (h >> 7) % vocab
+
+
+def fold_all(tokens) -> int:
+    h = 0
+    for t in tokens:
+        h = fold(h, t)
+    return h
+
+
+def expected(prompt: list[int], params: SamplingParams, *, vocab: int, stop_ids: frozenset[int],
+             max_context: int) -> list[int]:
+    """The oracle: the fake model's output for one prompt, alone, with the engine's stop rules."""
+    seq = Sequence(0, list(prompt), len(prompt), params)
+    while True:
+        seq.token_ids.append(next_token(fold_all(seq.token_ids), vocab))
+        if check_stop(seq, stop_ids, max_context):
+            return seq.output_ids
+
+
+class FakeCacheError(AssertionError):
+    """A replica read a cache position its sequence never wrote."""
+
+
+@dataclass
+class FakeReplica:
+    """One attention replica's cache, recurrent state and last samples."""
+
+    num_blocks: int
+    block_size: int
+    hybrid: bool
+    cache: dict = field(default_factory=dict)  # physical slot → (seq_id, position, token)
+    state: dict = field(default_factory=dict)  # KDA slot → folded tokens
+    last: dict = field(default_factory=dict)  # seq_id → last sampled token
+
+    def _slot(self, chunk, pos: int) -> int:
+        block = chunk.block_table[pos // self.block_size]
+        assert 0 <= block < self.num_blocks, f"block {block} outside the cache"
+        return block * self.block_size + pos % self.block_size
+
+    def run(self, req: StepRequest, vocab: int) -> list[SampledToken]:
+        out = []
+        for c in req.chunks:
+            tokens = [self.last[c.seq_id] if t == AHEAD else t for t in c.token_ids]
+            for k, t in enumerate(tokens):
+                self.cache[self._slot(c, c.num_cached + k)] = (c.seq_id, c.num_cached + k, t)
+            if self.hybrid:
+                if c.reset_state:
+                    self.state[c.state_slot] = 0
+                h = self.state[c.state_slot]
+                for t in tokens:
+                    h = fold(h, t)
+                self.state[c.state_slot] = h
+            if c.sample:
+                history = []
+                for pos in range(c.num_cached + len(tokens)):
+                    seq_id, at, t = self.cache.get(self._slot(c, pos), (None, None, None))
+                    if (seq_id, at) != (c.seq_id, pos):
+                        raise FakeCacheError(f"seq {c.seq_id} read position {pos}, which holds {(seq_id, at)}")
+                    history.append(t)
+                h = self.state[c.state_slot] if self.hybrid else fold_all(history)
+                tok = next_token(h, vocab)
+                self.last[c.seq_id] = tok
+                out.append(SampledToken(c.seq_id, tok))
+        return out
+
+
+class FakeExecutor:
+    """The :class:`~cluster.executor.Executor` protocol in one process (see the module docstring)."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, hybrid: bool, vocab: int, num_experts: int):
+        self.num_blocks, self.block_size, self.hybrid = num_blocks, block_size, hybrid
+        self.vocab, self.num_experts = vocab, num_experts
+        self.table: PlacementTable | None = None
+        self.replicas: list[FakeReplica] = []
+        self.pending: dict[int, list[StepRequest]] = {}
+        self.faults: dict[int, list[tuple[str, int]]] = {}  # step → members that die in it
+        self.failing: tuple[int, list] = (0, [])  # (how many more collected steps fail, members that die)
+        self.on_lost_node: list[tuple[str, int]] = []  # members whose node is found down when probed
+        self.no_capacity = 0  # this many replace() calls raise NoCapacity
+        self.ready_after = 0  # a prepared change is ready after this many polls
+        self.fail_prepare = False  # ready() raises: the new actors never came up
+        self.routing = None  # token → expert for the statistics (default: token % experts)
+        self.log: list[tuple] = []
+
+    def _replica(self) -> FakeReplica:
+        return FakeReplica(self.num_blocks, self.block_size, self.hybrid)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self.table is not None
+
+    def start(self, table: PlacementTable) -> None:
+        self.table = table
+        self.replicas = [self._replica() for _ in range(table.num_attention)]
+        self.log.append(("start", table.epoch, table.shape()))
+
+    def shutdown(self) -> None:
+        self.log.append(("shutdown",))
+        self.table, self.replicas = None, []
+
+    # ---- faults ----------------------------------------------------------------------------------
+    def fail_step(self, step: int, *dead: tuple[str, int]) -> None:
+        """Step ``step`` fails with ``dead`` members gone (their caches lost); the others answer with an
+        error. (Steps sent ahead take step numbers too.)"""
+        self.faults[step] = list(dead)
+
+    def fail_next(self, count: int, *dead: tuple[str, int]) -> None:
+        """The next ``count`` steps collected fail as :meth:`fail_step` says."""
+        self.failing = (count, list(dead))
+
+    # ---- the step ------------------------------------------------------------------------------
+    def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list:
+        assert len(reqs) == len(self.replicas), f"{len(reqs)} step requests for {len(self.replicas)} replicas"
+        for r in reqs:
+            assert r.epoch == self.table.epoch, f"step {r.step} carries epoch {r.epoch}, the actors run {self.table.epoch}"
+        assert expert_req.epoch == self.table.epoch and expert_req.step == reqs[0].step
+        self.pending[expert_req.step] = list(reqs)
+        self.log.append(("launch", expert_req.step, expert_req.epoch, expert_req.ahead))
+        return [(f"attention[{i}]", i) for i in range(len(reqs))]
+
+    def collect(self, step_no: int, sent: list) -> tuple[list, list]:
+        reqs = self.pending.pop(step_no)
+        if self.failing[0] > 0:
+            self.failing = (self.failing[0] - 1, self.failing[1])
+            self.faults[step_no] = self.failing[1]
+        if step_no in self.faults:
+            dead = self.faults.pop(step_no)
+            for i, (replica, req) in enumerate(zip(self.replicas, reqs)):
+                if ("attention", i) not in dead:
+                    replica.run(req, self.vocab)  # it got as far as its caches and state: half a step
+            self.pending.clear()  # a step sent ahead is refused by actors whose previous step failed
+            others = [("attention", i) for i in range(len(reqs)) if ("attention", i) not in dead]
+            raise StepFailed(f"step {step_no} failed: {dead} died", dead, others)
+        attn = []
+        for i, (replica, req) in enumerate(zip(self.replicas, reqs)):
+            tokens = replica.run(req, self.vocab)
+            attn.append(_result(step_no, i, req, tokens, self.table, self.routing or (lambda t: t % self.num_experts)))
+        expert = [ExpertStepResult(step_no, f"expert[{j}]") for j in range(self.table.num_actors)]
+        return attn, expert
+
+    # ---- shape changes ---------------------------------------------------------------------------
+    def prepare(self, kind: str, table: PlacementTable) -> dict:
+        self.log.append(("prepare", kind, table.epoch))
+        return {"kind": kind, "table": table, "polls": 0}
+
+    def ready(self, prepared: dict) -> bool:
+        prepared["polls"] += 1
+        if self.fail_prepare:
+            self.abort(prepared)
+            raise EngineError(f"epoch {prepared['table'].epoch}: the new actors did not start")
+        return prepared["polls"] > self.ready_after
+
+    def commit(self, prepared: dict) -> tuple[float, int]:
+        assert not self.pending, f"commit with steps in flight: {sorted(self.pending)}"
+        table = prepared["table"]
+        self.replicas = self.replicas[: table.num_attention]
+        self.replicas += [self._replica() for _ in range(table.num_attention - len(self.replicas))]
+        self.table = table
+        self.log.append(("commit", table.epoch, table.shape()))
+        return 0.0, 0
+
+    def abort(self, prepared: dict) -> None:
+        self.log.append(("abort", prepared["table"].epoch))
+
+    def lost(self, suspects: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        self.log.append(("probe", tuple(suspects)))
+        return list(self.on_lost_node)
+
+    def replace(self, dead: list[tuple[str, int]], table: PlacementTable) -> tuple[float, float, int]:
+        if self.no_capacity:
+            self.no_capacity -= 1
+            self.log.append(("no capacity", tuple(dead)))
+            raise NoCapacity(f"no room for a replacement of {dead}")
+        for kind, i in dead:
+            if kind == "attention":
+                self.replicas[i] = self._replica()  # its cache and state are gone
+        self.table = table
+        self.pending.clear()
+        self.log.append(("replace", table.epoch, tuple(dead)))
+        return 0.0, 0.0, 0
+
+    def kill(self, kind: str, index: int) -> str:
+        raise NotImplementedError("the fake has no processes: schedule a fault with fail_step")
+
+    def describe(self) -> dict:
+        return {"attention": [{"node": "fake"} for _ in self.replicas],
+                "experts": [{"node": "fake"} for _ in range(self.table.num_actors)], "standby": 0, "weight_bytes": []}
+
+
+def _result(step: int, i: int, req: StepRequest, tokens: list[SampledToken], table: PlacementTable, route):
+    """An attention replica's step result with routing counts: every computed token goes to expert
+    ``route(token)`` in every MoE layer (top-1), on the expert's first copy."""
+    from actors.messages import StepResult
+
+    layers, experts = len(table.moe_layers), table.num_experts
+    counts = [[0] * experts for _ in range(layers)]
+    slots = [[[0] * table.max_local for _ in range(table.num_actors)] for _ in range(layers)]
+    for c in req.chunks:
+        for t in c.token_ids:
+            e = route(t if t != AHEAD else 0)
+            for li in range(layers):
+                counts[li][e] += 1
+                actor = next(j for j, ids in enumerate(table.slots[li]) if e in ids)
+                slots[li][actor][table.slots[li][actor].index(e)] += 1
+    return StepResult(step, f"attention[{i}]", tokens=tuple(tokens), expert_tokens=tuple(map(tuple, counts)),
+                      slot_tokens=tuple(tuple(map(tuple, a)) for a in slots))

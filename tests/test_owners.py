@@ -1,0 +1,128 @@
+"""One owner per piece of state, held statically (as tests/cluster/test_elastic.py holds the router to
+building placement tables): only the scheduler assigns a sequence's fields, and only the epoch
+owner (cluster/epochs.py) starts, commits or abandons a shape change. Also: the engine's fake-driven
+tests run with Ray not importable and without the shared conftest."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+RUNTIME = ("model", "actors", "cluster", "deploy")
+# model.runner.Sequence's fields and the scheduler's additions (cluster/scheduler.py: Seq)
+SEQ_FIELDS = {"seq_id", "token_ids", "num_prompt_tokens", "params", "block_table", "state_slot", "num_cached",
+              "finish_reason", "replica", "num_preemptions"}
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__"}
+# the shape-change primitives: the router's proposals and commits, the executor's preparation and
+# replacement of actors, the scheduler's resize and rewind
+SHAPE_OPS = {"propose", "prepare", "ready", "commit", "abort", "replace", "resize", "rewind"}
+SHAPE_OWNERS = {"router", "executor", "scheduler"}
+
+
+def _runtime_files(packages=RUNTIME):
+    for pkg in packages:
+        yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def _seq_writes(tree) -> list[tuple[int, str]]:
+    """(line, what) for every assignment to, or in-place change of, ``<x>.<seq field>`` with ``x``
+    not ``self`` (a class's own fields are its own business)."""
+    out = []
+
+    def target(node) -> str | None:
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Attribute) and node.attr in SEQ_FIELDS and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return node.attr
+        return None
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for tgt in node.targets for t in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in SEQ_FIELDS:
+            out.append((node.lineno, f"setattr(..., {node.args[1].value!r})"))
+        for t in targets:
+            name = target(t)
+            if name is not None:
+                out.append((node.lineno, name))
+    return out
+
+
+def _shape_calls(tree) -> list[tuple[int, str]]:
+    """(line, call) for every ``<…>.router|executor|scheduler.<shape op>(...)``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SHAPE_OPS:
+            owner = node.func.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            if name in SHAPE_OWNERS:
+                out.append((node.lineno, f"{name}.{node.func.attr}"))
+    return out
+
+
+def _outside(owner: str, walk, packages=RUNTIME) -> dict[str, list]:
+    """What ``walk`` finds in the runtime files other than ``owner``, by file."""
+    found = {}
+    for f in _runtime_files(packages):
+        rel = str(f.relative_to(ROOT))
+        if rel != owner and (hits := walk(ast.parse(f.read_text()))):
+            found[rel] = hits
+    return found
+
+
+def test_only_the_scheduler_assigns_sequence_fields():
+    found = _outside("cluster/scheduler.py", _seq_writes, ("cluster", "deploy"))
+    assert not found, f"sequence fields written outside cluster/scheduler.py: {found}"
+    assert _seq_writes(ast.parse((ROOT / "cluster/scheduler.py").read_text())), "the walk sees the scheduler's writes"
+
+
+def test_the_seq_check_catches_an_engine_that_appends_tokens():
+    """The check above can fail: the engine's old way of applying a step is flagged."""
+    old = "def _apply(self, seq, tok, req):\n    seq.token_ids.append(tok)\n    seq.num_cached -= 1\n" \
+          "    req.seq.finish_reason = 'stop'\n    seq.block_table[0] = 3\n"
+    assert sorted(w for _, w in _seq_writes(ast.parse(old))) == ["block_table", "finish_reason", "num_cached", "token_ids"]
+
+
+def test_only_the_epoch_owner_changes_the_shape():
+    found = _outside("cluster/epochs.py", _shape_calls)
+    assert not found, f"shape changes started outside cluster/epochs.py: {found}"
+    own = {c for _, c in _shape_calls(ast.parse((ROOT / "cluster/epochs.py").read_text()))}
+    assert {"router.propose", "executor.prepare", "executor.commit", "executor.replace",
+            "scheduler.rewind", "scheduler.resize"} <= own, own
+
+
+def test_fake_tests_need_no_ray(tmp_path):
+    """Every tests/**/test_*fake*.py passes with ``import ray`` failing and the shared conftest off."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fake*.py"))
+    assert files, "no fake-driven tests found"
+    blocker = tmp_path / "ray"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('ray is not importable in this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", *files],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "error" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+
+
+@pytest.mark.parametrize("probe", ["import ray", "from cluster.topology import reserve"])
+def test_the_ray_blocker_blocks(tmp_path, probe):
+    blocker = tmp_path / "ray"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('blocked')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "blocked" in proc.stderr
