@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class ServeConfig(BaseModel):
+    """One deployment's settings: the serving config YAML (``moeray up --config``, ``serve deploy``),
+    the flags of ``moeray up``, or a Serve application's args. Unknown keys are refused."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("kimi-k2-tiny", description="Checkpoint directory or preset name.")
@@ -21,18 +24,21 @@ class ServeConfig(BaseModel):
                                                        "a fraction lets several actors share one GPU.")
     load_timeout_s: float | None = Field(None, gt=0, description="How long the actors may take to load the "
                                                                  "weights; default: scales with the bytes to read.")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype of the actors' weights "
+                                                                         "and caches (quantised experts stay resident "
+                                                                         "in their checkpoint format).")
     max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
     max_tokens_per_step: int = Field(256, ge=1, description="Token budget of one engine step.")
     num_blocks: int = Field(256, ge=1, description="Latent-cache blocks per attention replica.")
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, description="Tokens per latent-cache block.")
     num_slots: int = Field(64, ge=1, description="KDA state slots per attention replica (hybrid models).")
     max_queue: int = Field(256, ge=1, description="Requests waiting for a slot before new ones get 503.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     max_model_len: int | None = Field(None, ge=2, description="Context length served (prompt plus output), at "
                                                               "most the model's; default: the model's.")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="Address the HTTP ingress listens on (0.0.0.0 for a cluster of "
+                                                "several machines).")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP ingress listens on.")
     api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
     expert_nodes: list[str] | None = Field(None, description="Pin expert actors to these Ray nodes (IPs or node "
                                                              "ids), round-robin; default: spread over nodes with room.")
@@ -121,7 +127,7 @@ class ServeConfig(BaseModel):
                             standby_attention=self.standby_attention, standby_experts=self.standby_experts)
 
     def cluster_spec(self):
-        from cluster.topology import ClusterSpec
+        from cluster.spec import ClusterSpec
 
         res = {"CPU": 1, **({"GPU": self.gpus_per_actor} if self.gpus_per_actor else {})}
         return ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,

@@ -1,7 +1,10 @@
-"""Shared Ray fixtures for cluster tests."""
+"""Shared Ray fixtures for cluster tests, and the `cluster` mark that the fast subset
+(``python -m pytest -q -m "not cluster"``) leaves out."""
 
+import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -61,3 +64,26 @@ def serve_port(ray_cluster):
         port = s.getsockname()[1]
     start_proxy("127.0.0.1", port)
     return port
+
+
+# ---- the `cluster` mark: tests that start Ray, Serve, `moeray up`, sshd or Prometheus ----------------
+CLUSTER_FIXTURES = {"ray_cluster", "idle_cluster", "serve_port"}  # and whatever uses them, transitively
+# Tests that start their own cluster or server rather than through those fixtures: a path marks the
+# whole module, "path::test" one test (every parametrisation of it).
+CLUSTER_TESTS = frozenset({
+    "tests/test_readme.py::test_readme_quick_start_serves_and_stops",  # `moeray up --detach`
+    "tests/deploy/test_down.py",  # a foreground `moeray up`
+    "tests/deploy/test_ray_up.py",  # a private sshd, `ray up`, `serve deploy`, a real Prometheus
+    "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",  # --nodes 3
+    "tests/deploy/test_cli.py::test_cluster_flag_errors_are_clear",  # --nodes 1 starts a Ray node first
+    "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",
+    "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(os.path.relpath(item.path, config.rootpath)).as_posix()
+        name = getattr(item, "originalname", item.name)
+        if CLUSTER_FIXTURES & set(item.fixturenames) or path in CLUSTER_TESTS or f"{path}::{name}" in CLUSTER_TESTS:
+            item.add_marker(pytest.mark.cluster)
