@@ -175,6 +175,17 @@ class StepChannel:
         self.link.close()
 
 
+def _break_exchange() -> None:
+    """A step failed here: close this epoch's exchange sockets, so every peer still waiting on this
+    actor fails at once instead of at the collective timeout (the next epoch opens new ones; on
+    gloo's own sends or NCCL the peers' timeout applies)."""
+    from .group import current_mesh
+
+    mesh = current_mesh()
+    if mesh is not None:
+        mesh.close()
+
+
 class ServesSteps:
     """What both actor kinds add for their step channel: :meth:`open_channel` (a Ray call from the
     engine) and the lock that keeps a step and an epoch change apart (a step runs on the channel's
@@ -185,6 +196,7 @@ class ServesSteps:
 
     def __init__(self):
         self.busy = threading.Lock()
+        self.steps_begun = self.steps_done = 0  # bumped by the step thread; read by heartbeat()
 
     def open_channel(self, token: bytes) -> tuple[str, int]:
         """Serve this actor's steps to the engine that holds ``token``: returns where it listens."""
@@ -196,7 +208,24 @@ class ServesSteps:
 
     def serve_step(self, request):
         with self.busy:
-            return self.step(request)
+            self.steps_begun += 1
+            try:
+                return self.step(request)
+            except Exception:
+                _break_exchange()
+                raise
+            finally:
+                self.steps_done += 1
+
+    def break_exchange(self) -> None:
+        """Close this epoch's exchange sockets from Ray's thread: a step blocked on a hung peer fails
+        at once (the engine calls it on the live actors when it found one hung)."""
+        _break_exchange()
+
+    def heartbeat(self) -> tuple[int, int]:
+        """(steps begun, steps done): answered on Ray's thread, never the step thread's, so it tells a
+        live process with a long step from one that answers nothing at all (stopped, wedged, swapping)."""
+        return self.steps_begun, self.steps_done
 
     def close_channel(self) -> None:
         if self._channel is not None:

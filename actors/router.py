@@ -138,6 +138,7 @@ class Router:
         if self.table is not None:
             raise RuntimeError(f"the router already has a table (epoch {self.table.epoch})")
         self.table = even_table(self.num_experts, self.moe_layers, num_attention, num_actors)
+        self._last_epoch = 0
         return self.table
 
     def current(self) -> PlacementTable:
@@ -155,7 +156,7 @@ class Router:
         attention = cur.num_attention if num_attention is None else num_attention
         if isinstance(attention, bool) or not isinstance(attention, int) or attention < 1:
             raise ValueError(f"attention replicas must be an integer >= 1, got {attention!r}")
-        nxt = cur.epoch + 1
+        nxt = self._last_epoch + 1  # never reused, not even after an abandoned proposal
         if redundant_slots is not None:
             if num_actors is not None:
                 raise ValueError("rebalance keeps the expert actors: give redundant_slots or num_actors, not both")
@@ -170,7 +171,7 @@ class Router:
             proposal = Proposal(even_table(self.num_experts, self.moe_layers, attention, num_actors, nxt))
         else:
             proposal = Proposal(PlacementTable(nxt, self.num_experts, attention, self.moe_layers, cur.slots))
-        self.pending = proposal.table
+        self.pending, self._last_epoch = proposal.table, nxt
         return proposal
 
     def commit(self, epoch: int) -> PlacementTable:

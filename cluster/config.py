@@ -18,11 +18,23 @@ class EngineConfig:
     impl: str = "absorbed"
     backend: str | None = None  # None: nccl when actors have GPUs, else gloo
     collective_timeout_s: float = 60.0
-    step_timeout_s: float = 120.0
+    step_timeout_s: float = 120.0  # the upper bound of one step's wait, whatever the hang watchdog says
+    # the hang watchdog (cluster/executor.py): an actor kind's step is expected within
+    # clamp(hang_factor × p99 of its recent steps, hang_floor_s, step_timeout_s); past that every actor
+    # still silent is asked for a heartbeat on Ray's thread, and one that does not answer within
+    # heartbeat_timeout_s is hung: killed and replaced through recovery
+    hang_floor_s: float = 3.0
+    hang_factor: float = 4.0
+    heartbeat_timeout_s: float = 1.5
     # a step that fails this many more times in a row, each failure recovered, drops its sequences
     # (RequestsFailed) rather than retrying for ever
     max_step_retries: int = 2
     start_timeout_s: float = 300.0  # reserving placement groups, starting actors
+    # a change whose new actors the cluster's free resources cannot place now: refused at once (0), or, on a
+    # cluster that grows by itself (an autoscaler), asked for and waited for this long while steps go on
+    # (one the cluster could never hold is refused at once either way)
+    capacity_wait_s: float = 0.0
+
     load_timeout_s: float | None = None  # actors loading weights; None: scales with the bytes to read
     # elastic plane: the router's sliding window of token counts (steps), which rebalancing, the measured
     # imbalance and the metrics read, and the automatic rebalancing policy (off by default)
@@ -65,9 +77,12 @@ class EngineConfig:
             raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
         if self.transport not in ("auto", "group"):
             raise ValueError(f"engine setting 'transport' must be auto or group, got {self.transport!r}")
-        for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries"):
+        for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries", "capacity_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")
+        for name in ("hang_floor_s", "hang_factor", "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"engine setting {name!r} must be > 0, got {getattr(self, name)}")
         if self.rebalance_threshold < 1:
             raise ValueError(f"engine setting 'rebalance_threshold' must be >= 1 (1 = balanced), "
                              f"got {self.rebalance_threshold}")

@@ -95,8 +95,7 @@ class Engine:
             from .executor import RayExecutor
             from .fleet import Fleet
 
-            executor = RayExecutor(Fleet(config, spec, mc), step_timeout_s=config.step_timeout_s,
-                                   collective_timeout_s=config.collective_timeout_s)
+            executor = RayExecutor(Fleet(config, spec, mc), config)
         self.executor = executor
         self.epochs = Epochs(config, executor, self.router, self.scheduler, recompute_state=bool(mc.kda_layers),
                              on_change=lambda c: self.stats.observe_epoch(c.epoch, c.pause_s))
@@ -277,7 +276,7 @@ class Engine:
             # a step sent ahead read this one's samples: it is undone too (its actors refuse it)
             failed = [s.plan for s in reversed(self.inflight)] + [launched.plan]
             self.inflight.clear()
-            self._recover(failed, failure)
+            self._recover(failed, failure, launched.step)
             return []
         self.failed_in_a_row = 0
         t1 = time.perf_counter()
@@ -338,11 +337,13 @@ class Engine:
         return events
 
     # ---- recovery (decided by the epoch owner) --------------------------------------------------
-    def _recover(self, failed: list[Plan], failure: StepFailed) -> None:
+    def _recover(self, failed: list[Plan], failure: StepFailed, step: int) -> None:
         t0 = time.monotonic()
         dead = self.epochs.recover([[c for chunks in p.chunks for c in chunks] for p in failed], failure)
         for kind, _ in dead:
             self.stats.observe_failure(kind)
+        for kind, index in failure.hung:
+            self.stats.observe_hang(kind, index, step)
         self.heal()
         self.stats.observe_recovery(time.monotonic() - t0)
         self.failed_in_a_row += 1
@@ -417,10 +418,14 @@ class Engine:
     def status(self) -> dict:
         """Plain data for ``/status`` (call on the engine thread; the async engine's ``control``)."""
         sched, stats = self.scheduler, self.stats
+        t = self.epochs.transition
         return {"table": self.table, "changes": [c.as_dict() for c in self.epochs.changes],
-                "changing": self.epochs.transition is not None, "ping_pong": self.ping_pong,
+                "changing": t is not None, "change": self.executor.progress(t.prepared) if t else None,
+                "ping_pong": self.ping_pong,
                 "running": len(sched.running), "waiting": len(sched.waiting), "steps": stats.steps,
                 "failures": dict(stats.actor_failures), "recoveries_s": list(stats.recoveries),
+                "hangs": dict(stats.actor_hangs),
+                "last_hang": dataclasses.asdict(stats.last_hang) if stats.last_hang else None,
                 "breakdown": dict(stats.breakdown), "actor_tokens": self.router.actor_totals(),
                 "cache": [(a.num_blocks - a.num_free, a.num_blocks) for a in sched.blocks],
                 "actors": self.executor.describe()}

@@ -122,16 +122,26 @@ class Epochs:
             self._end(e)
             return None
         t0 = time.monotonic()
+        shrink = t.table.num_attention < t.old.num_attention
+        moved = self.scheduler.resize(t.table.num_attention) if shrink else []
         try:
-            shrink = t.table.num_attention < t.old.num_attention
-            moved = self.scheduler.resize(t.table.num_attention) if shrink else []
             regroup, loaded = self.executor.commit(t.prepared)
-            if not shrink:
-                self.scheduler.resize(t.table.num_attention)
-            self.router.commit(t.table.epoch)
-        except BaseException as e:  # the old group is gone: the engine cannot step any more
+        except EngineError as e:  # an actor died while the group re-formed: the change is off, recover
+            self._end(EngineError(f"the epoch change was interrupted while the group re-formed: {e}"))
+            if shrink:
+                self.scheduler.resize(t.old.num_attention)
+            dead = self.executor.failed_members()
+            self.scheduler.rewind([], {i for kind, i in dead if kind == "attention"},
+                                  recompute_state=self.recompute_state)
+            self.unrecovered, self._heal_tries = dead, 0
+            self.heal()  # the old shape in a recovery epoch (raises NoCapacity without room)
+            return None
+        except BaseException as e:
             self._end(e)
             raise
+        if not shrink:
+            self.scheduler.resize(t.table.num_attention)
+        self.router.commit(t.table.epoch)
         p = t.proposal
         change = EpochChange(t.table.epoch, t.kind, t.old.shape(), t.table.shape(), time.monotonic() - t0, regroup,
                              t0 - t.started, loaded, len(moved), p.imbalance_before, p.imbalance_after)

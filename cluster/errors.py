@@ -12,10 +12,12 @@ class StepFailed(EngineError):
     those that answered with an error (an exchange whose peer died): they only need a new process
     group, unless their node is gone too (the epoch owner probes their nodes)."""
 
-    def __init__(self, message: str, dead: list[tuple[str, int]], errored: list[tuple[str, int]] = ()):
+    def __init__(self, message: str, dead: list[tuple[str, int]], errored: list[tuple[str, int]] = (),
+                 hung: list[tuple[str, int]] = ()):
         super().__init__(message)
         self.dead = list(dead)  # (kind, index) with kind "attention" or "expert"
         self.errored = list(errored)
+        self.hung = list(hung)  # of the dead: those found hung (silent, no heartbeat) and killed
 
 
 class RequestsFailed(EngineError):

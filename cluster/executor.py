@@ -20,6 +20,7 @@ from actors.channel import ChannelClosed, StepError
 from actors.messages import ExpertStep, PlacementTable, StepRequest
 
 from .errors import StepFailed
+from .watchdog import HangWatch
 
 Sent = list[tuple[str, Any]]  # where a step went: (actor name, member) in rank order
 MemberId = tuple[str, int]  # (kind, index): kind "attention" or "expert"
@@ -56,8 +57,14 @@ class Executor(Protocol):
 
     def abort(self, prepared: Any) -> None: ...
 
+    def progress(self, prepared: Any) -> dict:
+        """Where a change being prepared stands, for /status (plain data)."""
+
     def lost(self, suspects: list[MemberId]) -> list[MemberId]:
         """Members that share a node with a suspect and whose node stopped answering."""
+
+    def failed_members(self) -> list[MemberId]:
+        """Members whose actor is dead or does not answer a heartbeat (after a failed regroup)."""
 
     def replace(self, dead: list[MemberId], table: PlacementTable) -> tuple[float, float, int]:
         """A recovery epoch: each dead member replaced at its index, every actor in a new process
@@ -70,11 +77,13 @@ class Executor(Protocol):
 
 
 class RayExecutor:
-    """Steps over step channels to the actors of a :class:`~cluster.fleet.Fleet`."""
+    """Steps over step channels to the actors of a :class:`~cluster.fleet.Fleet`, with the hang
+    watchdog (:mod:`cluster.watchdog`) on every wait."""
 
-    def __init__(self, fleet, *, step_timeout_s: float, collective_timeout_s: float):
-        self.fleet = fleet
-        self.step_timeout_s, self.collective_timeout_s = step_timeout_s, collective_timeout_s
+    def __init__(self, fleet, config):
+        self.fleet, self.config = fleet, config
+        self.watch = HangWatch(floor_s=min(config.hang_floor_s, config.step_timeout_s), factor=config.hang_factor,
+                               cap_s=config.step_timeout_s)
 
     @property
     def table(self) -> PlacementTable | None:
@@ -103,35 +112,56 @@ class RayExecutor:
 
     def collect(self, step_no: int, sent: Sent) -> tuple[list, list]:
         """The results of a launched step. Raises :class:`StepFailed` once every actor has answered
-        or been given up on, naming the dead (closed channel, node gone) and stuck (no answer)
-        actors to replace, and those that answered with an error (they only need a new process
-        group). After the first failure the others get until the collective timeout (and 5 s) from
-        then: a peer of a dead actor answers when its exchange times out."""
-        deadline = time.monotonic() + self.step_timeout_s
-        grace = None
-        results, dead, errored, causes = [], [], [], []
-        num_attention = sum(name.startswith("attention") for name, _ in sent)
-        for name, member in sent:
-            try:
-                if member.channel is None:
-                    raise ChannelClosed(f"{name} has no step channel")
-                results.append(member.channel.recv(step_no, deadline, alive=lambda m=member: self.fleet.reachable(m)))
-                continue
-            except StepError as e:
-                errored.append(name)
-                causes.append(f"{name}: {str(e).splitlines()[0]}")
-            except TimeoutError:
-                dead.append(name)
-                causes.append(f"{name} did not answer")
-            except ChannelClosed:
-                dead.append(name)
-                causes.append(f"{name} died")
-            if grace is None:
-                grace = time.monotonic() + self.collective_timeout_s + 5
-                deadline = max(deadline, grace)
+        or been given up on, naming the dead (closed channel, node gone, hung, no answer by the step
+        timeout) to replace and those that answered with an error (they only need a new process
+        group). A silent actor past its kind's budget is asked for a heartbeat, with every other
+        actor still silent: those that do not answer are hung and killed at once, which ends their
+        peers' exchanges too. After the first failure the others get until the collective timeout
+        (and 5 s) from then: a peer of a dead actor answers when its exchange fails."""
+        begin = time.monotonic()
+        hard = begin + self.config.step_timeout_s
+        results, dead, errored, hung, causes, grace = [], [], [], [], [], None
+        for k, (name, member) in enumerate(sent):
+            kind = name.split("[")[0]
+            soft = min(hard, begin + self.watch.budget(kind))
+            while True:
+                try:
+                    if member.channel is None:
+                        raise ChannelClosed(f"{name} has no step channel")
+                    if name in hung:
+                        raise ChannelClosed(f"{name} was hung")
+                    results.append(member.channel.recv(step_no, soft, alive=lambda m=member: self.fleet.reachable(m)))
+                    self.watch.observe(kind, time.monotonic() - begin)
+                    break
+                except TimeoutError:
+                    if time.monotonic() < hard:
+                        silent = [(n, m) for n, m in sent[k:] if n not in hung and m.channel is not None]
+                        found = self.fleet.unresponsive(silent, self.config.heartbeat_timeout_s)
+                        for n, m in found:
+                            hung.append(n)
+                            causes.append(f"{n} hung (no heartbeat within {self.config.heartbeat_timeout_s:g}s)")
+                            self.fleet.kill_member(m)
+                        if found:  # its live peers wait on its sockets, which close only when it is gone
+                            self.fleet.break_exchanges([m for n, m in silent if n not in hung])
+                        soft = min(hard, time.monotonic() + self.watch.budget(kind))
+                        continue
+                    dead.append(name)
+                    causes.append(f"{name} did not answer")
+                except StepError as e:
+                    errored.append(name)
+                    causes.append(f"{name}: {str(e).splitlines()[0]}")
+                except ChannelClosed:
+                    dead.append(name)
+                    if name not in hung:
+                        causes.append(f"{name} died")
+                if grace is None:  # the first failure: the others' exchanges fail within the collective timeout
+                    grace = time.monotonic() + self.config.collective_timeout_s + 5
+                    hard = max(hard, grace)
+                break
         if causes:
             raise StepFailed(f"step {step_no} failed: {'; '.join(causes[:4])}", [parse_name(n) for n in dead],
-                             [parse_name(n) for n in errored])
+                             [parse_name(n) for n in errored], [parse_name(n) for n in hung])
+        num_attention = sum(name.startswith("attention") for name, _ in sent)
         return results[:num_attention], results[num_attention:]
 
     # ---- shape changes ---------------------------------------------------------------------
@@ -147,8 +177,14 @@ class RayExecutor:
     def abort(self, prepared) -> None:
         self.fleet.abort(prepared)
 
+    def progress(self, prepared) -> dict:
+        return self.fleet.progress(prepared)
+
     def lost(self, suspects: list[MemberId]) -> list[MemberId]:
         return self.fleet.lost(suspects)
+
+    def failed_members(self) -> list[MemberId]:
+        return self.fleet.failed_members(self.config.heartbeat_timeout_s)
 
     def replace(self, dead: list[MemberId], table: PlacementTable) -> tuple[float, float, int]:
         return self.fleet.replace(dead, table)

@@ -26,12 +26,14 @@ from model.config import ModelConfig
 
 from .config import EngineConfig
 from .errors import EngineError, NoCapacity
-from .executor import MemberId, member_names
-from .members import Home, Member, Prepared, retire
-from .preflight import preflight
+from .executor import MemberId, member_names, parse_name
+from .members import Home, Member, Prepared, kill_actor, retire
+from .preflight import PreflightError, preflight
 from .probes import node_of, node_reachable, unreachable_nodes
 from .startup import default_load_timeout_s
-from .topology import ClusterSpec, Kind, Reservation, ReservationTimeoutError, remove_orphans, reserve
+from .spec import fmt_resources, plan_bundles
+from .topology import (ClusterSpec, Kind, Reservation, ReservationTimeoutError, free_nodes, remove_orphans, reserve,
+                       reserve_pending)
 
 
 class Fleet:
@@ -87,6 +89,45 @@ class Fleet:
         """``member``'s node answers (its raylet alone is probed)."""
         return node_reachable(member.home)
 
+    def unresponsive(self, members: list[tuple[str, Member]], timeout_s: float) -> list[tuple[str, Member]]:
+        """Of ``members`` (name, member), those whose process does not answer a heartbeat within
+        ``timeout_s`` (asked all at once, on Ray's thread of each actor). A dead one raises and is
+        not listed: its channel tells."""
+        if not members:
+            return []
+        refs = [m.actor.heartbeat.remote() for _, m in members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        answered = set(ready)
+        return [(n, m) for (n, m), ref in zip(members, refs) if ref not in answered]
+
+    def failed_members(self, timeout_s: float) -> list[MemberId]:
+        """Members whose actor died or does not answer a heartbeat within ``timeout_s``."""
+        named = list(zip([parse_name(n) for n in member_names(len(self.attention), len(self.experts))],
+                         self.attention + self.experts))
+        refs = [m.actor.heartbeat.remote() for _, m in named]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for (who, _), ref in zip(named, refs):
+            if ref not in ready:
+                out.append(who)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                out.append(who)
+        return out
+
+    def break_exchanges(self, members: list[Member]) -> None:
+        """Have these live actors close their exchange sockets (fire and forget), so their steps blocked
+        on a hung peer fail now rather than when that peer's process is gone."""
+        for m in members:
+            m.actor.break_exchange.remote()
+
+    def kill_member(self, member: Member) -> None:
+        """Kill a member's actor at once (a hung one); its step channel and bundle stay until recovery
+        replaces it."""
+        kill_actor(member.actor)
+
     # ---- operations ------------------------------------------------------------------------
     def kill(self, kind: str, index: int) -> str:
         """Fault injection (``moeray chaos``): ``ray.kill`` one actor; ValueError for no such actor."""
@@ -111,8 +152,10 @@ class Fleet:
         reservation (loading their weights in their constructors), kept expert actors staging their
         new slots in their ``control`` concurrency group. Returns at once."""
         old = self.table
+        waits = not self._check_room(table)
         p = Prepared(kind, table, old, self.attention[: table.num_attention], self.experts[: table.num_actors],
-                     self.attention[table.num_attention:] + self.experts[table.num_actors:], [], [])
+                     self.attention[table.num_attention:] + self.experts[table.num_actors:], [], [],
+                     waits_for_capacity=waits)
         try:
             homes = self._homes("attention", table.num_attention - len(p.attention), p)
             p.attention += [self._new_attention(h, table, len(p.attention) + i) for i, h in enumerate(homes)]
@@ -128,6 +171,32 @@ class Fleet:
             raise
         return p
 
+    def _check_room(self, table: PlacementTable) -> bool:
+        """Refuse at once (PreflightError, a ValueError: the caller's to fix) a shape the cluster could
+        never hold — the whole new shape against its total resources and the planner's bytes — and new
+        actors that its free resources cannot place now, unless ``capacity_wait_s`` says to wait for
+        room (then False: ask for it without waiting; True: there is room now)."""
+        grown = dataclasses.replace(self.spec, attention=table.num_attention, experts=table.num_actors)
+        preflight(self.model_cfg, grown, self.config.dtype)
+        spare = {kind: sum(h.kind == kind for h in self.spare) for kind in ("attention", "expert")}
+        new_attention = max(0, table.num_attention - len(self.attention) - spare["attention"])
+        new_experts = max(0, table.num_actors - len(self.experts) - spare["expert"])
+        if new_attention + new_experts == 0:
+            return True
+        more = dataclasses.replace(self.spec, attention=new_attention, experts=new_experts)
+        nodes = free_nodes()
+        plan = plan_bundles(more, nodes)
+        if None in plan and self.config.capacity_wait_s:
+            return False
+        if None in plan:
+            free = {k: sum(n.available.get(k, 0.0) for n in nodes) for k in set().union(*more.bundles)}
+            raise PreflightError(
+                f"no room now for {plan.count(None)} of the {len(plan)} new actors ({more.describe()}): the "
+                f"cluster's free resources are {fmt_resources(free)} over {len(nodes)} node(s), the rest is "
+                f"held (this deployment's actors and standbys, or other work): free some or add nodes, or set "
+                f"capacity_wait_s on a cluster that grows by itself")
+        return True
+
     def ready(self, p: Prepared) -> bool:
         """True once every new actor started and every kept one staged its weights. Raises
         EngineError (after aborting the change) when one failed or the start timeout passed."""
@@ -139,11 +208,23 @@ class Fleet:
                 self.abort(p)
                 raise
             return True
-        if time.monotonic() - p.started > self.config.start_timeout_s:
+        waited = time.monotonic() - p.started
+        if p.waits_for_capacity and not all(r.created() for r in p.reservations):
+            if waited > self.config.capacity_wait_s:
+                self.abort(p)
+                raise EngineError(f"epoch {p.table.epoch}: no room for the new actors appeared within "
+                                  f"capacity_wait_s ({self.config.capacity_wait_s:g}s); the change is off")
+        elif waited > self.config.start_timeout_s + (self.config.capacity_wait_s if p.waits_for_capacity else 0):
             self.abort(p)
             raise EngineError(f"epoch {p.table.epoch}: the new actors were not ready within "
                               f"{self.config.start_timeout_s:.0f}s")
         return False
+
+    def progress(self, p: Prepared) -> dict:
+        """Where a change being prepared stands (for /status)."""
+        waiting = p.waits_for_capacity and not all(r.created() for r in p.reservations)
+        return {"epoch": p.table.epoch, "kind": p.kind, "for_s": round(time.monotonic() - p.started, 1),
+                "state": "waiting for capacity" if waiting else "starting actors"}
 
     def commit(self, p: Prepared) -> tuple[float, int]:
         """At a step boundary, after ``ready``: every actor of the new epoch joins a new process
@@ -333,7 +414,8 @@ class Fleet:
         spec = dataclasses.replace(self.spec, attention=more if kind == "attention" else 0,
                                    experts=more if kind == "expert" else 0)
         try:
-            res = self._reserve(spec, self.config.start_timeout_s)
+            res = (reserve_pending(spec, name=self._name()) if p.waits_for_capacity
+                   else self._reserve(spec, self.config.start_timeout_s))
         except BaseException:
             self.spare += reuse
             raise
@@ -342,8 +424,10 @@ class Fleet:
         return reuse + [Home(res, kind, i) for i in range(more)]
 
     def _reserve(self, spec: ClusterSpec, timeout_s: float, exclude: frozenset[str] = frozenset()) -> Reservation:
-        name = f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
-        return reserve(spec, timeout_s=timeout_s, name=name, exclude=exclude)
+        return reserve(spec, timeout_s=timeout_s, name=self._name(), exclude=exclude)
+
+    def _name(self) -> str:
+        return f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
 
     def _release_unused(self) -> None:
         """Release reservations none of whose bundles hold a live actor (or a standby) any more."""

@@ -51,6 +51,7 @@ class Prepared:
     pending: list  # ObjectRefs: new actors' start-up, then kept experts' staging
     staging: list = field(default_factory=list)  # ObjectRefs of the staging alone: experts read each
     started: float = field(default_factory=time.monotonic)
+    waits_for_capacity: bool = False  # its new bundles were asked for before the cluster had room
 
 
 def retire(member: Member) -> None:

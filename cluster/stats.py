@@ -2,7 +2,7 @@
 
 Each thing measured is a frozen record — :class:`StepRecord` (one finished step), :class:`TokenTiming`
 (a first or a later token), :class:`Finished` (a request), :class:`EpochPaused`, :class:`ActorFailed`,
-:class:`Recovered` — and :class:`EngineStats` keeps the running figures the status and the
+:class:`ActorHung`, :class:`Recovered` — and :class:`EngineStats` keeps the running figures the status and the
 benchmarks read, then hands each record to its listeners (the metrics exporter: a stat logger, as
 vLLM's). Per-expert token counts are not kept here: the router keeps them, once.
 Plain numbers and tensors only (no Prometheus objects here).
@@ -11,6 +11,7 @@ Plain numbers and tensors only (no Prometheus objects here).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,11 +89,21 @@ class ActorFailed:
 
 
 @dataclass(frozen=True)
+class ActorHung:
+    """An actor found hung by the watchdog (silent past its budget, no heartbeat) and killed."""
+
+    kind: str  # "attention" | "expert"
+    index: int
+    step: int
+    at: float  # time.time()
+
+
+@dataclass(frozen=True)
 class Recovered:
     seconds: float  # from the failed step to the cluster serving again
 
 
-Record = StepRecord | TokenTiming | Finished | EpochPaused | ActorFailed | Recovered
+Record = StepRecord | TokenTiming | Finished | EpochPaused | ActorFailed | ActorHung | Recovered
 
 
 @dataclass
@@ -114,6 +125,8 @@ class EngineStats:
     epoch_pauses: list = field(default_factory=list)  # (epoch, pause seconds) per epoch change
     actor_failures: dict = field(default_factory=dict)  # actor kind → failures seen
     recoveries: list = field(default_factory=list)  # seconds from a failed step to the recovered cluster
+    actor_hangs: dict = field(default_factory=dict)  # actor kind → actors found hung and killed
+    last_hang: ActorHung | None = None
     # since the current epoch began, [layers, expert actors, local slots]: rows the attention workers sent
     # to each physical slot, and rows the expert workers computed there (a replica's copies counted apart)
     epoch: int = -1
@@ -147,6 +160,11 @@ class EngineStats:
     def observe_failure(self, kind: str) -> None:
         self.actor_failures[kind] = self.actor_failures.get(kind, 0) + 1
         self._emit(ActorFailed(kind))
+
+    def observe_hang(self, kind: str, index: int, step: int) -> None:
+        self.actor_hangs[kind] = self.actor_hangs.get(kind, 0) + 1
+        self.last_hang = ActorHung(kind, index, step, time.time())
+        self._emit(self.last_hang)
 
     def observe_recovery(self, seconds: float) -> None:
         self.recoveries.append(seconds)

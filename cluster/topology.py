@@ -30,7 +30,8 @@ from .spec import ClusterSpec, Kind, NodeInfo, fmt_amount, fmt_resources, plan_b
 NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node (2.49+)
 
 
-def _alive_nodes(exclude: frozenset[str] = frozenset()) -> list[NodeInfo]:
+def free_nodes(exclude: frozenset[str] = frozenset()) -> list[NodeInfo]:
+    """Alive nodes with their *free* resources now."""
     # available_resources_per_node is a DeveloperAPI; ray.nodes() only has totals.
     available = ray._private.state.available_resources_per_node()
     return [
@@ -84,11 +85,11 @@ def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "",
     # while after a removal, which would starve the next attempt.
     start = time.monotonic()
     deadline = start + timeout_s
-    nodes = _alive_nodes(exclude)
+    nodes = free_nodes(exclude)
     plan = plan_bundles(spec, nodes)
     while None in plan and time.monotonic() < deadline:
         time.sleep(0.25)
-        nodes = _alive_nodes(exclude)
+        nodes = free_nodes(exclude)
         plan = plan_bundles(spec, nodes)
     if None not in plan:
         selectors = [{NODE_ID_LABEL: node_id} for node_id in plan]
@@ -98,6 +99,15 @@ def reserve(spec: ClusterSpec, *, timeout_s: float = 60, name: str = "",
         remove_placement_group(pg)
     waited = time.monotonic() - start
     raise ReservationTimeoutError(_timeout_message(spec, plan, waited, {n.node_id: n for n in nodes}))
+
+
+def reserve_pending(spec: ClusterSpec, *, name: str = "") -> "Reservation":
+    """Ask for `spec`'s bundles in one placement group now, without waiting and without a plan of
+    nodes (the free resources cannot place them yet): Ray creates the group once room appears — a node
+    an autoscaler adds, other work that ends. :meth:`Reservation.created` says when."""
+    if not ray.is_initialized():
+        raise RuntimeError("reserve_pending() needs a Ray driver: call ray.init(address=...) first")
+    return Reservation(spec, placement_group(spec.bundles, strategy="SPREAD", name=name))
 
 
 def _timeout_message(spec: ClusterSpec, plan: list[str | None], waited: float, planned_on: dict[str, NodeInfo]) -> str:
@@ -114,7 +124,7 @@ def _timeout_message(spec: ClusterSpec, plan: list[str | None], waited: float, p
             where.append(f"{i}→{planned_on[node_id].ip}/{node_id[:8]}" if node_id else f"{i}→(no node has room)")
         lines.append(f"  planned {kind}: " + ", ".join(where))
     totals = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-    nodes = _alive_nodes()
+    nodes = free_nodes()
     lines.append(f"  the cluster has {len(nodes)} alive node(s), free / total:")
     for n in nodes:
         shown = sorted(set(keys) | {"CPU", "GPU"})
@@ -161,6 +171,10 @@ class Reservation:
         if res:
             options["resources"] = res
         return options
+
+    def created(self) -> bool:
+        """Every bundle is reserved (at once for :func:`reserve`; once room appeared for :func:`reserve_pending`)."""
+        return placement_group_table(self.placement_group).get("state") == "CREATED"
 
     def node_of(self, kind: Kind, i: int) -> str:
         """The Ray node id (hex) that bundle (kind, i) is reserved on."""

@@ -9,6 +9,7 @@ directly, and every error leaves as OpenAI's envelope.
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import time
@@ -39,12 +40,17 @@ from .fanout import Fanout
 from .mux import EngineStreams, StreamMux
 from .metrics import EngineMetrics
 from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
-from .settings import serve_ingress
+from .settings import admin_key, serve_ingress
 
 
 CONTROL_TIMEOUT_S = 15.0
 ADMIN_TIMEOUT_S = 900.0  # an epoch change waits for new actors to load their weights
-ADMIN_DOC = {**ok(out.EpochChangeReport), **errors(400, 401, 413, 503)}
+FORBIDDEN = {403: {"model": out.ErrorResponse, "description": "The admin routes are off: no admin key is configured."}}
+ADMIN_DOC = {**ok(out.EpochChangeReport), **errors(400, 401, 413, 503), **FORBIDDEN}
+ADMIN_OFF = ("the admin routes are off: this server has no admin key. Give it one with `moeray up --admin-key KEY`, "
+             "admin_api_key or admin_api_key_file in the serving config, or MOERAY_ADMIN_KEY in the Ray nodes' "
+             "environment (the `ray up` YAMLs and the KubeRay manifest in deploy/ set it from a secret); "
+             "`moeray up` on a loopback address makes one by itself")
 
 
 class ScaleRequest(BaseModel):
@@ -69,6 +75,52 @@ class RebalanceRequest(BaseModel):
     redundant_slots: int | None = Field(None, ge=0, le=65536,
                                         description="Spare physical slots per MoE layer for copies of hot "
                                                     "experts; default: the serving config's.")
+
+
+class Access:
+    """Who may call what, for one Ingress replica: the inference keys (every route but /health, the
+    OpenAPI pages and /admin/*; none: open) and the admin key (/admin/*; none: those routes are
+    off). Resolved once, when the replica starts. Keys are compared in constant time, every key
+    each time. Never logs, returns or echoes a key."""
+
+    def __init__(self, inference: list[str], admin: str | None):
+        if admin is not None and admin in inference:
+            raise ValueError("the admin key must differ from every inference key")
+        self._inference = tuple(k.encode() for k in inference)
+        self._admin = admin.encode() if admin is not None else None
+
+    @classmethod
+    def of(cls, serve_cfg: ServeConfig, env_admin_key: str | None) -> "Access":
+        return cls(serve_cfg.inference_keys(), serve_cfg.admin_key(env_admin_key))
+
+    @property
+    def needs_key(self) -> bool:
+        return bool(self._inference)
+
+    def check(self, request: Request) -> None:
+        """A route behind the inference keys: 401 without one of them."""
+        if self._inference and not _matches(_bearer(request), self._inference):
+            raise oa.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+
+    def check_admin(self, request: Request) -> None:
+        """An /admin/* route: 403 while there is no admin key, 401 without it (an inference key is not it)."""
+        if self._admin is None:
+            raise oa.APIError(403, ADMIN_OFF, type="permission_error", code="admin_disabled")
+        if not _matches(_bearer(request), (self._admin,)):
+            raise oa.APIError(401, "missing or wrong admin key: the /admin routes need 'Authorization: Bearer "
+                                   "<admin key>', which is not an API key", code="invalid_admin_key")
+
+
+def _bearer(request: Request) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (the scheme in any case), as bytes."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip().encode("latin-1") if scheme.lower() == "bearer" else None  # Starlette decodes latin-1
+
+
+def _matches(token: bytes | None, keys: tuple[bytes, ...]) -> bool:
+    # every key is compared (no early exit): the time does not say which key nearly matched
+    return token is not None and sum(hmac.compare_digest(token, k) for k in keys) > 0
 
 
 @dataclass(frozen=True)
@@ -181,10 +233,12 @@ class EngineServer:
         replicated = [set(table.replicated(i)) for i in range(len(table.moe_layers))]
         return {
             "model": self.name, "healthy": self.aengine.healthy, "shape": table.shape(), "pid": os.getpid(),
-            "failures": snap["failures"], "recoveries_s": snap["recoveries_s"],
+            "failures": snap["failures"], "recoveries_s": snap["recoveries_s"], "hangs": snap["hangs"],
+            "last_hang": snap["last_hang"],
             "running": snap["running"], "waiting": snap["waiting"], "steps": snap["steps"],
             "epoch": table.epoch, "last_change": snap["changes"][-1] if snap["changes"] else None,
-            "changing": snap["changing"], "ping_pong": snap["ping_pong"], "breakdown": snap["breakdown"],
+            "changing": snap["changing"], "change": snap["change"], "ping_pong": snap["ping_pong"],
+            "breakdown": snap["breakdown"],
             "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "attention": [{"index": i, "node": a["node"], "cache_blocks_used": used, "cache_blocks": total}
@@ -322,6 +376,7 @@ async def _server_error(_request: Request, err: Exception):
 class Ingress:
     def __init__(self, engine: DeploymentHandle, raw: dict, model_path: str):
         self.serve_cfg = ServeConfig.parse(raw)
+        self.access = Access.of(self.serve_cfg, admin_key())  # $MOERAY_ADMIN_KEY of this node (settings.py)
         self.engine = engine
         self.mux = StreamMux(engine, CONTROL_TIMEOUT_S)
         self.tok = Tokenizer.from_dir(model_path)
@@ -331,17 +386,25 @@ class Ingress:
         self.name = self.serve_cfg.name_for(Path(model_path))
         self.created = int(time.time())
         doc.specialize(model_names=[self.name], vocab_size=self.tok.vocab_size, max_model_len=self.context,
-                       api_key=self.serve_cfg.api_key is not None)
+                       api_key=self.access.needs_key)
 
     def __del__(self):  # Serve calls it at shutdown, on the replica's event loop
         self.mux.close()
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
-        key = self.serve_cfg.api_key
-        if key is not None and request.headers.get("authorization", "") != f"Bearer {key}":
-            raise oa.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+        self.access.check(request)
+
+    def _auth_admin(self, request: Request) -> None:
+        self.access.check_admin(request)
+
+    def _check_max(self, kind: str, n: int) -> None:
+        """A scale beyond the serving config's maximum is refused here, before the engine is asked."""
+        key = {"experts": "max_expert_actors", "attention": "max_attention"}[kind]
+        most = getattr(self.serve_cfg, key)
+        if most is not None and n > most:
+            raise oa.APIError(400, f"n={n} is over the serving config's {key} ({most}); raise {key} to allow more",
+                              param="n", code="over_configured_maximum")
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -424,35 +487,38 @@ class Ingress:
 
     @api.post("/admin/scale/experts", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_experts(self, request: Request):
-        self._auth(request)
+        self._auth_admin(request)
         body = oa.parse_request(ScaleRequest, await self._body(request), self.serve_cfg.max_body_bytes)
+        self._check_max("experts", body.n)
         return await self._admin(request, "experts", body.n)
 
     @api.post("/admin/scale/attention", openapi_extra=doc.body(ScaleRequest), responses=ADMIN_DOC)
     async def scale_attention(self, request: Request):
-        self._auth(request)
+        self._auth_admin(request)
         body = oa.parse_request(ScaleRequest, await self._body(request), self.serve_cfg.max_body_bytes)
+        self._check_max("attention", body.n)
         return await self._admin(request, "attention", body.n)
 
     @api.post("/admin/rebalance", openapi_extra=doc.body(RebalanceRequest), responses=ADMIN_DOC)
     async def rebalance(self, request: Request):
-        self._auth(request)
+        self._auth_admin(request)
         body = oa.parse_request(RebalanceRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         return await self._admin(request, "rebalance", body.redundant_slots)
 
-    @api.post("/admin/chaos", openapi_extra=doc.body(ChaosRequest), responses=errors(400, 401, 413, 503))
+    @api.post("/admin/chaos", openapi_extra=doc.body(ChaosRequest),
+              responses={**errors(400, 401, 413, 503), **FORBIDDEN})
     async def chaos(self, request: Request):
-        self._auth(request)
+        self._auth_admin(request)
         body = oa.parse_request(ChaosRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         out = await self._ask_engine(self.engine.chaos.options(), "the kill", body.kind, body.index)
         if not out["ok"]:
             raise oa.APIError(out["status"], out["error"], param="index")
         return out
 
-    @api.get("/admin/experts", responses=errors(401, 503))
+    @api.get("/admin/experts", responses={**errors(401, 503), **FORBIDDEN})
     async def experts(self, request: Request):
         """The full token distribution over (MoE layer, logical expert), as JSON."""
-        self._auth(request)
+        self._auth_admin(request)
         return await self._ask_engine(self.engine.experts, "/admin/experts")
 
     @api.post("/v1/completions", openapi_extra=doc.body(oa.CompletionRequest),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -255,7 +256,13 @@ def up(
     address: Optional[str] = typer.Option(None, help="Serve on the existing Ray cluster at ADDR."),
     host: Optional[str] = typer.Option(None, help="HTTP host. [default: 127.0.0.1]"),
     port: Optional[int] = typer.Option(None, help="HTTP port. [default: 8000]"),
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but "
+                                                     "/health and /admin/*."),
+    admin_api_key: Optional[str] = typer.Option(None, "--admin-key",
+                                                help="The key the /admin/* routes need (scale, rebalance, experts, "
+                                                     "chaos); not an API key. Default: on a loopback host, a random "
+                                                     "token in the cache directory that the moeray commands read; "
+                                                     "elsewhere none, and the admin routes answer 403."),
     config: Optional[Path] = typer.Option(None, help="A YAML serving config (flags given here override it)."),
     metrics_prefix: Optional[str] = typer.Option(None, help="moeray (default) or vllm: serve the serving series "
                                                             "under vLLM's names, for vLLM's dashboards."),
@@ -272,8 +279,8 @@ def up(
     from .settings import cache_root
 
     given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
-                 metrics_prefix=metrics_prefix, expert_metrics=expert_metrics, gpus_per_actor=gpus_per_actor,
-                 ingress=ingress)
+                 admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
+                 gpus_per_actor=gpus_per_actor, ingress=ingress)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     root = cache_root()
@@ -302,6 +309,8 @@ def down():
 
 URL_HELP = "Base URL of the app (default: the one `moeray up` started)."
 KEY_HELP = "API key, if the server needs one."
+ADMIN_KEY_HELP = ("The server's admin key (default: for the app `moeray up` started, the token it wrote; else "
+                  "$MOERAY_ADMIN_KEY).")
 
 
 @app.command()
@@ -331,6 +340,15 @@ def status(
     pause = f"; last change: {last['kind']} to epoch {last['epoch']}, paused {last['pause_s']:.2f}s" if last else ""
     out.print(f"{st['model']} at {st['url']}: {st['shape']}; running {st['running']}, waiting {st['waiting']}, "
               f"steps {st['steps']}, epoch {st['epoch']}{pause}")
+    change = st.get("change")
+    if change:
+        out.print(f"changing: {change['kind']} to epoch {change['epoch']}, {change.get('state', 'preparing')} "
+                  f"for {change.get('for_s', 0):.0f}s")
+    hang = st.get("last_hang")
+    if hang:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hang["at"]))
+        out.print(f"last hang: {hang['kind']}[{hang['index']}] at step {hang['step']} ({when}): killed and replaced; "
+                  f"hangs so far {st.get('hangs', {})}")
     b = st.get("breakdown") or {}
     if b.get("steps"):
         parts = ", ".join(f"{k} {1000 * v / b['steps']:.2f}" for k, v in b.items() if k != "steps")
@@ -372,12 +390,12 @@ def _print_change(c: dict) -> None:
             err.print(f"  MoE layer #{i}: {b:.3f} → {a:.3f}")
 
 
-def _change(route: str, body: dict, url: str | None, api_key: str | None, as_json: bool) -> None:
-    from .server import call_app
+def _change(route: str, body: dict, url: str | None, admin_key: str | None, as_json: bool) -> None:
+    from .server import call_admin
     from .settings import cache_root
 
     with err.status("changing the shape (new actors load while requests keep streaming)"):
-        c = call_app(cache_root(), "POST", route, url=url, api_key=api_key, body=body, timeout_s=900)
+        c = call_admin(cache_root(), "POST", route, url=url, admin_key_given=admin_key, body=body, timeout_s=900)
     c.pop("url", None)
     if as_json:
         print(json.dumps(c, indent=2))
@@ -390,11 +408,11 @@ def _change(route: str, body: dict, url: str | None, api_key: str | None, as_jso
 def scale_experts(
     n: int = typer.Argument(..., help="Expert actors after the change."),
     url: Optional[str] = typer.Option(None, help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Re-shard the routed experts over N expert actors (up or down)."""
-    _change("/admin/scale/experts", {"n": n}, url, api_key, as_json)
+    _change("/admin/scale/experts", {"n": n}, url, admin_key, as_json)
 
 
 @scale_app.command("attention")
@@ -402,11 +420,11 @@ def scale_experts(
 def scale_attention(
     n: int = typer.Argument(..., help="Attention replicas after the change."),
     url: Optional[str] = typer.Option(None, help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Add attention replicas (they take new sequences at once) or remove some (their sequences move)."""
-    _change("/admin/scale/attention", {"n": n}, url, api_key, as_json)
+    _change("/admin/scale/attention", {"n": n}, url, admin_key, as_json)
 
 
 chaos_app = typer.Typer(help="Fault injection against your own running app: a real `ray.kill` of one actor. "
@@ -414,12 +432,12 @@ chaos_app = typer.Typer(help="Fault injection against your own running app: a re
 app.add_typer(chaos_app, name="chaos")
 
 
-def _kill(kind: str, index: int, url: str | None, api_key: str | None) -> None:
-    from .server import call_app
+def _kill(kind: str, index: int, url: str | None, admin_key: str | None) -> None:
+    from .server import call_admin
     from .settings import cache_root
 
-    out = call_app(cache_root(), "POST", "/admin/chaos", url=url, api_key=api_key,
-                   body={"kind": kind, "index": index}, timeout_s=30)
+    out = call_admin(cache_root(), "POST", "/admin/chaos", url=url, admin_key_given=admin_key,
+                     body={"kind": kind, "index": index}, timeout_s=30)
     err.print(f"killed {out['killed']} at {out['url']}; the app recovers by itself (see `moeray status`)")
 
 
@@ -428,10 +446,10 @@ def _kill(kind: str, index: int, url: str | None, api_key: str | None) -> None:
 def chaos_kill_expert(
     index: int = typer.Argument(..., help="Which expert actor (as `moeray status` numbers them)."),
     url: Optional[str] = typer.Option(None, help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
 ):
     """Kill expert actor INDEX."""
-    _kill("expert", index, url, api_key)
+    _kill("expert", index, url, admin_key)
 
 
 @chaos_app.command("kill-attention")
@@ -439,10 +457,10 @@ def chaos_kill_expert(
 def chaos_kill_attention(
     index: int = typer.Argument(..., help="Which attention replica (as `moeray status` numbers them)."),
     url: Optional[str] = typer.Option(None, help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
 ):
     """Kill attention replica INDEX."""
-    _kill("attention", index, url, api_key)
+    _kill("attention", index, url, admin_key)
 
 
 @app.command()
@@ -451,28 +469,28 @@ def rebalance(
     redundant_slots: Optional[int] = typer.Option(None, help="Spare physical slots per MoE layer for copies "
                                                              "of hot experts (default: the serving config's)."),
     url: Optional[str] = typer.Option(None, help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Re-place experts by their recent load (EPLB-style), replicating hot ones; prints the imbalance."""
-    _change("/admin/rebalance", {"redundant_slots": redundant_slots}, url, api_key, as_json)
+    _change("/admin/rebalance", {"redundant_slots": redundant_slots}, url, admin_key, as_json)
 
 
 @app.command()
 @user_errors
 def experts(
     url: Optional[str] = typer.Option(None, help=URL_HELP),
-    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
     top: int = typer.Option(4, min=1, help="Hottest experts shown per MoE layer."),
     as_json: bool = typer.Option(False, "--json", help="Print the full distribution (every layer and expert)."),
 ):
     """Tokens routed to each expert of each MoE layer (GET /admin/experts of the running server)."""
     from rich.table import Table
 
-    from .server import call_app
+    from .server import call_admin
     from .settings import cache_root
 
-    d = call_app(cache_root(), "GET", "/admin/experts", url=url, api_key=api_key, timeout_s=30)
+    d = call_admin(cache_root(), "GET", "/admin/experts", url=url, admin_key_given=admin_key, timeout_s=30)
     if as_json:
         print(json.dumps(d))
         return

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ServeConfig(BaseModel):
@@ -39,7 +39,32 @@ class ServeConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address the HTTP ingress listens on (0.0.0.0 for a cluster of "
                                                 "several machines).")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP ingress listens on.")
-    api_key: str | None = Field(None, description="If set, every route but /health needs 'Authorization: Bearer <key>'.")
+    api_key: str | None = Field(None, description="An inference key: if any inference key is set (here, in api_keys "
+                                                  "or in api_keys_file), every route but /health, the OpenAPI pages "
+                                                  "and /admin/* needs 'Authorization: Bearer <key>' with one of them.")
+    api_keys: list[str] | None = Field(None, description="More inference keys, each accepted as api_key is (one per "
+                                                         "client, so that one can be revoked alone).")
+    api_keys_file: str | None = Field(None, description="A file of inference keys, one per line (blank lines and "
+                                                        "lines starting with # are skipped), read by each ingress "
+                                                        "replica when it starts, on its node.")
+    admin_api_key: str | None = Field(None, description="The key the /admin/* routes (scale, rebalance, experts, "
+                                                        "chaos) need, as 'Authorization: Bearer <key>'; never an "
+                                                        "inference key. With no admin key (here, in "
+                                                        "admin_api_key_file or $MOERAY_ADMIN_KEY on the Ray nodes) "
+                                                        "they answer 403, except that `moeray up` on a loopback "
+                                                        "host makes a random one itself (admin_token in its cache "
+                                                        "directory, mode 0600, which the `moeray` commands read).")
+    admin_api_key_file: str | None = Field(None, description="A file whose first line is the admin key, read by "
+                                                             "each ingress replica when it starts, on its node "
+                                                             "(instead of admin_api_key).")
+    max_expert_actors: int | None = Field(None, ge=1, description="The most expert actors `moeray scale experts` "
+                                                                  "(POST /admin/scale/experts) may ask for: a "
+                                                                  "larger count is refused with 400 before "
+                                                                  "anything changes. Default: no limit but the "
+                                                                  "model's routed experts and the cluster's room.")
+    max_attention: int | None = Field(None, ge=1, description="The most attention replicas `moeray scale "
+                                                              "attention` (POST /admin/scale/attention) may ask "
+                                                              "for, as max_expert_actors.")
     expert_nodes: list[str] | None = Field(None, description="Pin expert actors to these Ray nodes (IPs or node "
                                                              "ids), round-robin; default: spread over nodes with room.")
     attention_nodes: list[str] | None = Field(None, description="Pin attention replicas to these Ray nodes.")
@@ -65,6 +90,23 @@ class ServeConfig(BaseModel):
                                   description="Times a failed step is redone after its failure was recovered "
                                               "(actors replaced or regrouped) before its requests end with the "
                                               "error instead: work that fails every time is not retried for ever.")
+    capacity_wait_s: float = Field(0.0, ge=0, le=86400,
+                                   description="A scale whose new actors the cluster's free resources cannot place "
+                                               "now is refused at once (0), or, on a cluster that grows by itself "
+                                               "(an autoscaler), asked for and waited for this long while requests "
+                                               "stream (`moeray status` shows it waiting). One the cluster could "
+                                               "never hold is refused at once either way.")
+    step_timeout_s: float = Field(120.0, gt=0, le=3600, description="The longest one step may take, whatever the "
+                                                                    "hang watchdog says.")
+    hang_floor_s: float = Field(3.0, gt=0, le=3600,
+                                description="The hang watchdog asks the actors still silent in a step for a "
+                                            "heartbeat after max(this, hang_factor × the p99 of their kind's "
+                                            "recent steps); one that does not answer is hung: killed and "
+                                            "replaced through recovery.")
+    hang_factor: float = Field(4.0, gt=0, le=1000, description="See hang_floor_s.")
+    heartbeat_timeout_s: float = Field(1.5, gt=0, le=600, description="How long a silent actor has to answer the "
+                                                                      "watchdog's heartbeat (on Ray's thread, not "
+                                                                      "the step's) before it counts as hung.")
     expert_threads: int = Field(1, ge=1, le=256,
                                 description="Threads of each expert actor's routed-expert GEMMs on CPU, each over "
                                             "its own range of experts (decode reads every expert's weights: "
@@ -92,6 +134,51 @@ class ServeConfig(BaseModel):
     expert_metrics: Literal["summary", "full"] = Field(
         "summary", description="full: also the per-(layer, expert) token counter (~23k series for K2).")
 
+    @field_validator("api_key", "admin_api_key")
+    @classmethod
+    def _key_is_a_token(cls, key: str | None) -> str | None:
+        return None if key is None else check_key(key)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_are_tokens(cls, keys: list[str] | None) -> list[str] | None:
+        return None if keys is None else [check_key(k) for k in keys]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServeConfig":
+        if self.admin_api_key is not None and self.admin_api_key_file is not None:
+            raise ValueError("give admin_api_key or admin_api_key_file, not both")
+        if self.admin_api_key is not None and self.admin_api_key in {self.api_key, *(self.api_keys or ())}:
+            raise ValueError("admin_api_key must differ from every inference key (api_key, api_keys)")
+        if self.max_expert_actors is not None and self.experts > self.max_expert_actors:
+            raise ValueError(f"experts ({self.experts}) is over max_expert_actors ({self.max_expert_actors})")
+        if self.max_attention is not None and self.attention > self.max_attention:
+            raise ValueError(f"attention ({self.attention}) is over max_attention ({self.max_attention})")
+        return self
+
+    def inference_keys(self) -> list[str]:
+        """Every inference key: api_key, api_keys and api_keys_file's lines (read now). ValueError
+        naming the file when it cannot be read or holds something that is not a key."""
+        keys = [k for k in (self.api_key, *(self.api_keys or ())) if k is not None]
+        if self.api_keys_file is not None:
+            lines = _read_key_file(self.api_keys_file, "api_keys_file")
+            keys += [check_key(line, f"api_keys_file {self.api_keys_file}") for line in lines]
+            if not lines:
+                raise ValueError(f"api_keys_file {self.api_keys_file}: holds no key")
+        return keys
+
+    def admin_key(self, from_env: str | None = None) -> str | None:
+        """The admin key: admin_api_key, else admin_api_key_file's first line (read now), else
+        ``from_env`` ($MOERAY_ADMIN_KEY, which deploy/settings.py reads); None when there is none."""
+        if self.admin_api_key is not None:
+            return self.admin_api_key
+        if self.admin_api_key_file is not None:
+            lines = _read_key_file(self.admin_api_key_file, "admin_api_key_file")
+            if not lines:
+                raise ValueError(f"admin_api_key_file {self.admin_api_key_file}: holds no key")
+            return check_key(lines[0], f"admin_api_key_file {self.admin_api_key_file}")
+        return check_key(from_env, "$MOERAY_ADMIN_KEY") if from_env else None
+
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "ServeConfig":
         p = Path(path)
@@ -108,8 +195,7 @@ class ServeConfig(BaseModel):
         try:
             return cls(**raw)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
-            raise ValueError(f"{where}: {problems}") from None
+            raise ValueError(f"{where}: {'; '.join(map(_problem, e.errors()))}") from None
 
     def engine_config(self, model_path: str, owner: str | None = None):
         from cluster.config import EngineConfig
@@ -124,7 +210,10 @@ class ServeConfig(BaseModel):
                             actor_threads=self.actor_threads,
                             expert_threads=self.expert_threads, max_step_retries=self.max_step_retries,
                             async_scheduling=self.async_scheduling,
-                            standby_attention=self.standby_attention, standby_experts=self.standby_experts)
+                            standby_attention=self.standby_attention, standby_experts=self.standby_experts,
+                            step_timeout_s=self.step_timeout_s, hang_floor_s=self.hang_floor_s,
+                            capacity_wait_s=self.capacity_wait_s,
+                            hang_factor=self.hang_factor, heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def cluster_spec(self):
         from cluster.spec import ClusterSpec
@@ -137,3 +226,27 @@ class ServeConfig(BaseModel):
 
     def name_for(self, model_path: Path) -> str:
         return self.served_model_name or (self.model if "/" not in self.model else model_path.name)
+
+
+def check_key(key: str, where: str | None = None) -> str:
+    """A key must be one HTTP header token: 1 to 512 visible ASCII characters (what `openssl rand
+    -hex` or ``secrets.token_urlsafe`` make). ValueError naming ``where`` (never the key itself)."""
+    if not 1 <= len(key) <= 512 or not all("!" <= c <= "~" for c in key):
+        why = "a key must be 1 to 512 visible ASCII characters (no spaces)"
+        raise ValueError(f"{where}: {why}" if where else why)
+    return key
+
+
+def _problem(err: dict) -> str:
+    """One pydantic error as ``key: what is wrong`` (a check across keys names them in its message)."""
+    loc, msg = ".".join(str(x) for x in err["loc"]), err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _read_key_file(path: str, key: str) -> list[str]:
+    """The non-blank lines of a key file that do not start with #."""
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ValueError(f"{key} {path}: cannot read it: {e.strerror}") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]

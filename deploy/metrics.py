@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from actors.router import max_over_mean
-from cluster.stats import ActorFailed, EpochPaused, Finished, Record, Recovered, StepRecord, TokenTiming
+from cluster.stats import ActorFailed, ActorHung, EpochPaused, Finished, Record, Recovered, StepRecord, TokenTiming
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,11 @@ class EngineMetrics:
         self.recovery = histogram("recovery_seconds", "From a failed step (an actor died or a collective failed) "
                                   "to the cluster serving again in a recovery epoch.", PAUSE_BUCKETS).labels(name)
         self.actor_failures = counter("actor_failures_total", "Actors found dead or stuck, by kind.", ("kind",))
+        self.actor_hangs = counter("actor_hangs_total", "Actors found hung by the watchdog (silent past their "
+                                   "step budget, no heartbeat) and killed, by kind.", ("kind",))
         for kind in ("attention", "expert"):
             self.actor_failures.labels(model_name=self.model_name, kind=kind)
+            self.actor_hangs.labels(model_name=self.model_name, kind=kind)
         for reason in FINISHED_REASONS:  # so rate() works before the first request of each kind
             self.request_success.labels(*svalues, reason)
 
@@ -215,6 +218,9 @@ class EngineMetrics:
     def _on_failure(self, rec: ActorFailed) -> None:
         self.actor_failures.labels(model_name=self.model_name, kind=rec.kind).inc()
 
+    def _on_hang(self, rec: ActorHung) -> None:
+        self.actor_hangs.labels(model_name=self.model_name, kind=rec.kind).inc()
+
     def _on_recovery(self, rec: Recovered) -> None:
         self.recovery.observe(rec.seconds)
 
@@ -229,7 +235,7 @@ class EngineMetrics:
         self.request_success.labels(*self._serving[2], rec.finish_reason).inc()
 
     _handlers = {StepRecord: _on_step, TokenTiming: _on_token, Finished: _on_finished, EpochPaused: _on_epoch,
-                 ActorFailed: _on_failure, Recovered: _on_recovery}
+                 ActorFailed: _on_failure, ActorHung: _on_hang, Recovered: _on_recovery}
 
     # ---- scrape thread -----------------------------------------------------------------------
     def snapshot(self) -> tuple[list[list[int]], list[int], list[float]]:

@@ -4,12 +4,16 @@ started, so that `down` stops exactly that and nothing else.
 The `up` process owns what it starts (the local Ray nodes when no cluster is given, the Serve
 application) and records itself in a state file; `down` signals that process, which shuts
 everything down in order. `--detach` re-runs `up` in the background and waits for /health.
+Serving on a loopback address without an admin key, it also owns the admin token file (made at
+start, removed at stop), which the `moeray` admin commands read to call the app it started.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,13 +24,71 @@ from pathlib import Path
 import httpx
 
 from .config import ServeConfig
-from .settings import ingress_env
+from .settings import admin_key, ingress_env
 
 APP_NAME = "moeray"
+NEEDS_API_KEY = "the server needs an API key: pass --api-key"
+NEEDS_ADMIN_KEY = ("the admin routes need the server's admin key, which is not an API key: pass --admin-key KEY "
+                   "or set MOERAY_ADMIN_KEY")
 
 
 def state_file(root: Path) -> Path:
     return root / "up.json"
+
+
+def admin_token_file(root: Path) -> Path:
+    """The admin token `moeray up` makes for itself on a loopback address (mode 0600)."""
+    return root / "admin_token"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or 0.0.0.0
+        return False
+
+
+def with_loopback_admin_token(serve_cfg: ServeConfig, root: Path) -> ServeConfig:
+    """`moeray up`'s own admin key, when none is configured (serving config, key file,
+    $MOERAY_ADMIN_KEY) and it serves on a loopback address: a new random token, written to
+    :func:`admin_token_file` readable by this user only, and the config with it as admin_api_key.
+    Otherwise the config as given, and no token file: elsewhere the admin routes stay off (403)
+    until an operator gives a key."""
+    token_file = admin_token_file(root)
+    token_file.unlink(missing_ok=True)  # an earlier run's
+    configured = serve_cfg.admin_api_key or serve_cfg.admin_api_key_file or admin_key()
+    if configured or not is_loopback(serve_cfg.host):
+        return serve_cfg
+    token = secrets.token_urlsafe(32)
+    _write_private(token_file, token + "\n")
+    return ServeConfig.parse({**serve_cfg.model_dump(), "admin_api_key": token}, where="moeray up")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``path`` holding ``text``, mode 0600 from its creation on (never readable by others, whatever
+    the umask), put in place atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _local_admin_token(root: Path, base: str) -> str | None:
+    """The token `moeray up` wrote, if ``base`` is the app it started (never sent anywhere else)."""
+    state = read_state(root)
+    if state is None or state.get("url") != base:
+        return None
+    try:
+        return admin_token_file(root).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def read_state(root: Path) -> dict | None:
@@ -122,9 +184,10 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
     spec = serve_cfg.cluster_spec()
     url = f"http://{serve_cfg.host}:{serve_cfg.port}"
     root.mkdir(parents=True, exist_ok=True)
+    serve_cfg = with_loopback_admin_token(serve_cfg, root)
     # recorded first, so that `moeray down` finds this process at every stage of its start-up
-    state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": serve_cfg.model,
-                                            "auth": serve_cfg.api_key is not None}))
+    auth = bool(serve_cfg.api_key or serve_cfg.api_keys or serve_cfg.api_keys_file)
+    state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": serve_cfg.model, "auth": auth}))
     try:
         with connected(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress)):
             on_signal()
@@ -139,7 +202,7 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
                     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
                     wait_ready(url, timeout_s=load_s + 300, stop=stop)
                     _update(status, None)
-                    _ready_message(url, serve_cfg)
+                    _ready_message(url, serve_cfg, root)
                 while not stop.wait(0.5):
                     pass
             finally:
@@ -150,6 +213,7 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
                 serve.delete(APP_NAME)
     finally:
         state_file(root).unlink(missing_ok=True)
+        admin_token_file(root).unlink(missing_ok=True)
 
 
 def preflight_serve_config(serve_cfg: ServeConfig, root: Path) -> float:
@@ -173,12 +237,15 @@ def _update(status, text: str | None) -> None:
             status.update(text)
 
 
-def _ready_message(url: str, serve_cfg: ServeConfig) -> None:
+def _ready_message(url: str, serve_cfg: ServeConfig, root: Path) -> None:
     name = serve_cfg.served_model_name or serve_cfg.model
     auth = f" -H 'Authorization: Bearer {serve_cfg.api_key}'" if serve_cfg.api_key else ""
     print(f"moeray is serving {name} at {url}/v1", flush=True)
     print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+    if admin_token_file(root).exists():
+        print(f"  admin commands (moeray scale, rebalance, experts, chaos) use the token in {admin_token_file(root)}",
+              flush=True)
     print("  stop it with: moeray down", flush=True)
 
 
@@ -234,15 +301,30 @@ def find_app(root: Path, url: str | None) -> str:
 
 def call_app(root: Path, method: str, route: str, *, url: str | None, api_key: str | None,
              body: dict | None = None, timeout_s: float = 10) -> dict:
-    """One request to the running app's ``route``; its JSON, or a ValueError that says what to do."""
+    """One request to the running app's ``route`` with an API key; its JSON, or a ValueError that
+    says what to do."""
     base = find_app(root, url)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return _request(base, method, route, api_key, body, timeout_s, NEEDS_API_KEY)
+
+
+def call_admin(root: Path, method: str, route: str, *, url: str | None, admin_key_given: str | None,
+               body: dict | None = None, timeout_s: float = 10) -> dict:
+    """One request to an /admin route with the admin key: ``admin_key_given`` (--admin-key), else,
+    for the app `moeray up` started, the token it wrote, else $MOERAY_ADMIN_KEY."""
+    base = find_app(root, url)
+    key = admin_key_given or _local_admin_token(root, base) or admin_key()
+    return _request(base, method, route, key, body, timeout_s, NEEDS_ADMIN_KEY)
+
+
+def _request(base: str, method: str, route: str, key: str | None, body: dict | None, timeout_s: float,
+             on_401: str) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         r = httpx.request(method, f"{base}{route}", headers=headers, json=body, timeout=timeout_s)
     except httpx.HTTPError as e:
         raise ValueError(f"the server at {base} did not answer: {e}") from None
     if r.status_code == 401:
-        raise ValueError("the server needs an API key: pass --api-key")
+        raise ValueError(on_401)
     if r.status_code != 200:
         try:
             message = r.json()["error"]["message"]

@@ -33,6 +33,16 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "moeray"
 
 
+ADMIN_KEY_ENV = "MOERAY_ADMIN_KEY"  # the `ray up` YAMLs and the KubeRay manifest set it from a secret
+
+
+def admin_key() -> str | None:
+    """The admin key given by the environment ($MOERAY_ADMIN_KEY), or None when unset or empty. An
+    ingress replica reads its node's (set where the Ray nodes start); the `moeray` commands, the
+    caller's."""
+    return os.environ.get(ADMIN_KEY_ENV) or None
+
+
 def ingress_env(ingress: str) -> dict[str, str]:
     """The environment a Ray cluster's processes need for this ingress ("haproxy" or "proxy")."""
     if ingress != "haproxy":

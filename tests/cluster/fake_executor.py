@@ -114,11 +114,14 @@ class FakeExecutor:
         self.pending: dict[int, list[StepRequest]] = {}
         self.faults: dict[int, list[tuple[str, int]]] = {}  # step → members that die in it
         self.failing: tuple[int, list] = (0, [])  # (how many more collected steps fail, members that die)
+        self.hangs: set[int] = set()  # steps whose dead members were found hung (silent) rather than gone
         self.on_lost_node: list[tuple[str, int]] = []  # members whose node is found down when probed
         self.no_capacity = 0  # this many replace() calls raise NoCapacity
         self.ready_after = 0  # a prepared change is ready after this many polls
         self.fail_prepare = False  # ready() raises: the new actors never came up
+        self.fail_commit: list[tuple[str, int]] | None = None  # commit() raises: these died while regrouping
         self.routing = None  # token → expert for the statistics (default: token % experts)
+        self.dead_now: list[tuple[str, int]] = []  # what failed_members() reports next
         self.log: list[tuple] = []
 
     def _replica(self) -> FakeReplica:
@@ -170,7 +173,8 @@ class FakeExecutor:
                     replica.run(req, self.vocab)  # it got as far as its caches and state: half a step
             self.pending.clear()  # a step sent ahead is refused by actors whose previous step failed
             others = [("attention", i) for i in range(len(reqs)) if ("attention", i) not in dead]
-            raise StepFailed(f"step {step_no} failed: {dead} died", dead, others)
+            hung = dead if step_no in self.hangs else []
+            raise StepFailed(f"step {step_no} failed: {dead} {'hung' if hung else 'died'}", dead, others, hung)
         attn = []
         for i, (replica, req) in enumerate(zip(self.replicas, reqs)):
             tokens = replica.run(req, self.vocab)
@@ -192,6 +196,10 @@ class FakeExecutor:
 
     def commit(self, prepared: dict) -> tuple[float, int]:
         assert not self.pending, f"commit with steps in flight: {sorted(self.pending)}"
+        if self.fail_commit is not None:
+            self.dead_now, self.fail_commit = self.fail_commit, None
+            self.abort(prepared)
+            raise EngineError(f"entering epoch {prepared['table'].epoch}: an actor died: {self.dead_now}")
         table = prepared["table"]
         self.replicas = self.replicas[: table.num_attention]
         self.replicas += [self._replica() for _ in range(table.num_attention - len(self.replicas))]
@@ -199,8 +207,16 @@ class FakeExecutor:
         self.log.append(("commit", table.epoch, table.shape()))
         return 0.0, 0
 
+    def progress(self, prepared: dict) -> dict:
+        return {"epoch": prepared["table"].epoch, "kind": prepared["kind"], "polls": prepared["polls"]}
+
     def abort(self, prepared: dict) -> None:
         self.log.append(("abort", prepared["table"].epoch))
+
+    def failed_members(self) -> list[tuple[str, int]]:
+        dead, self.dead_now = self.dead_now, []
+        self.log.append(("failed members", tuple(dead)))
+        return dead
 
     def lost(self, suspects: list[tuple[str, int]]) -> list[tuple[str, int]]:
         self.log.append(("probe", tuple(suspects)))

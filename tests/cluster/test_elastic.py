@@ -13,10 +13,10 @@ import torch
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config
-from model.loader import load_model
 from model.presets import build_preset
-from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+
+import single
 
 ROOT = Path(__file__).parents[2]
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
@@ -27,17 +27,6 @@ def presets(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     return {name: build_preset(name, root / name, seed=5, dtype="float32", progress=False)
             for name in ("kimi-k2-tiny", "kimi-k3-tiny")}
-
-
-def _prompts(n, lo=3, hi=30, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 760, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
-
-
-def _alone(path, prompts, params):
-    net = load_model(path, progress=False)
-    return [generate(ModelRunner(net, num_blocks=64, block_size=16, num_slots=2), [p], [params])[0].output_ids
-            for p in prompts]
 
 
 def _engine(path, attention, experts, **kw):
@@ -72,7 +61,7 @@ def _holds_its_slots(eng):
 
 def test_scale_experts_up_and_down_while_streams_run(ray_cluster, presets):
     path = presets["kimi-k2-tiny"]
-    prompts = _prompts(8, seed=1)
+    prompts = single.prompts(8, seed=1)
     with _engine(path, 1, 2, max_tokens_per_step=64) as eng:
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         up = _change_in_flight(eng, lambda e: e.begin_scale_experts(4))
@@ -89,14 +78,14 @@ def test_scale_experts_up_and_down_while_streams_run(ray_cluster, presets):
         assert len(eng.executor.fleet.reservations) == 1  # the scale-up's reservation was released on the way down
         assert [c.epoch for c in eng.epochs.changes] == [1, 2] and all(c.pause_s > 0 for c in eng.epochs.changes)
         assert [e for e, _ in eng.stats.epoch_pauses] == [1, 2]
-    assert got == _alone(path, prompts, GREEDY)
+    assert got == single.alone(path, prompts, GREEDY)
 
 
 def test_uneven_shards_and_k3_attention_removed_mid_stream(ray_cluster, presets):
     """kimi-k3-tiny (KDA state slots + latent cache): 16 experts over 2 → 3 actors (6/5/5), then one
     of two attention replicas removed: its sequences are re-prefilled on the other."""
     path = presets["kimi-k3-tiny"]
-    prompts = _prompts(6, lo=20, hi=70, seed=2)  # prefills cross a KDA chunk
+    prompts = single.prompts(6, lo=20, hi=70, seed=2)  # prefills cross a KDA chunk
     with _engine(path, 2, 2, max_tokens_per_step=96) as eng:
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         up = _change_in_flight(eng, lambda e: e.begin_scale_experts(3))
@@ -110,7 +99,7 @@ def test_uneven_shards_and_k3_attention_removed_mid_stream(ray_cluster, presets)
         while eng.has_work:
             eng.step()
         got = [eng.requests.pop(i).seq.output_ids for i in ids]
-    assert got == _alone(path, prompts, GREEDY)
+    assert got == single.alone(path, prompts, GREEDY)
 
 
 def test_added_attention_replica_takes_new_sequences_at_once(ray_cluster, presets):
@@ -118,14 +107,14 @@ def test_added_attention_replica_takes_new_sequences_at_once(ray_cluster, preset
     with _engine(path, 1, 2) as eng:
         change = eng.scale_attention(2)
         assert change.new_shape == "2 attention × 2 expert actors"
-        prompts = _prompts(4, seed=3)
+        prompts = single.prompts(4, seed=3)
         ids = [eng.add_request(p, GREEDY) for p in prompts]
         eng.step()
         assert {s.replica for s in eng.scheduler.running} == {0, 1}
         while eng.has_work:
             eng.step()
         got = [eng.requests.pop(i).seq.output_ids for i in ids]
-    assert got == _alone(path, prompts, GREEDY)
+    assert got == single.alone(path, prompts, GREEDY)
 
 
 def _skewed(n, seed):
@@ -159,7 +148,7 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
         assert max(split) > 0
         logical = eng.router.totals() - logical_before  # the epoch's (token, expert) pairs, as the router counted
         assert int(sent.sum()) == int(logical.sum()) > 0  # each went to exactly one copy: none lost or duplicated
-    assert before_out == after_out == _alone(path, prompts, params)
+    assert before_out == after_out == single.alone(path, prompts, params)
 
 
 AUTO_POLICY = dict(window_steps=4, rebalance_threshold=1.0, rebalance_interval_s=0.0)  # would act at once
@@ -174,7 +163,7 @@ def test_automatic_policy_rebalances_by_itself_when_on(ray_cluster, presets):
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
         assert eng.epochs.changes and eng.epochs.changes[0].kind == "rebalance"  # no one asked for it
         assert eng.table.num_physical() == 16 + 2
-    assert got == _alone(path, prompts, GREEDY)
+    assert got == single.alone(path, prompts, GREEDY)
 
 
 def test_refused_shapes_say_why_change_nothing_and_auto_rebalance_is_off_by_default(ray_cluster, presets):
@@ -185,7 +174,7 @@ def test_refused_shapes_say_why_change_nothing_and_auto_rebalance_is_off_by_defa
         with pytest.raises(ValueError, match="redundant_slots must be an integer >= 0"):
             eng.begin_rebalance(-1)
         assert eng.epochs.transition is None and eng.table.epoch == 0
-        assert eng.generate([[1, 2, 3]], GREEDY)[0].output_ids == _alone(presets["kimi-k2-tiny"], [[1, 2, 3]], GREEDY)[0]
+        assert eng.generate([[1, 2, 3]], GREEDY)[0].output_ids == single.alone(presets["kimi-k2-tiny"], [[1, 2, 3]], GREEDY)[0]
         eng.generate(_skewed(6, seed=6), GREEDY)  # the automatic policy's skewed mix
         assert not eng.epochs.changes and eng.table.epoch == 0  # auto_rebalance is off by default
 

@@ -152,6 +152,17 @@ def test_a_failed_step_is_redone_exactly(model_dir, dead, at_step):
     assert ("replace", 1, (dead,)) in fake.log and _all_free(eng)
 
 
+def test_a_hung_member_is_counted_and_replaced_like_a_dead_one(model_dir):
+    eng, fake = make(model_dir)
+    fake.fail_step(5, ("attention", 1))
+    fake.hangs.add(5)
+    ps = prompts(4, seed=18)
+    assert [s.output_ids for s in run(eng, ps, LONG)] == oracle(eng, ps, LONG)
+    assert eng.stats.actor_hangs == {"attention": 1} and eng.stats.actor_failures == {"attention": 1}
+    assert (eng.stats.last_hang.kind, eng.stats.last_hang.index, eng.stats.last_hang.step) == ("attention", 1, 5)
+    assert eng.status()["hangs"] == {"attention": 1} and eng.status()["last_hang"]["step"] == 5
+
+
 def test_members_on_a_lost_node_are_replaced_with_the_dead_one(model_dir):
     eng, fake = make(model_dir)
     fake.fail_step(4, ("expert", 0))
@@ -246,7 +257,24 @@ def test_a_failure_during_a_change_abandons_it_and_recovers(model_dir):
     drain(eng)
     assert "interrupted" in str(t.done.exception())
     assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
-    assert ("abort", 1) in fake.log and ("replace", 1, (("expert", 1),)) in fake.log
+    assert ("abort", 1) in fake.log and ("replace", 2, (("expert", 1),)) in fake.log  # epochs are never reused
+    assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
+
+
+@pytest.mark.parametrize("n,dead", [(1, ("expert", 1)), (1, ("attention", 0)), (3, ("attention", 1))])
+def test_an_actor_lost_while_the_group_re_forms_abandons_the_change_and_recovers(model_dir, n, dead):
+    """Scale attention to ``n`` (down: sequences already moved; up), an actor dies at the regroup:
+    the change is off, the old shape recovers in a recovery epoch, every stream is exact."""
+    eng, fake = make(model_dir)
+    ps = prompts(5, seed=17)
+    ids = started(eng, ps, LONG, turns=3)
+    t = eng.begin_scale_attention(n)
+    fake.fail_commit = [dead]
+    drain(eng)
+    assert "re-formed" in str(t.done.exception())
+    assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
+    assert len(eng.scheduler.blocks) == 2 and eng.router.pending is None
+    assert ("replace", 2, (dead,)) in fake.log  # epoch 1 was the abandoned change's
     assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
 
 

@@ -23,7 +23,8 @@ from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
-KEY = "live-key"
+KEY = "live-key"  # the inference key
+ADMIN = "live-admin-key"  # the /admin routes' key (moeray scale, rebalance, chaos)
 
 
 def free_port() -> int:
@@ -35,8 +36,8 @@ def free_port() -> int:
 def deploy(port, path, name, *, serve_on=None, **shape):
     """serve_on: the index of the node the Serve replicas go to (moeray_node_<i>; 0 is the head), as
     an operator would pin them; otherwise Serve places them (build_app as `serve deploy` does)."""
-    cfg = ServeConfig(model=str(path), served_model_name=name, api_key=KEY, port=port, num_blocks=512,
-                      max_num_seqs=16, max_tokens_per_step=128, **shape)
+    cfg = ServeConfig(model=str(path), served_model_name=name, api_key=KEY, admin_api_key=ADMIN, port=port,
+                      num_blocks=512, max_num_seqs=16, max_tokens_per_step=128, **shape)
     if serve_on is not None:
         raw, where = cfg.model_dump(), {"num_cpus": 0, "resources": {f"moeray_node_{serve_on}": 0.001}}
         engine = EngineServer.options(ray_actor_options=where).bind(raw, str(path))
@@ -124,8 +125,9 @@ def finish(streams):
 
 
 def run_cli(url, *args):
-    """`moeray ARGS --url URL --api-key KEY`: its stderr (the report) and when it returned."""
-    done = moeray(*args, "--url", url, "--api-key", KEY)
+    """`moeray ARGS --url URL --admin-key ADMIN` (an admin command): its stderr (the report) and when it
+    returned."""
+    done = moeray(*args, "--url", url, "--admin-key", ADMIN)
     assert done.returncode == 0, done.stderr
     return done.stderr, time.monotonic()
 

@@ -23,7 +23,9 @@ Why each rewrite (the rest of the YAML runs as shipped):
   throwaway user can execute (this venv's own base may sit under /root), whose site-packages are
   this venv's, with PYTHONPATH=~/moeray so the nodes import the rsynced tree — what
   `pip install -e ~/moeray` gives.
-- The Ray token is a throwaway one (file_mounts copies it, as the YAML does with ~/.ray/auth_token).
+- The Ray token is a throwaway one (file_mounts copies it, as the YAML does with ~/.ray/auth_token),
+  and so is the app's admin key (copied as the YAML copies ~/.moeray/admin_key; the YAML's `ray
+  start` commands put it in MOERAY_ADMIN_KEY, as shipped).
 - `ray up` runs from a copy of the repository root holding what the YAML's rsync would send (its
   rsync_exclude and .gitignore filter): Ray hashes every file under a file mount before it syncs, and
   ignores rsync's excludes while hashing, so in CI (.venv inside the checkout) it would read 1.6 GB.
@@ -183,6 +185,9 @@ class RayUpCluster:
         (self.base / "serve_config.yaml").write_text(yaml.safe_dump(serve_config, sort_keys=False))
         for name in ("token", "serve_config.yaml"):
             (self.base / name).chmod(0o644)
+        self.admin_key = secrets.token_hex(32)
+        (self.base / "admin_key").write_text(self.admin_key + "\n")
+        (self.base / "admin_key").chmod(0o600)  # as the YAML's header makes it
         self.cluster_yaml.write_text(yaml.safe_dump(self.cluster_config(), sort_keys=False))
 
     def _copy_tree(self) -> None:
@@ -290,6 +295,8 @@ class RayUpCluster:
         mounts = cfg["file_mounts"]
         assert mounts.pop("~/.ray/auth_token") == "~/.ray/auth_token", mounts
         mounts["~/.ray/auth_token"] = str(self.base / "token")
+        assert mounts.pop("~/.moeray/admin_key") == "~/.moeray/admin_key", mounts
+        mounts["~/.moeray/admin_key"] = str(self.base / "admin_key")
         mounts["~/serve_config.yaml"] = str(self.base / "serve_config.yaml")
         cfg["setup_commands"] = [c for c in cfg["setup_commands"] if "pip install" not in c]
         cfg["head_start_ray_commands"] = [self._rewrite(c, head=True) for c in cfg["head_start_ray_commands"]]

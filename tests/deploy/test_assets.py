@@ -27,7 +27,7 @@ from cluster.stats import EngineStats, StepRecord
 from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
-from deploy.settings import HAPROXY_INGRESS_ENV, haproxy_files_env
+from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_env
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
@@ -173,6 +173,9 @@ def _check_commands(cfg: dict) -> tuple[dict, dict]:
         env = HAPROXY_INGRESS_ENV | haproxy_files_env("$H")
         assert all(f"{k}={v}" in cfg[key][-1].split() for k, v in env.items()), key
         assert "; H=/tmp/haproxy-serve-$(id -u); " in cfg[key][-1], key
+        # the admin key on every node, from the file file_mounts copies (the ray up test uses it for real)
+        assert f" {ADMIN_KEY_ENV}=$(cat ~/.moeray/admin_key) " in f" {' '.join(cfg[key][-1].split())} ", key
+    assert cfg["file_mounts"]["~/.moeray/admin_key"] == "~/.moeray/admin_key"
     assert cfg["file_mounts"]["~/moeray"] == "."  # the repository, installed by setup_commands:
     assert any("pip install" in c and "-e ~/moeray" in c for c in cfg["setup_commands"])
     assert any("torch==" in c for c in cfg["setup_commands"])  # pinned before the project
@@ -292,6 +295,16 @@ def test_gpu_and_cpu_serve_configs_are_apart():
     assert Path(gpu.model).is_absolute(), "a GPU cluster serves a checkpoint directory, not a preset"
     spec = gpu.cluster_spec()
     assert spec.attention_resources.get("GPU") == spec.expert_resources.get("GPU") == gpu.gpus_per_actor
+
+
+def test_kuberay_sets_the_admin_key_from_a_secret_in_every_ray_container():
+    cluster = load_yaml("kuberay-rayservice.yaml")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]] + [w["template"] for w in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        for container in pod["spec"]["containers"]:
+            env = {e["name"]: e for e in container.get("env", [])}
+            ref = env[ADMIN_KEY_ENV]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "moeray-admin-key", "key": "admin-key"} and "value" not in env[ADMIN_KEY_ENV]
 
 
 def test_kuberay_mounts_the_model_on_every_pod_and_asks_for_gpus():

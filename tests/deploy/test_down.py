@@ -2,11 +2,13 @@
 it stops in well under 15 s, cleanly (exit 0, no abort), and leaves nothing listening. Both HTTP
 ingresses (issue 10): the serving port is held by what ``--ingress`` chose (HAProxy, or Serve's proxy
 actor), /status says which, and a streamed completion's first chunk reaches the client while its
-request is still running (nothing in front buffers the stream)."""
+request is still running (nothing in front buffers the stream). On loopback without an admin key,
+`moeray up` makes its admin token (mode 0600), the admin commands use it, and `down` removes it."""
 
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -65,6 +67,11 @@ def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path, ingress, holde
         assert httpx.get(f"{url}/status", timeout=30).json()["ingress"] == ingress
         running, chunks = _first_chunk_while_running(url)
         assert running == 1 and chunks == 48, (running, chunks)
+        token = tmp_path / "admin_token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert httpx.get(f"{url}/admin/experts", timeout=30).status_code == 401  # the admin routes need it
+        experts = subprocess.run([exe, "experts", "--json"], env=env, capture_output=True, text=True, timeout=120)
+        assert experts.returncode == 0 and json.loads(experts.stdout)["moe_layers"], experts.stderr
         t0 = time.monotonic()
         down = subprocess.run([exe, "down"], env=env, capture_output=True, text=True, timeout=120)
         took = time.monotonic() - t0
@@ -78,4 +85,4 @@ def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path, ingress, holde
     assert code == 0, f"moeray up exited with {code}: {log[-2000:]}"
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # the port is free again
-    assert not (tmp_path / "up.json").exists()
+    assert not (tmp_path / "up.json").exists() and not (tmp_path / "admin_token").exists()

@@ -189,6 +189,15 @@ def test_serve_deploy_places_experts_on_both_nodes_and_serves_through_the_head_p
     assert all(e["tokens"] > 0 for e in status["experts"]), status["experts"]
 
 
+def test_the_admin_key_reaches_the_app_through_the_yamls_environment(cluster):
+    """The shipped serve config names no admin key: the YAML's `ray start` puts the copied key file in
+    MOERAY_ADMIN_KEY on every node, and the ingress reads it there (deploy/settings.py)."""
+    url = f"{cluster.url}/admin/experts"
+    assert httpx.get(url, timeout=60).status_code == 401
+    r = httpx.get(url, headers={"Authorization": f"Bearer {cluster.admin_key}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["moe_layers"], r.text
+
+
 # ---- Must show 2: a real Prometheus from deploy/prometheus.yml ---------------------------------------
 def _prometheus_config(c: RayUpCluster) -> dict:
     """deploy/prometheus.yml with its targets' addresses and ports rewritten to this cluster's (and a

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import ray
-from live import KEY, deploy, finish, moeray, oracle_soon, run_cli, series, start_streams
+from live import ADMIN, KEY, deploy, finish, moeray, oracle_soon, run_cli, series, start_streams
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
@@ -74,7 +74,7 @@ def test_chaos_kills_while_6_streams_run(port, tmp_path_factory, preset, kills):
         assert after["epoch"] == before["epoch"] + 1 and after["last_change"]["kind"] == "recovery"
         assert _failures(url, kind) == 1
     assert len(after["recoveries_s"]) == len(kills)
-    bad = moeray("chaos", "kill-expert", "7", "--url", url, "--api-key", KEY)
+    bad = moeray("chaos", "kill-expert", "7", "--url", url, "--admin-key", ADMIN)
     assert bad.returncode == 2 and "there is no expert[7]" in bad.stderr
     serve.delete(name)
 

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from live import KEY, deploy, finish, metrics, moeray, oracle_soon, run_cli, start_streams
+from live import ADMIN, KEY, deploy, finish, metrics, moeray, oracle_soon, run_cli, start_streams
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -103,9 +103,11 @@ def test_uneven_k3_scale_and_rebalance_over_http(port, tmp_path_factory):
     after = _imbalance(url)  # the gauge's window holds the current epoch's steps only
     assert 0 < after < before, (before, after)
     assert finish(start_streams(url, "k3", prompts, 40)) == expected_40  # the 8 prompts on the re-placed experts
-    bad = httpx.post(f"{url}/admin/scale/experts", json={"n": 0}, headers={"Authorization": f"Bearer {KEY}"})
+    bad = httpx.post(f"{url}/admin/scale/experts", json={"n": 0}, headers={"Authorization": f"Bearer {ADMIN}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
-    too_many = moeray("scale", "experts", "99", "--url", url, "--api-key", KEY)
+    too_many = moeray("scale", "experts", "99", "--url", url, "--admin-key", ADMIN)
     assert too_many.returncode == 2 and "expert actors must be in 1..16" in too_many.stderr
-    assert httpx.post(f"{url}/admin/rebalance", json={}).status_code == 401  # guarded by the API key
+    assert httpx.post(f"{url}/admin/rebalance", json={}).status_code == 401  # guarded by the admin key
+    inference = httpx.post(f"{url}/admin/rebalance", json={}, headers={"Authorization": f"Bearer {KEY}"})
+    assert inference.status_code == 401  # which an inference key is not
     serve.delete("k3")

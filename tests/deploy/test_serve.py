@@ -22,6 +22,7 @@ from deploy.config import ServeConfig
 from model.presets import build_preset
 
 KEY = "test-key-123"
+ADMIN = "test-admin-key-456"
 NAME = "k2"
 
 
@@ -29,7 +30,8 @@ NAME = "k2"
 def server(serve_port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("serve") / "k2", seed=4, progress=False)
     port = serve_port
-    cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=2, experts=2, api_key=KEY, port=port,
+    cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=2, experts=2, api_key=KEY,
+                      admin_api_key=ADMIN, port=port,
                       max_queue=20, max_num_seqs=8, max_body_bytes=64 * 1024, max_tokens_per_step=64)
     serve.run(build_app(cfg.model_dump()), name="moeray-test", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -179,8 +181,8 @@ BAD = [  # (route, body, status, param)
 ]
 
 
-def _headers():
-    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+def _headers(key=KEY):
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
 
 @pytest.mark.parametrize("route,body,status,param", BAD)
@@ -271,9 +273,10 @@ def test_metrics_series_move_with_traffic(server, client):
 def test_admin_experts_route_and_cli_dump_the_full_distribution(server, client):
     url = server["url"]
     assert httpx.get(f"{url}/admin/experts", timeout=30).status_code == 401
-    before = httpx.get(f"{url}/admin/experts", headers=_headers(), timeout=30).json()
+    assert httpx.get(f"{url}/admin/experts", headers=_headers(), timeout=30).status_code == 401  # an inference key
+    before = httpx.get(f"{url}/admin/experts", headers=_headers(ADMIN), timeout=30).json()
     client.completions.create(model=NAME, prompt="route me", max_tokens=4, extra_body={"ignore_eos": True})
-    d = httpx.get(f"{url}/admin/experts", headers=_headers(), timeout=30).json()
+    d = httpx.get(f"{url}/admin/experts", headers=_headers(ADMIN), timeout=30).json()
     from model.config import load_config
 
     cfg = load_config(server["path"])
@@ -283,18 +286,18 @@ def test_admin_experts_route_and_cli_dump_the_full_distribution(server, client):
     moved = sum(map(sum, d["tokens_total"])) - sum(map(sum, before["tokens_total"]))
     assert moved > 0 and moved % cfg.num_experts_per_tok == 0  # top-k experts per token per layer
     exe = Path(sys.executable).parent / "moeray"
-    out = subprocess.run([str(exe), "experts", "--json", "--url", url, "--api-key", KEY], capture_output=True,
+    out = subprocess.run([str(exe), "experts", "--json", "--url", url, "--admin-key", ADMIN], capture_output=True,
                          text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
     cli = json.loads(out.stdout)
     assert cli["url"] == url and cli["moe_layers"] == d["moe_layers"]
     assert sum(map(sum, cli["tokens_total"])) >= sum(map(sum, d["tokens_total"]))
-    table = subprocess.run([str(exe), "experts", "--url", url, "--api-key", KEY], capture_output=True, text=True,
+    table = subprocess.run([str(exe), "experts", "--url", url, "--admin-key", ADMIN], capture_output=True, text=True,
                            timeout=120, env=os.environ)
     assert table.returncode == 0 and "imbalance" in table.stdout, table.stderr
     bad = subprocess.run([str(exe), "experts", "--url", url], capture_output=True, text=True, timeout=120,
                          env=os.environ)
-    assert bad.returncode == 2 and "API key" in bad.stderr
+    assert bad.returncode == 2 and "--admin-key" in bad.stderr
 
 
 # ---- `moeray bench serve` (issue 10) ------------------------------------------------------------
