@@ -357,8 +357,10 @@ def status(
     for a in st["attention"]:
         t.add_row(f"attention[{a['index']}]", a["node"], f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks")
     for e in st["experts"]:
+        weights = e.get("weight_bytes")  # None: the actor did not answer (down until the next step recovers it)
+        held = f"{weights / 2**20:,.1f} MiB of weights" if weights is not None else "weights unknown (no answer)"
         t.add_row(f"expert[{e['index']}]", e["node"], f"{_slots_text(e['slots'], e['replicas'])}; {e['tokens']:,} tokens; "
-                                                       f"{e.get('weight_bytes', 0) / 2**20:,.1f} MiB of weights")
+                                                       f"{held}")
     out.print(t)
 
 

@@ -97,3 +97,22 @@ def _no_orphans(members: int) -> None:
             return
         assert time.monotonic() < deadline, f"{len(alive)} live actors and {bundles} bundles for a shape of {members}"
         time.sleep(0.2)
+
+
+def test_status_with_an_expert_down_and_no_step_to_notice_it(app):
+    """`moeray status` between a kill and the next step (nothing has noticed the dead actor yet): the
+    table prints, that actor's weights unknown; the next request recovers it and is exact."""
+    url, prompts, expected = app
+    run_cli(url, "chaos", "kill-expert", "0")
+    deadline = time.monotonic() + 30
+    while True:
+        shown = moeray("status", "--url", url, "--api-key", KEY)
+        assert shown.returncode == 0, shown.stderr
+        if "weights unknown" in shown.stdout:
+            break
+        assert time.monotonic() < deadline, shown.stdout  # Ray marks the killed actor dead asynchronously
+        time.sleep(0.5)
+    assert "expert[0]" in shown.stdout and "expert[1]" in shown.stdout
+    assert finish(start_streams(url, APP, prompts, N_TOKENS)) == expected
+    assert _status(url)["last_change"]["kind"] == "recovery"
+
