@@ -2,8 +2,10 @@
 
 Owns: the embedding, every layer's attention (MLA, KDA), norms, gates, shared experts, dense
 layers and the lm_head — but no routed experts; the paged latent cache and KDA slots of the
-sequences the engine pinned here. Sampling is stateless (seeds derive from the request's seed and
-the context length), so nothing else per sequence lives here. An epoch change (:meth:`enter_epoch`)
+sequences the engine pinned here, and the logits processors' per-sequence histories (penalties,
+grammar matchers: :class:`model.logits.LogitsState`, fed with every chunk's tokens, so they are
+rebuilt wherever a sequence is prefilled again). Draws are stateless (seeds derive from the
+request's seed and the context length). An epoch change (:meth:`enter_epoch`)
 swaps the process group and the dispatch table only.
 Never: decides which sequences run, which blocks or slots they use (the engine's scheduler does
 and sends them in :class:`~actors.messages.SeqChunk`), or talks to Ray per layer — MoE layers
@@ -20,6 +22,7 @@ import torch
 
 from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
+from model.logits import LogitsState, grammars_for
 from model.moe import COMBINE, Dispatch
 from model.sampling import draw_seed, sample, top_logprobs
 
@@ -55,6 +58,9 @@ class AttentionWorker(ServesSteps):
         self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
         self.completed = -1  # the last step that completed here
         self.sampled: dict[int, int] = {}  # seq id → the token that step sampled (AHEAD chunks read it)
+        # penalties' and grammars' per-sequence histories, fed with every chunk's tokens
+        self.logits_state = LogitsState(self.cfg.vocab_size, self.device, lambda: grammars_for(model_path,
+                                                                                              self.cfg.vocab_size))
         self._store = None  # the rendezvous store this actor opened for an epoch where it is rank 0
 
     # ---- control plane -----------------------------------------------------------------
@@ -97,6 +103,8 @@ class AttentionWorker(ServesSteps):
             raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
                                f"epoch {self.table.epoch}")
         refuse_ahead(self.name, req.step, req.ahead, self.completed)
+        self.logits_state.release(req.release)
+        self.logits_state.prepare(c.params for c in req.chunks if c.num_cached == 0)  # compiles beside the forward
         d.begin_step(req.step)
         t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
@@ -149,8 +157,10 @@ class AttentionWorker(ServesSteps):
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
                 self.cache.kda.reset(c.state_slot)
-        ids = torch.tensor([self._known(c.seq_id) if t == AHEAD else t for c in chunks for t in c.token_ids],
-                           device=self.device)
+        known = [[self._known(c.seq_id) if t == AHEAD else t for t in c.token_ids] for c in chunks]
+        for c, toks in zip(chunks, known):
+            self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached, toks, c.params)
+        ids = torch.tensor([t for toks in known for t in toks], device=self.device)
         meta = build_attn_meta(
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
             [list(c.block_table) for c in chunks], self.block_size, device=self.device,
@@ -173,9 +183,11 @@ class AttentionWorker(ServesSteps):
         h = torch.cat([x for x in last if x is not None])
         logits = self.model.logits(h[rows])  # [R, V] stays on the device
         params = [chunks[b].params for b in rows]
+        seq_ids = [chunks[b].seq_id for b in rows]
         seeds = [draw_seed(chunks[b].params, chunks[b].num_cached + len(chunks[b].token_ids)) for b in rows]
-        next_ids = sample(logits, params, seeds)
-        return self._package([chunks[b].seq_id for b in rows], logits, next_ids, params)
+        shaped = self.logits_state.apply(logits, seq_ids, params, [chunks[b].banned for b in rows])
+        next_ids = sample(shaped, params, seeds)
+        return self._package(seq_ids, logits, next_ids, params)
 
     @staticmethod
     def _package(seq_ids, logits, next_ids, params) -> tuple[SampledToken, ...]:

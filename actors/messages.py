@@ -107,7 +107,10 @@ class SeqChunk:
     state_slot: int | None = None
     reset_state: bool = False  # zero the KDA slot first: a new or recomputed sequence
     sample: bool = True  # this chunk ends the known tokens: sample the next one
-    params: SamplingParams | None = None  # required when ``sample``
+    params: SamplingParams | None = None  # the sequence's, on every chunk (penalties and grammars read
+    # the prefill's tokens too)
+    prompt_len: int = 0  # the sequence's prompt tokens: positions from here on are generated ones
+    banned: tuple[int, ...] = ()  # ids the sampled token must not be: the stop ids before min_tokens
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class StepRequest:
     # sent before step - 1's results reached the engine (async scheduling): its AHEAD tokens are what
     # step - 1 sampled here, and an actor where step - 1 did not complete refuses it at once
     ahead: bool = False
+    release: tuple[int, ...] = ()  # sequences that left this replica since its last step: forget them
 
 
 @dataclass(frozen=True)

@@ -248,8 +248,9 @@ class Engine:
         self.step_no += 1
         epoch = self.executor.table.epoch
         micro = self._micro_batches(plan.chunks)
-        reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead)
-                for chunks, groups in zip(plan.chunks, micro)]
+        reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
+                            self.scheduler.take_released(r))
+                for r, (chunks, groups) in enumerate(zip(plan.chunks, micro))]
         tokens = tuple(tuple(sum(len(c.token_ids) for c in groups[m]) for groups in micro)
                        for m in range(len(micro[0])))
         self.stats.micro_batched_steps += len(tokens) > 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from actors.messages import SampledToken, SeqChunk
 from model.cache import BlockAllocator
-from model.runner import Sequence, check_stop
+from model.runner import Sequence, banned_ids, check_stop
 
 
 @dataclass(eq=False)
@@ -60,6 +60,7 @@ class Scheduler:
         self.slots: list[BlockAllocator] | None = [] if num_slots else None
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
+        self.released: list[list[int]] = []  # per replica: sequences that left it since its last step
         self.resize(num_replicas)
 
     # ---- replicas (an epoch change, at a step boundary) ------------------------------------
@@ -72,6 +73,7 @@ class Scheduler:
             raise ValueError(f"attention replicas must be >= 1, got {num_replicas}")
         while len(self.blocks) < num_replicas:
             self.blocks.append(BlockAllocator(self.num_blocks, self.block_size))
+            self.released.append([])
             if self.slots is not None:
                 self.slots.append(BlockAllocator(self.num_slots, 1))
         moved = [s for s in self.running if s.replica is not None and s.replica >= num_replicas]
@@ -80,6 +82,7 @@ class Scheduler:
             self._free(seq)
             self.waiting.appendleft(seq)
         del self.blocks[num_replicas:]
+        del self.released[num_replicas:]
         if self.slots is not None:
             del self.slots[num_replicas:]
         return moved
@@ -203,14 +206,20 @@ class Scheduler:
             start = seq.num_cached
             self._take(seq, 1)
             chunks.append(SeqChunk(seq.seq_id, (token,), start, tuple(seq.block_table), seq.state_slot, False, True,
-                                   seq.params))
+                                   seq.params, seq.num_prompt_tokens, banned_ids(seq, start + 1, self.stop_ids)))
         return chunks
+
+    def take_released(self, replica: int) -> tuple[int, ...]:
+        """The sequences that left ``replica`` since this was last asked (its next step says so)."""
+        out, self.released[replica] = tuple(self.released[replica]), []
+        return out
 
     def _chunk(self, seq: Seq, n: int, reset: bool) -> SeqChunk:
         start = seq.num_cached - n  # _take already advanced num_cached
         sample = seq.num_cached == len(seq.token_ids)
         return SeqChunk(seq.seq_id, tuple(seq.token_ids[start : start + n]), start, tuple(seq.block_table),
-                        seq.state_slot, reset, sample, seq.params if sample else None)
+                        seq.state_slot, reset, sample, seq.params, seq.num_prompt_tokens,
+                        banned_ids(seq, seq.num_cached, self.stop_ids) if sample else ())
 
     def _fits(self, replica: int, seq: Seq | None, n: int) -> bool:
         have = len(seq.block_table) if seq is not None and seq.replica == replica else 0
@@ -249,6 +258,8 @@ class Scheduler:
             chunks[:] = [c for c in chunks if c.seq_id != seq.seq_id]
 
     def _free(self, seq: Seq) -> None:
+        if seq.replica < len(self.released):
+            self.released[seq.replica].append(seq.seq_id)
         self.blocks[seq.replica].free(seq.block_table)
         if self.slots is not None and seq.state_slot is not None:
             self.slots[seq.replica].free([seq.state_slot])

@@ -10,11 +10,12 @@ block table says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from .cache import BlockAllocator, CacheFull, build_attn_meta
+from .logits import LogitsState
 from .model import CausalLM
 from .sampling import SamplingParams, draw_seed, sample
 
@@ -48,6 +49,15 @@ def check_stop(seq: Sequence, model_stop_ids: frozenset[int], max_context: int) 
     if n >= p.max_tokens or len(seq.token_ids) >= max_context:
         return "length"
     return None
+
+
+def banned_ids(seq: Sequence, context: int, model_stop_ids: frozenset[int]) -> tuple[int, ...]:
+    """The stop ids the token sampled after ``context`` tokens must not be: before ``min_tokens`` a
+    stop would not end the sequence (:func:`check_stop`), so it is masked rather than sampled."""
+    p = seq.params
+    if context - seq.num_prompt_tokens + 1 >= p.min_tokens:
+        return ()
+    return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else model_stop_ids)))
 
 
 class ModelRunner:
@@ -116,8 +126,11 @@ class ModelRunner:
 
 
 def generate(runner: ModelRunner, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams],
-             stop_ids: Iterable[int] = (), *, max_context: int | None = None) -> list[Sequence]:
-    """Batched offline generation: one prefill step for all prompts, then batched decode steps."""
+             stop_ids: Iterable[int] = (), *, max_context: int | None = None,
+             grammars: Callable[[], object] | None = None) -> list[Sequence]:
+    """Batched offline generation: one prefill step for all prompts, then batched decode steps.
+    Logits go through :class:`~model.logits.LogitsState` as on the attention actors; ``grammars``
+    builds the :class:`~model.grammar.Grammars` that constrained params need."""
     prompts = [list(p) for p in prompts]
     plist = params if isinstance(params, list) else [params] * len(prompts)
     vocab = runner.cfg.vocab_size
@@ -131,9 +144,14 @@ def generate(runner: ModelRunner, prompts: Iterable[list[int]], params: Sampling
     stops = frozenset(stop_ids)
     seqs = [Sequence(i, p, len(p), sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
     running = list(seqs)
+    state = LogitsState(runner.cfg.vocab_size, runner.device, grammars)
     try:
         while running:
+            for s in running:
+                state.feed(s.seq_id, s.num_prompt_tokens, s.num_cached, s.token_ids[s.num_cached:], s.params)
             logits = runner.forward_on_device(running, [s.num_uncached for s in running])
+            logits = state.apply(logits, [s.seq_id for s in running], [s.params for s in running],
+                                 [banned_ids(s, len(s.token_ids), stops) for s in running])
             seeds = [draw_seed(s.params, len(s.token_ids)) for s in running]
             tokens = sample(logits, [s.params for s in running], seeds).tolist()
             for seq, tok in zip(running, tokens):

@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seed).
+"""Sampling parameters and the batched sampler (greedy, temperature, min-p, top-k, top-p, per-request seed).
 
 Owns: turning a step's logits into next token ids, on the logits' device, vectorised over the batch
 (a Python loop only to seed each seeded row's generator). A seeded row's tokens are a function of its
@@ -25,8 +25,18 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # ignore the model's own stop ids (vLLM's meaning)
-    min_tokens: int = 0
+    min_tokens: int = 0  # the stop ids are masked until this many tokens were generated
     logprobs: int | None = None  # how many top alternatives to report per token
+    # penalties over the sequence's tokens (vLLM's / OpenAI's meanings): presence and frequency over
+    # the generated tokens, repetition (divides positive logits, multiplies negative) over prompt and
+    # generated tokens; min_p drops tokens below min_p × the best token's probability
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: str | None = None  # an llguidance grammar (Lark or its JSON form) every token must follow
+    skip_special_tokens: bool = True  # decoding of the output text (the engine's detokenizer)
 
     def __post_init__(self):
         def bad(field: str, why: str):
@@ -44,6 +54,20 @@ class SamplingParams:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             bad("logprobs", "must be in [0, 20]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                bad(name, "must be in [-2, 2]")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", "must be in (0, 10]")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1]")
+        if any(not (-100.0 <= b <= 100.0) or t < 0 for t, b in self.logit_bias):
+            bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling this sequence needs its token history (penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +143,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     sub = logits if every else logits.index_select(0, index)  # [R, V]
     temp = torch.tensor([params[b].temperature for b in rows], dtype=sub.dtype, device=dev)
     scaled = sub / temp[:, None]
+    floor = [i for i, b in enumerate(rows) if params[b].min_p > 0.0]
+    if floor:  # min_p: drop tokens less likely than min_p × the row's best one
+        at = torch.tensor(floor, device=dev)
+        min_p = torch.tensor([params[rows[i]].min_p for i in floor], dtype=sub.dtype, device=dev)
+        part = scaled.index_select(0, at)
+        lp = part.log_softmax(-1)
+        keep = lp >= lp.max(-1, keepdim=True).values + min_p.log()[:, None]
+        scaled.index_copy_(0, at, part.masked_fill(~keep, float("-inf")))
     cut = [i for i, b in enumerate(rows) if params[b].top_k > 0 or params[b].top_p < 1.0]
     if cut:
         at = torch.tensor(cut, device=dev)

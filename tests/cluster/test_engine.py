@@ -83,6 +83,21 @@ def test_the_rendezvous_port_is_held_until_the_group_forms(k2_2x4):
     assert err.value.errno == errno.EADDRINUSE
 
 
+# penalties, bias and min_tokens are applied on the attention actors from each sequence's history
+PROCESSED = [SamplingParams(max_tokens=12, temperature=1.0, seed=4, frequency_penalty=1.5, presence_penalty=0.5,
+                            repetition_penalty=1.3, min_p=0.05, ignore_eos=True),
+             SamplingParams(max_tokens=12, logit_bias=((17, 4.0), (3, -100.0)), ignore_eos=True),
+             SamplingParams(max_tokens=12, min_tokens=8, stop_token_ids=(5, 9, 17), repetition_penalty=1.5),
+             SamplingParams(max_tokens=12, ignore_eos=True)]
+
+
+def test_processed_logits_equal_single_process(k2_2x4, presets):
+    prompts = _prompts(4, seed=11)
+    got = [s.output_ids for s in k2_2x4.generate(prompts, PROCESSED)]
+    assert got == _alone(presets["kimi-k2-tiny"], prompts, PROCESSED)
+    assert k2_2x4.stats.ahead_steps > 0  # async scheduling stayed on: the histories read AHEAD tokens
+
+
 def test_expert_actors_hold_only_their_shard_on_their_node(k2_2x4, presets):
     cfg = load_config(presets["kimi-k2-tiny"])
     w = k2_2x4.executor.fleet
@@ -125,7 +140,9 @@ def test_other_architectures_and_uneven_shards(ray_cluster, presets, preset, att
 def test_preempted_and_recomputed_requests_produce_the_same_tokens(ray_cluster, presets):
     path = presets["kimi-k3-tiny"]  # KDA state must be rebuilt too
     prompts = _prompts(4, lo=6, hi=12, seed=5)
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    plain = SamplingParams(max_tokens=14, ignore_eos=True)
+    pen = SamplingParams(max_tokens=14, ignore_eos=True, frequency_penalty=1.0, repetition_penalty=1.4)
+    params = [plain, pen, plain, pen]  # a penalised sequence's history is rebuilt by its re-prefill
     with _engine(path, 1, 1, num_blocks=8, block_size=4, num_slots=4) as eng:  # 32 token slots for ~90 tokens
         got = [s.output_ids for s in eng.generate(prompts, params)]
         assert eng.stats.preemptions > 0
