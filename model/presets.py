@@ -1,17 +1,21 @@
 """Built-in presets: real-format configs of the supported architectures, shrunk to CPU size.
 
-A preset is a ``config.json`` dict; :func:`build_preset` turns it into a complete Hugging Face
-directory with seeded random weights and the shipped tokenizer, exactly as a real checkpoint is
-laid out. A preset name is accepted wherever a model path is (:func:`resolve_model`).
+A preset is a ``config.json`` dict, a shipped tokenizer and optionally its own chat template;
+:func:`build_preset` turns it into a complete Hugging Face directory with seeded random weights,
+exactly as a real checkpoint is laid out. A preset name is accepted wherever a model path is
+(:func:`resolve_model`, which builds it once into a cache directory keyed by its files' contents).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .tokenizer import SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
+from .chat_template import K2_THINKING_CHAT_TEMPLATE
+from .tokenizer import SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
 DEFAULT_PRESET = "kimi-k2-tiny"
 
@@ -159,19 +163,36 @@ def _kimi_k3_tiny() -> dict:
     return cfg
 
 
-PRESETS: dict[str, tuple[Callable[[], dict], str]] = {
-    "kimi-k2-tiny": (_k2_like, "kimi"),
-    "deepseek-v3-tiny": (_deepseek_v3_tiny, "deepseek"),
-    "kimi-k2-small": (_kimi_k2_small, "kimi"),
-    "kimi-linear-tiny": (_kimi_linear_tiny, "kimi"),
-    "kimi-k3-tiny": (_kimi_k3_tiny, "kimi"),
+@dataclass(frozen=True)
+class Preset:
+    """How to build one preset: its config.json, the shipped tokenizer it copies ("kimi" or
+    "deepseek"), and a ``chat_template.jinja`` to write beside it (which wins over the
+    tokenizer_config.json template, as in a real checkpoint), if any."""
+
+    config: Callable[[], dict]
+    tokenizer: str
+    chat_template: str | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    "kimi-k2-tiny": Preset(_k2_like, "kimi"),
+    # K2-Thinking: K2's architecture (same tiny weights), with the thinking chat template.
+    "kimi-k2-thinking-tiny": Preset(_k2_like, "kimi", chat_template=K2_THINKING_CHAT_TEMPLATE),
+    "deepseek-v3-tiny": Preset(_deepseek_v3_tiny, "deepseek"),
+    "kimi-k2-small": Preset(_kimi_k2_small, "kimi"),
+    "kimi-linear-tiny": Preset(_kimi_linear_tiny, "kimi"),
+    "kimi-k3-tiny": Preset(_kimi_k3_tiny, "kimi"),
 }
 
 
-def preset_config(name: str) -> dict:
+def _preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name][0]()
+    return PRESETS[name]
+
+
+def preset_config(name: str) -> dict:
+    return _preset(name).config()
 
 
 def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | None = None,
@@ -185,7 +206,8 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     from .model import CausalLM, init_random_weights, to_hf_tensors
     from .names import is_fp32
 
-    raw = preset_config(name) | (overrides or {})
+    preset = _preset(name)
+    raw = preset.config() | (overrides or {})
     raw["torch_dtype"] = dtype
     cfg = parse_config(raw, where=f"preset {name}")
     with torch.device("cpu"):
@@ -196,18 +218,31 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
         tensors = {k: (v if is_fp32(k) else v.to(getattr(torch, dtype))) for k, v in tensors.items()}
     out = Path(out_dir)
     write_checkpoint(out, raw, tensors, quant=quant)
-    copy_tokenizer_files(PRESETS[name][1], out)
+    copy_tokenizer_files(preset.tokenizer, out)
+    if preset.chat_template is not None:
+        (out / "chat_template.jinja").write_text(preset.chat_template, encoding="utf-8")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "moeray_preset": name, "seed": seed},
         indent=2))
     return out
 
 
+def preset_fingerprint(name: str) -> str:
+    """12 hex digits over what a preset's files are made of (config, shipped tokenizer files,
+    chat template): a cached build whose tokenizer or template has since changed is not reused."""
+    preset = _preset(name)
+    h = hashlib.sha256(json.dumps(preset.config(), sort_keys=True).encode())
+    for f in sorted((SHIPPED_DIR / preset.tokenizer).iterdir()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update((preset.chat_template or "").encode())
+    return h.hexdigest()[:12]
+
+
 def resolve_model(name_or_path: str | Path, cache_root: str | Path) -> Path:
     """A checkpoint directory for a path or a preset name (presets are built once into ``cache_root``)."""
     p = Path(name_or_path)
     if str(name_or_path) in PRESETS:
-        target = Path(cache_root) / "presets" / f"{name_or_path}-seed0"
+        target = Path(cache_root) / "presets" / f"{name_or_path}-seed0-{preset_fingerprint(str(name_or_path))}"
         if not (target / "config.json").exists():
             tmp = target.with_name(target.name + ".partial")
             build_preset(str(name_or_path), tmp)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import shutil
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -26,6 +27,7 @@ SHIPPED_KINDS = ("kimi", "deepseek")
 # Tokens that end an assistant turn, whichever family the checkpoint belongs to: K2 ends a
 # turn with <|im_end|> then sometimes [EOS] (MODEL_SPEC §1.11); K3 renames im_end (§3.12).
 END_OF_TURN_TOKENS = ("<|im_end|>", "[EOS]", "[EOT]", "<|end_of_msg|>", "<｜end▁of▁sentence｜>")
+THINK_BEGIN, THINK_END = "<think>", "</think>"  # K2-Thinking / K2.5: 163606, 163607
 
 
 def _token_content(value: object) -> str | None:
@@ -62,6 +64,7 @@ class Tokenizer:
         stop = {backend.token_to_id(t) for t in END_OF_TURN_TOKENS} | {self.eos_token_id, *extra_stop_ids}
         self.stop_token_ids = frozenset(i for i in stop if i is not None and 0 <= i < backend.vocab_size)
         self.special_token_ids = backend.special_ids
+        self.chat_template_source = chat_template
         self._template: jinja2.Template | None = compile_template(chat_template) if chat_template else None
 
     @classmethod
@@ -99,6 +102,21 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def thinking(self) -> bool:
+        """The chat template writes think blocks (K2-Thinking style), so a reply may open with
+        reasoning: ``<think>…</think>`` before the content, unless the request renders with the
+        template kwarg ``thinking=False``."""
+        return self.chat_template_source is not None and THINK_BEGIN in self.chat_template_source
+
+    @property
+    def think_ids(self) -> tuple[int, int] | None:
+        """Ids of ``<think>`` and ``</think>`` when both are special tokens of this vocabulary."""
+        ids = (self._backend.token_to_id(THINK_BEGIN), self._backend.token_to_id(THINK_END))
+        if any(i is None or i not in self.special_token_ids for i in ids):
+            return None
+        return ids  # type: ignore[return-value]
+
     def id_to_token(self, token_id: int) -> str:
         """Byte-level token string ("Ġthe") or a special token's content."""
         self._check_id(token_id)
@@ -128,14 +146,18 @@ class Tokenizer:
             ids = [i for i in ids if i not in self.special_token_ids]
         return self._backend.decode(ids)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """Render the checkpoint's template to a prompt string (encode it with allow_special)."""
+    def apply_chat_template(self, messages: list[dict], /, *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+        """Render the checkpoint's template to a prompt string (encode it with allow_special).
+        ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g. ``thinking=False``) become
+        template variables; setting one the renderer owns (messages, tools, add_generation_prompt,
+        bos_token, eos_token) is a ValueError. Pass a request's dict through
+        :func:`model.chat_template.check_template_kwargs` before splatting it here."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template: add 'chat_template' to tokenizer_config.json "
                              "or a chat_template.jinja file")
         return render(self._template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                      bos_token=self.bos_token, eos_token=self.eos_token)
+                      bos_token=self.bos_token, eos_token=self.eos_token, template_kwargs=template_kwargs)
 
     def _check_id(self, token_id: int) -> None:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:

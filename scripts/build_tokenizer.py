@@ -12,7 +12,8 @@ ties going to the lexicographically smallest (left bytes, right bytes). Output i
 deterministic; tests/model/test_tokenizer.py rebuilds it and compares.
 
 Writes two real formats over the same 768 ranks, each padded with specials to 1024 ids:
-  kimi/      tiktoken.model + tokenizer_config.json (K2 specials at 768 + K2's offsets, K2 template)
+  kimi/      tiktoken.model + tokenizer_config.json (K2 specials at 768 + K2's offsets, including
+             K2-Thinking's <think> </think>; K2-Instruct template)
   deepseek/  tokenizer.json + tokenizer_config.json (DeepSeek-V3-style specials, simple template)
 The deepseek tokenizer.json pre-splits with the same K2 pat_str (not DeepSeek-V3's own regex)
 so that both formats give identical ids for ordinary text.
@@ -38,11 +39,13 @@ from model.tokenizer_backends import K2_PAT_STR, bytes_to_token_str  # noqa: E40
 
 R = SHIPPED_RANKS
 # K2's special ids are 163584 + offset (MODEL_SPEC §1.11); ours are R + the same offset.
+# <think> / </think> are K2-Thinking's and K2.5's (163606 / 163607); K2-Instruct leaves them reserved.
 KIMI_SPECIAL_OFFSETS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
     6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
     11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
     14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>",
+    22: "<think>", 23: "</think>",
     254: "[UNK]", 255: "[PAD]",
 }
 DEEPSEEK_SPECIALS = [

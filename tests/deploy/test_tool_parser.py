@@ -240,8 +240,8 @@ def test_from_tokenizer_finds_think_tokens_only_as_specials():
 def test_through_the_shipped_kimi_tokenizer():
     tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
     markers = K2Markers.from_tokenizer(tok)
-    # the same offsets from the first special id as K2's real ids; no think tokens in this vocabulary
-    assert markers == K2Markers(*(SHIPPED_RANKS + i - K2_FIRST_SPECIAL for i in (SB, SE, CB, AB, CE)))
+    # the same offsets from the first special id as K2's real ids, K2-Thinking's <think> </think> too
+    assert markers == K2Markers(*(SHIPPED_RANKS + i - K2_FIRST_SPECIAL for i in (SB, SE, CB, AB, CE, 163606, 163607)))
 
     def tok_decode(ids):
         return tok.decode(ids, skip_special_tokens=True)

@@ -26,6 +26,7 @@ KIMI_SPECIALS = {  # K2 offsets from 163584, rebased to R (MODEL_SPEC §1.11)
     "<|start_header_id|>": R + 6, "<|end_header_id|>": R + 7, "[EOT]": R + 9, "<|im_system|>": R + 10,
     "<|tool_calls_section_begin|>": R + 11, "<|tool_calls_section_end|>": R + 12, "<|tool_call_begin|>": R + 13,
     "<|tool_call_argument_begin|>": R + 14, "<|tool_call_end|>": R + 15, "<|im_middle|>": R + 17,
+    "<think>": R + 22, "</think>": R + 23,  # K2-Thinking's 163606 / 163607
     "[UNK]": R + 254, "[PAD]": R + 255,
 }
 DEEPSEEK_SPECIALS = {"<｜begin▁of▁sentence｜>": 768, "<｜end▁of▁sentence｜>": 769, "<｜User｜>": 770, "<｜Assistant｜>": 771}
@@ -80,6 +81,7 @@ def test_special_ids(kimi: Tokenizer, deepseek: Tokenizer):
         assert kimi.token_to_id(name) == i and kimi.id_to_token(i) == name
     assert kimi.id_to_token(R + 5) == f"<|reserved_token_{R + 5}|>"
     assert kimi.id_to_token(R + 253) == f"<|reserved_token_{R + 253}|>"
+    assert kimi.id_to_token(R + 21) == f"<|reserved_token_{R + 21}|>"  # K2.5's media ids stay unnamed
     for name, i in DEEPSEEK_SPECIALS.items():
         assert deepseek.token_to_id(name) == i and deepseek.id_to_token(i) == name
     assert (kimi.bos_token_id, kimi.eos_token_id) == (R, R + 1)
@@ -192,8 +194,21 @@ def test_k2_template_tools(kimi: Tokenizer):
         '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
         '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
         "<|tool_calls_section_end|><|im_end|>"
-        "<|im_system|>tool<|im_middle|>sunny<|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|>")
+
+
+def test_think_tokens_are_single_specials(kimi: Tokenizer, deepseek: Tokenizer):
+    think, end = R + 22, R + 23  # the offsets of K2-Thinking's 163606 / 163607 from 163584
+    assert kimi.think_ids == (think, end)
+    assert {think, end} <= kimi.special_token_ids
+    assert kimi.encode("<think>") == [think] and kimi.encode("</think>") == [end]
+    assert kimi.encode("<think>why</think>so", allow_special=True) == [think, *kimi.encode("why"), end, *kimi.encode("so")]
+    plain = kimi.encode("<think>", allow_special=False)
+    assert think not in plain and kimi.decode(plain) == "<think>"
+    assert kimi.decode([think, end], skip_special_tokens=True) == ""
+    assert think not in kimi.stop_token_ids and end not in kimi.stop_token_ids
+    assert deepseek.think_ids is None
 
 
 def test_deepseek_template(deepseek: Tokenizer):
@@ -236,6 +251,11 @@ def test_template_sources(tmp_path: Path):
     ([{"role": "user", "content": ["x"]}], r"content\[0\] must be a dict"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "only allowed on assistant"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}], r"tool_calls\[0\]"),
+    ([{"role": "user", "content": "x", "name": 7}], r"messages\[0\]\.name must be a string"),
+    ([{"role": "tool", "content": "x", "tool_call_id": ["a"]}], r"tool_call_id must be a string"),
+    ([{"role": "user", "content": "x", "reasoning_content": "r"}], "reasoning_content is only allowed on assistant"),
+    ([{"role": "assistant", "content": "x", "reasoning": 1}], r"reasoning must be a string"),
+    ([{"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"}], "differ"),
 ])
 def test_bad_messages(kimi: Tokenizer, messages, match: str):
     with pytest.raises(ValueError, match=match):
