@@ -40,8 +40,8 @@ def user_errors(fn):
     return wrapper
 
 
-MODEL_HELP = ("A Hugging Face checkpoint directory or a preset name (kimi-k2-tiny, deepseek-v3-tiny, "
-              "kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small).")
+MODEL_HELP = ("A Hugging Face checkpoint directory or a preset name (kimi-k2-tiny, kimi-k2-thinking-tiny, "
+              "deepseek-v3-tiny, kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small).")
 
 
 def _resolve(model: str) -> Path:
@@ -55,8 +55,8 @@ def _resolve(model: str) -> Path:
 @app.command("make-checkpoint")
 @user_errors
 def make_checkpoint(
-    preset: str = typer.Option(..., help="Preset to write: kimi-k2-tiny, deepseek-v3-tiny, kimi-linear-tiny, "
-                                         "kimi-k3-tiny, kimi-k2-small."),
+    preset: str = typer.Option(..., help="Preset to write: kimi-k2-tiny, kimi-k2-thinking-tiny, deepseek-v3-tiny, "
+                                         "kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small."),
     out: Path = typer.Option(..., help="Output directory (created)."),
     quant: Optional[str] = typer.Option(None, help="Weight format: fp8 (128x128 blocks; DeepSeek/K2 presets), "
                                                    "int4 or mxfp4 (routed experts only)."),

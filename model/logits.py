@@ -28,10 +28,10 @@ from .sampling import SamplingParams
 def grammars_for(checkpoint: str, vocab_size: int):
     """The :class:`~model.grammar.Grammars` of a checkpoint directory's tokenizer (built on the first
     constrained sequence: unconstrained serving never loads llguidance)."""
-    from .grammar import Grammars
+    from .grammar import Grammars, lltokenizer
     from .tokenizer import Tokenizer
 
-    return Grammars(Tokenizer.from_dir(checkpoint), vocab_size)
+    return Grammars(lltokenizer(Tokenizer.from_dir(checkpoint), vocab_size))
 
 
 def stateful(params: SamplingParams | None) -> bool:
@@ -57,6 +57,7 @@ class LogitsState:
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self._make_grammars, self._grammars = grammars, None
         self.histories: dict[int, _History] = {}
+        self.grammar_errors = 0  # rows whose matcher was in error state when masked
 
     @property
     def grammars(self):
@@ -143,7 +144,8 @@ class LogitsState:
         caller keeps the raw logits for logprobs, as vLLM reports them)."""
         R, V = logits.shape
         bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < V]
-        ban = [(r, t) for r, ids in enumerate(banned or ()) for t in ids if t < V]
+        # a grammar decides where the output may end: the stop ids are not banned from its rows
+        ban = [(r, t) for r, ids in enumerate(banned or ()) if params[r].grammar is None for t in ids if t < V]
         pen = [r for r, p in enumerate(params) if p.penalised]
         gram = [r for r, p in enumerate(params) if p.grammar is not None]
         if not (bias or ban or pen or gram):
@@ -162,8 +164,9 @@ class LogitsState:
         if gram:
             at = torch.tensor(gram, device=dev)
             sub = out.index_select(0, at)
-            self.grammars.mask([self._history(seq_ids[r]).matcher for r in gram], sub)
+            errors = self.grammars.mask_logits([self._history(seq_ids[r]).matcher for r in gram], sub)
             out.index_copy_(0, at, sub)
+            self.grammar_errors += len(errors)  # such a row may only stop (model.grammar's policy)
         return out
 
     def _history(self, seq_id: int) -> _History:

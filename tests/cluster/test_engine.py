@@ -98,6 +98,36 @@ def test_processed_logits_equal_single_process(k2_2x4, presets):
     assert k2_2x4.stats.ahead_steps > 0  # async scheduling stayed on: the histories read AHEAD tokens
 
 
+def test_constrained_sequences_equal_single_process(k2_2x4, presets):
+    """Grammars are compiled and applied on the attention actors (model/grammar.py through
+    model/logits.py): seeded constrained sequences, batched with unconstrained ones over 2 replicas,
+    give the single process's tokens, and every constrained output is valid JSON."""
+    import json
+
+    from deploy.structured import response_format_grammar
+    from model.logits import grammars_for
+
+    path = presets["kimi-k2-tiny"]
+    tok = Tokenizer.from_dir(path)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "ab", "schema": schema}})
+    stops = tuple(sorted(tok.stop_token_ids))
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=s, grammar=grammar, stop_token_ids=stops)
+              for s in range(3)] + [SamplingParams(max_tokens=12, ignore_eos=True)]
+    prompts = _prompts(4, seed=12)
+    got = [s.output_ids for s in k2_2x4.generate(prompts, params)]
+    net = load_model(path, progress=False)
+    g = grammars_for(str(path), net.cfg.vocab_size)
+    want = [generate(ModelRunner(net, num_blocks=32, block_size=16, num_slots=2), [p], [sp],
+                     grammars=lambda: g)[0].output_ids for p, sp in zip(prompts, params)]
+    assert got == want
+    for ids in got[:3]:
+        assert ids[-1] in stops  # the grammar ended the turn
+        assert set(json.loads(tok.decode(ids, skip_special_tokens=True))) == {"a", "b"}
+
+
 def test_expert_actors_hold_only_their_shard_on_their_node(k2_2x4, presets):
     cfg = load_config(presets["kimi-k2-tiny"])
     w = k2_2x4.executor.fleet

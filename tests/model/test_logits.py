@@ -134,3 +134,63 @@ def test_penalties_change_greedy_output_and_match_alone_vs_batched(runner):
     batched = generate(runner, [prompt, [9, 10, 11]], [pen, SamplingParams(max_tokens=5)])[0].output_ids
     assert alone == batched
     assert len(set(alone)) > len(set(plain))  # the penalties break the random model's repetition
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    "inner": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+    "required": ["name", "tags", "inner"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def grammars(runner):
+    from model.grammar import Grammars, lltokenizer
+    from model.tokenizer import SHIPPED_DIR, Tokenizer
+
+    g = Grammars(lltokenizer(Tokenizer.from_dir(SHIPPED_DIR / "kimi"), runner.cfg.vocab_size))
+    return lambda: g
+
+
+def test_a_grammar_holds_the_random_model_to_its_schema(runner, grammars):
+    import json
+
+    import jsonschema
+
+    from deploy.structured import response_format_grammar
+    from model.tokenizer import SHIPPED_DIR, Tokenizer
+
+    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s, grammar=grammar, min_tokens=3) for s in range(6)]
+    big = ModelRunner(runner.model, num_blocks=6 * 52, block_size=4)
+    seqs = generate(big, [[5, 6, 7, 8]] * 6, params, stop_ids=tok.stop_token_ids, grammars=grammars)
+    texts = set()
+    for s in seqs:
+        assert s.finish_reason == "stop", s.output_ids  # the grammar ended the turn with a stop id
+        text = tok.decode(s.output_ids, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), SCHEMA)
+        texts.add(text)
+    assert len(texts) > 1
+    free = generate(runner, [[5, 6, 7, 8]], SamplingParams(max_tokens=40, temperature=1.0, seed=0))[0]
+    with pytest.raises(ValueError):  # the random model alone writes no JSON
+        json.loads(tok.decode(free.output_ids, skip_special_tokens=True))
+
+
+def test_a_redone_step_rolls_the_matcher_back(grammars):
+    from deploy.structured import response_format_grammar
+
+    grammar = response_format_grammar({"type": "json_object"})
+    p = SamplingParams(grammar=grammar)
+    state = LogitsState(1024, torch.device("cpu"), grammars)
+    prompt = [1, 2, 3]
+    brace = grammars().tokenizer.tokenize_str("{")
+    state.feed(0, 3, 0, prompt + brace, p)
+    m = state.histories[0].matcher
+    before = m.compute_bitmask()
+    quote = grammars().tokenizer.tokenize_str('"')
+    state.feed(0, 3, 3 + len(brace), quote, p)
+    assert m.compute_bitmask() != before
+    state.feed(0, 3, 3 + len(brace), quote, p)  # the same step again: rolled back, then fed
+    state.feed(0, 3, 3, brace, p)  # back to just "{"
+    assert state.histories[0].matcher.compute_bitmask() == before
