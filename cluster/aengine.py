@@ -2,8 +2,11 @@
 
 :class:`AsyncEngine` owns one background thread, the only one that touches the :class:`Engine`:
 it admits submitted requests, runs steps while there is work, and hands each request's new
-tokens — detokenised incrementally — to that request's asyncio queue. A consumer that stops
-iterating (a client that disconnected) aborts its request, which frees its cache at once.
+tokens — detokenised incrementally, special tokens left out of the text unless the request's
+``skip_special_tokens`` is off — to that request's asyncio queue. A consumer that stops
+iterating (a client that disconnected) aborts its request, which frees its cache at once, and one
+sequence of a request can be aborted alone (:meth:`AsyncEngine.abort`: a choice that met its stop
+string).
 A failed step is recovered inside the engine (dead actors replaced, the step redone), invisible to
 the streams. When recovery is impossible for now (no capacity), every open and queued request gets
 the error, new ones are refused with the reason (``unavailable``), and the thread retries the
@@ -33,12 +36,16 @@ from .engine import Engine, EpochChange, NoCapacity, RequestsFailed, TokenEvent,
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """What a consumer sees: new token ids, the text they complete, and the finish reason at the end."""
+    """What a consumer sees: new token ids, the text they complete, and the finish reason at the end
+    (``abort`` for a sequence aborted alone). A sequence ended by a stop token (``stop``) has that
+    token's text in ``stop_text``, not in ``text``: vLLM leaves it out of the output unless
+    ``include_stop_str_in_output``, which is the consumer's to apply."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None
     sampled: tuple = ()
+    stop_text: str = ""
 
 
 class _Stream:
@@ -111,8 +118,9 @@ class AsyncEngine:
         sequences still running."""
         self.check(jobs)
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        streams = [_Stream(loop, IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None, out, i)
-                   for i in range(len(jobs))]
+        streams = [_Stream(loop, None if self.tokenizer is None else
+                           IncrementalDecoder(self.tokenizer, skip_special_tokens=params.skip_special_tokens), out, i)
+                   for i, (_, params) in enumerate(jobs)]
         ready: asyncio.Future = loop.create_future()
         self._inbox.put(("add", [(ids, params, st) for (ids, params), st in zip(jobs, streams)], ready))
         try:
@@ -132,6 +140,11 @@ class AsyncEngine:
         finally:  # the consumer went away (or one sequence failed): free the others now
             for i in running:
                 self._inbox.put(("abort", seq_ids[i]))
+
+    def abort(self, seq_id: int) -> None:
+        """Abort one sequence (of a request still being read): its stream ends with an ``abort`` chunk,
+        and its cache is freed at the next step boundary. Any thread; a finished one is left alone."""
+        self._inbox.put(("abort", seq_id))
 
     def check(self, jobs: list[tuple[list[int], SamplingParams]]) -> None:
         """Raises ValueError for bad input and RuntimeError when the engine cannot take work now."""
@@ -245,8 +258,10 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
                 fut.set_exception(e)
         elif item[0] == "abort":
-            self._streams.pop(item[1], None)
+            stream = self._streams.pop(item[1], None)
             self.engine.abort(item[1])
+            if stream is not None:  # ends the sequence's place in its request's stream
+                stream.push(StreamChunk((), "", "abort"))
 
     def _add(self, jobs: list, ready: asyncio.Future) -> None:
         """Admit one request's sequences together (all or none), before the next step."""
@@ -275,12 +290,16 @@ class AsyncEngine:
         stream = self._streams.get(ev.seq_id)
         if stream is None:
             return
-        text = ""
+        text = stop_text = ""
         if stream.decoder is not None:
-            text = "".join(stream.decoder.push(t) for t in ev.token_ids)
+            stop = ev.finish_reason == "stop" and bool(ev.token_ids)  # the last token is the stop token
+            body = ev.token_ids[:-1] if stop else ev.token_ids
+            text = "".join(stream.decoder.push(t) for t in body)
             if ev.finish_reason is not None:
                 text += stream.decoder.flush()
-        delivered = stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled))
+            if stop:
+                stop_text = stream.decoder.push(ev.token_ids[-1]) + stream.decoder.flush()
+        delivered = stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled, stop_text))
         if not delivered and ev.finish_reason is None:  # nobody will read it: free the sequence now
             self._handle(("abort", ev.seq_id))
             return

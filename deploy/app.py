@@ -44,6 +44,7 @@ from .settings import admin_key, serve_ingress
 
 
 CONTROL_TIMEOUT_S = 15.0
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request asks whether its client is still there
 ADMIN_TIMEOUT_S = 900.0  # an epoch change waits for new actors to load their weights
 FORBIDDEN = {403: {"model": out.ErrorResponse, "description": "The admin routes are off: no admin key is configured."}}
 ADMIN_DOC = {**ok(out.EpochChangeReport), **errors(400, 401, 413, 503), **FORBIDDEN}
@@ -174,6 +175,9 @@ class EngineServer:
     def cancel(self, sink: str, keys: list[int]) -> None:
         self.streams.cancel(sink, keys)
 
+    def stop_choice(self, sink: str, key: int, index: int) -> None:
+        self.streams.stop_choice(sink, key, index)
+
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 
@@ -283,6 +287,22 @@ async def _events(choices: list):
             t.cancel()
 
 
+async def _drain_while_connected(request: Request, choices: list) -> bool:
+    """Read every choice to its end; False as soon as the client is found gone (the caller frees the
+    sequences). Serve cancels a handler whose client went away; the poll covers servers that do not."""
+    drain = asyncio.ensure_future(asyncio.gather(*(c.drain() for c in choices)))
+    try:
+        while not drain.done():
+            await asyncio.wait({drain}, timeout=DISCONNECT_POLL_S)
+            if not drain.done() and await request.is_disconnected():
+                return False
+        drain.result()
+        return True
+    finally:
+        if not drain.done():
+            drain.cancel()
+
+
 def _raise_reject(first: Reject):
     raise oa.APIError(first.status, first.message, param=first.param,
                       retry_after_s=1 if first.status == 503 else None)
@@ -298,12 +318,15 @@ def _stream_error(err: Exception) -> dict:
 
 
 class _Choice:
-    """One choice of a request: its stream from the engine, with stop strings applied."""
+    """One choice of a request: its stream from the engine, with stop strings applied, and where its
+    streamed logprobs' text offsets have got to."""
 
-    def __init__(self, index: int, gen, first: StreamChunk, stops: oa.StopStrings, want_logprobs: bool):
+    def __init__(self, index: int, gen, first: StreamChunk, stops: oa.StopStrings, params: SamplingParams):
         self.index, self.gen, self.first, self.stops = index, gen, first, stops
-        self.want_logprobs, self.role_sent = want_logprobs, False
+        self.want_logprobs, self.role_sent = params.logprobs is not None, False
+        self.skip_special_tokens = params.skip_special_tokens
         self.text, self.token_ids, self.sampled, self.finish = "", [], [], None
+        self.text_offset = 0  # of the next streamed token, as the non-streamed logprobs count it
 
     async def chunks(self):
         """(text, sampled, finish_reason) pieces until the choice ends."""
@@ -312,7 +335,8 @@ class _Choice:
             chunk = pending.pop() if pending else await self.gen.__anext__()
             self.token_ids.extend(chunk.token_ids)
             self.sampled.extend(chunk.sampled)
-            text, stopped = self.stops.push(chunk.text)
+            # the stop token's text, left out unless include_stop_str_in_output (vLLM's meaning)
+            text, stopped = self.stops.push(chunk.text + (chunk.stop_text if self.stops.include else ""))
             if stopped:
                 self.gen.cancel()
                 self.finish = "stop"
@@ -449,7 +473,30 @@ class Ingress:
     @api.get("/v1/models", responses={**ok(out.ModelList), **errors(401)})
     async def models(self, request: Request):
         self._auth(request)
-        return oa.models_response([self.name], self.created)
+        return oa.models_response([self.name], self.created, max_model_len=self.context)
+
+    def _resolve(self, model: str | None) -> None:
+        if model is not None:
+            oa.resolve_model(model, [self.name])
+
+    @api.post("/tokenize", openapi_extra=doc.body(oa.TokenizeCompletionRequest, oa.TokenizeChatRequest),
+              responses={**ok(out.TokenizeResponse), **errors(400, 401, 404, 413)})
+    async def tokenize(self, request: Request):
+        """vLLM's: a prompt's or a conversation's token ids, as the generation routes would encode them."""
+        self._auth(request)
+        req = oa.parse_tokenize(await self._body(request), self.serve_cfg.max_body_bytes)
+        self._resolve(req.model)
+        ids = oa.tokenize_ids(req, self.tok)
+        return oa.tokenize_response(ids, self.tok, max_model_len=self.context, token_strs=bool(req.return_token_strs))
+
+    @api.post("/detokenize", openapi_extra=doc.body(oa.DetokenizeRequest),
+              responses={**ok(out.DetokenizeResponse), **errors(400, 401, 404, 413)})
+    async def detokenize(self, request: Request):
+        """vLLM's: token ids back to text."""
+        self._auth(request)
+        req = oa.parse_request(oa.DetokenizeRequest, await self._body(request), self.serve_cfg.max_body_bytes)
+        self._resolve(req.model)
+        return {"prompt": oa.detokenize_text(req, self.tok)}
 
     async def _ask_engine(self, call, what: str, *args):
         """A control call to the engine replica, bounded in time (503 rather than a hang)."""
@@ -531,9 +578,9 @@ class Ingress:
         jobs = []
         for p_i, ids in enumerate(prompts):
             params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
-                                        cache_tokens=self.cache_tokens)
+                                        cache_tokens=self.cache_tokens, vocab_size=self.tok.vocab_size)
             jobs += [(p_i * req.n + j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
-        return await self._respond(req, jobs, sum(len(p) for p in prompts), chat=False)
+        return await self._respond(request, req, jobs, sum(len(p) for p in prompts), chat=False)
 
     @api.post("/v1/chat/completions", openapi_extra=doc.body(oa.ChatCompletionRequest),
               responses={**ok(out.ChatCompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)})
@@ -543,31 +590,32 @@ class Ingress:
         oa.resolve_model(req.model, [self.name])
         ids = oa.chat_prompt_ids(req, self.tok)
         params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
-                                    cache_tokens=self.cache_tokens)
+                                    cache_tokens=self.cache_tokens, vocab_size=self.tok.vocab_size)
         jobs = [(j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
-        return await self._respond(req, jobs, len(ids), chat=True)
+        return await self._respond(request, req, jobs, len(ids), chat=True)
 
-    async def _respond(self, req, jobs, prompt_tokens: int, chat: bool):
-        stops = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+    async def _respond(self, request: Request, req, jobs, prompt_tokens: int, chat: bool):
         fan, firsts = await self._open([(ids, sp) for _, ids, sp in jobs])
-        choices = [_Choice(index, fan.stream(i), first, oa.StopStrings(stops), sp.logprobs is not None)
-                   for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts))]
+        choices = [_Choice(index, fan.stream(i), first, oa.StopStrings(req.stop_list, req.include_stop_str_in_output),
+                           sp) for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts))]
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(choices, chat, prompt_tokens, include_usage),
+            return StreamingResponse(self._sse(fan, choices, chat, prompt_tokens, req.include_usage),
                                      media_type="text/event-stream")
         try:
-            await asyncio.gather(*(c.drain() for c in choices))
+            if not await _drain_while_connected(request, choices):
+                return Response(status_code=499)  # nobody reads it: the client went away
         except Exception as e:  # noqa: BLE001 — the engine failed mid-request
-            for c in choices:
-                c.gen.cancel()
             raise oa.APIError(503, _stream_error(e)["error"]["message"], retry_after_s=1) from None
+        finally:  # done, failed, or the client went away (Serve cancels the handler): free every sequence
+            fan.close()
         results = [c.result() for c in choices]
-        build = oa.chat_response if chat else oa.completion_response
-        return build(self.name, results, oa.usage(prompt_tokens, sum(len(r.token_ids) for r in results)),
-                     tokenizer=self.tok)
+        tokens = oa.usage(prompt_tokens, sum(len(r.token_ids) for r in results))
+        if chat:
+            return oa.chat_response(self.name, results, tokens, tokenizer=self.tok)
+        return oa.completion_response(self.name, results, tokens, tokenizer=self.tok,
+                                      skip_special_tokens=req.skip_special_tokens)
 
-    async def _sse(self, choices: list, chat: bool, prompt_tokens: int, include_usage: bool):
+    async def _sse(self, fan: Fanout, choices: list, chat: bool, prompt_tokens: int, include_usage: bool):
         rid, created = oa.new_request_id("chatcmpl" if chat else "cmpl"), int(time.time())
         try:
             async with contextlib.aclosing(_events(choices)) as events:
@@ -582,8 +630,7 @@ class Ingress:
                 yield oa.sse(oa.usage_chunk(rid, self.name, created, oa.usage(prompt_tokens, done), chat=chat))
             yield oa.SSE_DONE
         finally:  # a client that went away cancels every choice, which frees its cache
-            for c in choices:
-                c.gen.cancel()
+            fan.close()
 
     def _chunk(self, rid, created, chat, choice, text, sampled, finish):
         if chat:
@@ -592,7 +639,11 @@ class Ingress:
             choice.role_sent = True
             return oa.chat_chunk(rid, self.name, created, index=choice.index, text=text, first=first,
                                  finish_reason=finish, logprobs=lp)
-        lp = oa.completion_logprobs(sampled, self.tok) if choice.want_logprobs and sampled else None
+        lp = None
+        if choice.want_logprobs and sampled:
+            skip = choice.skip_special_tokens
+            lp = oa.completion_logprobs(sampled, self.tok, text_offset=choice.text_offset, skip_special_tokens=skip)
+            choice.text_offset += sum(oa.text_lengths(sampled, self.tok, skip_special_tokens=skip))
         return oa.completion_chunk(rid, self.name, created, index=choice.index, text=text, finish_reason=finish,
                                    logprobs=lp)
 

@@ -223,7 +223,7 @@ def generate(
         block = 16
         runner = ModelRunner(net, num_blocks=-(-(len(ids) + max_tokens) // block) + 1, block_size=block)
         output_ids = run_generate(runner, [ids], sp, stop_ids=stop_ids)[0].output_ids
-    text = tok.decode(output_ids)
+    text = tok.decode(output_ids, skip_special_tokens=True)  # as the server decodes by default
     if as_json:
         print(json.dumps({"token_ids": output_ids, "text": text}))
     else:

@@ -4,8 +4,9 @@ All sequences of a request (``n`` choices, a list of prompts) are submitted in o
 admits them at one step boundary and no choice's first token waits for another's. :class:`Fanout`
 is that request's end of the multiplexed stream: :meth:`Fanout.feed` hands each chunk to its
 choice's queue, which the Ingress reads like one stream per choice (:class:`ChoiceStream`).
-Never: touches the engine (``cancel`` is how it says it wants no more), or ends a choice's stream
-without a finish or an error (a request that ends early is an error to every choice still open).
+Never: touches the engine (``cancel`` and ``stop`` are how it says it wants no more of the request, or
+of one choice), or ends a choice's stream without a finish or an error (a request that ends early is
+an error to every choice still open).
 """
 
 from __future__ import annotations
@@ -31,18 +32,19 @@ class ChoiceStream:
         return item
 
     def cancel(self) -> None:
-        self.fanout.release(self.index)
+        """No more of this choice (it met a stop string): its sequence stops in the engine."""
+        self.fanout.stop(self.index)
 
 
 class Fanout:
     """``n`` choices; ``cancel()`` is called once, when every choice is released (or at :meth:`close`).
 
-    A choice that stops early (a stop string) is only released: its sequence runs on in the engine until
-    every choice of the request is released, then the request is cancelled, which aborts what still
-    runs (the engine has no per-sequence cancel for one request)."""
+    A choice that stops early (a stop string) while others still run is stopped alone: ``stop(index)``
+    aborts its sequence in the engine, so it decodes no further. When the last open choice is released
+    the request is cancelled, which aborts whatever still runs."""
 
-    def __init__(self, n: int, cancel: Callable[[], None]):
-        self.n, self._cancel = n, cancel
+    def __init__(self, n: int, cancel: Callable[[], None], stop: Callable[[int], None] | None = None):
+        self.n, self._cancel, self._stop = n, cancel, stop
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
         self.open_choices = set(range(n))
         self.finished: set[int] = set()
@@ -78,6 +80,14 @@ class Fanout:
 
     def stream(self, index: int) -> ChoiceStream:
         return ChoiceStream(self, index)
+
+    def stop(self, index: int) -> None:
+        """Want no more of choice ``index``: its sequence is aborted alone while other choices are open
+        (else the release cancels the whole request)."""
+        if (self._stop is not None and index in self.open_choices and index not in self.finished
+                and self.open_choices - {index}):
+            self._stop(index)
+        self.release(index)
 
     def release(self, index: int) -> None:
         self.open_choices.discard(index)

@@ -3,13 +3,18 @@
 A Ray item costs the same whether it carries one token or a hundred. One streaming call per request
 made the engine replica send, and the Ingress receive, one item per request per step. Instead each
 Ingress replica holds one subscription (:meth:`EngineStreams.subscribe`). Requests enter by a unary
-``submit`` naming that subscription and are cancelled by a unary ``cancel``. Per step, the
-subscription carries one item: every chunk for every request of that replica.
+``submit`` naming that subscription and are cancelled by a unary ``cancel``; one choice of a request
+(a sequence) is stopped alone by a unary ``stop_choice``. Per step, the subscription carries one
+item: every chunk for every request of that replica.
 
 * :class:`EngineStreams` is the engine replica's side. It keeps one sink per subscription, and one task
   per request that forwards the request's :meth:`AsyncEngine.generate_many` chunks into its sink.
 * :class:`StreamMux` is the Ingress replica's side. It owns the subscription, opened on first use and
   reopened after a failure. A pump task hands each chunk to its request's :class:`~deploy.fanout.Fanout`.
+
+Every call to the engine replica is made outside the Serve request that caused it (:func:`_detached`):
+Serve cancels a request's child calls when its client goes away, and the subscription, opened during
+some request, must outlive it, as must the cancel a request sends on its way out.
 
 Never: loses a request silently. When a subscription ends, with an error or because its engine
 replica went away, every request that rode on it gets an error. When an Ingress replica goes away,
@@ -20,6 +25,7 @@ tokens, which the engine's own health bounds.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import uuid
 
@@ -35,6 +41,7 @@ class _Sink:
         self.items: list = []
         self.ready = asyncio.Event()
         self.tasks: dict[int, asyncio.Task] = {}
+        self.seq_ids: dict[int, dict[int, int]] = {}  # request key → choice index → the engine's seq_id
 
     def put(self, item) -> None:
         self.items.append(item)
@@ -78,6 +85,13 @@ class EngineStreams:
         self.aengine.check(jobs)
         sink.tasks[key] = asyncio.get_running_loop().create_task(self._forward(sink, key, jobs))
 
+    def stop_choice(self, sink_id: str, key: int, index: int) -> None:
+        """Abort one sequence of a request (its choice met a stop string); the others run on."""
+        sink = self.sinks.get(sink_id)
+        seq_id = None if sink is None else sink.seq_ids.get(key, {}).get(index)
+        if seq_id is not None:
+            self.aengine.abort(seq_id)
+
     def cancel(self, sink_id: str, keys: list[int]) -> None:
         """Abort these requests (the client went away, or every choice stopped early)."""
         sink = self.sinks.get(sink_id)
@@ -88,14 +102,17 @@ class EngineStreams:
 
     async def _forward(self, sink: _Sink, key: int, jobs: list) -> None:
         stream = self.aengine.generate_many(jobs)
+        seq_ids = sink.seq_ids[key] = {}
         try:
-            async for index, _, chunk in stream:
+            async for index, seq_id, chunk in stream:
+                seq_ids[index] = seq_id
                 sink.put((key, index, chunk))
             sink.put((key, None, END))
         except Exception as e:  # noqa: BLE001 — the engine failed: the request's error, as plain text
             sink.put((key, None, RuntimeError(f"{type(e).__name__}: {e}")))
         finally:
             sink.tasks.pop(key, None)
+            sink.seq_ids.pop(key, None)
             await stream.aclose()  # a request cut short aborts its sequences still running
 
 
@@ -117,10 +134,11 @@ class StreamMux:
         admitted, else its refusal). Raises TimeoutError when the engine replica does not answer."""
         sink = await self._connect()
         key = next(self._keys)
-        fan = Fanout(len(jobs), lambda: self._cancel(key))
+        fan = Fanout(len(jobs), lambda: self._cancel(key), lambda index: self._stop_choice(key, index))
         self.requests[key] = (sink, fan)
         try:
-            refusal = await asyncio.wait_for(self.engine.submit.remote(sink, key, jobs), self.timeout_s)
+            refusal = await asyncio.wait_for(_detached(lambda: self.engine.submit.remote(sink, key, jobs)),
+                                             self.timeout_s)
         except BaseException:
             fan.close()
             raise
@@ -132,7 +150,7 @@ class StreamMux:
         async with self._lock:
             if self.pump is None or self.pump.done():
                 sink = uuid.uuid4().hex
-                gen = self.engine.options(stream=True).subscribe.remote(sink)
+                gen = _detached(lambda: self.engine.options(stream=True).subscribe.remote(sink))
                 try:
                     await asyncio.wait_for(gen.__anext__(), self.timeout_s)
                 except BaseException:
@@ -173,12 +191,26 @@ class StreamMux:
         entry = self.requests.pop(key, None)
         if entry is None:  # already ended (or refused): nothing runs in the engine
             return
-        task = asyncio.get_running_loop().create_task(self._send_cancel(entry[0], key))
+        self._send(_detached(lambda: self.engine.cancel.remote(entry[0], [key])))
+
+    def _stop_choice(self, key: int, index: int) -> None:
+        entry = self.requests.get(key)
+        if entry is not None:
+            self._send(_detached(lambda: self.engine.stop_choice.remote(entry[0], key, index)))
+
+    def _send(self, call) -> None:
+        task = asyncio.get_running_loop().create_task(self._wait(call))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send_cancel(self, sink: str, key: int) -> None:
+    async def _wait(self, call) -> None:
         try:
-            await asyncio.wait_for(self.engine.cancel.remote(sink, [key]), self.timeout_s)
+            await asyncio.wait_for(call, self.timeout_s)
         except Exception:  # noqa: BLE001 — best effort: a subscription that ends aborts its requests anyway
             pass
+
+
+def _detached(call):
+    """``call()`` (a handle's ``.remote``) in a fresh context: no Serve request is its parent, so a client
+    that goes away does not cancel it."""
+    return contextvars.Context().run(call)

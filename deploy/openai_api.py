@@ -21,7 +21,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from actors.messages import SampledToken
-from deploy.openai_models import ChatCompletionRequest, CompletionRequest
+from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                  TokenizeCompletionRequest)
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -30,7 +31,9 @@ __all__ = [
     "sampling_params", "choice_params", "prompt_token_lists", "chat_prompt_ids", "StopStrings",
     "ChoiceResult", "usage", "new_request_id", "completion_logprobs", "chat_logprobs",
     "completion_response", "chat_response", "completion_chunk", "chat_chunk", "usage_chunk",
-    "models_response", "sse", "SSE_DONE", "CompletionRequest", "ChatCompletionRequest",
+    "models_response", "sse", "SSE_DONE", "CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
+    "TokenizeChatRequest", "DetokenizeRequest", "parse_tokenize", "tokenize_ids", "tokenize_response",
+    "detokenize_text", "text_lengths",
 ]
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -102,6 +105,16 @@ def _reject_constant(name: str):
 
 def parse_request(model_cls: type[M], raw: bytes, max_body_bytes: int) -> M:
     """Body bytes → a validated request; 413 over ``max_body_bytes``, 400 for anything malformed."""
+    return _validate(model_cls, _json_object(raw, max_body_bytes))
+
+
+def parse_tokenize(raw: bytes, max_body_bytes: int) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """POST /tokenize's body: with ``messages`` a chat request, else a prompt (vLLM's two forms)."""
+    obj = _json_object(raw, max_body_bytes)
+    return _validate(TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest, obj)
+
+
+def _json_object(raw: bytes, max_body_bytes: int) -> dict:
     if len(raw) > max_body_bytes:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {max_body_bytes}",
                        code="request_too_large")
@@ -112,6 +125,10 @@ def parse_request(model_cls: type[M], raw: bytes, max_body_bytes: int) -> M:
     if not isinstance(obj, dict):
         raise APIError(400, f"request body must be a JSON object, got a JSON {type(obj).__name__}",
                        code="invalid_json")
+    return obj
+
+
+def _validate(model_cls: type[M], obj: dict) -> M:
     try:
         return model_cls.model_validate(obj)
     except ValidationError as e:
@@ -128,14 +145,26 @@ def resolve_model(requested: str, served: list[str]) -> str:
 # ---------------------------------------------------------------- request → engine
 
 
+def _check_ids(ids, vocab_size: int | None, param: str) -> None:
+    for t in ids if vocab_size is not None else ():
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_token_ids: tuple[int, ...] = (),
                     prompt_len: int | None = None, max_model_len: int | None = None,
-                    cache_tokens: int | None = None) -> SamplingParams:
+                    cache_tokens: int | None = None, vocab_size: int | None = None) -> SamplingParams:
     """The request's sampling parameters for one prompt. With ``prompt_len`` and ``max_model_len``
     an unset max_tokens becomes the largest that fits both the rest of the context and, when
     ``cache_tokens`` (one replica's cache) is given, the rest of the cache — as vLLM caps it by
     its max_model_len; a prompt plus max_tokens over the context is a 400 (code
-    ``context_length_exceeded``)."""
+    ``context_length_exceeded``). With ``vocab_size`` the token ids of ``logit_bias`` and
+    ``stop_token_ids`` must be inside the vocabulary (400 naming the field). ``stop_token_ids``
+    (the caller's) and the request's are both stop ids."""
+    bias = tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items()))
+    _check_ids((t for t, _ in bias), vocab_size, "logit_bias")
+    _check_ids(req.stop_token_ids or (), vocab_size, "stop_token_ids")
+    stops = tuple(dict.fromkeys((*stop_token_ids, *(req.stop_token_ids or ()))))
     chat = isinstance(req, ChatCompletionRequest)
     max_tokens = req.max_output_tokens if chat else req.max_tokens
     max_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
@@ -162,8 +191,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_toke
     try:
         return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
                               temperature=float(req.temperature), top_p=float(req.top_p),
-                              top_k=max(req.top_k, 0), seed=req.seed, stop_token_ids=tuple(stop_token_ids),
-                              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs)
+                              top_k=max(req.top_k, 0), seed=req.seed, stop_token_ids=stops,
+                              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+                              presence_penalty=float(req.presence_penalty or 0.0),
+                              frequency_penalty=float(req.frequency_penalty or 0.0),
+                              repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+                              min_p=float(req.min_p or 0.0), logit_bias=bias,
+                              skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         found = re.search(r"sampling parameter '(\w+)'", str(e))
         param = found.group(1) if found else None
@@ -207,7 +241,7 @@ def _template_message(msg) -> dict:
     if isinstance(content, list):
         content = "".join(part.text for part in content)
     out = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
-    for key in ("name", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
         if getattr(msg, key) is not None:
             out[key] = getattr(msg, key)
     if msg.tool_calls is not None:
@@ -215,11 +249,13 @@ def _template_message(msg) -> dict:
     return out
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_ids(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> list[int]:
     """Render the checkpoint's chat template (text parts joined, developer → system) and encode it."""
     messages = [_template_message(m) for m in req.messages]
+    tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+    add_generation_prompt = getattr(req, "add_generation_prompt", True)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     return tokenizer.encode(text, allow_special=True)
@@ -230,13 +266,13 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[in
 
 class StopStrings:
     """Per-choice stop-string matcher over streamed text. Owns the text held back because it may
-    be the start of a stop string; never emits a stop string or anything after it (OpenAI
-    excludes the stop string from the output)."""
+    be the start of a stop string; never emits anything after a stop string, nor the stop string
+    itself (OpenAI excludes it) unless ``include`` (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         if any(not s for s in stops):
             raise ValueError(f"stop strings must be non-empty, got {stops!r}")
-        self.stops = list(stops)
+        self.stops, self.include = list(stops), include
         self.held = ""
         self.stopped = False
 
@@ -247,10 +283,11 @@ class StopStrings:
         if not self.stops:
             return delta, False
         text = self.held + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)], True
+            start, end = min(hits)
+            return text[:end if self.include else start], True
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)
         self.held = text[len(text) - keep:] if keep else ""
@@ -290,14 +327,24 @@ def _lp(value: float | None) -> float:
     return MIN_LOGPROB if value is None or math.isnan(value) else max(float(value), MIN_LOGPROB)
 
 
-def completion_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer, *, text_offset: int = 0) -> dict:
-    """Legacy completions format; ``text_offset`` counts from the start of the choice's text."""
+def text_lengths(sampled: list[SampledToken], tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> list[int]:
+    """How far each token moves a choice's text offset: its text's length, 0 for a special token
+    left out of the text."""
+    skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+    return [0 if s.token_id in skip else len(tokenizer.decode([s.token_id])) for s in sampled]
+
+
+def completion_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer, *, text_offset: int = 0,
+                        skip_special_tokens: bool = True) -> dict:
+    """Legacy completions format. ``text_offset``: where the first of these tokens starts in the
+    choice's text (a stream's chunk continues from the tokens before it, so the streamed offsets
+    are the non-streamed ones); the offsets then advance by :func:`text_lengths`."""
     assert tokenizer is not None, "rendering logprobs needs the tokenizer"
     tokens = [tokenizer.decode([s.token_id]) for s in sampled]
     offsets = []
-    for tok in tokens:
+    for length in text_lengths(sampled, tokenizer, skip_special_tokens=skip_special_tokens):
         offsets.append(text_offset)
-        text_offset += len(tok)
+        text_offset += length
     return {"tokens": tokens, "token_logprobs": [_lp(s.logprob) for s in sampled],
             "top_logprobs": [{tokenizer.decode([i]): _lp(lp) for i, lp in s.top_logprobs} for s in sampled],
             "text_offset": offsets}
@@ -316,11 +363,13 @@ def chat_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer) -> dict:
 
 
 def completion_response(model: str, choices: list[ChoiceResult], usage: dict, *, tokenizer: Tokenizer | None = None,
-                        request_id: str | None = None, created: int | None = None) -> dict:
+                        request_id: str | None = None, created: int | None = None,
+                        skip_special_tokens: bool = True) -> dict:
     return {"id": request_id or new_request_id("cmpl"), "object": "text_completion",
             "created": created or int(time.time()), "model": model,
             "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, tokenizer)}
+                         "logprobs": None if c.logprobs is None else completion_logprobs(
+                             c.logprobs, tokenizer, skip_special_tokens=skip_special_tokens)}
                         for c in choices],
             "usage": usage}
 
@@ -360,9 +409,36 @@ def usage_chunk(request_id: str, model: str, created: int, usage: dict, *, chat:
             "created": created, "model": model, "choices": [], "usage": usage}
 
 
-def models_response(model_names: list[str], created: int) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "moeray"}
-                                       for name in model_names]}
+def models_response(model_names: list[str], created: int, *, max_model_len: int | None = None) -> dict:
+    """GET /v1/models; ``max_model_len``: the context each model serves (vLLM's field)."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "moeray",
+                                        "max_model_len": max_model_len} for name in model_names]}
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize
+
+
+def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> list[int]:
+    """The ids the generation routes would give the model: a prompt encoded as /v1/completions
+    encodes it, messages rendered and encoded as /v1/chat/completions does."""
+    if isinstance(req, TokenizeChatRequest):
+        return chat_prompt_ids(req, tokenizer)
+    return tokenizer.encode(req.prompt)
+
+
+def tokenize_response(ids: list[int], tokenizer: Tokenizer, *, max_model_len: int, token_strs: bool) -> dict:
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": [tokenizer.id_to_token(i) for i in ids] if token_strs else None}
+
+
+def detokenize_text(req: DetokenizeRequest, tokenizer: Tokenizer) -> str:
+    """The text of ``req.tokens``, special tokens included (400 naming ``tokens`` for an id outside
+    the vocabulary)."""
+    for j, t in enumerate(req.tokens):
+        if not 0 <= t < tokenizer.vocab_size:
+            raise APIError(400, f"tokens[{j}]: token id {t} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                           param="tokens")
+    return tokenizer.decode(req.tokens)
 
 
 def sse(obj: dict) -> str:

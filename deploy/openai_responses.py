@@ -105,11 +105,28 @@ class ModelCard(_Out):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int | None = Field(None, description="The context this server serves the model with, in "
+                                                        "tokens (prompt and output together).")
 
 
 class ModelList(_Out):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    """POST /tokenize (vLLM's)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Out):
+    """POST /detokenize (vLLM's)."""
+
+    prompt: str
 
 
 class Health(_Out):

@@ -28,6 +28,7 @@ ERRORS = {400: "Invalid request: a malformed body or a field out of its bounds."
           503: "The engine cannot take the request now (Retry-After says when to retry)."}
 OPEN = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no API key
 GENERATION = ("CompletionRequest", "ChatCompletionRequest")
+NAMED = (*GENERATION, "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest")  # carry `model`
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -60,11 +61,14 @@ class OpenAPIDoc:
         self.served: dict[str, Any] | None = None
         api.openapi = self.document
 
-    def body(self, model: type[BaseModel]) -> dict[str, Any]:
-        """``openapi_extra`` of a route whose JSON body is validated with ``model``."""
-        if model not in self.bodies:
-            self.bodies.append(model)
-        schema = {"$ref": REF.format(model=model.__name__)}
+    def body(self, *models: type[BaseModel]) -> dict[str, Any]:
+        """``openapi_extra`` of a route whose JSON body is validated with ``model`` (or with one of
+        ``models``, which the route tells apart)."""
+        for model in models:
+            if model not in self.bodies:
+                self.bodies.append(model)
+        refs = [{"$ref": REF.format(model=model.__name__)} for model in models]
+        schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
     def specialize(self, *, model_names: list[str], vocab_size: int, max_model_len: int, api_key: bool) -> None:
@@ -87,13 +91,19 @@ class OpenAPIDoc:
 
     def _narrow(self, doc: dict[str, Any]) -> None:
         served, schemas = self.served, doc["components"]["schemas"]
-        for name in GENERATION:
+        model = {"type": "string", "enum": served["model_names"], "title": "Model",
+                 "description": "The served model's name (GET /v1/models)."}
+        for name in NAMED:
             props = schemas[name]["properties"]
-            props["model"] = {"type": "string", "enum": served["model_names"], "title": "Model",
-                              "description": "The served model's name (GET /v1/models)."}
+            props["model"] = dict(model) if name in GENERATION else {"anyOf": [model, {"type": "null"}]}
             for key in ("max_tokens", "max_completion_tokens"):
                 if key in props:
                     _bound_integers(props[key], maximum=served["max_model_len"] - 1)
+            for key in ("stop_token_ids", "tokens"):  # token ids
+                if key in props:
+                    _bound_integers(props[key], maximum=served["vocab_size"] - 1)
+            if "logit_bias" in props:
+                props["logit_bias"]["anyOf"][0]["propertyNames"]["pattern"] = _below(served["vocab_size"])
         _bound_integers(schemas["CompletionRequest"]["properties"]["prompt"], maximum=served["vocab_size"] - 1)
         if served["api_key"]:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -101,6 +111,19 @@ class OpenAPIDoc:
                 if path not in OPEN:
                     for op in ops.values():
                         op["security"] = [{"bearer": []}]
+
+
+def _below(n: int) -> str:
+    """A regex matching exactly the decimal numbers 0 .. n - 1, without leading zeros (n >= 1)."""
+    top = str(n - 1)
+    alts = [f"[1-9][0-9]{{0,{len(top) - 2}}}" if len(top) > 2 else "[1-9]" if len(top) == 2 else None, "0"]
+    for i, digit in enumerate(top):  # numbers of top's length, equal to it up to i, smaller at i
+        rest = len(top) - i - 1
+        low = "1" if i == 0 else "0"
+        if int(digit) > int(low):
+            alts.append(f"{top[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alts.append(top)
+    return "^(" + "|".join(a for a in alts if a) + ")$"
 
 
 def _bound_integers(schema: Any, *, maximum: int) -> None:

@@ -220,3 +220,91 @@ def test_the_record_tells_one_by_one_submission_apart():
         aeng.stop()
     waited = [e[2] for e in eng.log if e[0] == "add"]
     assert waited[0] == 0 and all(a < b for a, b in zip(waited, waited[1:])), eng.log  # each behind the last
+
+
+class ScriptedEngine(RecordingEngine):
+    """Each request emits its script's tokens one per step; the last ends it with the script's reason."""
+
+    def __init__(self, scripts: list[tuple[list[int], str]]):
+        super().__init__(step_s=0.005)
+        self.scripts, self.left = scripts, {}
+
+    def add_request(self, prompt_ids, params):
+        sid = super().add_request(prompt_ids, params)
+        self.left[sid] = list(self.scripts[sid][0])
+        self.requests[sid] = len(self.left[sid])
+        return sid
+
+    def finish(self, running):
+        events = []
+        for sid in running or ():
+            if sid not in self.requests:
+                continue
+            token = self.left[sid].pop(0)
+            self.requests[sid] -= 1
+            done = self.scripts[sid][1] if not self.left[sid] else None
+            events.append(TokenEvent(sid, (token,), (), done))
+        return events
+
+
+def _collect(aeng, jobs) -> dict[int, list]:
+    async def run():
+        chunks: dict[int, list] = {}
+        async for index, _, chunk in aeng.generate_many(jobs):
+            chunks.setdefault(index, []).append(chunk)
+        return chunks
+
+    return asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_and_the_stop_token_apart():
+    """skip_special_tokens (default true) decides whether a special token's text is in the stream's
+    text; the stop token that ends a sequence is never in ``text`` but in ``stop_text``, for the
+    Ingress to add with include_stop_str_in_output (vLLM's meanings)."""
+    from model.tokenizer import SHIPPED_DIR, Tokenizer
+
+    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
+    special, end = 876, tok.token_to_id("<|im_end|>")
+    hi = tok.encode("hi there")
+    script = ([*hi[:1], special, *hi[1:], end], "stop")
+    eng = ScriptedEngine([script] * 2 + [([*hi, special], "length")])
+    aeng = AsyncEngine(eng, tok).start()
+    try:
+        chunks = _collect(aeng, [([1], SamplingParams(max_tokens=8)),
+                                 ([1], SamplingParams(max_tokens=8, skip_special_tokens=False)),
+                                 ([1], SamplingParams(max_tokens=8))])
+    finally:
+        aeng.stop()
+    text = {i: "".join(c.text for c in cs) for i, cs in chunks.items()}
+    assert text[0] == "hi there" and "<|" not in text[0]
+    assert text[1] == tok.decode(script[0][:-1]) and tok.decode([special]) in text[1] and "<|im_end|>" not in text[1]
+    assert [c.stop_text for c in chunks[0]][-1] == "" and chunks[1][-1].stop_text == "<|im_end|>"
+    assert chunks[0][-1].finish_reason == "stop" and chunks[0][-1].token_ids == (end,)  # the token is still there
+    assert text[2] == "hi there" and chunks[2][-1].stop_text == ""  # a length finish has no stop token
+
+
+def test_one_sequence_of_a_request_is_aborted_alone():
+    """AsyncEngine.abort(seq_id): that sequence leaves the engine and its stream ends with an 'abort'
+    chunk; the request's other sequences run to their end (a choice that met its stop string)."""
+    eng = RecordingEngine()
+    aeng = AsyncEngine(eng).start()
+    jobs = [([1], SamplingParams(max_tokens=40)), ([2], SamplingParams(max_tokens=6))]
+
+    async def run():
+        chunks, aborted = {0: [], 1: []}, None
+        async for index, seq_id, chunk in aeng.generate_many(jobs):
+            chunks[index].append(chunk)
+            if index == 0 and aborted is None:
+                aborted = seq_id
+                aeng.abort(seq_id)
+        return chunks, aborted
+
+    try:
+        chunks, aborted = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        aeng.stop()
+    assert chunks[0][-1].finish_reason == "abort" and len(chunks[0]) < 6, chunks[0]
+    assert [c.finish_reason for c in chunks[1]] == [None] * 5 + ["length"]
+    assert aborted not in eng.requests and eng.requests == {}
+    steps_with_it = [e for e in eng.log if e[0] == "step" and aborted in e[1]]
+    assert len(steps_with_it) < 6  # it stopped decoding, not ran on beside the other to its 40 tokens

@@ -18,16 +18,18 @@ from ray import serve
 
 from deploy.app import RebalanceRequest, ScaleRequest, build_app
 from deploy.config import ServeConfig
-from deploy.openai_models import ChatCompletionRequest, CompletionRequest
+from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                  TokenizeCompletionRequest)
 from model.presets import build_preset
 
 KEY = "fuzz-key"
 NAME = "k2"
 EXAMPLES = 50  # per operation, positive and negative together
 CONTEXT = 64
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/admin/scale/experts": ScaleRequest, "/admin/scale/attention": ScaleRequest,
-          "/admin/rebalance": RebalanceRequest}
+BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
+          "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest), "/detokenize": (DetokenizeRequest,),
+          "/admin/scale/experts": (ScaleRequest,), "/admin/scale/attention": (ScaleRequest,),
+          "/admin/rebalance": (RebalanceRequest,)}
 ROUTES = {("get", "/health"), ("get", "/v1/models"), ("get", "/metrics"), ("get", "/status"),
           *(("post", p) for p in BODIES)}
 PROBE = {"model": NAME, "prompt": [5, 77, 300, 12], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -73,19 +75,34 @@ def test_openapi_declares_every_body_and_response(server):
         for code in codes - {"200"} if path != "/health" else ():
             ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
             assert ref.endswith("/ErrorResponse"), (path, code, ref)
-        model = BODIES.get(path)
-        if model is None:
+        models = BODIES.get(path)
+        if models is None:
             assert "requestBody" not in op, path
             continue
         body = op["requestBody"]
         assert body["required"] is True
-        name = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
-        assert name == model.__name__ and set(schemas[name]["properties"]) == set(model.model_fields), path
-        assert schemas[name]["additionalProperties"] is False and op["security"] == [{"bearer": []}]
+        schema = body["content"]["application/json"]["schema"]
+        refs = [s["$ref"] for s in schema["anyOf"]] if len(models) > 1 else [schema["$ref"]]
+        for ref, model in zip(refs, models, strict=True):
+            name = ref.rsplit("/", 1)[1]
+            assert name == model.__name__ and set(schemas[name]["properties"]) == set(model.model_fields), path
+            assert schemas[name]["additionalProperties"] is False and op["security"] == [{"bearer": []}]
     gen = schemas["CompletionRequest"]["properties"]
     assert gen["model"]["enum"] == [NAME] and gen["max_tokens"]["maximum"] == CONTEXT - 1
-    for vllm in ("top_k", "ignore_eos", "min_tokens"):
+    for vllm in ("top_k", "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
+                 "skip_special_tokens", "include_stop_str_in_output"):
         assert vllm in gen and vllm in schemas["ChatCompletionRequest"]["properties"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    for openai_field in ("user", "store", "metadata", "service_tier", "prediction", "modalities", "audio",
+                         "reasoning_effort", "web_search_options", "parallel_tool_calls", "prompt_cache_key",
+                         "safety_identifier", "verbosity", "function_call", "functions", "logprobs", "tools",
+                         "tool_choice", "response_format", "chat_template_kwargs"):
+        assert openai_field in chat, openai_field
+    assert "ignored" in chat["store"]["description"] and "ignored" in chat["service_tier"]["description"]
+    assert gen["logit_bias"]["anyOf"][0]["propertyNames"]["pattern"].endswith("|1023)$")  # ids below the vocabulary
+    assert gen["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 1023
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 1023
+    assert schemas["ModelCard"]["properties"]["max_model_len"]
     assert gen["temperature"] == {"default": 1.0, "maximum": 2.0, "minimum": 0.0, "title": "Temperature",
                                   "type": "number"}
     assert "text/event-stream" in ops[("post", "/v1/completions")]["responses"]["200"]["content"]
@@ -126,5 +143,7 @@ def test_schemathesis_no_5xx_no_hang_no_rejection_and_still_correct(server, tmp_
     for op in ("POST /v1/completions", "POST /v1/chat/completions"):
         rate = report["valid_rates"][op]["fuzzing"]
         assert rate["accepted"] > rate["rejected"] / 4, (op, rate)  # the engine was reached, not just validation
+    for op in ("POST /tokenize", "POST /detokenize"):  # vLLM's routes, fuzzed as well
+        assert report["valid_rates"][op]["fuzzing"]["accepted"] > 0, (op, report["valid_rates"][op])
     assert _probe(server) == before
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200

@@ -56,7 +56,7 @@ def test_parses_good_requests():
                        {"role": "assistant", "content": None, "refusal": None,
                         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                        {"role": "tool", "content": "42", "tool_call_id": "c1"}],
-             max_completion_tokens=9, logprobs=True, top_logprobs=2, stop=["x", "y"], tools=[{"type": "function"}])
+             max_completion_tokens=9, logprobs=True, top_logprobs=2, stop=["x", "y"], tools=[{"type": "function", "function": {"name": "f"}}])
     assert (c.max_output_tokens, c.top_logprobs, c.stop_list, c.include_usage) == (9, 2, ["x", "y"], False)
 
 
@@ -77,9 +77,10 @@ def test_parses_good_requests():
     ({"prompt": 5}, "prompt", "token ids"),
     ({"prompt": [1, True]}, "prompt", "token ids"),
     ({"echo": True}, "echo", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty", "greater than or equal to -2"),
+    ({"logit_bias": {"x": 10}}, "logit_bias", "token ids written in decimal"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias", "[-100, 100]"),
     ({"best_of": 3}, "best_of", "not supported"),
     ({"suffix": "x"}, "suffix", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
