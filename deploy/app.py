@@ -13,7 +13,7 @@ import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +35,7 @@ from model.tokenizer import Tokenizer
 
 from . import openai_api as oa
 from . import openai_responses as out
+from .chat_turn import ChatOutput, ChatPlan, plan_chat
 from .config import ServeConfig
 from .fanout import Fanout
 from .mux import EngineStreams, StreamMux
@@ -321,15 +322,21 @@ class _Choice:
     """One choice of a request: its stream from the engine, with stop strings applied, and where its
     streamed logprobs' text offsets have got to."""
 
-    def __init__(self, index: int, gen, first: StreamChunk, stops: oa.StopStrings, params: SamplingParams):
-        self.index, self.gen, self.first, self.stops = index, gen, first, stops
+    def __init__(self, index: int, gen, first: StreamChunk, stops: oa.StopStrings, params: SamplingParams,
+                 out: ChatOutput | None = None):
+        self.index, self.gen, self.first, self.stops, self.out = index, gen, first, stops, out
         self.want_logprobs, self.role_sent = params.logprobs is not None, False
         self.skip_special_tokens = params.skip_special_tokens
         self.text, self.token_ids, self.sampled, self.finish = "", [], [], None
         self.text_offset = 0  # of the next streamed token, as the non-streamed logprobs count it
 
     async def chunks(self):
-        """(text, sampled, finish_reason) pieces until the choice ends."""
+        """(text, sampled, finish_reason) pieces until the choice ends; a chat choice's pieces are
+        lists of deltas (:class:`ChatOutput`) in place of text."""
+        if self.out is not None:
+            async for piece in self._chat_chunks():
+                yield piece
+            return
         pending = [self.first]
         while True:
             chunk = pending.pop() if pending else await self.gen.__anext__()
@@ -350,9 +357,30 @@ class _Choice:
                 return
             yield text, list(chunk.sampled), None
 
+    async def _chat_chunks(self):
+        pending = [self.first]
+        while True:
+            chunk = pending.pop() if pending else await self.gen.__anext__()
+            self.token_ids.extend(chunk.token_ids)
+            self.sampled.extend(chunk.sampled)
+            ids = chunk.token_ids[:-1] if chunk.finish_reason == "stop" and chunk.token_ids else chunk.token_ids
+            extra = chunk.stop_text if self.stops.include else ""  # the end-of-turn token's text, if asked for
+            deltas, stopped = self.out.push(ids, chunk.text + extra)
+            if stopped:
+                self.gen.cancel()
+                more, self.finish = self.out.finish("stop")
+                yield deltas + more, list(chunk.sampled), self.finish
+                return
+            if chunk.finish_reason is not None:
+                more, self.finish = self.out.finish(chunk.finish_reason)
+                yield deltas + more, list(chunk.sampled), self.finish
+                return
+            yield deltas, list(chunk.sampled), None
+
     async def drain(self) -> None:
         async for text, _, _ in self.chunks():
-            self.text += text
+            if self.out is None:
+                self.text += text
 
     async def pump(self, queue: asyncio.Queue) -> None:
         try:
@@ -365,7 +393,8 @@ class _Choice:
 
     def result(self) -> oa.ChoiceResult:
         return oa.ChoiceResult(self.index, self.text, self.token_ids, self.finish,
-                               self.sampled if self.want_logprobs else None)
+                               self.sampled if self.want_logprobs else None,
+                               self.out.message if self.out is not None else None)
 
 
 api = FastAPI(title="moeray", description="OpenAI-compatible serving of MoE models on Ray")
@@ -588,16 +617,20 @@ class Ingress:
         self._auth(request)
         req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request), self.serve_cfg.max_body_bytes)
         oa.resolve_model(req.model, [self.name])
-        ids = oa.chat_prompt_ids(req, self.tok)
+        plan = await asyncio.to_thread(plan_chat, req, self.tok)  # a new grammar is checked off the loop
+        ids = plan.prompt_ids
         params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
                                     cache_tokens=self.cache_tokens, vocab_size=self.tok.vocab_size)
+        params = replace(params, grammar=plan.grammar)
         jobs = [(j, ids, sp) for j, sp in enumerate(oa.choice_params(params, req.n))]
-        return await self._respond(request, req, jobs, len(ids), chat=True)
+        return await self._respond(request, req, jobs, len(ids), chat=True, plan=plan)
 
-    async def _respond(self, request: Request, req, jobs, prompt_tokens: int, chat: bool):
+    async def _respond(self, request: Request, req, jobs, prompt_tokens: int, chat: bool, plan: ChatPlan | None = None):
         fan, firsts = await self._open([(ids, sp) for _, ids, sp in jobs])
         choices = [_Choice(index, fan.stream(i), first, oa.StopStrings(req.stop_list, req.include_stop_str_in_output),
-                           sp) for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts))]
+                           sp, None if plan is None else
+                           ChatOutput(self.tok, plan, req.stop_list, skip_special_tokens=sp.skip_special_tokens))
+                   for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts))]
         if req.stream:
             return StreamingResponse(self._sse(fan, choices, chat, prompt_tokens, req.include_usage),
                                      media_type="text/event-stream")
@@ -624,7 +657,8 @@ class Ingress:
                         yield oa.sse(_stream_error(item))
                         yield oa.SSE_DONE
                         return
-                    yield oa.sse(self._chunk(rid, created, chat, *item))
+                    for chunk in self._chunks(rid, created, chat, *item):
+                        yield oa.sse(chunk)
             if include_usage:
                 done = sum(len(c.token_ids) for c in choices)
                 yield oa.sse(oa.usage_chunk(rid, self.name, created, oa.usage(prompt_tokens, done), chat=chat))
@@ -632,13 +666,22 @@ class Ingress:
         finally:  # a client that went away cancels every choice, which frees its cache
             fan.close()
 
-    def _chunk(self, rid, created, chat, choice, text, sampled, finish):
+    def _chunks(self, rid, created, chat, choice, piece, sampled, finish) -> list[dict]:
+        """The SSE chunks of one piece of a choice: a completion's text, or a chat choice's deltas (one
+        chunk each, as OpenAI sends them: the logprobs ride on the first, the finish reason on the last)."""
         if chat:
             lp = oa.chat_logprobs(sampled, self.tok) if choice.want_logprobs and sampled else None
-            first = not choice.role_sent
-            choice.role_sent = True
-            return oa.chat_chunk(rid, self.name, created, index=choice.index, text=text, first=first,
-                                 finish_reason=finish, logprobs=lp)
+            out = []
+            for i, delta in enumerate(piece or [{}]):
+                first = not choice.role_sent
+                choice.role_sent = True
+                out.append(oa.chat_chunk(rid, self.name, created, index=choice.index, first=first, delta=delta,
+                                         finish_reason=finish if i == max(len(piece), 1) - 1 else None,
+                                         logprobs=lp if i == 0 else None))
+            return out
+        return [self._completion_chunk(rid, created, choice, piece, sampled, finish)]
+
+    def _completion_chunk(self, rid, created, choice, text, sampled, finish):
         lp = None
         if choice.want_logprobs and sampled:
             skip = choice.skip_special_tokens

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from actors.messages import SampledToken
 from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                   TokenizeCompletionRequest)
+from model.chat_template import check_template_kwargs
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
@@ -250,12 +251,18 @@ def _template_message(msg) -> dict:
 
 
 def chat_prompt_ids(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> list[int]:
-    """Render the checkpoint's chat template (text parts joined, developer → system) and encode it."""
+    """Render the checkpoint's chat template (text parts joined, developer → system; the request's
+    ``chat_template_kwargs`` passed on, e.g. ``{"thinking": false}``) and encode it."""
     messages = [_template_message(m) for m in req.messages]
     tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
     add_generation_prompt = getattr(req, "add_generation_prompt", True)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        kwargs = check_template_kwargs(req.chat_template_kwargs or {})
+    except ValueError as e:
+        raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     return tokenizer.encode(text, allow_special=True)
@@ -311,6 +318,7 @@ class ChoiceResult:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[SampledToken] | None = None
+    message: dict | None = None  # chat: the assembled assistant message (content, reasoning, tool calls)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -378,7 +386,7 @@ def chat_response(model: str, choices: list[ChoiceResult], usage: dict, *, token
                   request_id: str | None = None, created: int | None = None) -> dict:
     return {"id": request_id or new_request_id("chatcmpl"), "object": "chat.completion",
             "created": created or int(time.time()), "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": c.message or {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason,
                          "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, tokenizer)}
                         for c in choices],
@@ -393,12 +401,17 @@ def completion_chunk(request_id: str, model: str, created: int, *, index: int, t
 
 
 def chat_chunk(request_id: str, model: str, created: int, *, index: int, text: str = "", first: bool = False,
-               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-    """One streamed delta of one choice. The ``first`` chunk of each choice carries the role;
-    a final chunk with only a finish reason has an empty delta."""
-    delta: dict = {"role": "assistant"} if first else {}
-    if text or first:
-        delta["content"] = text
+               finish_reason: str | None = None, logprobs: dict | None = None, delta: dict | None = None) -> dict:
+    """One streamed delta of one choice: ``text`` as content, or a ``delta`` from
+    :class:`deploy.chat_turn.ChatOutput` (reasoning, a tool call's header or argument fragment). The
+    ``first`` chunk of each choice carries the role; a final chunk with only a finish reason has an
+    empty delta."""
+    if delta is not None:
+        delta = {"role": "assistant", **delta} if first else dict(delta)
+    else:
+        delta = {"role": "assistant"} if first else {}
+        if text or first:
+            delta["content"] = text
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 

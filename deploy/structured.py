@@ -18,7 +18,7 @@ Policies:
   ``if``/``then``, ...) are ignored, everything else holds. A schema that is wrong in itself (an
   unknown type, a bad regex, a dangling ``$ref``) is a :class:`SchemaError` either way. A schema's
   own ``x-guidance`` options are replaced by ours (:data:`JSON_OPTIONS`).
-- JSON whitespace: allowed between tokens, at most :data:`JSON_WHITESPACE` per gap, so a model cannot
+- JSON whitespace: allowed between tokens, at most :data:`JSON_WHITESPACE` (12 characters) per gap, so a model cannot
   loop on whitespace inside a forced structure.
 - Tool choice: ``"required"`` — the tool-call section is the whole answer; a named function —
   exactly one call to it; ``"auto"`` — any text, then optionally the section, and once the model
@@ -47,7 +47,7 @@ import llguidance
 
 from deploy.tool_parser import K2Markers
 
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,12}"  # a newline and 3 levels of 2-space, or 2 of 4-space, indent + 3
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
 MAX_PARALLEL_CALLS = 16
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names

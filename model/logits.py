@@ -34,6 +34,9 @@ def grammars_for(checkpoint: str, vocab_size: int):
     return Grammars(lltokenizer(Tokenizer.from_dir(checkpoint), vocab_size))
 
 
+BROKEN = "broken"  # the matcher of a grammar that did not compile
+
+
 def stateful(params: SamplingParams | None) -> bool:
     """Whether a sequence's logits depend on its history (penalties or a grammar)."""
     return params is not None and (params.penalised or params.grammar is not None)
@@ -103,7 +106,7 @@ class LogitsState:
             if out:
                 o = t[first_out:]
                 h.counts.index_add_(0, o, torch.ones_like(o, dtype=torch.int32))
-        if h.matcher is not None and out:
+        if h.matcher not in (None, BROKEN) and out:
             h.matcher.consume_tokens(out)  # a token the mask allowed; an error state is kept (see apply)
 
     def release(self, seq_ids: Iterable[int]) -> None:
@@ -116,7 +119,10 @@ class LogitsState:
             h.counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
             h.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
         if params.grammar is not None:
-            h.matcher = self.grammars.matcher(params.grammar)
+            try:
+                h.matcher = self.grammars.matcher(params.grammar)
+            except ValueError:  # checked by the API before it came here; if not, the sequence may only stop
+                h.matcher = BROKEN
         return h
 
     def _rollback(self, h: _History, start: int) -> None:
@@ -132,7 +138,7 @@ class LogitsState:
             h.seen.zero_()
             if h.tokens:
                 h.seen[torch.tensor(h.tokens, device=self.device, dtype=torch.long)] = True
-        if h.matcher is not None and n_out > 0:
+        if h.matcher not in (None, BROKEN) and n_out > 0:
             h.matcher.rollback(n_out)
 
     # ---- processing ------------------------------------------------------------------------
@@ -164,9 +170,17 @@ class LogitsState:
         if gram:
             at = torch.tensor(gram, device=dev)
             sub = out.index_select(0, at)
-            errors = self.grammars.mask_logits([self._history(seq_ids[r]).matcher for r in gram], sub)
+            matchers = [self._history(seq_ids[r]).matcher for r in gram]
+            broken = [i for i, m in enumerate(matchers) if m is BROKEN]
+            errors = self.grammars.mask_logits([None if m is BROKEN else m for m in matchers], sub)
+            if broken:  # a grammar that did not compile: only the stop ids, so the sequence ends
+                keep = torch.tensor(self.grammars.stop_ids, device=dev)
+                rows = torch.tensor(broken, device=dev)
+                stop_logits = sub[rows][:, keep]
+                sub[rows] = float("-inf")
+                sub[rows[:, None], keep[None, :]] = stop_logits
             out.index_copy_(0, at, sub)
-            self.grammar_errors += len(errors)  # such a row may only stop (model.grammar's policy)
+            self.grammar_errors += len(errors) + len(broken)  # such a row may only stop (model.grammar's policy)
         return out
 
     def _history(self, seq_id: int) -> _History:

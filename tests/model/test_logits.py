@@ -194,3 +194,12 @@ def test_a_redone_step_rolls_the_matcher_back(grammars):
     state.feed(0, 3, 3 + len(brace), quote, p)  # the same step again: rolled back, then fed
     state.feed(0, 3, 3, brace, p)  # back to just "{"
     assert state.histories[0].matcher.compute_bitmask() == before
+
+
+def test_a_grammar_that_does_not_compile_only_lets_the_sequence_stop(grammars):
+    state = LogitsState(1024, torch.device("cpu"), grammars)
+    p = SamplingParams(grammar="start: nope_undefined_rule")
+    state.feed(0, 2, 0, [1, 2], p)
+    out = state.apply(torch.randn(1, 1024), [0], [p])
+    allowed = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+    assert allowed == set(grammars().stop_ids) and state.grammar_errors == 1

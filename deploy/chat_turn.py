@@ -1,0 +1,156 @@
+"""One chat request's assistant turn: what is asked of the model (the prompt through the chat
+template, the grammar its tokens must follow) and what comes back (content, reasoning and tool
+calls, streamed as OpenAI deltas or assembled into one message).
+
+Owns: the choice between plain text and K2's parsed output (:mod:`deploy.tool_parser`), the
+grammar for ``tools`` / ``tool_choice`` and ``response_format`` (:mod:`deploy.structured`), stop
+strings over the content, and the rule that a non-streamed message is the assembly of the deltas
+a stream of the same tokens gives — so both always agree.
+Never: talks to the engine or builds HTTP responses (deploy/app.py, deploy/openai_api.py do).
+
+Policies (docs/operations.md, "Tool calls and structured output"):
+- ``tool_choice`` "none" (or no tools): tools are still declared to the model, nothing is parsed
+  and no grammar applies; "auto": the model may answer or call, and once it opens the tool-call
+  section the grammar holds it to the declared functions and their schemas; "required" or a named
+  function: the answer is a call, constrained from its first token.
+- A call cut off by ``max_tokens`` is reported with the arguments it has (``finish_reason``
+  "length", streamed and not); arguments that are not JSON cannot come from a constrained call.
+- ``response_format`` with tools is refused (400) unless ``tool_choice`` is "none".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deploy.openai_api import APIError, StopStrings, chat_prompt_ids
+from deploy.structured import SchemaError, response_format_grammar, tool_call_grammar
+from deploy.tool_parser import K2Markers, ToolCallStream
+from model.grammar import check as check_grammar
+from model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    prompt_ids: list[int]
+    grammar: str | None  # every generated token follows it (llguidance, deploy/structured.py)
+    markers: K2Markers | None  # parse K2's output (tool calls and/or reasoning); None: plain text
+    tools_enabled: bool
+    think: bool  # the template lets the model reason first (<think> … </think>)
+
+
+def _dump(x):
+    return x.model_dump(exclude_none=True, by_alias=True) if hasattr(x, "model_dump") else x
+
+
+def plan_chat(req, tok: Tokenizer) -> ChatPlan:
+    """The request's prompt ids, grammar and output parsing; a 400 naming the field for what the
+    request gets wrong (an unknown named function, a schema the grammar library refuses, …)."""
+    prompt_ids = chat_prompt_ids(req, tok)  # 400s for the messages and chat_template_kwargs come first
+    kwargs = req.chat_template_kwargs or {}
+    tools = [_dump(t) for t in req.tools] if req.tools else None
+    choice = _dump(req.tool_choice) if req.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise APIError(400, f"tool_choice: no tool is named {name!r}", param="tool_choice")
+    tools_enabled = choice != "none"
+    think = tok.thinking and kwargs.get("thinking") is not False
+    markers = None
+    if tools_enabled or think:
+        try:
+            markers = K2Markers.from_tokenizer(tok)
+        except ValueError as e:
+            if tools_enabled:
+                raise APIError(400, f"tools: this model cannot call tools ({e})", param="tools") from None
+    rf = _dump(req.response_format) if req.response_format is not None else None
+    grammar = None
+    try:
+        if rf is not None and rf.get("type") != "text":
+            if tools_enabled:
+                raise APIError(400, "response_format: cannot be combined with tools unless tool_choice is 'none'",
+                               param="response_format")
+            grammar = response_format_grammar(rf, markers=markers, think=think)
+        elif tools_enabled:
+            first = sum(len(m.tool_calls or ()) for m in req.messages if m.role == "assistant")
+            grammar = tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, first, markers,
+                                        think=think)
+        if grammar is not None:
+            check_grammar(grammar)  # what the attention actors will compile: refused here, not there
+    except ValueError as e:  # SchemaError included: the message names the path and the keyword
+        raise APIError(400, str(e), param="response_format" if rf is not None else "tools",
+                       code="invalid_schema" if isinstance(e, SchemaError) else None) from None
+    return ChatPlan(prompt_ids, grammar, markers, tools_enabled, think)
+
+
+class ChatOutput:
+    """One choice's output as it streams: :meth:`push` each engine chunk (its ids and text) for the
+    deltas to send, :meth:`finish` at the end; :attr:`message` assembles the deltas."""
+
+    def __init__(self, tok: Tokenizer, plan: ChatPlan, stops: list[str], *, skip_special_tokens: bool = True):
+        self.stops = StopStrings(stops)
+        self.parser = None
+        if plan.markers is not None:
+            def decode(ids):
+                return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+            self.parser = ToolCallStream(decode, plan.markers, tools_enabled=plan.tools_enabled, think=plan.think)
+        self.content, self.reasoning, self.calls = [], [], []  # the deltas so far, assembled
+
+    def push(self, token_ids, text: str) -> tuple[list[dict], bool]:
+        """New ids (and the engine's text of them) → (deltas, whether a stop string ended it)."""
+        deltas = self.parser.feed(token_ids) if self.parser is not None else [{"content": text}]
+        return self._through_stops(deltas)
+
+    def finish(self, engine_reason: str) -> tuple[list[dict], str]:
+        """The end: held-back text, and OpenAI's finish_reason ("tool_calls" when calls came)."""
+        deltas: list[dict] = []
+        if self.parser is not None:
+            deltas, _ = self._through_stops(self.parser.finish())
+        held = self.stops.flush()
+        if held:
+            deltas.append(self._take({"content": held}))
+        reason = "stop" if engine_reason == "stop" else "length"
+        if self.calls and reason != "length":
+            reason = "tool_calls"
+        return [d for d in deltas if d], reason
+
+    def _through_stops(self, deltas: list[dict]) -> tuple[list[dict], bool]:
+        out = []
+        for d in deltas:
+            if "content" in d:
+                text, stopped = self.stops.push(d["content"])
+                if text:
+                    out.append(self._take({"content": text}))
+                if stopped:
+                    return out, True
+            elif "reasoning_content" in d:
+                out.append(self._take({**d, "reasoning": d["reasoning_content"]}))  # the newer clients' name
+            else:
+                out.append(self._take(d))
+        return out, False
+
+    def _take(self, d: dict) -> dict:
+        if "content" in d:
+            self.content.append(d["content"])
+        if "reasoning_content" in d:
+            self.reasoning.append(d["reasoning_content"])
+        for call in d.get("tool_calls", ()):
+            if "id" in call:
+                self.calls.append({"id": call["id"], "type": "function",
+                                   "function": {"name": call["function"]["name"], "arguments": ""}})
+            self.calls[call["index"]]["function"]["arguments"] += call["function"].get("arguments", "")
+        return d
+
+    @property
+    def message(self) -> dict:
+        """The assistant message the deltas assemble into (OpenAI's shape; reasoning under both
+        ``reasoning_content`` and its newer alias ``reasoning``)."""
+        content = "".join(self.content)
+        msg = {"role": "assistant", "content": None if (not content and self.calls) else content}
+        if self.reasoning:
+            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg
