@@ -139,7 +139,8 @@ def test_penalties_change_greedy_output_and_match_alone_vs_batched(runner):
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-    "inner": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+    "inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}},
     "required": ["name", "tags", "inner"], "additionalProperties": False}
 
 
