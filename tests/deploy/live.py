@@ -75,19 +75,44 @@ def oracle_soon(path, prompts, n) -> Future:
     return future
 
 
-class Stream(threading.Thread):
-    """One SSE completion stream: its text pieces, an error event if one came, and when it ended."""
+# a grammar that cannot end within a test's stream (at least 200 numbers): a constrained stream runs
+# as long as a plain one, and greedy, it must come out the same through any fault or change
+CONSTRAINED = {"response_format": {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
+    "type": "array", "minItems": 200, "items": {"type": "integer", "minimum": 0, "maximum": 999}}}}}
 
-    def __init__(self, url, name, prompt, n):
+
+def chat_body(name, n, chat: dict) -> dict:
+    return {"model": name, "messages": [{"role": "user", "content": "Count."}], "max_tokens": n, "temperature": 0,
+            **chat}
+
+
+def chat_reference(url, name, n, chat: dict) -> str:
+    """The content of the same chat request, not streamed (run before a fault: the fault-free answer)."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(name, n, chat), timeout=600,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+class Stream(threading.Thread):
+    """One SSE completion stream: its text pieces, an error event if one came, and when it ended.
+    With ``chat`` (extra body fields), a chat completion of ``n`` tokens whose content deltas are the
+    pieces."""
+
+    def __init__(self, url, name, prompt, n, chat: dict | None = None):
         super().__init__(daemon=True)
-        self.url, self.name, self.prompt, self.n = url, name, prompt, n
+        self.url, self.name, self.prompt, self.n, self.chat = url, name, prompt, n, chat
         self.pieces, self.error, self.finish, self.ended, self.error_event = [], None, None, None, None
 
     def run(self):
+        route = "/v1/chat/completions" if self.chat is not None else "/v1/completions"
         body = {"model": self.name, "prompt": self.prompt, "max_tokens": self.n, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True}
+        if self.chat is not None:
+            body = chat_body(self.name, self.n, self.chat)
+        body["stream"] = True
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=600,
+            with httpx.stream("POST", f"{self.url}{route}", json=body, timeout=600,
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
@@ -97,16 +122,20 @@ class Stream(threading.Thread):
                             self.error_event = event["error"]
                             continue
                         choice = event["choices"][0]
-                        self.pieces.append(choice["text"])
+                        if self.chat is None:
+                            self.pieces.append(choice["text"])
+                        elif choice["delta"].get("content"):
+                            self.pieces.append(choice["delta"]["content"])
                         self.finish = choice["finish_reason"] or self.finish
         except Exception as e:  # noqa: BLE001 — reported by the test
             self.error = e
         self.ended = time.monotonic()
 
 
-def start_streams(url, name, prompts, n):
-    """Start one stream per prompt; returns once every one has its first token."""
-    streams = [Stream(url, name, p, n) for p in prompts]
+def start_streams(url, name, prompts, n, extra=()):
+    """Start one stream per prompt, and the ``extra`` streams after them; returns once every one
+    has its first token."""
+    streams = [Stream(url, name, p, n) for p in prompts] + list(extra)
     for s in streams:
         s.start()
     deadline = time.monotonic() + 120

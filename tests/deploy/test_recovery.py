@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 import ray
-from live import ADMIN, KEY, deploy, finish, moeray, oracle_soon, run_cli, series, start_streams
+from live import (ADMIN, CONSTRAINED, KEY, Stream, chat_reference, deploy, finish, moeray, oracle_soon, run_cli,
+                  series, start_streams)
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
@@ -61,14 +62,18 @@ def test_chaos_kills_while_6_streams_run(port, tmp_path_factory, preset, kills):
     expected = oracle_soon(path, prompts, N_TOKENS)
     url = deploy(port, path, name, attention=2, experts=3)
     expected = expected.result()
+    constrained = chat_reference(url, name, N_TOKENS, CONSTRAINED)  # a grammar-constrained greedy answer
     for kind, index in kills:
         before = _status(url)
-        streams = start_streams(url, name, prompts, N_TOKENS)
+        streams = start_streams(url, name, prompts, N_TOKENS, [Stream(url, name, None, N_TOKENS, CONSTRAINED) for _ in range(2)])
         out, killed_at = run_cli(url, "chaos", f"kill-{kind}", str(index))
         assert f"killed {kind}[{index}]" in out
         assert all(s.ended is None or s.ended > killed_at for s in streams), "a stream ended before the kill"
-        assert finish(streams) == expected, f"after killing {kind}[{index}]"
-        assert all(len(s.pieces) == N_TOKENS for s in streams)  # nothing repeated or skipped
+        # the constrained streams too (2: one per replica): a matcher is rebuilt from its tokens where it is
+        # re-prefilled
+        assert finish(streams) == [*expected, constrained, constrained], f"after killing {kind}[{index}]"
+        assert all(len(s.pieces) == N_TOKENS for s in streams[:-2])  # nothing repeated or skipped
+        assert all(s.finish == "length" for s in streams[-2:]) and constrained.startswith("[")
         assert httpx.get(f"{url}/health").status_code == 200
         after = _status(url)
         assert after["epoch"] == before["epoch"] + 1 and after["last_change"]["kind"] == "recovery"

@@ -7,7 +7,8 @@ import json
 
 import httpx
 import pytest
-from live import ADMIN, KEY, deploy, finish, metrics, moeray, oracle_soon, run_cli, start_streams
+from live import (ADMIN, CONSTRAINED, KEY, Stream, chat_reference, deploy, finish, metrics, moeray, oracle_soon,
+                  run_cli, start_streams)
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -57,13 +58,15 @@ def test_scale_experts_2_4_2_and_attention_2_1_while_8_streams_run(port, tmp_pat
     assert finish(streams) == expected
     assert all(s.finish == "length" and len(s.pieces) == K2_TOKENS for s in streams)  # one chunk per token
 
-    # attention 2 → 1: the removed replica's sequences are re-prefilled on the other; SSE unbroken
-    streams = start_streams(url, "k2", prompts, K2_TOKENS)
+    # attention 2 → 1: the removed replica's sequences are re-prefilled on the other; SSE unbroken; a
+    # grammar-constrained greedy stream among them gives its fault-free answer
+    constrained = chat_reference(url, "k2", K2_TOKENS, CONSTRAINED)
+    streams = start_streams(url, "k2", prompts, K2_TOKENS, [Stream(url, "k2", None, K2_TOKENS, CONSTRAINED) for _ in range(2)])
     out, at = run_cli(url, "scale", "attention", "1")
     assert "→ 1 attention × 2 expert actors" in out and "sequences moved" in out, out
     assert all(s.ended is None or s.ended > at for s in streams)
-    assert finish(streams) == expected
-    assert all(len(s.pieces) == K2_TOKENS for s in streams)  # nothing repeated or dropped
+    assert finish(streams) == [*expected, constrained, constrained]
+    assert all(len(s.pieces) == K2_TOKENS for s in streams[:-2])  # nothing repeated or dropped
 
     after = metrics(url)
     assert after["moeray:epoch"] == 3
