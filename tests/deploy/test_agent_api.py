@@ -187,8 +187,10 @@ def test_response_format_json_schema_validates_for_every_seed(urls, stream):
 
 
 def test_json_object_always_parses(urls):
+    # any object: a random model's strings have no bound, so a few seeds run to max_tokens (OpenAI: a JSON
+    # answer cut off by the length limit is incomplete); every answer that ends parses
     kws = [dict(model="k2", messages=USER, response_format={"type": "json_object"}, temperature=1.0, seed=s,
-                max_tokens=300) for s in SEEDS]
+                max_tokens=600) for s in SEEDS]
     parsed = 0
     for msg, finish in _gather(urls["k2"], kws, False):
         if finish == "stop":
@@ -196,7 +198,7 @@ def test_json_object_always_parses(urls):
             parsed += 1
         else:  # cut off by max_tokens: still the start of an object
             assert finish == "length" and msg["content"].lstrip().startswith("{")
-    assert parsed >= len(SEEDS) // 2
+    assert parsed >= len(SEEDS) * 2 // 3
 
 
 @pytest.mark.parametrize("rf,needle", [
