@@ -8,7 +8,8 @@ decides which sequence gets which block or slot — that is the :class:`BlockAll
 (owned by whoever schedules sequences).
 
 :class:`AttnMeta` is built once per forward step from the sequences in the batch and shared by all
-layers: flat token → slot mapping for writes, and padded [B, Q] / [B, L] gather indices for reads.
+layers: flat token → slot mapping for writes, and, per attention group (sequences of similar query
+length, see :func:`group_sequences`), padded [Bg, Qg] / [Bg, Lg] gather indices for reads.
 """
 
 from __future__ import annotations
@@ -108,19 +109,40 @@ class ModelCache:
         return self.kda.layer(self.kda_index[layer])
 
 
+# A group's padded query rows (sequences × its longest query) may reach this many times its real
+# tokens before the next, longer query starts a new group (see :func:`group_sequences`).
+MAX_QUERY_PAD = 1.5
+
+
+@dataclass
+class AttnGroup:
+    """Sequences attended together as one padded block: ``Bg`` sequences, ``Qg`` = the longest
+    query and ``Lg`` = the longest context among them. Built by :func:`build_attn_meta`. A step's
+    only group is the whole batch in order: its ``seqs`` and ``tokens`` are None (the identity)."""
+
+    seqs: torch.Tensor | None  # [Bg] batch index b of each sequence
+    q_index: torch.Tensor   # [Bg, Qg] flat token index of each padded query (pads point at 0)
+    q_valid: torch.Tensor   # [Bg, Qg] bool
+    kv_slots: torch.Tensor  # [Bg, Lg] cache slot of each context position (pads point at 0)
+    mask: torch.Tensor      # [Bg, Qg, Lg] bool, True where query may attend key
+    q_rows: torch.Tensor    # [Tg] row of each real query in the flattened [Bg·Qg] padded queries
+    tokens: torch.Tensor | None  # [Tg] flat token index of each real query, in q_rows order
+    query_lens: list[int]   # [Bg]
+
+
 @dataclass
 class AttnMeta:
     """Where this step's tokens live. Built by :func:`build_attn_meta`; read-only for layers.
 
-    Flat query tokens are indexed t ∈ [0, T); sequences b ∈ [0, B).
+    Flat query tokens are indexed t ∈ [0, T); sequences b ∈ [0, B). Attention runs per
+    :class:`AttnGroup` and scatters each group's outputs back to ``groups[i].tokens``; a step of
+    one group (pure decode, one prefill, similar chunks) is the whole batch in order and needs no
+    gather of sequences nor scatter of outputs.
     """
 
     positions: torch.Tensor     # [T] absolute position of each query token
     slot_mapping: torch.Tensor  # [T] cache slot each new token is written to
-    q_index: torch.Tensor       # [B, Q] flat token index of each padded query (pads point at 0)
-    q_valid: torch.Tensor       # [B, Q] bool
-    kv_slots: torch.Tensor      # [B, L] cache slot of each context position (pads point at 0)
-    mask: torch.Tensor          # [B, Q, L] bool, True where query may attend key
+    groups: list[AttnGroup]
     query_lens: list[int]
     context_lens: list[int]
     state_slots: torch.Tensor | None = None  # [B] KDA slot of each sequence (hybrid models)
@@ -132,14 +154,66 @@ class AttnMeta:
         return ends
 
 
+def group_sequences(query_lens: list[int], max_pad: float = MAX_QUERY_PAD) -> list[list[int]]:
+    """Partition the batch into attention groups, so that one long chunk does not pad every decode.
+
+    Sequences sorted by query length (stably) fill groups greedily: the next sequence starts a new
+    group when adding it would make the group's padded query rows (sequences × longest query)
+    exceed ``max_pad`` × its real tokens. So all decodes (Q = 1) share one group, a chunk joins
+    queries of similar length, and the padded rows of all groups stay ≤ ``max_pad`` × T. Context
+    lengths do not split groups (a group pads to its longest context). A batch that fits one group
+    keeps its own order (``[list(range(B))]``)."""
+    order = sorted(range(len(query_lens)), key=query_lens.__getitem__)
+    groups: list[list[int]] = []
+    real = 0
+    for b in order:
+        q = query_lens[b]  # the longest in its group so far: the order is ascending
+        if groups and (len(groups[-1]) + 1) * q <= max_pad * (real + q):
+            groups[-1].append(b)
+            real += q
+        else:
+            groups.append([b])
+            real = q
+    return groups if len(groups) > 1 else [list(range(len(query_lens)))]
+
+
+def _pad_group(seqs: list[int] | None, ql: torch.Tensor, cl: torch.Tensor, starts: torch.Tensor,
+               table: torch.Tensor, block_size: int, device) -> AttnGroup:
+    """The padded [Bg, Qg, Lg] block of the sequences ``seqs`` (None: the whole batch in order);
+    host tensors in, ``device`` tensors out."""
+    idx = None if seqs is None else torch.tensor(seqs, dtype=torch.long)
+    if idx is not None:
+        ql, cl, starts, table = ql[idx], cl[idx], starts[idx], table[idx]
+    query_lens = ql.tolist()
+    Bg, Q, L, max_blocks = len(query_lens), max(query_lens), int(cl.max()), table.shape[1]
+    # context slots [Bg, L]
+    j = torch.arange(L)
+    kv_valid = j[None, :] < cl[:, None]
+    blk = table.gather(1, (j // block_size).clamp(max=max_blocks - 1)[None, :].expand(Bg, -1))
+    kv_slots = torch.where(kv_valid, blk * block_size + j % block_size, 0)
+    # padded queries [Bg, Q]
+    i = torch.arange(Q)
+    q_valid = i[None, :] < ql[:, None]
+    q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
+    q_pos = (cl - ql)[:, None] + i[None, :]  # [Bg, Q]
+    mask = (j[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+    mask[:, :, 0] |= ~q_valid  # keep pad rows finite; their output is discarded
+    q_rows = q_valid.flatten().nonzero().squeeze(1)
+    to = dict(device=device)
+    return AttnGroup(seqs=None if idx is None else idx.to(**to), q_index=q_index.to(**to),
+                     q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to), mask=mask.to(**to),
+                     q_rows=q_rows.to(**to), query_lens=query_lens,
+                     tokens=None if idx is None else q_index.flatten()[q_rows].to(**to))
+
+
 def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                     block_size: int, device: str | torch.device = "cpu",
                     state_slots: list[int] | None = None) -> AttnMeta:
     """For each sequence: ``query_lens[b]`` new tokens at the end of a context of
-    ``context_lens[b]`` tokens (new tokens included); its cache blocks are ``block_tables[b]``."""
+    ``context_lens[b]`` tokens (new tokens included); its cache blocks are ``block_tables[b]``.
+    Attention groups follow :func:`group_sequences`."""
     assert len(query_lens) == len(context_lens) == len(block_tables), "batch fields disagree"
     B = len(query_lens)
-    Q, L = max(query_lens), max(context_lens)
     ql = torch.tensor(query_lens)
     cl = torch.tensor(context_lens)
     assert bool((ql <= cl).all()) and bool((ql > 0).all()), f"bad lens {query_lens} {context_lens}"
@@ -147,25 +221,18 @@ def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables
     table = torch.zeros(B, max_blocks, dtype=torch.long)
     for b, t in enumerate(block_tables):
         table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-    # context slots [B, L]
-    j = torch.arange(L)
-    kv_valid = j[None, :] < cl[:, None]
-    blk = table.gather(1, (j // block_size).clamp(max=max_blocks - 1)[None, :].expand(B, -1))
-    kv_slots = torch.where(kv_valid, blk * block_size + j % block_size, 0)
-    # padded queries [B, Q]
-    i = torch.arange(Q)
-    q_valid = i[None, :] < ql[:, None]
     starts = torch.cat([torch.zeros(1, dtype=torch.long), ql.cumsum(0)[:-1]])
-    q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
-    q_pos = (cl - ql)[:, None] + i[None, :]  # [B, Q]
-    mask = (j[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-    mask[:, :, 0] |= ~q_valid  # keep pad rows finite; their output is discarded
-    positions = q_pos[q_valid]
-    slot_mapping = kv_slots.gather(1, q_pos.clamp(max=L - 1))[q_valid]
-    to = dict(device=device)
+    # flat tokens [T]: sequence, absolute position, cache slot
+    seq = torch.repeat_interleave(torch.arange(B), ql)
+    positions = (cl - ql)[seq] + torch.arange(int(ql.sum())) - starts[seq]
+    blk = table[seq, (positions // block_size).clamp(max=max_blocks - 1)]
+    slot_mapping = blk * block_size + positions % block_size
+    groups = group_sequences(list(query_lens))
+    if len(groups) == 1:
+        groups = [None]  # the whole batch in order
+    groups = [_pad_group(g, ql, cl, starts, table, block_size, device) for g in groups]
     return AttnMeta(
-        positions=positions.to(**to), slot_mapping=slot_mapping.to(**to), q_index=q_index.to(**to),
-        q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to), mask=mask.to(**to),
+        positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups,
         query_lens=list(query_lens), context_lens=list(context_lens),
         state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.long, device=device),
     )

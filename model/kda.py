@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import AttnMeta
+from .cache import AttnGroup, AttnMeta
 from .config import ModelConfig
 
 L2NORM_EPS = 1e-6  # inside the sqrt, as fla's l2norm
@@ -200,36 +200,52 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(y)
 
     # ---- the layer ---------------------------------------------------------------
+    def _attend(self, grp: AttnGroup, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Conv and delta rule of one group, padded [Bg, Qg]; the outputs [Tg, n, d] fp32 of its
+        real queries (``grp.q_rows`` order). Updates the group's state rows ``slots`` in place."""
+        B, Q = grp.q_index.shape
+        n, d = self.num_heads, self.head_dim
+        pad0 = grp.q_valid[..., None, None].to(torch.float32)          # [B, Q, 1, 1]; 0 on pads
+        q_lens = grp.q_valid.sum(1)                                     # [B]
+        x = qkv[grp.q_index] * pad0.to(qkv.dtype)                       # [B, Q, 3, P]
+        x = self._conv(x.transpose(1, 2), q_lens, conv_state, slots)   # [B, 3, Q, P]
+        q, k, v = (x[:, i].reshape(B, Q, n, d) for i in range(3))
+        q = l2norm(q) * d**-0.5
+        k = l2norm(k) * pad0                                            # pads: k = 0
+        v = v.float()
+        g = g[grp.q_index] * pad0                                       # [B, Q, n, d]; pads: g = 0
+        beta = beta[grp.q_index] * pad0[..., 0]                         # [B, Q, n]; pads: 0
+        kernel = recurrent_kda if all(ql == 1 for ql in grp.query_lens) else chunk_kda
+        o, S = kernel(q, k, v, g, beta, recurrent_state[slots])
+        recurrent_state[slots] = S
+        return o.flatten(0, 1)[grp.q_rows]
+
     def forward(self, x: torch.Tensor, meta: AttnMeta, conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) → [T, H]. Sequence b's states live in row ``slots[b]`` of
         ``conv_state`` [num_slots, 3, W−1, P] and ``recurrent_state`` [num_slots, n_h, d, d] fp32;
-        both are updated in place."""
+        both are updated in place. Projections run over the flat tokens; the conv and the delta
+        rule per attention group of ``meta`` (recurrent for a group of decodes, chunked otherwise)."""
         T = x.shape[0]
         n, d, W = self.num_heads, self.head_dim, self.conv_kernel
-        B, Q = meta.q_index.shape
+        B = len(meta.query_lens)
         assert slots.shape == (B,), f"slots {tuple(slots.shape)} != batch ({B},)"
         assert conv_state.shape[1:] == (3, W - 1, n * d), f"conv_state {tuple(conv_state.shape)}"
         assert recurrent_state.shape[1:] == (n, d, d) and recurrent_state.dtype == torch.float32, \
             f"recurrent_state {tuple(recurrent_state.shape)} {recurrent_state.dtype}"
-        valid = meta.q_valid                                            # [B, Q]
-        pad0 = valid[..., None, None].to(torch.float32)                 # [B, Q, 1, 1]; 0 on pads
-        q_lens = valid.sum(1)                                           # [B]
-
         qkv = torch.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=1)  # [T, 3, P]
-        qkv = qkv[meta.q_index] * pad0.to(qkv.dtype)                     # [B, Q, 3, P]
-        qkv = self._conv(qkv.transpose(1, 2), q_lens, conv_state, slots)  # [B, 3, Q, P]
-        q, k, v = (qkv[:, i].reshape(B, Q, n, d) for i in range(3))
-        q = l2norm(q) * d**-0.5
-        k = l2norm(k) * pad0                                             # pads: k = 0
-        v = v.float()
-        g = self.gate(x)[meta.q_index] * pad0                            # [B, Q, n, d]; pads: g = 0
-        beta = torch.sigmoid(self.b_proj(x).float())[meta.q_index] * pad0[..., 0]  # [B, Q, n]; pads: 0
-
-        kernel = recurrent_kda if all(ql == 1 for ql in meta.query_lens) else chunk_kda
-        o, S = kernel(q, k, v, g, beta, recurrent_state[slots])
-        recurrent_state[slots] = S
-
-        o = o[valid].to(x.dtype)                                         # [T, n, d]
+        g = self.gate(x)                                                 # [T, n, d]
+        beta = torch.sigmoid(self.b_proj(x).float())                    # [T, n]
+        o = None
+        for grp in meta.groups:  # sequences of similar query length (decodes together)
+            grp_slots = slots if grp.seqs is None else slots[grp.seqs]
+            og = self._attend(grp, qkv, g, beta, conv_state, recurrent_state, grp_slots)  # [Tg, n, d]
+            if grp.tokens is None:
+                o = og  # the whole batch in order
+            else:
+                o = og.new_empty(T, n, d) if o is None else o
+                o[grp.tokens] = og
+        o = o.to(x.dtype)
         o = self.o_norm(o, self.output_gate(x))
         return self.o_proj(o.reshape(T, n * d))

@@ -69,18 +69,25 @@ class MLA(nn.Module):
     # ---- attention over the cache ---------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, cache: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None, impl: str = "absorbed") -> torch.Tensor:
-        """x [T, H] (normed); cache [slots, Lkv+R] of this layer (written in place)."""
+        """x [T, H] (normed); cache [slots, Lkv+R] of this layer (written in place). Projections and
+        the cache write run over the flat tokens; attention runs per group of ``meta`` (padded to
+        the group's longest query and context) and each group's outputs return to their tokens."""
+        if impl not in MLA_IMPLS:
+            raise ValueError(f"unknown MLA impl {impl!r}; choose one of {MLA_IMPLS}")
+        attend = self._absorbed if impl == "absorbed" else self._naive
         q_nope, q_rope, entry = self.project(x, rope)
         cache[meta.slot_mapping] = entry.to(cache.dtype)
-        ctx = cache[meta.kv_slots].to(x.dtype)  # [B, L, Lkv+R]
-        qn, qr = q_nope[meta.q_index], q_rope[meta.q_index]  # [B, Q, n, *]
-        if impl == "absorbed":
-            o = self._absorbed(qn, qr, ctx, meta.mask)
-        elif impl == "naive":
-            o = self._naive(qn, qr, ctx, meta.mask)
-        else:
-            raise ValueError(f"unknown MLA impl {impl!r}; choose one of {MLA_IMPLS}")
-        o = o[meta.q_valid].reshape(x.shape[0], -1)  # [T, n·V]
+        o = None
+        for g in meta.groups:
+            ctx = cache[g.kv_slots].to(x.dtype)  # [Bg, Lg, Lkv+R]
+            og = attend(q_nope[g.q_index], q_rope[g.q_index], ctx, g.mask)  # [Bg, Qg, n, V]
+            og = og.flatten(0, 1)[g.q_rows]  # [Tg, n, V]
+            if g.tokens is None:
+                o = og  # the whole batch in order
+            else:
+                o = og.new_empty(x.shape[0], *og.shape[1:]) if o is None else o
+                o[g.tokens] = og
+        o = o.reshape(x.shape[0], -1)  # [T, n·V]
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)

@@ -211,29 +211,38 @@ def test_prefill_equals_decode_equals_chunks(k3):
     torch.testing.assert_close(conv_f[0], layer.q_proj(x[-3:]).detach(), atol=1e-6, rtol=0)
 
 
-def test_batch_equals_alone():
+@pytest.mark.parametrize("steps, slots", [
+    ([[7, 1, 20], [1, 9, 3], [1, 1, 1]], [4, 0, 2]),  # fresh prefills; mixed; all decode
+    # decodes at different positions beside two chunks of different lengths, the chunks not first
+    ([[5, 12, 3, 6, 9], [1, 30, 1, 11, 1], [1, 1, 1, 1, 1]], [5, 0, 2, 6, 4]),
+], ids=["three", "decodes_and_chunks"])
+def test_batch_equals_alone(steps, slots):
     layer = _layer(seed=1)
     gen = torch.Generator().manual_seed(6)
-    steps = [[7, 1, 20], [1, 9, 3], [1, 1, 1]]  # fresh prefills; mixed; all decode
-    total = [sum(s[b] for s in steps) for b in range(3)]
+    B = len(steps[0])
+    total = [sum(s[b] for s in steps) for b in range(B)]
     xs = [torch.randn(n, 64, generator=gen) for n in total]
-    slots = torch.tensor([4, 0, 2])
+    slots = torch.tensor(slots)
+    others = [i for i in range(B + 2) if i not in slots.tolist()]
     with torch.no_grad():
-        conv, rec = _states(layer, 5)
-        conv[[1, 3]], rec[[1, 3]] = 7.0, 7.0  # rows of other sequences: must not be touched
-        outs, done = [[] for _ in range(3)], [0, 0, 0]
+        conv, rec = _states(layer, B + 2)
+        conv[others], rec[others] = 7.0, 7.0  # rows of other sequences: must not be touched
+        outs, done = [[] for _ in range(B)], [0] * B
         for ql in steps:
-            x = torch.cat([xs[b][done[b] : done[b] + ql[b]] for b in range(3)])
-            done = [done[b] + ql[b] for b in range(3)]
-            y = layer(x, _meta(ql, done), conv, rec, slots)
+            x = torch.cat([xs[b][done[b] : done[b] + ql[b]] for b in range(B)])
+            done = [done[b] + ql[b] for b in range(B)]
+            meta = _meta(ql, done)
+            if ql[0] == 1 and max(ql) > 1:  # a mixed step attends in groups
+                assert len(meta.groups) > 1
+            y = layer(x, meta, conv, rec, slots)
             for b, part in enumerate(y.split(ql)):
                 outs[b].append(part)
-        for b in range(3):
+        for b in range(B):
             alone, conv_b, rec_b = _run_pieces(layer, xs[b], [s[b] for s in steps])
             assert_near(torch.cat(outs[b]), alone)
             assert_near(rec[slots[b]], rec_b)
             assert_near(conv[slots[b]], conv_b)
-        assert (conv[[1, 3]] == 7.0).all() and (rec[[1, 3]] == 7.0).all()
+        assert (conv[others] == 7.0).all() and (rec[others] == 7.0).all()
 
 
 def test_matches_transformers_layer():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model.cache import BlockAllocator, CacheFull, build_attn_meta
+from model.cache import MAX_QUERY_PAD, BlockAllocator, CacheFull, build_attn_meta, group_sequences
 from model.config import parse_config
 from model.model import CausalLM, init_random_weights
 from model.presets import preset_config
@@ -95,3 +95,67 @@ def test_block_allocator_and_meta():
     # seq0 positions 3, 4 → blocks 0 (offset 1), 2 (offset 0); seq1 position 2 → block 4 (offset 0)
     assert meta.slot_mapping.tolist() == [0 * 2 + 1, 2 * 2 + 0, 4 * 2 + 0]
     assert meta.positions.tolist() == [3, 4, 2]
+
+
+def _mixed_step(model, impl):
+    """One step of decodes at different context lengths and two chunks of different lengths, the
+    chunks not first: logits [T, V] of every token, and each sequence's (ids so far, new tokens)."""
+    r = ModelRunner(model, num_blocks=96, block_size=4, impl=impl)
+    dec = [Sequence(i, _ids(n, 30 + n), n, SamplingParams()) for i, n in enumerate((7, 15, 26))]
+    for s in dec:
+        r.forward([s], [s.num_uncached])
+        s.token_ids.append(11 + s.seq_id)
+    a = Sequence(10, _ids(30, 40), 30, SamplingParams())  # a middle chunk: 9 cached, 12 new
+    r.forward([a], [9])
+    b = Sequence(11, _ids(6, 41), 6, SamplingParams())    # a whole prompt
+    batch = [(dec[0], 1), (a, 12), (dec[1], 1), (b, 6), (dec[2], 1)]
+    for s, n in batch:
+        r.reserve(s, s.num_cached + n)
+    meta = build_attn_meta([n for _, n in batch], [s.num_cached + n for s, n in batch],
+                           [s.block_table for s, _ in batch], r.block_size)
+    assert len(meta.groups) > 1, "a mixed step must not be one padded block"
+    ids = torch.tensor([t for s, n in batch for t in s.token_ids[s.num_cached : s.num_cached + n]])
+    with torch.no_grad():
+        logits = model.logits(model(ids, meta, r.cache, impl))
+    return logits, [(s.token_ids[: s.num_cached + n], n) for s, n in batch]
+
+
+@pytest.mark.parametrize("impl", ["absorbed", "naive"])
+def test_mixed_step_equals_each_sequence_alone(model, impl):
+    """Grouped attention of a mixed step == each sequence recomputed alone, every new token."""
+    logits, seqs = _mixed_step(model, impl)
+    alone = ModelRunner(model, num_blocks=96, block_size=4, impl=impl)
+    t = 0
+    for ids, n in seqs:
+        torch.testing.assert_close(logits[t : t + n], alone.full_logits(ids)[-n:], atol=1e-5, rtol=0)
+        t += n
+    assert t == logits.shape[0]
+
+
+def test_mixed_step_groups_bound_the_padding():
+    """17 decodes at 600–887 and chunks of 493 and 40: the groups pad at most 2× the real queries
+    (one padded block would be 19 × 493 rows), and cover every token exactly once."""
+    qls = [1] * 8 + [493] + [1] * 9 + [40]
+    cls = [887] * 8 + [493] + [600 + b for b in range(9)] + [900]
+    meta = build_attn_meta(qls, cls, [list(range(-(-c // 16))) for c in cls], block_size=16)
+    T = sum(qls)
+    assert sum(g.q_index.numel() for g in meta.groups) <= 2 * T
+    assert sum(g.mask.numel() for g in meta.groups) <= 2 * T * max(cls)
+    assert sorted(torch.cat([g.tokens for g in meta.groups]).tolist()) == list(range(T))
+    for g in meta.groups:  # a group's real queries are the flat tokens of its sequences
+        assert g.tokens.tolist() == g.q_index[g.q_valid].tolist()
+        assert g.query_lens == [qls[b] for b in g.seqs.tolist()]
+    assert sorted(len(g.query_lens) for g in meta.groups) == [1, 1, 17]  # decodes together
+
+
+def test_group_rule():
+    assert group_sequences([1] * 5) == [[0, 1, 2, 3, 4]]           # pure decode: one group, in order
+    assert group_sequences([300]) == [[0]]                          # one prefill
+    assert group_sequences([3, 1, 2]) == [[0, 1, 2]]                # 3 × 3 ≤ 1.5 × 6: one group, in order
+    assert group_sequences([300, 493]) == [[0, 1]]                  # 2 × 493 ≤ 1.5 × 793
+    assert group_sequences([1, 493, 1, 40]) == [[0, 2], [3], [1]]  # decodes; then chunks by length
+    for qls in ([1, 2, 3, 50, 64, 700, 1, 1, 9], [7] * 3 + [8] * 4 + [100, 120]):
+        groups = group_sequences(qls)
+        assert sorted(b for g in groups for b in g) == list(range(len(qls)))
+        for g in groups:
+            assert len(g) * max(qls[b] for b in g) <= MAX_QUERY_PAD * sum(qls[b] for b in g)
