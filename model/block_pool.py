@@ -1,0 +1,208 @@
+"""One attention replica's cache blocks, with prefix caching over their contents.
+
+:class:`BlockPool` owns, for ``num_blocks`` blocks of ``block_size`` token slots: each block's
+reference count, the content hash of each full block whose writing step has completed, the table
+hash → block, the list of truly free blocks and the LRU of cached ones. A block is in exactly one
+state:
+
+- *free*: no holder and no content worth keeping (never written, or its hash was dropped);
+- *held*: refcount > 0 — one or more sequences have it in their block table;
+- *cached*: refcount 0, but its hash is in the table, so a later request with the same prefix can
+  take it back (:meth:`match`) until :meth:`allocate` evicts it, least recently used first.
+
+A block's hash chains its content to everything before it: ``H(parent hash, its token ids)``, the
+first block's parent being a root derived from the request's extra key (a ``cache_salt``). Equal
+tokens after a different prefix, or under another salt, hash differently, because their latent
+cache differs. Only full blocks are hashed, and only once the step that wrote them has completed
+(:meth:`register`), so a block written by a step in flight, sent ahead, or later redone is never
+offered to anyone.
+
+Sharing needs no copy-on-write: a shared block is full, and callers only ever write a sequence's
+own tail block — the positions after its matched prefix, which :meth:`match` always leaves at
+least one token of — so a block is written only while its one holder is the sequence extending it.
+
+Owned by whoever schedules sequences (one per replica, like the :class:`~model.cache.BlockAllocator`
+it replaces; same interface plus :meth:`match`, :meth:`register` and :meth:`clear`). Never: holds
+per-sequence state, touches tensors, or decides which sequence gets evicted — only which blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from model.cache import CacheFull
+
+_HASH_BYTES = 32
+_ROOT_TAG = b"moeray.block_pool.v1\x00"
+
+
+def _root_hash(extra_key: str | None) -> bytes:
+    """The parent of a sequence's first block: separates salts (None and "" differ too)."""
+    key = b"\x00" if extra_key is None else b"\x01" + extra_key.encode("utf-8")
+    return hashlib.blake2b(_ROOT_TAG + key, digest_size=_HASH_BYTES).digest()
+
+
+class BlockPool:
+    """Reference-counted cache blocks with an LRU of cached full blocks, keyed by chained hashes."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # A block's tokens, little-endian int64: the canonical bytes its hash covers.
+        self._pack = struct.Struct(f"<{block_size}q").pack
+        self.num_queries_tokens = 0  # prompt tokens looked up by match(), cumulative across clear()
+        self.num_hit_tokens = 0  # of which found cached or held
+        self.num_evicted = 0  # cached blocks whose content allocate() dropped
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every hold and every hash: the replica and its cache are gone. Block tables
+        handed out before are void (freeing them raises). The counters keep counting."""
+        self._ref = [0] * self.num_blocks
+        # A held block's hash stays here as the chain memo even when another block owns the table
+        # entry (a duplicate); a free block has None.
+        self._hash: list[bytes | None] = [None] * self.num_blocks
+        self._table: dict[bytes, int] = {}  # hash → the one block registered under it
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # popped from the end: 0 first
+        self._num_held = 0
+
+    # -- counts ------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Truly free blocks (no holder, no content). Not all the room: see :attr:`num_available`."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_held(self) -> int:
+        return self._num_held
+
+    @property
+    def num_available(self) -> int:
+        """Blocks :meth:`allocate` can hand out: the free ones, then the cached ones it evicts."""
+        return len(self._free) + len(self._lru)
+
+    # -- the BlockAllocator interface ----------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int, have: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_available
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks, each held once by the caller, with no content: truly free blocks first,
+        then the least recently used cached blocks, whose hashes are dropped."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} cache blocks")
+        if n > self.num_available:
+            raise CacheFull(f"need {n} cache blocks, {len(self._free)} free and {len(self._lru)} cached")
+        from_free = min(n, len(self._free))
+        out = [self._free.pop() for _ in range(from_free)]
+        for _ in range(n - from_free):
+            block, _ = self._lru.popitem(last=False)
+            del self._table[self._hash[block]]
+            self._hash[block] = None
+            out.append(block)
+        self.num_evicted += n - from_free
+        for block in out:
+            self._ref[block] = 1
+        self._num_held += n
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one hold on each of ``blocks`` (a block listed twice drops two). A block left with
+        no holder becomes cached if it is registered, else free. Tail blocks go first, so a
+        sequence's later blocks are evicted before the prefix others are likelier to share.
+        Raises ValueError, changing nothing, if a block is not held that many times."""
+        for block, times in Counter(blocks).items():
+            self._check_id(block)
+            if self._ref[block] < times:
+                raise ValueError(f"cache block {block} freed {times} time(s) but held {self._ref[block]} time(s)")
+        for block in reversed(blocks):
+            self._ref[block] -= 1
+            if self._ref[block]:
+                continue
+            self._num_held -= 1
+            h = self._hash[block]
+            if h is not None and self._table.setdefault(h, block) == block:
+                self._lru[block] = None  # most recently used end
+            else:
+                self._hash[block] = None
+                self._free.append(block)
+
+    # -- prefix caching ----------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], extra_key: str | None = None) -> list[int]:
+        """The blocks holding the longest cached prefix of ``token_ids`` (full blocks whose chained
+        hashes match, under ``extra_key``), now held once more by the caller — cached ones leave
+        the LRU. At most ``(len(token_ids) - 1) // block_size`` blocks: the last token is always
+        left to compute (its logits are needed). A caller that then cannot allocate the rest frees
+        them again; the query is counted either way."""
+        bs = self.block_size
+        out: list[int] = []
+        parent = _root_hash(extra_key)
+        for i in range((len(token_ids) - 1) // bs):
+            parent = self._chain(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self._table.get(parent)
+            if block is None:
+                break
+            out.append(block)
+        for block in out:
+            if self._ref[block] == 0:
+                del self._lru[block]
+                self._num_held += 1
+            self._ref[block] += 1
+        self.num_queries_tokens += len(token_ids)
+        self.num_hit_tokens += len(out) * bs
+        return out
+
+    def register(self, block_ids: Sequence[int], token_ids: Sequence[int], extra_key: str | None,
+                 upto_tokens: int) -> None:
+        """Record the content of a sequence's full blocks covering its first ``upto_tokens``
+        tokens, so later requests can :meth:`match` them. Call only once the step that wrote them
+        has completed — never for a token sampled ahead or a step that may be redone.
+
+        ``block_ids`` is the sequence's block table, ``token_ids`` its tokens (at least
+        ``upto_tokens``). Idempotent: blocks that already have a hash keep it and are not hashed
+        again (so each block is hashed once over a sequence's life; the hashed blocks are always a
+        prefix of the table). If another block is already registered under a block's hash, the
+        first one stays in the table and this one is not (it still serves as the chain's parent,
+        and takes the entry if it is free when its last holder lets go)."""
+        bs = self.block_size
+        num_full = upto_tokens // bs
+        if not 0 <= upto_tokens <= len(token_ids) or num_full > len(block_ids):
+            raise ValueError(f"upto_tokens={upto_tokens} needs {num_full} full blocks and as many tokens; "
+                             f"got {len(block_ids)} blocks and {len(token_ids)} tokens")
+        start = num_full  # the first block without a hash: blocks before it are already hashed
+        while start > 0:
+            self._check_id(block_ids[start - 1])
+            if self._hash[block_ids[start - 1]] is not None:
+                break
+            start -= 1
+        for block in block_ids[start:num_full]:
+            self._check_id(block)
+            if self._ref[block] == 0:
+                raise ValueError(f"cache block {block} registered but not held")
+        parent = self._hash[block_ids[start - 1]] if start else _root_hash(extra_key)
+        for i in range(start, num_full):
+            block = block_ids[i]
+            parent = self._chain(parent, token_ids[i * bs : (i + 1) * bs])
+            self._hash[block] = parent
+            self._table.setdefault(parent, block)
+
+    def _chain(self, parent: bytes, block_tokens: Sequence[int]) -> bytes:
+        return hashlib.blake2b(parent + self._pack(*block_tokens), digest_size=_HASH_BYTES).digest()
+
+    def _check_id(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"cache block {block} out of range [0, {self.num_blocks})")
