@@ -671,6 +671,8 @@ class Ingress:
         chunk each, as OpenAI sends them: the logprobs ride on the first, the finish reason on the last)."""
         if chat:
             lp = oa.chat_logprobs(sampled, self.tok) if choice.want_logprobs and sampled else None
+            if not piece and finish is None and lp is None and choice.role_sent:
+                return []  # nothing to say yet (a call id or a split character held back)
             out = []
             for i, delta in enumerate(piece or [{}]):
                 first = not choice.role_sent
