@@ -47,6 +47,7 @@ class Request:
     seq: Seq
     logprobs: list[SampledToken] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None  # first sent in a step (the end of its wait in the queue)
     first_token: float | None = None
     last_token: float | None = None
 
@@ -247,6 +248,12 @@ class Engine:
     def _send(self, plan: Plan, *, ahead: bool, t_plan: float) -> Launched:
         self.step_no += 1
         epoch = self.executor.table.epoch
+        now = time.monotonic()
+        for replica in plan.chunks:  # the request timings: first scheduled
+            for c in replica:
+                req = self.requests.get(c.seq_id)
+                if req is not None and req.scheduled is None:
+                    req.scheduled = now
         micro = self._micro_batches(plan.chunks)
         reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
                             self.scheduler.take_released(r))
@@ -333,7 +340,9 @@ class Engine:
                 if seq.params.logprobs is not None:
                     req.logprobs.append(tok)
                 if reason:
-                    self.stats.observe_finished(now - req.arrival, seq)
+                    scheduled = req.arrival if req.scheduled is None else req.scheduled
+                    self.stats.observe_finished(now - req.arrival, seq, queue_s=scheduled - req.arrival,
+                                                prefill_s=req.first_token - scheduled, decode_s=now - req.first_token)
             events.append(TokenEvent(seq.seq_id, (tok.token_id,), (tok,), reason))
         return events
 

@@ -75,6 +75,9 @@ class Finished:
     prompt_tokens: int
     generation_tokens: int
     finish_reason: str
+    queue_s: float = 0.0  # arrival to first scheduled
+    prefill_s: float = 0.0  # first scheduled to first token
+    decode_s: float = 0.0  # first token to last token
 
 
 @dataclass(frozen=True)
@@ -181,12 +184,14 @@ class EngineStats:
     def observe_itl(self, seconds: float) -> None:
         self._emit(TokenTiming(seconds, False))
 
-    def observe_finished(self, seconds: float, seq) -> None:
+    def observe_finished(self, seconds: float, seq, *, queue_s: float = 0.0, prefill_s: float = 0.0,
+                         decode_s: float = 0.0) -> None:
         self.finished += 1
         self.e2e_s.append(seconds)
         self.generation_tokens += len(seq.output_ids)
         self.prompt_tokens += seq.num_prompt_tokens
-        self._emit(Finished(seconds, seq.num_prompt_tokens, len(seq.output_ids), str(seq.finish_reason)))
+        self._emit(Finished(seconds, seq.num_prompt_tokens, len(seq.output_ids), str(seq.finish_reason),
+                            queue_s, prefill_s, decode_s))
 
     def _emit(self, rec: Record) -> None:
         for fn in self.listeners:

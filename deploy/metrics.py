@@ -48,8 +48,11 @@ HOT_EXPERTS = 4  # per MoE layer, by tokens over the window
 # prefix="vllm" they are named vllm:<name> and labelled (model_name, engine[, finished_reason]).
 SERVING = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
            "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
-           "inter_token_latency_seconds", "e2e_request_latency_seconds")
+           "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+           "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
+           "request_generation_tokens", "request_max_num_generation_tokens")
 VLLM_ENGINE = "0"  # vLLM's data-parallel engine index; one engine per moeray deployment
+DEFAULT_MAX_MODEL_LEN = 131072  # token buckets' top when the scheduler does not say (stubs)
 FINISHED_REASONS = ("stop", "length")  # what model.runner.check_stop returns; pre-created at 0
 
 # Buckets: vLLM's (v1 loggers) for the request latencies; the per-step ones reach down to 100 µs
@@ -60,11 +63,25 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+REQUEST_PHASE_BUCKETS = E2E_BUCKETS  # vLLM's request_latency_buckets: queue, prefill and decode time too
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                 10.0, 30.0, 60.0, 120.0)
 PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 EXCHANGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets`` (vllm/v1/metrics/loggers.py): 1, 2, 5, 10, 20, 50, ... up to
+    ``max_value`` (its max_model_len), the buckets of its per-request token-count histograms."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_value:
+                return tuple(out)
+            out.append(v)
+        exp += 1
 
 
 class _Registry(CollectorRegistry):
@@ -82,12 +99,15 @@ class EngineMetrics:
     """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.router`` (the
     Router: token counts), ``.scheduler`` (``waiting``, ``running``, ``blocks``: allocators with
     ``num_free``/``num_blocks``) and ``.table`` (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
-    ``expert_metrics``: "summary" (default) or "full" (adds the per-(layer, expert) counter)."""
+    ``expert_metrics``: "summary" (default) or "full" (adds the per-(layer, expert) counter);
+    ``max_model_len``: the top of the per-request token-count buckets (default: the scheduler's
+    ``max_context``, the model's context)."""
 
     CONTENT_TYPE = CONTENT_TYPE
 
     def __init__(self, engine: Any, model_name: str, *, prefix: Literal["moeray", "vllm"] = "moeray",
-                 expert_metrics: Literal["summary", "full"] = "summary", hot_experts: int = HOT_EXPERTS):
+                 expert_metrics: Literal["summary", "full"] = "summary", hot_experts: int = HOT_EXPERTS,
+                 max_model_len: int | None = None):
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         if prefix not in PREFIXES:
@@ -98,6 +118,7 @@ class EngineMetrics:
             raise ValueError(f"hot_experts must be >= 1, got {hot_experts}")
         self.engine, self.model_name = engine, model_name
         self.prefix, self.expert_metrics, self.hot_experts = prefix, expert_metrics, hot_experts
+        self.max_model_len = int(max_model_len or getattr(engine.scheduler, "max_context", DEFAULT_MAX_MODEL_LEN))
         # the serving series' (name prefix, label names, label values)
         self._serving = (("vllm:", ("model_name", "engine"), (model_name, VLLM_ENGINE)) if prefix == "vllm"
                          else (PREFIX, ("model_name",), (model_name,)))
@@ -162,6 +183,21 @@ class EngineMetrics:
                                          "Time between two tokens of one request (vLLM's older name).", ITL_BUCKETS))
         self.e2e = serving_hist("e2e_request_latency_seconds", "Arrival to last token of finished requests.",
                                 E2E_BUCKETS)
+        # per finished request, as vLLM's PrometheusStatLogger observes its FinishedRequestStats
+        self.queue_time = serving_hist("request_queue_time_seconds", "Arrival to first scheduled (waiting).",
+                                       REQUEST_PHASE_BUCKETS)
+        self.prefill_time = serving_hist("request_prefill_time_seconds", "First scheduled to first token.",
+                                         REQUEST_PHASE_BUCKETS)
+        self.decode_time = serving_hist("request_decode_time_seconds", "First token to last token.",
+                                        REQUEST_PHASE_BUCKETS)
+        tokens = buckets_1_2_5(self.max_model_len)
+        self.request_prompt_tokens = serving_hist("request_prompt_tokens", "Prompt tokens per finished request.",
+                                                  tokens)
+        self.request_generation_tokens = serving_hist("request_generation_tokens",
+                                                      "Generated tokens per finished request.", tokens)
+        self.request_max_generation = serving_hist(
+            "request_max_num_generation_tokens", "Most tokens generated by one sequence of a finished request "
+            "(one sequence per request here: its generated tokens).", tokens)
         self.steps = counter("engine_steps_total", "Engine steps run.").labels(name)
         self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.",
                                        STEP_BUCKETS).labels(name)
@@ -231,6 +267,12 @@ class EngineMetrics:
 
     def _on_finished(self, rec: Finished) -> None:
         self.e2e.observe(rec.seconds)
+        self.queue_time.observe(rec.queue_s)
+        self.prefill_time.observe(rec.prefill_s)
+        self.decode_time.observe(rec.decode_s)
+        self.request_prompt_tokens.observe(rec.prompt_tokens)
+        self.request_generation_tokens.observe(rec.generation_tokens)
+        self.request_max_generation.observe(rec.generation_tokens)
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.request_success.labels(*self._serving[2], rec.finish_reason).inc()
 

@@ -49,3 +49,35 @@ def prom_query(base: str, expr: str) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:  # 400: the expression does not parse
         return json.loads(e.read())
+
+
+# Every PromQL expression of vLLM's own Grafana dashboard, in panel order: vllm-project/vllm
+# examples/observability/prometheus_grafana/grafana.json (at commit 4b5c627c23e6690b8987100d1cbf78e34ac14bf9,
+# as returned by the code-search index; its one variable is Grafana's label_values(model_name)). With
+# metrics_prefix: vllm each must select series that moeray exports, with data.
+VLLM_DASHBOARD_QUERIES = [
+    *(f'histogram_quantile({q}, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{{model_name="$model_name"}}'
+      f'[$__rate_interval])))' for q in ("0.99", "0.95", "0.9", "0.5")),
+    'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+    'rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    *(f'histogram_quantile({q}, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{{model_name="$model_name"}}'
+      f'[$__rate_interval])))' for q in ("0.99", "0.95", "0.9", "0.5")),
+    'rate(vllm:inter_token_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+    'rate(vllm:inter_token_latency_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'vllm:num_requests_running{model_name="$model_name"}',
+    'vllm:num_requests_waiting{model_name="$model_name"}',
+    *(f'histogram_quantile({q}, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{{model_name="$model_name"}}'
+      f'[$__rate_interval])))' for q in ("0.99", "0.95", "0.9", "0.5")),
+    'rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+    'rate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
+    'vllm:kv_cache_usage_perc{model_name="$model_name"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$model_name"}[$__rate_interval]))',
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$model_name"}[$__rate_interval])',
+]

@@ -16,6 +16,7 @@ from model.sampling import SamplingParams
 
 MOE_LAYERS = [1, 3]  # model layer ids (layer 0 is dense)
 NUM_EXPERTS = 4
+MAX_CONTEXT = 4096  # the model's context: the top of the per-request token buckets
 ALLOWED_LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "le"}
 
 
@@ -23,7 +24,7 @@ def make_engine(*, replicas: int = 2, expert_actors: int = 2, window_steps: int 
     stats = EngineStats(len(MOE_LAYERS))
     router = Router(NUM_EXPERTS, MOE_LAYERS, window_steps=window_steps)
     scheduler = Scheduler(num_replicas=replicas, num_blocks=8, block_size=4, num_slots=None, max_num_seqs=8,
-                          max_tokens_per_step=64)
+                          max_tokens_per_step=64, max_context=MAX_CONTEXT)
     table = router.initial(replicas, expert_actors)
     return SimpleNamespace(stats=stats, router=router, scheduler=scheduler, table=table)
 
@@ -92,6 +93,9 @@ def test_all_series_exist_at_start_with_bounded_labels(metrics):
         "moeray:engine_steps": "counter",
         "moeray:time_to_first_token_seconds": "histogram", "moeray:inter_token_latency_seconds": "histogram",
         "moeray:e2e_request_latency_seconds": "histogram", "moeray:step_duration_seconds": "histogram",
+        "moeray:request_queue_time_seconds": "histogram", "moeray:request_prefill_time_seconds": "histogram",
+        "moeray:request_decode_time_seconds": "histogram", "moeray:request_prompt_tokens": "histogram",
+        "moeray:request_generation_tokens": "histogram", "moeray:request_max_num_generation_tokens": "histogram",
         "moeray:moe_dispatch_latency_seconds": "histogram", "moeray:moe_combine_latency_seconds": "histogram",
         "moeray:expert_compute_seconds": "histogram", "moeray:epoch_pause_seconds": "histogram",
         "moeray:moe_hot_expert_tokens": "gauge",
@@ -200,9 +204,58 @@ def test_request_latencies_and_token_counters(engine, metrics):
     assert value(s, "moeray:request_success_total", finished_reason="stop") == 0
 
 
+def test_per_request_phase_and_length_histograms(engine, metrics):
+    """vLLM's per-finished-request histograms: queue (arrival → first scheduled), prefill (→ first
+    token), decode (→ last token), prompt and generated tokens."""
+    seq = Seq(8, list(range(1, 31)), 23, SamplingParams(max_tokens=64))  # 23 prompt + 7 generated
+    seq.finish_reason = "stop"
+    engine.stats.observe_finished(3.0, seq, queue_s=0.4, prefill_s=0.9, decode_s=1.7)
+    s = scrape(metrics)
+    for name, total, le_below, le_at in (("request_queue_time_seconds", 0.4, "0.3", "0.5"),
+                                         ("request_prefill_time_seconds", 0.9, "0.8", "1.0"),
+                                         ("request_decode_time_seconds", 1.7, "1.5", "2.0"),
+                                         ("request_prompt_tokens", 23, "20.0", "50.0"),
+                                         ("request_generation_tokens", 7, "5.0", "10.0"),
+                                         ("request_max_num_generation_tokens", 7, "5.0", "10.0")):
+        assert value(s, f"moeray:{name}_count") == 1, name
+        assert value(s, f"moeray:{name}_sum") == pytest.approx(total), name
+        assert value(s, f"moeray:{name}_bucket", le=le_below) == 0, name
+        assert value(s, f"moeray:{name}_bucket", le=le_at) == 1, name
+
+
+def test_engine_times_queue_prefill_and_decode():
+    """Engine._send stamps a request's first scheduling (once) and Engine._apply splits its life into
+    queue, prefill and decode for the Finished record, driven on a stand-in engine (no cluster)."""
+    from actors.messages import SampledToken
+    from cluster.engine import Engine, Request
+    from cluster.stats import Finished
+
+    stats = EngineStats(1)
+    got = []
+    stats.listeners.append(got.append)
+    seq = Seq(3, [1, 2, 3], 3, SamplingParams(max_tokens=2))
+    req = Request(seq, arrival=100.0)
+    plan = SimpleNamespace(chunks=[[SimpleNamespace(seq_id=3)]])
+    fake = SimpleNamespace(requests={3: req}, stats=stats, step_no=0,
+                           executor=SimpleNamespace(table=SimpleNamespace(epoch=0)))
+    for _ in range(2):  # the stamp comes before the step is sent; the stand-in cannot send it
+        with pytest.raises(AttributeError):
+            Engine._send(fake, plan, ahead=False, t_plan=0.0)
+        stamped = stamped if _ else req.scheduled
+    assert req.scheduled == stamped > 100.0  # the first scheduling only
+    req.scheduled, req.first_token, req.last_token = 101.0, 102.5, 102.5  # as if the first token came at 102.5
+    seq.token_ids.append(7)
+    seq.finish_reason = "length"
+    fake.scheduler = SimpleNamespace(apply=lambda sampled: [(seq, sampled[0], "length")])
+    Engine._apply(fake, [SampledToken(3, 7)])
+    fin = [r for r in got if isinstance(r, Finished)]
+    assert len(fin) == 1 and fin[0].queue_s == pytest.approx(1.0) and fin[0].prefill_s == pytest.approx(1.5)
+    assert fin[0].decode_s == pytest.approx(fin[0].seconds - 2.5) and fin[0].decode_s > 0
+
+
 def test_no_request_ids_in_labels(engine, metrics):
     for i in range(5):
-        seq = Seq(1000 + i, [1, 2, 3], 2, SamplingParams(max_tokens=1))
+        seq = Seq(91000 + i, [1, 2, 3], 2, SamplingParams(max_tokens=1))
         seq.finish_reason = "stop"
         engine.stats.observe_ttft(0.1)
         engine.stats.observe_finished(0.2, seq)
@@ -212,7 +265,7 @@ def test_no_request_ids_in_labels(engine, metrics):
         for sample in family.samples:
             assert set(sample.labels) <= ALLOWED_LABELS, (sample.name, sample.labels)
             assert "seq" not in sample.name and "request_id" not in sample.name
-    assert "1000" not in text and "1004" not in text
+    assert "91000" not in text and "91004" not in text
 
 
 def test_listener_errors_never_reach_the_engine(engine, metrics, caplog):
@@ -350,6 +403,7 @@ VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.
                      40.0, 80.0]
 VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0]
+VLLM_TOKEN_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]  # 1-2-5 to MAX_CONTEXT
 VLLM_SERIES = {  # family name: (type, label names, histogram buckets or None)
     "vllm:num_requests_running": ("gauge", {"model_name", "engine"}, None),
     "vllm:num_requests_waiting": ("gauge", {"model_name", "engine"}, None),
@@ -362,6 +416,13 @@ VLLM_SERIES = {  # family name: (type, label names, histogram buckets or None)
     "vllm:time_per_output_token_seconds": ("histogram", {"model_name", "engine"}, VLLM_TPOT_BUCKETS),
     "vllm:inter_token_latency_seconds": ("histogram", {"model_name", "engine"}, VLLM_TPOT_BUCKETS),
     "vllm:e2e_request_latency_seconds": ("histogram", {"model_name", "engine"}, VLLM_E2E_BUCKETS),
+    # request_latency_buckets, as e2e; and build_1_2_5_buckets(max_model_len) for the token counts
+    "vllm:request_queue_time_seconds": ("histogram", {"model_name", "engine"}, VLLM_E2E_BUCKETS),
+    "vllm:request_prefill_time_seconds": ("histogram", {"model_name", "engine"}, VLLM_E2E_BUCKETS),
+    "vllm:request_decode_time_seconds": ("histogram", {"model_name", "engine"}, VLLM_E2E_BUCKETS),
+    "vllm:request_prompt_tokens": ("histogram", {"model_name", "engine"}, VLLM_TOKEN_BUCKETS),
+    "vllm:request_generation_tokens": ("histogram", {"model_name", "engine"}, VLLM_TOKEN_BUCKETS),
+    "vllm:request_max_num_generation_tokens": ("histogram", {"model_name", "engine"}, VLLM_TOKEN_BUCKETS),
 }
 # our moeray: name for each vLLM family (the counterpart)
 MOERAY_COUNTERPART = {"vllm:time_per_output_token_seconds": "moeray:inter_token_latency_seconds"}
@@ -440,3 +501,29 @@ def test_serving_config_and_moeray_up_carry_the_metrics_fields(tmp_path):
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--metrics-prefix", "sglang"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert out.returncode == 2 and "metrics_prefix" in out.stderr, out.stderr  # refused before anything starts
+
+
+def test_every_series_of_vllms_dashboard_is_rendered_with_data_under_prefix_vllm(engine):
+    """Each sample name that vLLM's Grafana dashboard queries (dashboards.VLLM_DASHBOARD_QUERIES) is
+    rendered by the app with prefix vllm, labelled model_name, and after one finished request its
+    histograms and counters have counted it (the panels on rate()/increase() have data to show)."""
+    from dashboards import VLLM_DASHBOARD_QUERIES, series_names
+
+    assert len(VLLM_DASHBOARD_QUERIES) == 27
+    m = EngineMetrics(engine, "tiny", prefix="vllm")
+    engine.stats.observe_ttft(0.05)
+    engine.stats.observe_itl(0.02)
+    seq = Seq(1, [1, 2, 3, 4], 3, SamplingParams(max_tokens=2))
+    seq.finish_reason = "stop"
+    engine.stats.observe_finished(0.4, seq, queue_s=0.01, prefill_s=0.04, decode_s=0.35)
+    s = scrape(m)
+    wanted = {n for q in VLLM_DASHBOARD_QUERIES for n in series_names(q)}
+    assert len(wanted) == 21, sorted(wanted)
+    for name in sorted(wanted):
+        got = {k: v for k, v in s.items() if k[0] == name and ("model_name", "tiny") in k[1]}
+        assert got, f"{name}: not rendered with prefix vllm"
+        if name.endswith(("_sum", "_count", "_total")) and "request_success" not in name:
+            assert sum(got.values()) > 0, f"{name}: no data after a finished request"
+        if name.endswith("_bucket"):
+            assert max(got.values()) >= 1, f"{name}: no observation"
+    m.close()
