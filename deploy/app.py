@@ -318,6 +318,20 @@ def _stream_error(err: Exception) -> dict:
                               "retry it", code="engine_failed")
 
 
+class _TextOutput:
+    """A completion choice's output: the text through its stop strings (:class:`ChatOutput`'s
+    interface, for text)."""
+
+    def __init__(self, stops: oa.StopStrings):
+        self.stops = stops
+
+    def push(self, token_ids, text: str) -> tuple[str, bool]:
+        return self.stops.push(text)
+
+    def finish(self, engine_reason: str) -> tuple[str, str]:
+        return self.stops.flush(), "stop" if engine_reason == "stop" else "length"
+
+
 class _Choice:
     """One choice of a request: its stream from the engine, with stop strings applied, and where its
     streamed logprobs' text offsets have got to."""
@@ -331,51 +345,25 @@ class _Choice:
         self.text_offset = 0  # of the next streamed token, as the non-streamed logprobs count it
 
     async def chunks(self):
-        """(text, sampled, finish_reason) pieces until the choice ends; a chat choice's pieces are
-        lists of deltas (:class:`ChatOutput`) in place of text."""
-        if self.out is not None:
-            async for piece in self._chat_chunks():
-                yield piece
-            return
-        pending = [self.first]
-        while True:
-            chunk = pending.pop() if pending else await self.gen.__anext__()
-            self.token_ids.extend(chunk.token_ids)
-            self.sampled.extend(chunk.sampled)
-            # the stop token's text, left out unless include_stop_str_in_output (vLLM's meaning)
-            text, stopped = self.stops.push(chunk.text + (chunk.stop_text if self.stops.include else ""))
-            if stopped:
-                self.gen.cancel()
-                self.finish = "stop"
-                yield text, list(chunk.sampled), "stop"
-                return
-            finish = chunk.finish_reason
-            if finish is not None:
-                text += self.stops.flush()
-                self.finish = "stop" if finish == "stop" else "length"
-                yield text, list(chunk.sampled), self.finish
-                return
-            yield text, list(chunk.sampled), None
-
-    async def _chat_chunks(self):
+        """(piece, sampled, finish_reason) until the choice ends: a completion's pieces are text, a
+        chat choice's lists of deltas (:class:`ChatOutput`)."""
+        out = self.out if self.out is not None else _TextOutput(self.stops)
         pending = [self.first]
         while True:
             chunk = pending.pop() if pending else await self.gen.__anext__()
             self.token_ids.extend(chunk.token_ids)
             self.sampled.extend(chunk.sampled)
             ids = chunk.token_ids[:-1] if chunk.finish_reason == "stop" and chunk.token_ids else chunk.token_ids
-            extra = chunk.stop_text if self.stops.include else ""  # the end-of-turn token's text, if asked for
-            deltas, stopped = self.out.push(ids, chunk.text + extra)
+            # the stop token's text, left out unless include_stop_str_in_output (vLLM's meaning)
+            piece, stopped = out.push(ids, chunk.text + (chunk.stop_text if self.stops.include else ""))
             if stopped:
                 self.gen.cancel()
-                more, self.finish = self.out.finish("stop")
-                yield deltas + more, list(chunk.sampled), self.finish
+            reason = "stop" if stopped else chunk.finish_reason
+            if reason is not None:
+                more, self.finish = out.finish(reason)
+                yield piece + more, list(chunk.sampled), self.finish
                 return
-            if chunk.finish_reason is not None:
-                more, self.finish = self.out.finish(chunk.finish_reason)
-                yield deltas + more, list(chunk.sampled), self.finish
-                return
-            yield deltas, list(chunk.sampled), None
+            yield piece, list(chunk.sampled), None
 
     async def drain(self) -> None:
         async for text, _, _ in self.chunks():
@@ -627,10 +615,11 @@ class Ingress:
 
     async def _respond(self, request: Request, req, jobs, prompt_tokens: int, chat: bool, plan: ChatPlan | None = None):
         fan, firsts = await self._open([(ids, sp) for _, ids, sp in jobs])
-        choices = [_Choice(index, fan.stream(i), first, oa.StopStrings(req.stop_list, req.include_stop_str_in_output),
-                           sp, None if plan is None else
-                           ChatOutput(self.tok, plan, req.stop_list, skip_special_tokens=sp.skip_special_tokens))
-                   for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts))]
+        choices = []
+        for i, ((index, _, sp), first) in enumerate(zip(jobs, firsts)):
+            stops = oa.StopStrings(req.stop_list, req.include_stop_str_in_output)
+            out = None if plan is None else ChatOutput(self.tok, plan, stops, skip_special_tokens=sp.skip_special_tokens)
+            choices.append(_Choice(index, fan.stream(i), first, stops, sp, out))
         if req.stream:
             return StreamingResponse(self._sse(fan, choices, chat, prompt_tokens, req.include_usage),
                                      media_type="text/event-stream")

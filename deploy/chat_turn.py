@@ -20,6 +20,7 @@ Policies (docs/operations.md, "Tool calls and structured output"):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from deploy.openai_api import APIError, StopStrings, chat_prompt_ids
@@ -36,6 +37,12 @@ class ChatPlan:
     markers: K2Markers | None  # parse K2's output (tool calls and/or reasoning); None: plain text
     tools_enabled: bool
     think: bool  # the template lets the model reason first (<think> … </think>)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_grammar(grammar: str) -> None:
+    """model.grammar.check, once per grammar text (an agent resends the same tools every turn)."""
+    check_grammar(grammar)
 
 
 def _dump(x):
@@ -77,7 +84,7 @@ def plan_chat(req, tok: Tokenizer) -> ChatPlan:
             grammar = tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, first, markers,
                                         think=think)
         if grammar is not None:
-            check_grammar(grammar)  # what the attention actors will compile: refused here, not there
+            _check_grammar(grammar)  # what the attention actors will compile: refused here, not there
     except ValueError as e:  # SchemaError included: the message names the path and the keyword
         raise APIError(400, str(e), param="response_format" if rf is not None else "tools",
                        code="invalid_schema" if isinstance(e, SchemaError) else None) from None
@@ -88,8 +95,8 @@ class ChatOutput:
     """One choice's output as it streams: :meth:`push` each engine chunk (its ids and text) for the
     deltas to send, :meth:`finish` at the end; :attr:`message` assembles the deltas."""
 
-    def __init__(self, tok: Tokenizer, plan: ChatPlan, stops: list[str], *, skip_special_tokens: bool = True):
-        self.stops = StopStrings(stops)
+    def __init__(self, tok: Tokenizer, plan: ChatPlan, stops: StopStrings, *, skip_special_tokens: bool = True):
+        self.stops = stops  # the choice's: its content goes through them
         self.parser = None
         if plan.markers is not None:
             def decode(ids):

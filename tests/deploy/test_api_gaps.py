@@ -494,3 +494,14 @@ def test_served_choice_stopped_by_its_stop_string_stops_decoding(server, client)
     _wait_idle(server, 30)
     generated = _generated(server) - before
     assert most < generated < most + most // 2, generated
+
+
+def test_chat_content_keeps_the_stop_string_with_include_stop_str_in_output(tok):
+    from deploy.chat_turn import ChatOutput, ChatPlan
+    from deploy.openai_api import StopStrings
+
+    plan = ChatPlan([1], None, None, False, False)
+    for include, want in ((False, "ab"), (True, "abEND")):
+        out = ChatOutput(tok, plan, StopStrings(["END"], include))
+        deltas, stopped = out.push([], "abEND and more")
+        assert stopped and "".join(d["content"] for d in deltas) == want and out.message["content"] == want
