@@ -38,7 +38,7 @@ from .progress import LoadProgress
 class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
-                 threads: int | None = 1, exchange: str = "auto"):
+                 threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0):
         super().__init__()
         if threads:
             torch.set_num_threads(threads)
@@ -52,7 +52,8 @@ class AttentionWorker(ServesSteps):
         self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False,
                                 on_progress=self.progress.update).to(self.device)
         self.cfg = self.model.cfg
-        self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device)
+        self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device,
+                                           num_snapshots=num_snapshots if self.cfg.kda_layers else 0)
         self._moe = self.model.moe_blocks()
         self.moe_layers = sorted(self._moe)
         self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
@@ -104,13 +105,16 @@ class AttentionWorker(ServesSteps):
                                f"epoch {self.table.epoch}")
         refuse_ahead(self.name, req.step, req.ahead, self.completed)
         self.logits_state.release(req.release)
-        self.logits_state.prepare(c.params for c in req.chunks if c.num_cached == 0)  # compiles beside the forward
+        self.logits_state.prepare(c.params for c in req.chunks if c.reset_state)  # compiles beside the forward
         d.begin_step(req.step)
         t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
         batches = [req.chunks[a:b] for a, b in zip(bounds, bounds[1:])]
         hidden = self._forward(batches)
+        for c in req.chunks:  # after every micro-batch: a snapshot restored this step is read first
+            if c.snapshot is not None and self.cache.kda is not None:
+                self.cache.kda.save(c.state_slot, c.snapshot)
         t1 = time.perf_counter()
         tokens = self._sample(req.chunks, hidden) if req.chunks else ()
         sample_s, cpu_s = time.perf_counter() - t1, time.thread_time() - c0
@@ -156,10 +160,16 @@ class AttentionWorker(ServesSteps):
             return None
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
-                self.cache.kda.reset(c.state_slot)
+                if c.restore is None:
+                    self.cache.kda.reset(c.state_slot)
+                else:
+                    self.cache.kda.restore(c.restore, c.state_slot)
         known = [[self._known(c.seq_id) if t == AHEAD else t for t in c.token_ids] for c in chunks]
         for c, toks in zip(chunks, known):
-            self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached, toks, c.params)
+            if c.prefix:  # the tokens found cached, for the sequence's new history
+                self.logits_state.feed(c.seq_id, c.prompt_len, 0, list(c.prefix) + toks, c.params)
+            else:
+                self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached, toks, c.params)
         ids = torch.tensor([t for toks in known for t in toks], device=self.device)
         meta = build_attn_meta(
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],

@@ -111,6 +111,12 @@ class SeqChunk:
     # the prefill's tokens too)
     prompt_len: int = 0  # the sequence's prompt tokens: positions from here on are generated ones
     banned: tuple[int, ...] = ()  # ids the sampled token must not be: the stop ids before min_tokens
+    # prefix caching: with reset_state, load the KDA state from this snapshot instead of zeroing it
+    # (the sequence's first num_cached tokens were found cached); after the step, save the state into
+    # ``snapshot``; ``prefix`` = the tokens before num_cached, for a new history (penalties, grammar)
+    restore: int | None = None
+    snapshot: int | None = None
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

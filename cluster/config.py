@@ -3,6 +3,7 @@ edge (deploy/ or the CLI) and handed down; read by the engine, its epoch owner a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -65,6 +66,12 @@ class EngineConfig:
     # actor's index is taken by a standby (failover without starting a process), then a new standby starts
     standby_attention: int = 0  # each holds the attention weights and a cache, like a replica
     standby_experts: int = 0  # each holds nothing until it takes a dead actor's experts
+    # prefix caching (cluster/scheduler.py): cached blocks shared between sequences; a new sequence goes
+    # to the replica with the most of it cached minus prefix_load_weight cached tokens per running sequence
+    # there; on hybrid models at most snapshot_bytes of KDA state snapshots per attention replica
+    prefix_caching: bool = True
+    prefix_load_weight: float = 256.0
+    snapshot_bytes: int = 1 << 30
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
@@ -77,7 +84,8 @@ class EngineConfig:
             raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
         if self.transport not in ("auto", "group"):
             raise ValueError(f"engine setting 'transport' must be auto or group, got {self.transport!r}")
-        for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries", "capacity_wait_s"):
+        for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries", "capacity_wait_s",
+                     "prefix_load_weight", "snapshot_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")
         for name in ("hang_floor_s", "hang_factor", "heartbeat_timeout_s"):
@@ -86,3 +94,20 @@ class EngineConfig:
         if self.rebalance_threshold < 1:
             raise ValueError(f"engine setting 'rebalance_threshold' must be >= 1 (1 = balanced), "
                              f"got {self.rebalance_threshold}")
+
+
+def snapshot_plan(config: EngineConfig, model_cfg) -> tuple[int | None, int, int]:
+    """(grid, count, bytes each) of an attention replica's KDA state snapshots: None, 0, 0 unless
+    the model has KDA layers and prefix caching is on. The grid is the least common multiple of
+    the block size and the KDA chunk, so that a prefill split on it computes what an unsplit one
+    does; the count is what ``snapshot_bytes`` holds, and no more than the grid boundaries the
+    cache has blocks for."""
+    from model.kda import KDA_CHUNK
+    from model.loader import parse_dtype
+    from model.params import state_bytes_per_sequence
+
+    if not (config.prefix_caching and model_cfg.kda_layers):
+        return None, 0, 0
+    grid = math.lcm(config.block_size, KDA_CHUNK)
+    each = state_bytes_per_sequence(model_cfg, parse_dtype(config.dtype).itemsize)["total"]
+    return grid, min(config.snapshot_bytes // each, config.num_blocks * config.block_size // grid), each

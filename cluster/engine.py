@@ -28,7 +28,7 @@ from actors.router import Router
 from model.config import ModelConfig, load_config
 from model.sampling import SamplingParams
 
-from .config import EngineConfig
+from .config import EngineConfig, snapshot_plan
 from .epochs import EpochChange, Epochs, Transition
 from .errors import EngineError, NoCapacity, RequestsFailed, StepFailed
 from .executor import Executor, Sent
@@ -86,11 +86,14 @@ class Engine:
         if spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts:
             raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
                              f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
+        grid, num_snapshots, _ = snapshot_plan(config, mc)
         self.scheduler = Scheduler(
             num_replicas=spec.attention, num_blocks=config.num_blocks, block_size=config.block_size,
             num_slots=config.num_slots if mc.kda_layers else None, max_num_seqs=config.max_num_seqs,
             max_tokens_per_step=config.max_tokens_per_step,
-            stop_ids=frozenset(stop_ids) | frozenset(mc.eos_token_ids), max_context=mc.max_position_embeddings)
+            stop_ids=frozenset(stop_ids) | frozenset(mc.eos_token_ids), max_context=mc.max_position_embeddings,
+            prefix_caching=config.prefix_caching, load_weight=config.prefix_load_weight,
+            snapshot_grid=grid, num_snapshots=num_snapshots)
         self.router = Router(mc.n_routed_experts, mc.moe_layers, window_steps=config.window_steps)
         if executor is None:
             from .executor import RayExecutor
@@ -149,9 +152,10 @@ class Engine:
             raise ValueError(f"prompt + max_tokens ({len(prompt_ids) + params.max_tokens}) exceeds one replica's "
                              f"cache ({cap} tokens)")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+        """Queue a request; ``cache_salt``: it shares cached blocks only with requests of the same salt."""
         self.validate(prompt_ids, params)
-        seq = Seq(next(self._ids), list(prompt_ids), len(prompt_ids), params)
+        seq = Seq(next(self._ids), list(prompt_ids), len(prompt_ids), params, cache_salt=cache_salt)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = Request(seq)
         return seq.seq_id
@@ -290,6 +294,7 @@ class Engine:
         t1 = time.perf_counter()
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
+        self.scheduler.completed(launched.plan)  # what it wrote may be shared from now on
         events = self._apply([t for r in attn for t in r.tokens])
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
         self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table)

@@ -24,7 +24,7 @@ from actors.messages import GroupInfo, PlacementTable
 from actors.remote import RemoteAttention, RemoteExpert
 from model.config import ModelConfig
 
-from .config import EngineConfig
+from .config import EngineConfig, snapshot_plan
 from .errors import EngineError, NoCapacity
 from .executor import MemberId, member_names, parse_name
 from .members import Home, Member, Prepared, kill_actor, retire
@@ -446,7 +446,8 @@ class Fleet:
         opts = self._options(home.reservation.attention_options(home.index))
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
-            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange, threads=c.actor_threads)
+            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange, threads=c.actor_threads,
+            num_snapshots=snapshot_plan(c, self.model_cfg)[1])
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:

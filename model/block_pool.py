@@ -142,29 +142,69 @@ class BlockPool:
 
     # -- prefix caching ----------------------------------------------------------------------
 
+    def chain(self, hashes: list[bytes], token_ids: Sequence[int], extra_key: str | None, num_blocks: int) -> list[bytes]:
+        """Extend ``hashes`` (a sequence's memo of its full blocks' chained hashes under
+        ``extra_key``, a prefix of them) to its first ``num_blocks`` blocks, and return it. A
+        sequence only ever appends tokens, so its memo never goes stale."""
+        bs = self.block_size
+        parent = hashes[-1] if hashes else _root_hash(extra_key)
+        for i in range(len(hashes), min(num_blocks, len(token_ids) // bs)):
+            parent = self._chain(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The registered blocks of the longest prefix of ``hashes``; changes nothing."""
+        out = []
+        for h in hashes:
+            block = self._table.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def num_cached_of(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` are cached (not held): taking them takes that much room."""
+        return sum(1 for b in blocks if self._ref[b] == 0)
+
+    def take(self, blocks: Sequence[int], num_query_tokens: int) -> None:
+        """Hold each of ``blocks`` (found by :meth:`lookup`) once more — cached ones leave the LRU —
+        and count a query of ``num_query_tokens`` prompt tokens that hit ``len(blocks)`` blocks."""
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._lru[block]
+                self._num_held += 1
+            self._ref[block] += 1
+        self.num_queries_tokens += num_query_tokens
+        self.num_hit_tokens += len(blocks) * self.block_size
+
     def match(self, token_ids: Sequence[int], extra_key: str | None = None) -> list[int]:
         """The blocks holding the longest cached prefix of ``token_ids`` (full blocks whose chained
         hashes match, under ``extra_key``), now held once more by the caller — cached ones leave
         the LRU. At most ``(len(token_ids) - 1) // block_size`` blocks: the last token is always
         left to compute (its logits are needed). A caller that then cannot allocate the rest frees
         them again; the query is counted either way."""
-        bs = self.block_size
-        out: list[int] = []
-        parent = _root_hash(extra_key)
-        for i in range((len(token_ids) - 1) // bs):
-            parent = self._chain(parent, token_ids[i * bs : (i + 1) * bs])
-            block = self._table.get(parent)
-            if block is None:
-                break
-            out.append(block)
-        for block in out:
-            if self._ref[block] == 0:
-                del self._lru[block]
-                self._num_held += 1
-            self._ref[block] += 1
-        self.num_queries_tokens += len(token_ids)
-        self.num_hit_tokens += len(out) * bs
+        hashes = self.chain([], token_ids, extra_key, (len(token_ids) - 1) // self.block_size)
+        out = self.lookup(hashes)
+        self.take(out, len(token_ids))
         return out
+
+    def register_hashes(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """:meth:`register` with the blocks' chained hashes already computed (``hashes[i]`` is
+        ``block_ids[i]``'s; from :meth:`chain`). Same rules: held blocks, idempotent, the first
+        of duplicates keeps the table entry."""
+        if len(hashes) > len(block_ids):
+            raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
+        for block, h in zip(block_ids, hashes):
+            self._check_id(block)
+            if self._ref[block] == 0:
+                raise ValueError(f"cache block {block} registered but not held")
+        for block, h in zip(block_ids, hashes):
+            if self._hash[block] is None:
+                self._hash[block] = h
+                self._table.setdefault(h, block)
+            elif self._hash[block] != h:
+                raise ValueError(f"cache block {block} registered again with other content")
 
     def register(self, block_ids: Sequence[int], token_ids: Sequence[int], extra_key: str | None,
                  upto_tokens: int) -> None:
@@ -206,3 +246,88 @@ class BlockPool:
     def _check_id(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"cache block {block} out of range [0, {self.num_blocks})")
+
+
+class SnapshotPool:
+    """One attention replica's KDA state snapshots (hybrid models), keyed like the blocks.
+
+    A snapshot is the recurrent state and conv tail of a sequence right after its first ``b``
+    tokens, ``b`` a block boundary; its key is the chained hash of the block ending at ``b`` (so
+    it names every token before ``b`` and the salt). Same life as a block: *free*, *held* (a
+    sequence is saving into it, or holds it to restore from later) or *cached* (registered, no
+    holder, in an LRU evicted only when no snapshot is free). A snapshot is registered only once
+    the step that wrote it completed. Owns ids only; the tensors are the actor's
+    (:class:`~model.cache.KDAStateCache`)."""
+
+    def __init__(self, num_snapshots: int):
+        if num_snapshots < 0:
+            raise ValueError(f"num_snapshots must be >= 0, got {num_snapshots}")
+        self.num_snapshots = num_snapshots
+        self.num_evicted = 0
+        self.clear()
+
+    def clear(self) -> None:
+        self._ref = [0] * self.num_snapshots
+        self._key: list[bytes | None] = [None] * self.num_snapshots
+        self._table: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._free = list(range(self.num_snapshots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_snapshots - len(self._free) - len(self._lru)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._table.get(key)
+
+    def allocate(self) -> int | None:
+        """A snapshot to save into, held once; None when every one is held."""
+        if self._free:
+            snap = self._free.pop()
+        elif self._lru:
+            snap, _ = self._lru.popitem(last=False)
+            del self._table[self._key[snap]]
+            self._key[snap] = None
+            self.num_evicted += 1
+        else:
+            return None
+        self._ref[snap] = 1
+        return snap
+
+    def hold(self, snap: int) -> None:
+        if self._ref[snap] == 0:
+            if snap not in self._lru:
+                raise ValueError(f"snapshot {snap} is free: nothing to hold")
+            del self._lru[snap]
+        self._ref[snap] += 1
+
+    def register(self, snap: int, key: bytes) -> bool:
+        """The step that saved ``snap`` completed: later sequences may restore it. False (and it
+        stays anonymous) when another snapshot already has ``key``."""
+        if self._ref[snap] == 0:
+            raise ValueError(f"snapshot {snap} registered but not held")
+        if self._key[snap] is not None:
+            return self._key[snap] == key
+        if key in self._table:
+            return False
+        self._key[snap], self._table[key] = key, snap
+        return True
+
+    def release(self, snap: int) -> None:
+        if self._ref[snap] <= 0:
+            raise ValueError(f"snapshot {snap} released but not held")
+        self._ref[snap] -= 1
+        if self._ref[snap]:
+            return
+        if self._key[snap] is not None:
+            self._lru[snap] = None
+        else:
+            self._free.append(snap)

@@ -70,15 +70,40 @@ class LatentCache:
 
 class KDAStateCache:
     """conv [layers, slots, 3, W-1, P] (q/k/v conv inputs, oldest first) and recurrent
-    [layers, slots, heads, d_k, d_v] fp32. A slot is zeroed when a sequence takes it."""
+    [layers, slots, heads, d_k, d_v] fp32. A slot is zeroed when a sequence takes it, or loaded
+    from a snapshot (prefix caching): ``num_snapshots`` more rows of both, copied whole, so a
+    restored state is bit for bit the saved one."""
 
     def __init__(self, num_layers: int, num_slots: int, num_heads: int, head_dim: int, conv_kernel: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", num_snapshots: int = 0):
         P = num_heads * head_dim
-        self.num_slots = num_slots
-        self.conv = torch.zeros(num_layers, num_slots, 3, conv_kernel - 1, P, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(num_layers, num_slots, num_heads, head_dim, head_dim, dtype=torch.float32,
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        rows = num_slots + num_snapshots  # slots first, then snapshots
+        self.conv = torch.zeros(num_layers, rows, 3, conv_kernel - 1, P, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_layers, rows, num_heads, head_dim, head_dim, dtype=torch.float32,
                                      device=device)
+
+    def _snapshot_row(self, snap: int) -> int:
+        if not 0 <= snap < self.num_snapshots:
+            raise ValueError(f"KDA snapshot {snap} out of range [0, {self.num_snapshots})")
+        return self.num_slots + snap
+
+    def save(self, slot: int, snap: int) -> None:
+        """Snapshot ``snap`` := the state of ``slot``."""
+        row = self._snapshot_row(snap)
+        self.conv[:, row] = self.conv[:, slot]
+        self.recurrent[:, row] = self.recurrent[:, slot]
+
+    def restore(self, snap: int, slot: int) -> None:
+        """The state of ``slot`` := snapshot ``snap``."""
+        row = self._snapshot_row(snap)
+        self.conv[:, slot] = self.conv[:, row]
+        self.recurrent[:, slot] = self.recurrent[:, row]
+
+    def snapshot(self, snap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent) of snapshot ``snap``, every layer (views)."""
+        row = self._snapshot_row(snap)
+        return self.conv[:, row], self.recurrent[:, row]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[i], self.recurrent[i]

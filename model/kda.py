@@ -30,6 +30,11 @@ from .config import ModelConfig
 L2NORM_EPS = 1e-6  # inside the sqrt, as fla's l2norm
 
 
+# The chunked form's chunk length. Chunks start at the call's first token, so two prefills split at a
+# multiple of it run the same per-chunk arithmetic as one (prefix caching's snapshot grid relies on it).
+KDA_CHUNK = 64
+
+
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(Σx² + 1e-6) over the last dim, in fp32."""
     x = x.float()
@@ -76,7 +81,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor | None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+              state: torch.Tensor | None, chunk_size: int = KDA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence in chunks of ``chunk_size`` (§3.4 chunked form), for prefill.
 
     Arguments and results as :func:`recurrent_kda`; any T (padded internally with steps that

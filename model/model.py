@@ -116,15 +116,17 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype,
-                   device: str | torch.device = "cpu") -> ModelCache:
-        """The cache this model needs: latent blocks for its MLA layers, KDA slots for its KDA layers."""
+                   device: str | torch.device = "cpu", num_snapshots: int = 0) -> ModelCache:
+        """The cache this model needs: latent blocks for its MLA layers, KDA slots (and
+        ``num_snapshots`` state snapshots, for prefix caching) for its KDA layers."""
         cfg = self.cfg
         mla, kda = cfg.mla_layers, cfg.kda_layers
         latent = LatentCache(len(mla), num_blocks, block_size, cfg.latent_dim, dtype, device) if mla else None
         states = None
         if kda:
             k = cfg.kda
-            states = KDAStateCache(len(kda), num_slots, k.num_heads, k.head_dim, k.conv_kernel, dtype, device)
+            states = KDAStateCache(len(kda), num_slots, k.num_heads, k.head_dim, k.conv_kernel, dtype, device,
+                                   num_snapshots=num_snapshots)
         return ModelCache(latent, states, {l: i for i, l in enumerate(mla)}, {l: i for i, l in enumerate(kda)})
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache,

@@ -4,11 +4,14 @@ stop handling, recovery decisions, epoch sequencing — is tested fast and exact
 
 Its "model" keeps what the real actors keep and can get wrong:
 - each attention replica has a latent cache addressed through the block table (position →
-  block → slot) that remembers which sequence wrote which position; reading a position that this
-  sequence never wrote (a wrong ``num_cached``, a block table that lost a block, stale data
-  from another sequence) raises :class:`FakeCacheError`;
+  block → slot) that remembers, per position, the token and a hash of every token up to it (what
+  a real latent depends on); reading a position whose content is not this sequence's prefix (a
+  wrong ``num_cached``, a block table that lost a block, stale data, a prefix-cache hit on
+  another prefix) raises :class:`FakeCacheError` — a hit on the same prefix is allowed;
 - on hybrid models a per-slot recurrent state folds every token computed since the last reset,
   exactly once: a step redone without a reset folds its tokens twice and changes every later token;
+  a chunk may instead load a snapshot (prefix caching), which is the state saved by an earlier
+  chunk: a snapshot of the wrong boundary changes every later token;
 - the next token is a hash of the sequence's history (MLA models: read back from the cache; hybrid
   models: the recurrent state), so any token written at the wrong place changes the output;
 - an :data:`AHEAD` token is what this replica sampled last for the sequence, as the real worker does;
@@ -67,8 +70,9 @@ class FakeReplica:
     num_blocks: int
     block_size: int
     hybrid: bool
-    cache: dict = field(default_factory=dict)  # physical slot → (seq_id, position, token)
+    cache: dict = field(default_factory=dict)  # physical slot → (position, token, hash of tokens 0..position)
     state: dict = field(default_factory=dict)  # KDA slot → folded tokens
+    snapshots: dict = field(default_factory=dict)  # snapshot → folded tokens
     last: dict = field(default_factory=dict)  # seq_id → last sampled token
 
     def _slot(self, chunk, pos: int) -> int:
@@ -80,27 +84,40 @@ class FakeReplica:
         out = []
         for c in req.chunks:
             tokens = [self.last[c.seq_id] if t == AHEAD else t for t in c.token_ids]
+            history = self._read(c, c.num_cached)  # the context, checked: it must be this sequence's prefix
+            h = fold_all(history)
             for k, t in enumerate(tokens):
-                self.cache[self._slot(c, c.num_cached + k)] = (c.seq_id, c.num_cached + k, t)
+                h = fold(h, t)
+                self.cache[self._slot(c, c.num_cached + k)] = (c.num_cached + k, t, h)
             if self.hybrid:
                 if c.reset_state:
-                    self.state[c.state_slot] = 0
-                h = self.state[c.state_slot]
+                    self.state[c.state_slot] = 0 if c.restore is None else self.snapshots[c.restore]
+                s = self.state[c.state_slot]
                 for t in tokens:
-                    h = fold(h, t)
-                self.state[c.state_slot] = h
+                    s = fold(s, t)
+                self.state[c.state_slot] = s
             if c.sample:
-                history = []
-                for pos in range(c.num_cached + len(tokens)):
-                    seq_id, at, t = self.cache.get(self._slot(c, pos), (None, None, None))
-                    if (seq_id, at) != (c.seq_id, pos):
-                        raise FakeCacheError(f"seq {c.seq_id} read position {pos}, which holds {(seq_id, at)}")
-                    history.append(t)
+                history = self._read(c, c.num_cached + len(tokens))
                 h = self.state[c.state_slot] if self.hybrid else fold_all(history)
                 tok = next_token(h, vocab)
                 self.last[c.seq_id] = tok
                 out.append(SampledToken(c.seq_id, tok))
+        for c in req.chunks:  # after the step, as the real worker
+            if c.snapshot is not None:
+                self.snapshots[c.snapshot] = self.state[c.state_slot]
         return out
+
+    def _read(self, chunk, n: int) -> list[int]:
+        """The first ``n`` tokens of ``chunk``'s sequence as its cache holds them; each position's
+        content must continue the prefix read so far."""
+        history, h = [], 0
+        for pos in range(n):
+            at, t, ph = self.cache.get(self._slot(chunk, pos), (None, None, None))
+            if at != pos or ph != fold(h, t):
+                raise FakeCacheError(f"seq {chunk.seq_id} read position {pos}, which holds another prefix's cache")
+            h = ph
+            history.append(t)
+        return history
 
 
 class FakeExecutor:

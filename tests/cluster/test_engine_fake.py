@@ -83,7 +83,7 @@ def started(eng: Engine, ps, params, turns: int) -> list[int]:
 
 
 def _all_free(eng: Engine) -> bool:
-    return all(a.num_free == a.num_blocks for a in eng.scheduler.blocks)
+    return all(a.num_held == 0 for a in eng.scheduler.blocks)
 
 
 # ---- scheduling and async scheduling ----------------------------------------------------------------

@@ -1,12 +1,23 @@
 """Helpers shared by the asset tests: the shipped Grafana dashboard, its PromQL expressions and the
-series each names, and a Prometheus HTTP query (import as ``from dashboards import ...``)."""
+series each names, a real Prometheus started and stopped by the test, a Prometheus HTTP query, and a
+polling wait (import as ``from dashboards import ...``)."""
 
 import json
 import re
+import shutil
+import subprocess
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import yaml
+
+from hostprocs import die_with_parent, listening, tail
+from rayup import free_port
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 SERIES = re.compile(r"\b((?:moeray|vllm):[a-zA-Z0-9_:]+|ray_[a-zA-Z0-9_]+)")
@@ -49,6 +60,49 @@ def prom_query(base: str, expr: str) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:  # 400: the expression does not parse
         return json.loads(e.read())
+
+
+def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
+    """check()'s first truthy result, polled every every_s; AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
+@contextmanager
+def prometheus(config: dict, workdir: Path) -> Iterator[str]:
+    """A real Prometheus (the `prometheus` on PATH) run from ``config``, written to
+    workdir/prometheus.yml, its TSDB and log (prometheus.log) in workdir, listening on a free loopback
+    port; yields its base URL once that port answers. On exit it is stopped by its Popen handle
+    (terminate, 20 s, kill); it also gets SIGTERM if the test process dies (die_with_parent)."""
+    exe = shutil.which("prometheus")
+    assert exe, "prometheus is not installed (Debian: prometheus; .ci/run installs it)"
+    cfg, log = workdir / "prometheus.yml", workdir / "prometheus.log"
+    cfg.write_text(yaml.safe_dump(config))
+    port = free_port()
+    with open(log, "w") as err:
+        proc = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                                stderr=err, preexec_fn=die_with_parent)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, f"prometheus exited with {proc.returncode}: {tail(log)}"
+            return listening("127.0.0.1", port)
+
+        wait_for(f"prometheus to listen on 127.0.0.1:{port}", up, 30, every_s=0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # Every PromQL expression of vLLM's own Grafana dashboard, in panel order: vllm-project/vllm

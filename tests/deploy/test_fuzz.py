@@ -4,9 +4,13 @@ the real Serve app on loopback: a bounded number of examples per operation, no 5
 "mostly rejected" warning, and the server answers a normal completion the same way afterwards.
 
 Nothing generated is altered or filtered. Generation stays short through the document's own bound:
-the server serves a context of CONTEXT tokens (``max_model_len``), so max_tokens <= CONTEXT - 1."""
+the server serves a context of CONTEXT tokens (``max_model_len``), so max_tokens <= CONTEXT - 1.
+
+The app exports its serving series under vLLM's names (``metrics_prefix: vllm``), and a real
+Prometheus scraping it has data for every query of vLLM's own Grafana dashboard."""
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -21,6 +25,8 @@ from deploy.config import ServeConfig
 from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                   TokenizeCompletionRequest)
 from model.presets import build_preset
+
+from dashboards import VLLM_DASHBOARD_QUERIES, prom_query, prometheus, wait_for
 
 KEY = "fuzz-key"
 NAME = "k2"
@@ -51,7 +57,7 @@ def server(serve_port, tmp_path_factory):
     port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=1, experts=2, api_key=KEY, port=port,
                       max_queue=32, max_num_seqs=16, max_body_bytes=64 * 1024, max_tokens_per_step=128,
-                      max_model_len=CONTEXT)
+                      max_model_len=CONTEXT, metrics_prefix="vllm")
     serve.run(build_app(cfg.model_dump()), name="moeray-fuzz", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -147,3 +153,58 @@ def test_schemathesis_no_5xx_no_hang_no_rejection_and_still_correct(server, tmp_
         assert report["valid_rates"][op]["fuzzing"]["accepted"] > 0, (op, report["valid_rates"][op])
     assert _probe(server) == before
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+
+
+def _drive(url: str, i: int) -> None:
+    """Traffic between two scrapes: one completion, and one streamed, of a few tokens each."""
+    body = {**PROBE, "prompt": [5, 77, 300, 12 + i % 900], "max_tokens": 3 + i % 4}
+    r = httpx.post(f"{url}/v1/completions", headers=_headers(), json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    with httpx.stream("POST", f"{url}/v1/completions", headers=_headers(), json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert any(line == "data: [DONE]" for line in r.iter_lines()), "the stream never ended with [DONE]"
+
+
+def test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard(server, tmp_path):
+    """metrics_prefix: vllm, end to end: a real Prometheus scrapes the app's /metrics (with the bearer
+    key) every second while completions, some streamed, run; every query of vLLM's own Grafana dashboard
+    (VLLM_DASHBOARD_QUERIES), for this model, returns a non-empty result and no NaN within 60 s."""
+    host = server.removeprefix("http://")
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+              "scrape_configs": [{"job_name": "moeray", "metrics_path": "/metrics",
+                                  "authorization": {"type": "Bearer", "credentials": KEY},
+                                  "static_configs": [{"targets": [host]}]}]}
+    exprs = [q.replace("$model_name", NAME).replace("$__rate_interval", "30s") for q in VLLM_DASHBOARD_QUERIES]
+    assert all("$" not in e for e in exprs), exprs
+    with prometheus(config, tmp_path) as base:
+        sent = 0
+
+        def missing() -> dict[str, str]:
+            """The queries without data yet, each with why."""
+            out = {}
+            for e in exprs:
+                r = prom_query(base, e)
+                if r.get("status") != "success":
+                    out[e] = f"error: {r.get('error')}"
+                elif not r["data"]["result"]:
+                    out[e] = "empty"
+                elif any(math.isnan(float(x["value"][1])) for x in r["data"]["result"]):
+                    out[e] = f"NaN: {r['data']['result']}"
+            return out
+
+        def all_have_data() -> bool:
+            nonlocal sent
+            _drive(server, sent)
+            sent += 1
+            return not missing()
+
+        try:
+            wait_for("data for every query of vLLM's dashboard", all_have_data, 60, every_s=0.5)
+        except AssertionError:
+            targets = httpx.get(f"{base}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+            scrape = [(t["health"], t["lastError"]) for t in targets]
+            lacking = "\n".join(f"  {e!r}: {why}" for e, why in missing().items())
+            raise AssertionError(f"after {sent} rounds of requests, no data for:\n{lacking}\n"
+                                 f"scrape (health, last error): {scrape}") from None
+        print(f"every query of vLLM's dashboard had data after {sent} rounds of requests")

@@ -14,7 +14,6 @@ and quotes the end of Ray's output; whatever happens, the fixture stops every pr
 """
 
 import pwd
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,22 +23,12 @@ import httpx
 import pytest
 import yaml
 
-from dashboards import prom_query, queries, runnable, series_names, dashboard
-from hostprocs import die_with_parent, listening
-from rayup import ROOT, SHIPPED_HEAD_IP, SHIPPED_WORKER_IP, RayUpCluster, free_port, node_ips
+from dashboards import dashboard, prom_query, prometheus, queries, runnable, series_names
+from dashboards import wait_for as _wait
+from hostprocs import listening
+from rayup import ROOT, SHIPPED_HEAD_IP, SHIPPED_WORKER_IP, RayUpCluster, node_ips
 
 MODEL = "kimi-k2-tiny"  # the shipped serve config's model (a preset: built on the node that builds the app)
-
-
-def _wait(what: str, check, timeout_s: float, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(every_s)
 
 
 def _alive_nodes(c: RayUpCluster) -> int:
@@ -223,18 +212,9 @@ def _scraped_names(base: str) -> set[str]:
 
 
 def test_prometheus_from_the_shipped_config_scrapes_the_app_and_ray(cluster, tmp_path):
-    exe = shutil.which("prometheus")
-    assert exe, "prometheus is not installed (Debian: prometheus; .ci/run installs it)"
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(yaml.safe_dump(_prometheus_config(cluster)))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "prometheus.log", "w"), preexec_fn=die_with_parent)
-    try:
+    with prometheus(_prometheus_config(cluster), tmp_path) as base:  # stopped by its Popen handle on exit
         def targets_up():
-            r = prom_query(base, "up") if listening("127.0.0.1", port) else {}
+            r = prom_query(base, "up")
             ups = {(x["metric"]["job"], x["metric"]["instance"]): x["value"][1]
                    for x in r.get("data", {}).get("result", [])}
             return len(ups) == 3 and all(v == "1" for v in ups.values()) and ups
@@ -278,13 +258,6 @@ def test_prometheus_from_the_shipped_config_scrapes_the_app_and_ray(cluster, tmp
             _wait("data for every panel on Ray's series", lambda: not without_data(), 30, every_s=2)
         except AssertionError:
             raise AssertionError(f"no data for: {without_data()}") from None
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---- Must show 1, last step: ray down -----------------------------------------------------------------
