@@ -46,6 +46,7 @@ class StreamChunk:
     finish_reason: str | None
     sampled: tuple = ()
     stop_text: str = ""
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI's usage.prompt_tokens_details)
 
 
 class _Stream:
@@ -299,7 +300,7 @@ class AsyncEngine:
                 text += stream.decoder.flush()
             if stop:
                 stop_text = stream.decoder.push(ev.token_ids[-1]) + stream.decoder.flush()
-        delivered = stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled, stop_text))
+        delivered = stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled, stop_text, ev.cached_tokens))
         if not delivered and ev.finish_reason is None:  # nobody will read it: free the sequence now
             self._handle(("abort", ev.seq_id))
             return

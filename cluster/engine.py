@@ -71,6 +71,7 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     sampled: tuple[SampledToken, ...]
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at the request's admission
 
 
 class Engine:
@@ -153,9 +154,11 @@ class Engine:
                              f"cache ({cap} tokens)")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
-        """Queue a request; ``cache_salt``: it shares cached blocks only with requests of the same salt."""
+        """Queue a request; it shares cached blocks only with requests of the same salt
+        (``cache_salt``, default ``params.cache_salt``)."""
         self.validate(prompt_ids, params)
-        seq = Seq(next(self._ids), list(prompt_ids), len(prompt_ids), params, cache_salt=cache_salt)
+        salt = params.cache_salt if cache_salt is None else cache_salt
+        seq = Seq(next(self._ids), list(prompt_ids), len(prompt_ids), params, cache_salt=salt)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = Request(seq)
         return seq.seq_id
@@ -348,7 +351,7 @@ class Engine:
                     scheduled = req.arrival if req.scheduled is None else req.scheduled
                     self.stats.observe_finished(now - req.arrival, seq, queue_s=scheduled - req.arrival,
                                                 prefill_s=req.first_token - scheduled, decode_s=now - req.first_token)
-            events.append(TokenEvent(seq.seq_id, (tok.token_id,), (tok,), reason))
+            events.append(TokenEvent(seq.seq_id, (tok.token_id,), (tok,), reason, seq.num_hit or 0))
         return events
 
     # ---- recovery (decided by the epoch owner) --------------------------------------------------
@@ -442,5 +445,6 @@ class Engine:
                 "hangs": dict(stats.actor_hangs),
                 "last_hang": dataclasses.asdict(stats.last_hang) if stats.last_hang else None,
                 "breakdown": dict(stats.breakdown), "actor_tokens": self.router.actor_totals(),
-                "cache": [(a.num_blocks - a.num_free, a.num_blocks) for a in sched.blocks],
+                "cache": [(a.num_held, a.num_blocks) for a in sched.blocks],
+                "prefix_cache": sched.cache_status(),
                 "actors": self.executor.describe()}

@@ -115,6 +115,7 @@ class Plan:
     expert_device_bytes: int  # weights + workspace on the fullest expert device
     usable_device_bytes: int
     cache_bytes: int  # per attention replica, left for sequences
+    snapshot_bytes: int  # per attention replica, KDA state snapshots for prefix caching (hybrid models)
     sequence_bytes: dict
     concurrent_sequences: int
     decode: dict
@@ -127,8 +128,10 @@ class Plan:
 
 def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, attention: int,
                experts: int, context: int, dtype_bytes: int = 2, utilization: float = 0.9,
-               link_gbps: float = 400.0, max_num_seqs: int = 256) -> Plan:
-    """The arithmetic of one shape; ``problems`` says why it does not fit (empty when it does)."""
+               link_gbps: float = 400.0, max_num_seqs: int = 256, snapshot_bytes: int = 0) -> Plan:
+    """The arithmetic of one shape; ``problems`` says why it does not fit (empty when it does).
+    ``snapshot_bytes``: KDA state snapshots per attention replica (prefix caching on a hybrid
+    model; ignored without KDA layers), taken from the room for sequences."""
     for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("attention", attention),
                     ("experts", experts), ("context", context)):
         if v < 1:
@@ -148,7 +151,8 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
     if expert_device > usable:
         problems.append(f"an expert device would hold {per_device} actor(s) × {per_actor / GB:.1f} GB of experts "
                         f"+ workspace = {expert_device / GB:.1f} GB > {usable / GB:.1f} GB usable")
-    cache = usable - w.attention - ATTENTION_WORKSPACE
+    snapshots = snapshot_bytes if cfg.kda_layers else 0
+    cache = usable - w.attention - ATTENTION_WORKSPACE - snapshots
     seq = sequence_bytes(cfg, context, dtype_bytes)
     concurrent = max(cache, 0) // seq["total"]
     if concurrent < 1:
@@ -162,6 +166,7 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
         gpus_per_expert_actor=round(1 / per_device, 6), context=context, total_weight_bytes=w.total,
         routed_expert_bytes=w.routed_experts, attention_weight_bytes=w.attention, expert_actor_weight_bytes=per_actor,
         expert_device_bytes=expert_device, usable_device_bytes=usable, cache_bytes=max(cache, 0),
+        snapshot_bytes=snapshots,
         sequence_bytes=seq, concurrent_sequences=int(concurrent),
         decode=decode_roofline(cfg, w, device, attention, expert_devices, batch, context, dtype_bytes, link_gbps),
         fits=not problems, problems=tuple(problems))
@@ -208,7 +213,8 @@ def format_plan(plan: Plan, proposal: Plan | None) -> str:
         f"({plan.experts_per_device} per device, {plan.gpus_per_expert_actor:g} GPU each)",
         f"  weights: {plan.total_weight_bytes:,} B in the checkpoint, routed experts {plan.routed_expert_bytes:,} B",
         f"  attention replica: {plan.attention_weight_bytes / GB:.1f} GB weights, {plan.cache_bytes / GB:.1f} GB "
-        f"for sequences; {plan.sequence_bytes['total'] / 2**20:,.1f} MiB per sequence at {plan.context:,} tokens "
+        f"for sequences{f' (after {plan.snapshot_bytes / GB:.1f} GB of KDA snapshots)' if plan.snapshot_bytes else ''}; "
+        f"{plan.sequence_bytes['total'] / 2**20:,.1f} MiB per sequence at {plan.context:,} tokens "
         f"(latent {plan.sequence_bytes['latent_per_token']:,} B/token, KDA state {plan.sequence_bytes['kda_state']:,} B)"
         f" → {plan.concurrent_sequences:,} concurrent sequences",
         f"  expert actor: {plan.expert_actor_weight_bytes / GB:.1f} GB weights; fullest expert device "

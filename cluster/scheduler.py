@@ -235,6 +235,20 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def cache_status(self) -> list[dict]:
+        """Per replica: its blocks (held, cached, free), KDA snapshots (held, cached) and, over the
+        engine's life, prompt tokens looked up and found cached, and sequences placed there."""
+        out = []
+        for r, pool in enumerate(self.blocks):
+            snaps = self.snaps[r] if self.snaps is not None else None
+            out.append({"blocks_held": pool.num_held, "blocks_cached": pool.num_cached, "blocks_free": pool.num_free,
+                        "snapshots_held": snaps.num_held if snaps else 0,
+                        "snapshots_cached": snaps.num_cached if snaps else 0,
+                        "snapshots": snaps.num_snapshots if snaps else 0,
+                        "queries_tokens": self.prefix_queries.get(r, 0), "hit_tokens": self.prefix_hits.get(r, 0),
+                        "admitted": self.admitted.get(r, 0)})
+        return out
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

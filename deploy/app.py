@@ -246,8 +246,11 @@ class EngineServer:
             "breakdown": snap["breakdown"],
             "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
-            "attention": [{"index": i, "node": a["node"], "cache_blocks_used": used, "cache_blocks": total}
-                          for i, (a, (used, total)) in enumerate(zip(actors["attention"], snap["cache"]))],
+            "prefix_caching": self.engine.config.prefix_caching,
+            "attention": [{"index": i, "node": a["node"], "cache_blocks_used": used, "cache_blocks": total,
+                           "prefix_cache": pc}
+                          for i, (a, (used, total), pc) in enumerate(zip(actors["attention"], snap["cache"],
+                                                                         snap["prefix_cache"]))],
             "experts": [{"index": j, "node": x["node"],
                          "slots": {str(layer): list(ids) for layer, ids in table.experts_of(j).items()},
                          "replicas": {str(layer): [e for e in ids if e in replicated[i]]
@@ -339,6 +342,7 @@ class _Choice:
     def __init__(self, index: int, gen, first: StreamChunk, stops: oa.StopStrings, params: SamplingParams,
                  out: ChatOutput | None = None):
         self.index, self.gen, self.first, self.stops, self.out = index, gen, first, stops, out
+        self.cached_tokens = first.cached_tokens  # of its prompt, found in the prefix cache
         self.want_logprobs, self.role_sent = params.logprobs is not None, False
         self.skip_special_tokens = params.skip_special_tokens
         self.text, self.token_ids, self.sampled, self.finish = "", [], [], None
@@ -620,8 +624,11 @@ class Ingress:
             stops = oa.StopStrings(req.stop_list, req.include_stop_str_in_output)
             out = None if plan is None else ChatOutput(self.tok, plan, stops, skip_special_tokens=sp.skip_special_tokens)
             choices.append(_Choice(index, fan.stream(i), first, stops, sp, out))
+        n = getattr(req, "n", 1)
+        prompts = {index // n: ids for index, ids, _ in jobs}  # the choices of one prompt share its cache hit
+        cached = sum(max(c.cached_tokens for c in choices if c.index // n == p) for p in prompts)
         if req.stream:
-            return StreamingResponse(self._sse(fan, choices, chat, prompt_tokens, req.include_usage),
+            return StreamingResponse(self._sse(fan, choices, chat, prompt_tokens, req.include_usage, cached),
                                      media_type="text/event-stream")
         try:
             if not await _drain_while_connected(request, choices):
@@ -631,13 +638,23 @@ class Ingress:
         finally:  # done, failed, or the client went away (Serve cancels the handler): free every sequence
             fan.close()
         results = [c.result() for c in choices]
-        tokens = oa.usage(prompt_tokens, sum(len(r.token_ids) for r in results))
+        tokens = oa.usage(prompt_tokens, sum(len(r.token_ids) for r in results), cached)
         if chat:
-            return oa.chat_response(self.name, results, tokens, tokenizer=self.tok)
-        return oa.completion_response(self.name, results, tokens, tokenizer=self.tok,
-                                      skip_special_tokens=req.skip_special_tokens)
+            body = oa.chat_response(self.name, results, tokens, tokenizer=self.tok)
+        else:
+            body = oa.completion_response(self.name, results, tokens, tokenizer=self.tok,
+                                          skip_special_tokens=req.skip_special_tokens)
+        if req.return_token_ids:  # vLLM's fields: chat's prompt ids on the response, a completion's per choice
+            for choice, result in zip(body["choices"], results):
+                choice["token_ids"] = list(result.token_ids)
+                if not chat:
+                    choice["prompt_token_ids"] = list(prompts[result.index // n])
+            if chat:
+                body["prompt_token_ids"] = list(prompts[0])
+        return body
 
-    async def _sse(self, fan: Fanout, choices: list, chat: bool, prompt_tokens: int, include_usage: bool):
+    async def _sse(self, fan: Fanout, choices: list, chat: bool, prompt_tokens: int, include_usage: bool,
+                   cached_tokens: int = 0):
         rid, created = oa.new_request_id("chatcmpl" if chat else "cmpl"), int(time.time())
         try:
             async with contextlib.aclosing(_events(choices)) as events:
@@ -650,7 +667,8 @@ class Ingress:
                         yield oa.sse(chunk)
             if include_usage:
                 done = sum(len(c.token_ids) for c in choices)
-                yield oa.sse(oa.usage_chunk(rid, self.name, created, oa.usage(prompt_tokens, done), chat=chat))
+                yield oa.sse(oa.usage_chunk(rid, self.name, created, oa.usage(prompt_tokens, done, cached_tokens),
+                                                   chat=chat))
             yield oa.SSE_DONE
         finally:  # a client that went away cancels every choice, which frees its cache
             fan.close()

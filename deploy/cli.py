@@ -124,6 +124,9 @@ def plan(
     dtype: str = typer.Option("bfloat16", help="Serving dtype of unquantised weights and caches."),
     utilization: float = typer.Option(0.9, help="Fraction of each device's memory to use."),
     link_gbps: float = typer.Option(400.0, help="All-to-all link bandwidth per attention replica, Gb/s."),
+    snapshot_bytes: int = typer.Option(1 << 30, help="Hybrid models: bytes of KDA state snapshots per attention "
+                                                     "replica for prefix caching (the serving config's "
+                                                     "snapshot_bytes; 0 without prefix caching)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Will the model fit this cluster? Weight and cache bytes per actor kind, concurrent sequences,
@@ -141,7 +144,7 @@ def plan(
     model_cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
     kw = dict(model=Path(model).name if model not in PRESETS else model, device=DEVICES[gpu],
               context=context or min(model_cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
-              utilization=utilization, link_gbps=link_gbps)
+              utilization=utilization, link_gbps=link_gbps, snapshot_bytes=snapshot_bytes)
     proposal = propose(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, **kw)
     if attention is None:
         shown = proposal or plan_shape(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=1,
@@ -270,6 +273,9 @@ def up(
                                                             "per-(layer, expert) token counter."),
     ingress: Optional[str] = typer.Option(None, help="haproxy (default): Serve's direct ingress behind HAProxy; "
                                                      "proxy: Serve's proxy actor (nodes started here only)."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                                  help="Share cached prompt prefixes between requests. "
+                                                       "[default: on]"),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
@@ -280,7 +286,7 @@ def up(
 
     given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
                  admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
-                 gpus_per_actor=gpus_per_actor, ingress=ingress)
+                 gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     root = cache_root()
@@ -355,7 +361,12 @@ def status(
         out.print(f"mean per step, ms: {parts}")
     t = Table("actor", "node", "placement / cache")
     for a in st["attention"]:
-        t.add_row(f"attention[{a['index']}]", a["node"], f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks")
+        pc = a.get("prefix_cache") or {}
+        cached = (f", {pc['blocks_cached']} cached" + (f", {pc['snapshots_cached'] + pc['snapshots_held']}/"
+                  f"{pc['snapshots']} KDA snapshots" if pc["snapshots"] else "") +
+                  f"; prefix hits {pc['hit_tokens']:,}/{pc['queries_tokens']:,} prompt tokens") if pc else ""
+        t.add_row(f"attention[{a['index']}]", a["node"],
+                  f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks held{cached}")
     for e in st["experts"]:
         weights = e.get("weight_bytes")  # None: the actor did not answer (down until the next step recovers it)
         held = f"{weights / 2**20:,.1f} MiB of weights" if weights is not None else "weights unknown (no answer)"

@@ -32,6 +32,17 @@ class ServeConfig(BaseModel):
     num_blocks: int = Field(256, ge=1, description="Latent-cache blocks per attention replica.")
     block_size: int = Field(16, ge=1, description="Tokens per latent-cache block.")
     num_slots: int = Field(64, ge=1, description="KDA state slots per attention replica (hybrid models).")
+    prefix_caching: bool = Field(True, description="Share the cached blocks of equal prompt prefixes between "
+                                                   "requests (and, on hybrid models, KDA state snapshots); a "
+                                                   "request goes to the attention replica holding most of its "
+                                                   "prompt, weighed against load (prefix_load_weight).")
+    prefix_load_weight: float = Field(256.0, ge=0, description="Placement: a replica running one more sequence "
+                                                               "must hold this many more cached tokens of a new "
+                                                               "request to be chosen (0: always follow the cache; "
+                                                               "large: least loaded).")
+    snapshot_bytes: int = Field(1 << 30, ge=0, description="Hybrid models with prefix caching: bytes of KDA state "
+                                                           "snapshots per attention replica (prefix hits need one "
+                                                           "at their boundary); `moeray plan` counts them.")
     max_queue: int = Field(256, ge=1, description="Requests waiting for a slot before new ones get 503.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     max_model_len: int | None = Field(None, ge=2, description="Context length served (prompt plus output), at "
@@ -212,7 +223,8 @@ class ServeConfig(BaseModel):
                             async_scheduling=self.async_scheduling,
                             standby_attention=self.standby_attention, standby_experts=self.standby_experts,
                             step_timeout_s=self.step_timeout_s, hang_floor_s=self.hang_floor_s,
-                            capacity_wait_s=self.capacity_wait_s,
+                            capacity_wait_s=self.capacity_wait_s, prefix_caching=self.prefix_caching,
+                            prefix_load_weight=self.prefix_load_weight, snapshot_bytes=self.snapshot_bytes,
                             hang_factor=self.hang_factor, heartbeat_timeout_s=self.heartbeat_timeout_s)
 
     def cluster_spec(self):

@@ -50,7 +50,8 @@ SERVING = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"
            "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
            "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
            "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
-           "request_generation_tokens", "request_max_num_generation_tokens")
+           "request_generation_tokens", "request_max_num_generation_tokens", "prefix_cache_queries",
+           "prefix_cache_hits")
 VLLM_ENGINE = "0"  # vLLM's data-parallel engine index; one engine per moeray deployment
 DEFAULT_MAX_MODEL_LEN = 131072  # token buckets' top when the scheduler does not say (stubs)
 FINISHED_REASONS = ("stop", "length")  # what model.runner.check_stop returns; pre-created at 0
@@ -311,21 +312,39 @@ class _ScrapeCollector:
             g.add_metric(list(values), value)
             return g
 
-        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running),
+        jobs = len(getattr(sched, "jobs", ()))  # refresh jobs (prefix caching) are no requests
+        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running) - jobs,
                     sp, slabels, svalues)
         yield gauge("num_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting),
                     sp, slabels, svalues)
-        free = [a.num_free for a in sched.blocks]
-        total = [a.num_blocks for a in sched.blocks]
-        used = [t - f for t, f in zip(total, free)]
-        yield gauge("kv_cache_usage_perc", "Fraction of cache blocks in use over all attention replicas (0..1).",
+        pools = list(sched.blocks)
+        used = [a.num_held for a in pools]
+        total = [a.num_blocks for a in pools]
+        yield gauge("kv_cache_usage_perc", "Fraction of cache blocks held by running sequences over all attention "
+                    "replicas (0..1); cached blocks nobody holds count as free, as vLLM's.",
                     sum(used) / sum(total) if sum(total) else 0.0, sp, slabels, svalues)
-        for metric, doc, values in (("cache_blocks_used", "Cache blocks in use, per attention replica.", used),
-                                    ("cache_blocks_free", "Cache blocks free, per attention replica.", free)):
+        for metric, doc, values in (
+                ("cache_blocks_used", "Cache blocks held by running sequences, per attention replica.", used),
+                ("cache_blocks_free", "Cache blocks a new sequence can take (free or cached), per attention replica.",
+                 [a.num_available for a in pools]),
+                ("cache_blocks_cached", "Cache blocks nobody holds whose content a prefix hit can reuse, per "
+                 "attention replica.", [a.num_cached for a in pools])):
             g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name", "actor"])
             for actor, v in enumerate(values):
                 g.add_metric([name, str(actor)], v)
             yield g
+        # over the engine's life: per attention replica (``actor``); under vLLM's names, the engine's total
+        for metric, doc, counts in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", sched.prefix_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", sched.prefix_hits)):
+            if sp != PREFIX:
+                c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
+                c.add_metric(list(svalues), sum(counts.values()))
+            else:
+                c = CounterMetricFamily(sp + metric, doc, labels=["model_name", "actor"])
+                for replica in range(max(len(pools), max(counts, default=-1) + 1)):
+                    c.add_metric([name, str(replica)], counts.get(replica, 0))
+            yield c
         yield gauge("epoch", "Placement-table epoch (increments when experts are re-placed).", engine.table.epoch)
         pre = CounterMetricFamily(sp + "num_preemptions", "Sequences preempted for lack of cache blocks.",
                                   labels=list(slabels))

@@ -198,7 +198,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_toke
                               frequency_penalty=float(req.frequency_penalty or 0.0),
                               repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
                               min_p=float(req.min_p or 0.0), logit_bias=bias,
-                              skip_special_tokens=req.skip_special_tokens)
+                              skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
     except ValueError as e:
         found = re.search(r"sampling parameter '(\w+)'", str(e))
         param = found.group(1) if found else None
@@ -321,9 +321,11 @@ class ChoiceResult:
     message: dict | None = None  # chat: the assembled assistant message (content, reasoning, tool calls)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens found in the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def new_request_id(prefix: str) -> str:

@@ -287,6 +287,12 @@ class _SamplingRequest(_Strict):
         "Leave special tokens (such as the end-of-turn token) out of the output text (vLLM's meaning); "
         "logprobs still show them."))
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    cache_salt: Annotated[StrictStr | None, Field(min_length=1, max_length=256, description=(
+        "Requests share cached prompt blocks only with requests of the same salt, so one tenant cannot "
+        "learn another's prompts from timing (vLLM's meaning); null: the unsalted cache."))] = None
+    return_token_ids: StrictBool = Field(False, description=(
+        "Add the prompt's token ids (prompt_token_ids) and each choice's generated ids (token_ids) to a "
+        "response that is not streamed (vLLM's meaning)."))
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False

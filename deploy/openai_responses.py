@@ -31,10 +31,15 @@ class ErrorResponse(_Out):
     error: ErrorDetail
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = Field(description="Prompt tokens found in the prefix cache (not computed again).")
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(_Out):
@@ -49,6 +54,8 @@ class CompletionChoice(_Out):
     text: str
     finish_reason: Literal["stop", "length"] | None
     logprobs: CompletionLogprobs | None
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: the generated token ids.")
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the prompt's token ids.")
 
 
 class CompletionResponse(_Out):
@@ -87,6 +94,7 @@ class ChatChoice(_Out):
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
     logprobs: ChatLogprobs | None
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: the generated token ids.")
 
 
 class ChatCompletionResponse(_Out):
@@ -98,6 +106,8 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the prompt's token ids "
+                                                                 "(after the chat template).")
 
 
 class ModelCard(_Out):

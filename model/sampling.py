@@ -37,6 +37,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     grammar: str | None = None  # an llguidance grammar (Lark or its JSON form) every token must follow
     skip_special_tokens: bool = True  # decoding of the output text (the engine's detokenizer)
+    # not a sampling parameter but the request's, riding along to the scheduler: cached blocks are shared
+    # only between requests of the same salt (vLLM's cache_salt)
+    cache_salt: str | None = None
 
     def __post_init__(self):
         def bad(field: str, why: str):

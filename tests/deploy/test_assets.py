@@ -27,6 +27,7 @@ from cluster.stats import EngineStats, StepRecord
 from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
+from model.block_pool import BlockPool
 from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_env
 
 ROOT = Path(__file__).parents[2]
@@ -43,9 +44,14 @@ def load_yaml(name: str):
 
 
 # ---- a populated EngineMetrics, so every family has samples ----------------------------------
-class _Alloc:
-    def __init__(self, num_blocks: int, num_free: int):
-        self.num_blocks, self.num_free = num_blocks, num_free
+def _pool() -> BlockPool:
+    """16 blocks: 6 held, 2 of them registered and then one freed (cached), 10 free."""
+    pool = BlockPool(16, 4)
+    held = pool.allocate(6)
+    pool.register(held, list(range(24)), None, 8)
+    pool.free(held[1:2])
+    pool.allocate(1)
+    return pool
 
 
 def populated_metrics() -> EngineMetrics:
@@ -53,7 +59,8 @@ def populated_metrics() -> EngineMetrics:
     table = router.initial(1, 2)
     engine = SimpleNamespace(stats=stats, table=table, router=router,
                              scheduler=SimpleNamespace(waiting=deque([object()]), running=[object()],
-                                                       blocks=[_Alloc(16, 10)]))
+                                                       blocks=[_pool()], jobs={}, prefix_queries={0: 40},
+                                                       prefix_hits={0: 16}))
     m = EngineMetrics(engine, "tiny")
     attn = [StepResult(1, "attention[0]", expert_tokens=((2, 1, 0, 1), (0, 3, 1, 0)),
                        slot_tokens=(((2, 1), (0, 1)), ((0, 3), (1, 0))), exchange_s=0.002,

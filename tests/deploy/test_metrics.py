@@ -423,6 +423,8 @@ VLLM_SERIES = {  # family name: (type, label names, histogram buckets or None)
     "vllm:request_prompt_tokens": ("histogram", {"model_name", "engine"}, VLLM_TOKEN_BUCKETS),
     "vllm:request_generation_tokens": ("histogram", {"model_name", "engine"}, VLLM_TOKEN_BUCKETS),
     "vllm:request_max_num_generation_tokens": ("histogram", {"model_name", "engine"}, VLLM_TOKEN_BUCKETS),
+    "vllm:prefix_cache_queries": ("counter", {"model_name", "engine"}, None),
+    "vllm:prefix_cache_hits": ("counter", {"model_name", "engine"}, None),
 }
 # our moeray: name for each vLLM family (the counterpart)
 MOERAY_COUNTERPART = {"vllm:time_per_output_token_seconds": "moeray:inter_token_latency_seconds"}
@@ -471,15 +473,17 @@ def test_vllm_prefix_names_and_label_sets_equal_vllms(engine):
 
 def test_moeray_prefix_names_every_vllm_counterpart(metrics):
     """The default prefix renders the same families under moeray: (one per vLLM family but the
-    deprecated alias), with model_name only."""
+    deprecated alias), with model_name only — the prefix-cache counters per attention replica
+    (``actor``) too."""
     fams = _families(metrics)
     for name, (kind, labels, _) in VLLM_SERIES.items():
         if name in MOERAY_COUNTERPART:
             continue
         ours = name.replace("vllm:", "moeray:")
         assert ours in fams and fams[ours].type == kind, ours
+        per_replica = {"actor"} if "prefix_cache" in name else set()
         for s in fams[ours].samples:
-            assert set(s.labels) - {"le"} == labels - {"engine"}, (ours, s.labels)
+            assert set(s.labels) - {"le"} == labels - {"engine"} | per_replica, (ours, s.labels)
 
 
 
