@@ -9,7 +9,7 @@ import pytest
 from ray.util.placement_group import placement_group_table
 
 from cluster.engine import Engine, EngineConfig
-from cluster.planner import DEVICES, plan_shape, propose, sequence_bytes, weight_bytes
+from cluster.planner import DEVICES, format_plan, plan_shape, propose, sequence_bytes, weight_bytes
 from cluster.preflight import PreflightError, check
 from cluster.spec import ClusterSpec, NodeInfo
 from model.config import load_config
@@ -64,6 +64,20 @@ def test_k3_per_sequence_bytes_include_the_kda_state():
     assert seq["total"] == 4096 * len(K3.mla_layers) * K3.latent_dim * 2 + state
     plan = plan_shape(K3, model="k3", device=H200, nodes=2, gpus_per_node=8, attention=2, experts=14, context=4096)
     assert plan.sequence_bytes == seq and plan.concurrent_sequences == plan.cache_bytes // seq["total"]
+
+
+def test_kda_snapshots_for_prefix_caching_come_out_of_the_sequences_room():
+    """A hybrid model's snapshot bytes (prefix caching) are taken from each attention replica's room
+    for sequences; a model without KDA layers keeps no snapshots."""
+    kw = dict(device=H200, nodes=2, gpus_per_node=8, attention=2, experts=14, context=4096)
+    none = plan_shape(K3, model="k3", **kw)
+    snap = plan_shape(K3, model="k3", snapshot_bytes=8 << 30, **kw)
+    assert (none.snapshot_bytes, snap.snapshot_bytes) == (0, 8 << 30)
+    assert none.cache_bytes - snap.cache_bytes == 8 << 30
+    assert snap.concurrent_sequences == snap.cache_bytes // snap.sequence_bytes["total"] < none.concurrent_sequences
+    assert "8.6 GB of KDA snapshots" in format_plan(snap, None)
+    k2 = plan_shape(K2, model="k2", snapshot_bytes=8 << 30, **kw)
+    assert k2.snapshot_bytes == 0 and k2.cache_bytes == plan_shape(K2, model="k2", **kw).cache_bytes
 
 
 def test_moeray_plan_json(tmp_path):

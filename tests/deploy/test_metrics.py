@@ -507,6 +507,24 @@ def test_serving_config_and_moeray_up_carry_the_metrics_fields(tmp_path):
     assert out.returncode == 2 and "metrics_prefix" in out.stderr, out.stderr  # refused before anything starts
 
 
+def test_moeray_up_no_prefix_caching_reaches_the_engine_config(monkeypatch, tmp_path):
+    """`moeray up --no-prefix-caching` (and the serving config's prefix_caching) turn it off in the
+    engine the app builds; on by default."""
+    from test_cli import in_process
+
+    import deploy.server
+    from deploy.config import ServeConfig
+
+    seen = []
+    monkeypatch.setenv("MOERAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(deploy.server, "serve_foreground", lambda cfg, *a, **k: seen.append(cfg))
+    assert in_process("up", "--no-prefix-caching").returncode == 0
+    assert in_process("up").returncode == 0
+    assert [c.prefix_caching for c in seen] == [False, True]
+    assert seen[0].engine_config("m").prefix_caching is False and seen[1].engine_config("m").prefix_caching is True
+    assert ServeConfig.parse({"prefix_caching": False, "prefix_load_weight": 0}).engine_config("m").prefix_load_weight == 0
+
+
 def test_every_series_of_vllms_dashboard_is_rendered_with_data_under_prefix_vllm(engine):
     """Each sample name that vLLM's Grafana dashboard queries (dashboards.VLLM_DASHBOARD_QUERIES) is
     rendered by the app with prefix vllm, labelled model_name, and after one finished request its
