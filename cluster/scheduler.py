@@ -48,6 +48,7 @@ class Seq(Sequence):
     snap_at: int = 0
     saving: tuple[int, int] | None = None  # (snapshot, boundary) a step in flight saves into
     aligned: bool = True  # every chunk so far ended on the snapshot grid (its snapshots are exact)
+    registered: int = 0  # its first blocks whose content is registered (each is registered once)
 
 
 @dataclass
@@ -183,10 +184,11 @@ class Scheduler:
                         self._hold_snapshot(seq, snap, end)
                     else:
                         self.snaps[r].release(snap)
-                upto = min(end, seq.snap_at) if self.grid else end
-                if upto >= bs:
-                    n = upto // bs
-                    self.blocks[r].register_hashes(seq.block_table[:n], self._hashes(seq, n)[:n])
+                n = (min(end, seq.snap_at) if self.grid else end) // bs
+                if n > seq.registered:  # only the blocks this step filled: O(new blocks) per step
+                    hashes = self._hashes(seq, n)
+                    self.blocks[r].register_hashes(seq.block_table[seq.registered:n], hashes[seq.registered:n])
+                    seq.registered = n
                 if seq.job and end == len(seq.token_ids):
                     self._end_job(seq)
 
@@ -438,6 +440,7 @@ class Scheduler:
             self.prefix_hits[replica] = self.prefix_hits.get(replica, 0) + hit
         self.admitted[replica] = self.admitted.get(replica, 0) + 1
         seq.replica, seq.block_table, seq.num_cached, seq.fresh, seq.aligned = replica, list(blocks), hit, True, True
+        seq.registered = len(blocks)
         if seq.num_hit is None:
             seq.num_hit = hit
         if self.slots is not None:
@@ -465,7 +468,8 @@ class Scheduler:
             return None
         job = Seq(-1 - seq.seq_id, seq.token_ids[:end], end, seq.params, list(seq.block_table[: end // bs]),
                   seq.state_slot, seq.snap_at, replica=seq.replica, cache_salt=seq.cache_salt,
-                  hashes=seq.hashes, job=True, fresh=True, snap=seq.snap, snap_at=seq.snap_at)
+                  hashes=seq.hashes, job=True, fresh=True, snap=seq.snap, snap_at=seq.snap_at,
+                  registered=seq.snap_at // bs)
         del seq.block_table[: end // bs]
         seq.state_slot, seq.snap, seq.snap_at = None, None, 0
         return job
@@ -529,4 +533,4 @@ class Scheduler:
                     if snap is not None:
                         self.snaps[seq.replica].release(snap)
         seq.block_table, seq.state_slot, seq.num_cached, seq.replica = [], None, 0, None
-        seq.snap, seq.snap_at, seq.saving, seq.fresh = None, 0, None, False
+        seq.snap, seq.snap_at, seq.saving, seq.fresh, seq.registered = None, 0, None, False, 0

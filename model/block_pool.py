@@ -45,7 +45,24 @@ def _root_hash(extra_key: str | None) -> bytes:
     return hashlib.blake2b(_ROOT_TAG + key, digest_size=_HASH_BYTES).digest()
 
 
-class BlockPool:
+class _FreeAndCached:
+    """What both pools count the same way: a free list and an LRU of cached entries."""
+
+    _free: list[int]
+    _lru: OrderedDict[int, None]
+
+    @property
+    def num_free(self) -> int:
+        """Truly free entries (no holder, no content). Not all the room: cached ones can be evicted."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Entries nobody holds whose content a later request can take (least recently used first)."""
+        return len(self._lru)
+
+
+class BlockPool(_FreeAndCached):
     """Reference-counted cache blocks with an LRU of cached full blocks, keyed by chained hashes."""
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -71,16 +88,7 @@ class BlockPool:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # popped from the end: 0 first
         self._num_held = 0
 
-    # -- counts ------------------------------------------------------------------------------
-
-    @property
-    def num_free(self) -> int:
-        """Truly free blocks (no holder, no content). Not all the room: see :attr:`num_available`."""
-        return len(self._free)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._lru)
+    # -- counts (num_free, num_cached: _FreeAndCached) ------------------------------------------
 
     @property
     def num_held(self) -> int:
@@ -248,7 +256,7 @@ class BlockPool:
             raise ValueError(f"cache block {block} out of range [0, {self.num_blocks})")
 
 
-class SnapshotPool:
+class SnapshotPool(_FreeAndCached):
     """One attention replica's KDA state snapshots (hybrid models), keyed like the blocks.
 
     A snapshot is the recurrent state and conv tail of a sequence right after its first ``b``
@@ -272,14 +280,6 @@ class SnapshotPool:
         self._table: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._free = list(range(self.num_snapshots - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._lru)
 
     @property
     def num_held(self) -> int:

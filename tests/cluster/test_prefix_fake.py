@@ -42,6 +42,15 @@ def check_pools(eng) -> None:
                     holds[b] = holds.get(b, 0) + 1
         assert {b: n for b, n in enumerate(pool._ref) if n} == holds
         assert all(n == 1 or pool._hash[b] is not None for b, n in holds.items()), "a shared block is unregistered"
+        if sched.snaps is not None:  # snapshots: held exactly by the sequences that restore or save them
+            snaps = sched.snaps[r]
+            assert snaps.num_free + snaps.num_cached + snaps.num_held == snaps.num_snapshots
+            held: dict[int, int] = {}
+            for s in sched.running:
+                for snap in (s.snap, s.saving[0] if s.saving else None):
+                    if s.replica == r and snap is not None:
+                        held[snap] = held.get(snap, 0) + 1
+            assert {i: n for i, n in enumerate(snaps._ref) if n} == held
 
 
 def test_turns_hit_the_block_rounded_shared_length_and_equal_the_oracle(model_dir):
@@ -113,20 +122,23 @@ def test_salts_separate_equal_prompts(model_dir):
 
 
 def test_random_traffic_under_pressure_equals_the_oracle_and_keeps_the_pools_whole(model_dir):
-    """Shared prefixes, small caches (eviction, preemption), a failed step and a dead attention
-    replica: every output is the oracle's and the pools stay consistent at every step."""
-    eng, fake = make(model_dir, num_blocks=40, block_size=4, max_tokens_per_step=64, max_num_seqs=8)
+    """200 requests with shared prefixes, small caches (eviction, preemption), a failed step and a
+    dead attention replica: every output is the oracle's, and at every step each pool's free +
+    cached + held is its total and its holds are exactly the block tables (and snapshots) that
+    name them — nothing leaked, nothing held twice."""
+    eng, fake = make(model_dir, num_blocks=48, block_size=4, max_tokens_per_step=64, max_num_seqs=8,
+                     snapshot_bytes=1 << 20)
     rng = random.Random(11)
     bases = [[rng.randrange(1, 700) for _ in range(rng.randrange(40, 120))] for _ in range(4)]
     reqs = []
-    for i in range(40):
+    for i in range(200):
         base = rng.choice(bases)
         p = base[: rng.randrange(1, len(base))] + [rng.randrange(1, 700) for _ in range(rng.randrange(1, 20))]
         reqs.append((p, SamplingParams(max_tokens=rng.randrange(1, 60), ignore_eos=True)))
     fake.fail_step(9, ("attention", 1))
     fake.fail_step(23)
     ids = [eng.add_request(p, sp) for p, sp in reqs]
-    for _ in range(5000):
+    for _ in range(20000):
         if not eng.busy:
             break
         eng.pipelined()
