@@ -28,7 +28,7 @@ from actors.router import Router
 from model.config import ModelConfig, load_config
 from model.sampling import SamplingParams
 
-from .config import EngineConfig, snapshot_plan
+from .config import EngineConfig
 from .epochs import EpochChange, Epochs, Transition
 from .errors import EngineError, NoCapacity, RequestsFailed, StepFailed
 from .executor import Executor, Sent
@@ -87,14 +87,7 @@ class Engine:
         if spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts:
             raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
                              f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
-        grid, num_snapshots, _ = snapshot_plan(config, mc)
-        self.scheduler = Scheduler(
-            num_replicas=spec.attention, num_blocks=config.num_blocks, block_size=config.block_size,
-            num_slots=config.num_slots if mc.kda_layers else None, max_num_seqs=config.max_num_seqs,
-            max_tokens_per_step=config.max_tokens_per_step,
-            stop_ids=frozenset(stop_ids) | frozenset(mc.eos_token_ids), max_context=mc.max_position_embeddings,
-            prefix_caching=config.prefix_caching, load_weight=config.prefix_load_weight,
-            snapshot_grid=grid, num_snapshots=num_snapshots)
+        self.scheduler = Scheduler.for_engine(config, mc, spec.attention, stop_ids)
         self.router = Router(mc.n_routed_experts, mc.moe_layers, window_steps=config.window_steps)
         if executor is None:
             from .executor import RayExecutor

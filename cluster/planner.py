@@ -32,13 +32,18 @@ class Device:
     bandwidth: float  # bytes/s
 
 
-DEVICES = {
-    "a100": Device("A100 80GB", 80 * GB, 2.0e12),
-    "h100": Device("H100 SXM", 80 * GB, 3.35e12),
-    "h200": Device("H200", 141 * GB, 4.8e12),
-    "b200": Device("B200", 192 * GB, 8.0e12),
-    "cpu": Device("CPU node", 512 * GB, 0.2e12),
-}
+def _devices() -> dict[str, Device]:
+    """The GPUs of cluster/gpus/*.json (the cost model's data: one source for both), and a CPU node."""
+    from .costmodel import gpu_names, load_gpu
+
+    out = {}
+    for name in gpu_names():
+        g = load_gpu(name)
+        out[name] = Device(g.name, int(g.hbm_bytes), g.hbm_bytes_per_s)
+    return out | {"cpu": Device("CPU node", 512 * GB, 0.2e12)}
+
+
+DEVICES = _devices()
 DENSE_RESIDENT = ("kv_b_proj.weight",)  # kept dequantised on the attention side (MODEL_SPEC §1.9)
 ATTENTION_WORKSPACE = 4 * 2**30  # activations, logits, NCCL buffers of one attention replica
 EXPERT_WORKSPACE = 2**30  # activations and a dequantised tile of one expert actor

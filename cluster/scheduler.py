@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from actors.messages import SampledToken, SeqChunk
+from .config import snapshot_plan
 from model.block_pool import BlockPool, SnapshotPool
 from model.logits import stateful
 from model.runner import Sequence, banned_ids, check_stop
@@ -99,6 +100,18 @@ class Scheduler:
         self.running: list[Seq] = []
         self.released: list[list[int]] = []  # per replica: sequences that left it since its last step
         self.resize(num_replicas)
+
+    @classmethod
+    def for_engine(cls, config, model_cfg, num_replicas: int, stop_ids=frozenset()) -> "Scheduler":
+        """The scheduler an engine with ``config`` (an :class:`~cluster.config.EngineConfig`) runs
+        for ``model_cfg`` (the engine's, and the simulator's: the same decisions)."""
+        grid, num_snapshots, _ = snapshot_plan(config, model_cfg)
+        return cls(num_replicas=num_replicas, num_blocks=config.num_blocks, block_size=config.block_size,
+                   num_slots=config.num_slots if model_cfg.kda_layers else None, max_num_seqs=config.max_num_seqs,
+                   max_tokens_per_step=config.max_tokens_per_step,
+                   stop_ids=frozenset(stop_ids) | frozenset(model_cfg.eos_token_ids),
+                   max_context=model_cfg.max_position_embeddings, prefix_caching=config.prefix_caching,
+                   load_weight=config.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots)
 
     # ---- replicas (an epoch change, at a step boundary) ------------------------------------
     def resize(self, num_replicas: int) -> list[Seq]:

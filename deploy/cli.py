@@ -114,7 +114,7 @@ def params(
 @user_errors
 def plan(
     model: str = typer.Option(..., help=MODEL_HELP + " Or a config.json file: only the config is read."),
-    gpu: str = typer.Option("h200", help="Device kind: h100, h200, b200, a100 or cpu."),
+    gpu: str = typer.Option("h200", help="Device kind (a file in cluster/gpus: a100, b200, h100, h200, h800) or cpu."),
     nodes: int = typer.Option(1, help="Nodes."),
     gpus_per_node: int = typer.Option(8, help="Devices per node."),
     attention: Optional[int] = typer.Option(None, help="Attention replicas (with --experts; default: propose)."),
@@ -157,6 +157,79 @@ def plan(
         print(json.dumps(out, indent=2))
         return
     print(format_plan(shown, proposal))
+
+
+@app.command()
+@user_errors
+def simulate(
+    model: str = typer.Option(..., help=MODEL_HELP + " Or a config.json file: only the config is read."),
+    gpu: str = typer.Option("h200", help="Device kind (a file in cluster/gpus: a100, b200, h100, h200, h800), or cpu: "
+                                         "this machine, from its profile (--profile makes one)."),
+    gpus: Optional[int] = typer.Option(None, help="Devices to split (with --search)."),
+    attention: Optional[int] = typer.Option(None, help="Attention replicas of the shape to simulate."),
+    experts: Optional[int] = typer.Option(None, help="Expert actors of the shape to simulate."),
+    redundant_slots: str = typer.Option("0", help="Redundant expert slots per MoE layer; a comma list tries each."),
+    standbys: int = typer.Option(0, help="Warm standby actors (each takes a device)."),
+    ping_pong: bool = typer.Option(False, help="Overlap attention and experts in two micro-batches."),
+    search: bool = typer.Option(False, help="Try every attention/expert split of --gpus devices."),
+    tpot_ms: Optional[float] = typer.Option(None, help="Target ITL p50 (ms) a searched shape must meet."),
+    ttft_ms: Optional[float] = typer.Option(None, help="Target TTFT p50 (ms) a searched shape must meet."),
+    rate: float = typer.Option(4.0, help="Poisson arrivals, requests/s (0: all at once)."),
+    requests: int = typer.Option(200, help="Requests simulated."),
+    prompt_tokens: int = typer.Option(2000, help="Prompt tokens per request."),
+    output_tokens: int = typer.Option(200, help="Output tokens per request."),
+    trace: Optional[Path] = typer.Option(None, help="A trace instead: JSON lines of arrival_s, prompt_tokens, "
+                                                    "output_tokens."),
+    routing: Optional[Path] = typer.Option(None, help="Measured routing: `moeray experts --json` of a real run."),
+    skew: float = typer.Option(0.0, help="Synthetic routing skew: expert of rank r gets r^-skew (0: uniform)."),
+    seed: int = typer.Option(0, help="Seed of the arrivals and the routing draws."),
+    max_num_seqs: int = typer.Option(256, help="Sequences per step (the serving config's max_num_seqs)."),
+    max_tokens_per_step: int = typer.Option(8192, help="Token budget of a step."),
+    block_size: int = typer.Option(64, help="Tokens per cache block (GPU deployments)."),
+    profile: bool = typer.Option(False, "--profile", help="Profile this machine for --gpu cpu: run the real "
+                                                          "engine and actors on --model and save the table."),
+    cpu_profile: Optional[Path] = typer.Option(None, help="The CPU profile to read or write (default: "
+                                                          "cpu_profile.json in the cache directory)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON: one summary per shape."),
+    plot: Optional[Path] = typer.Option(None, help="Draw tokens/s per GPU against ITL p50 to this PNG."),
+):
+    """What would a shape serve? Simulates moeray's own scheduler and placement with step costs from
+    a GPU roofline (or this machine's profile) for a workload, per shape: tokens/s (per GPU), TTFT
+    and ITL percentiles, expert imbalance. --search tries every split of --gpus devices."""
+    from cluster.costmodel import gpu_names
+    from model.config import load_config, parse_config
+    from model.presets import PRESETS, preset_config
+
+    from . import simulate as sim
+    from .settings import cache_root
+
+    profile_path = cpu_profile or cache_root() / "cpu_profile.json"
+    if profile:
+        from cluster.profile import profile as run_profile
+
+        table = run_profile(str(_resolve(model)), progress=lambda m: err.print(m))
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profile_path.write_text(json.dumps(table, indent=2))
+        err.print(f"profiled {table['steps']} steps of {table['model']}; wrote {profile_path}")
+        return
+    if gpu != "cpu" and gpu not in gpu_names():
+        raise ValueError(f"--gpu must be cpu or one of {', '.join(gpu_names())}, got {gpu!r}")
+    try:
+        slots = tuple(int(x) for x in redundant_slots.split(","))
+    except ValueError:
+        raise ValueError(f"--redundant-slots must be integers separated by commas, got {redundant_slots!r}") from None
+    model_cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
+    args = sim.SimArgs(gpu, gpus, attention, experts, slots, standbys, ping_pong, search, tpot_ms, ttft_ms, rate,
+                       requests, prompt_tokens, output_tokens, trace, routing, skew, seed, max_num_seqs,
+                       max_tokens_per_step, block_size, profile_path)
+    with err.status("simulating"):
+        rows = sim.run(model_cfg, args)
+    if plot is not None:
+        sim.plot(rows, plot, f"{Path(model).name} on {gpus or rows[0]['gpus']} × {gpu}")
+    if as_json:
+        print(sim.dump(rows))
+        return
+    Console().print(sim.table(rows))
 
 
 def _parse_ids(text: str) -> list[int]:

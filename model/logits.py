@@ -197,9 +197,12 @@ class LogitsState:
         x = out.index_select(0, at)  # [P, V]
         counts = torch.stack([h.counts for h in hist]).to(dt)
         seen = torch.stack([h.seen for h in hist])
+        # a penalty below the dtype's smallest normal would round to 0 and divide a logit to inf (then the
+        # softmax to NaN): it is taken as that smallest value, and the quotient kept finite
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=dt, device=dev)[:, None]
+        rep = rep.clamp(min=torch.finfo(dt).tiny)
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=dt, device=dev)[:, None]
         pres = torch.tensor([p.presence_penalty for p in params], dtype=dt, device=dev)[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = torch.where(seen, torch.where(x > 0, (x / rep).clamp(max=torch.finfo(dt).max), x * rep), x)
         x = x - freq * counts - pres * (counts > 0).to(dt)
         out.index_copy_(0, at, x)

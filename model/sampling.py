@@ -145,7 +145,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int |
     index = None if every else torch.tensor(rows, device=dev)
     sub = logits if every else logits.index_select(0, index)  # [R, V]
     temp = torch.tensor([params[b].temperature for b in rows], dtype=sub.dtype, device=dev)
-    scaled = sub / temp[:, None]
+    # kept finite: a penalised logit near the dtype's max over a temperature below 1 would be inf (NaN softmax)
+    scaled = (sub / temp[:, None]).clamp(max=torch.finfo(sub.dtype).max)
     floor = [i for i, b in enumerate(rows) if params[b].min_p > 0.0]
     if floor:  # min_p: drop tokens less likely than min_p × the row's best one
         at = torch.tensor(floor, device=dev)

@@ -51,6 +51,23 @@ def test_penalties_and_bias_equal_the_per_token_reference():
     assert not torch.equal(got[0], raw[0]) and torch.equal(got[1], raw[1])
 
 
+def test_a_vanishing_repetition_penalty_keeps_the_logits_finite_and_samples():
+    """5e-324 (the fuzzer's value) is 0 in fp32: taken as the smallest normal, the quotient kept
+    finite, so the seen tokens dominate and a draw still picks a valid token (it raised)."""
+    state = LogitsState(V, torch.device("cpu"))
+    p = SamplingParams(repetition_penalty=5e-324, temperature=1.0)
+    state.feed(0, 3, 0, [4, 5, 6], p)
+    raw = _logits(1)
+    raw[0, 4] = 3.0  # a seen token with a positive logit: divided towards +inf
+    raw[0, 7] = float("-inf")  # masked (a bias or a grammar): stays -inf, never NaN
+    got = state.apply(raw, [0], [p])
+    assert not got.isnan().any() and bool(torch.isfinite(got[0, 4])) and got[0, 4] > 1e38 and got[0, 7] == float("-inf")
+    tok = sample(got, [p], [None])
+    assert 0 <= int(tok[0]) < V and int(tok[0]) == 4
+    cold = SamplingParams(repetition_penalty=5e-324, temperature=0.01, seed=3)  # the quotient over T < 1
+    assert int(sample(got, [cold], [3])[0]) in (4, 5)  # both over the max once scaled: a tie, no NaN
+
+
 def test_no_processing_returns_the_logits_themselves():
     raw = _logits(2)
     assert LogitsState(V, torch.device("cpu")).apply(raw, [0, 1], [SamplingParams()] * 2) is raw

@@ -1,0 +1,112 @@
+"""The CPU profile behind the simulator's :class:`~cluster.stepcost.CpuCost`: the real engine and
+actors (1 attention × 1 expert actor on a throwaway local Ray cluster) run batches of the shapes
+the model meets — decodes of 1 to 16 sequences and prefill chunks — and their own per-step timings
+are fitted (least squares) into a table:
+
+- attention (one replica, every layer): ``base_s + per_token_s·T + per_pair_s·S`` (T new tokens, S
+  attended (query, cache entry) pairs), from the attention actor's compute time;
+- experts (one actor, one MoE layer): ``base_s + per_row_s·rows + per_expert_s·experts touched``,
+  from the expert actor's compute time and its rows per slot;
+- exchange (one MoE layer): ``per_peer_s·max(A, X) + per_token_s·T``, the attention actor's wait for
+  the combine beyond the expert compute;
+- ``overhead_s``: the rest of a step (sampling, the engine's own work, the messages);
+- ``cores``: this machine's, which every actor shares.
+
+Owns: running those batches and the fits. Never: guesses a number it did not measure.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from model.sampling import SamplingParams
+
+from .config import EngineConfig
+
+
+def _fit(rows: list[list[float]], y: list[float], names: tuple[str, ...]) -> dict[str, float]:
+    """Least squares with coefficients clipped at 0 (a cost never falls with more work)."""
+    a, b = np.array(rows, dtype=float), np.array(y, dtype=float)
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    coef = np.clip(coef, 0.0, None)
+    return dict(zip(names, map(float, coef)))
+
+
+# The profile's own one-node Ray cluster sits at 127.0.0.<PROFILE_IP>, apart from `moeray up`'s nodes
+# and the tests' (from 127.0.0.2 up).
+PROFILE_IP = 240
+
+
+def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=(32, 128, 256),
+            tokens: int = 24, progress=print, first_ip: int = PROFILE_IP) -> dict:
+    """Run the batches on a local 1 × 1 cluster and fit the table (the module docstring)."""
+    import ray
+
+    from .engine import Engine
+    from .local import LocalCluster
+    from .spec import ClusterSpec
+
+    samples: list[tuple] = []  # (T, S, record)
+    plans: list[tuple[int, int]] = []
+
+    with LocalCluster(nodes=1, num_cpus=4, object_store_mb=80, memory_mb=2048, first_ip=first_ip) as cluster:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        try:
+            config = EngineConfig(model=model_path, max_tokens_per_step=max(prefill_chunks) + 32, num_blocks=512)
+            with Engine(config, ClusterSpec(attention=1, experts=1)) as eng:
+                send = eng._send
+
+                def recording(plan, **kw):
+                    chunks = [c for per in plan.chunks for c in per]
+                    T = sum(len(c.token_ids) for c in chunks)
+                    S = sum(len(c.token_ids) * (c.num_cached + len(c.token_ids)) - len(c.token_ids) *
+                            (len(c.token_ids) - 1) // 2 for c in chunks)
+                    plans.append((T, S))
+                    return send(plan, **kw)
+
+                eng._send = recording
+                eng.stats.listeners.append(lambda rec: samples.append(rec))
+                params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+                rng = np.random.default_rng(0)
+                vocab = eng.model_cfg.vocab_size
+                eng.generate([[1, 2, 3]], params)  # warm-up, dropped below
+                warm = len(samples)
+                for b in decode_batches:
+                    progress(f"profile: {b} sequence(s) decoding")
+                    eng.generate([rng.integers(1, vocab, 24).tolist() for _ in range(b)], params)
+                for t in prefill_chunks:
+                    progress(f"profile: prefill chunks of {t} tokens")
+                    eng.generate([rng.integers(1, vocab, t).tolist() for _ in range(2)],
+                                 SamplingParams(max_tokens=2, ignore_eos=True))
+                num_moe = len(eng.model_cfg.moe_layers)
+        finally:
+            ray.shutdown()
+    steps = [(plans[i], rec) for i, rec in enumerate(samples) if i >= warm and type(rec).__name__ == "StepRecord"]
+    if len(steps) < 8:
+        raise RuntimeError(f"the profile ran only {len(steps)} steps")
+    attn_x, attn_y, exp_x, exp_y, xch_x, xch_y, over = [], [], [], [], [], [], []
+    for (T, S), rec in steps:
+        parts = dict(rec.parts)
+        attn_x.append([1.0, T, S])
+        attn_y.append(parts["attention_compute"])
+        if rec.slot_rows is not None:
+            rows = rec.slot_rows.sum(2).double()  # [layers, actors]
+            touched = (rec.slot_rows > 0).sum(2).double()
+            exp_x.append([float((rows > 0).sum()), float(rows.sum()), float(touched.sum())])
+            exp_y.append(parts.get("expert_compute", 0.0))
+        xch_x.append([num_moe, num_moe * T])
+        xch_y.append(max(0.0, parts["attention_wait"] - parts.get("expert_compute", 0.0)))
+        over.append(max(0.0, parts["step"] - parts["attention_compute"] - parts["attention_wait"]
+                        - parts["attention_post"]))
+    return {
+        "model": Path(model_path).name, "cores": os.cpu_count() or 1, "num_moe_layers": num_moe,
+        "steps": len(steps),
+        "attention": _fit(attn_x, attn_y, ("base_s", "per_token_s", "per_pair_s")),
+        "experts": _fit(exp_x, exp_y, ("base_s", "per_row_s", "per_expert_s")),
+        "exchange": _fit(xch_x, xch_y, ("per_peer_s", "per_token_s")),
+        "overhead_s": statistics.median(over),
+    }

@@ -1,0 +1,416 @@
+"""A discrete-event simulator of moeray's engine: what a shape would serve, before anyone buys it.
+
+It drives the real :class:`~cluster.scheduler.Scheduler` (built as the engine builds it:
+continuous batching, chunked prefill, preemption, prefix caching) and the router's real placement
+(:func:`~actors.router.even_table`, :func:`~actors.router.balanced_layer` for redundant slots),
+so the simulated steps are the steps the engine would take. Only the actors are simulated: a step
+costs what a :class:`StepCost` says for its batch (attention per replica, the exchange and expert
+compute per MoE layer, overlapped as ping-pong would overlap them) plus the engine's per-step
+overhead; its sampled tokens are placeholders, and requests end by length (their output tokens).
+
+Owns: the clock, the requests' timings, the routing model's draws, the failures' pauses.
+Never: talks to Ray or torch models (the CPU profile that feeds :class:`CpuCost` is
+:mod:`cluster.profile`'s job), or tunes itself to a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actors.messages import PlacementTable, SampledToken
+from actors.router import actor_imbalance, balanced_layer, even_table
+from model.config import ModelConfig
+from model.sampling import SamplingParams
+
+from .config import EngineConfig
+from .scheduler import Plan, Scheduler, Seq
+
+
+# ---- workload ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def poisson_workload(rate: float, num_requests: int, prompt_tokens: int | tuple[int, int],
+                     output_tokens: int | tuple[int, int], seed: int = 0) -> list[SimRequest]:
+    """Poisson arrivals at ``rate`` requests/s (``rate`` ≤ 0: all at once); lengths fixed or
+    uniform in [lo, hi]."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = random.Random(seed)
+
+    def draw(x):
+        return x if isinstance(x, int) else rng.randint(*x)
+
+    t, out = 0.0, []
+    for _ in range(num_requests):
+        out.append(SimRequest(t, draw(prompt_tokens), draw(output_tokens)))
+        if rate > 0:
+            t += rng.expovariate(rate)
+    return out
+
+
+def trace_workload(path: str | Path) -> list[SimRequest]:
+    """A trace file: one JSON object per line with ``arrival_s``, ``prompt_tokens``, ``output_tokens``."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out.append(SimRequest(float(d["arrival_s"]), int(d["prompt_tokens"]), int(d["output_tokens"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{i}: need a JSON object with arrival_s, prompt_tokens, output_tokens ({e})")
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+# ---- routing ----------------------------------------------------------------------------------
+class Routing:
+    """Which experts a step's tokens choose, per MoE layer: probabilities ``[layers, E]``, resampled
+    every step (each token's k choices, as a multinomial over its layer's probabilities)."""
+
+    def __init__(self, weights: torch.Tensor, k: int):
+        """``weights`` [layers, E]: relative load per expert (counts, or any scale)."""
+        w = torch.as_tensor(weights, dtype=torch.float64)
+        if w.dim() != 2 or (w < 0).any() or (w.sum(1) <= 0).any():
+            raise ValueError("routing probabilities must be [layers, experts], >= 0, each row with mass")
+        self.weights, self.probs, self.k = w, w / w.sum(1, keepdim=True), k
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_experts: int, k: int) -> "Routing":
+        return cls(torch.ones(num_layers, num_experts), k)
+
+    @classmethod
+    def power_law(cls, num_layers: int, num_experts: int, k: int, skew: float, seed: int = 0) -> "Routing":
+        """Expert of popularity rank r (from 1) gets weight r^-skew (0: uniform); a seeded random
+        order per layer."""
+        g = torch.Generator().manual_seed(seed)
+        weights = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -skew
+        return cls(torch.stack([weights[torch.randperm(num_experts, generator=g)] for _ in range(num_layers)]), k)
+
+    @classmethod
+    def measured(cls, counts, k: int) -> "Routing":
+        """From a real run's token counts per (MoE layer, expert): ``moeray experts --json``'s
+        ``tokens_total`` (or ``tokens_window``)."""
+        return cls(torch.as_tensor(counts, dtype=torch.float64), k)
+
+    @classmethod
+    def from_json(cls, path: str | Path, k: int) -> "Routing":
+        d = json.loads(Path(path).read_text())
+        return cls.measured(d.get("tokens_total") or d["tokens_window"], k)
+
+    def sample(self, tokens: int, rng: np.random.Generator) -> np.ndarray:
+        """[layers, E] rows per expert for ``tokens`` tokens (a multinomial of tokens·k per layer:
+        O(layers·E), whatever the tokens)."""
+        if tokens == 0:
+            return np.zeros(tuple(self.probs.shape), dtype=np.int64)
+        return rng.multinomial(tokens * self.k, self._p)
+
+    @property
+    def _p(self) -> np.ndarray:
+        if not hasattr(self, "_np"):
+            p = self.probs.numpy()
+            self._np = p / p.sum(1, keepdims=True)
+        return self._np
+
+
+def placement(cfg: ModelConfig, shape: "Shape", routing: Routing) -> PlacementTable:
+    """The table the engine would run: contiguous shards (as it starts), or, rebalanced (always with
+    redundant slots), what a rebalance proposes from these expected counts (the router's own
+    function)."""
+    layers = tuple(cfg.moe_layers)
+    if not (shape.redundant_slots or shape.rebalanced):
+        return even_table(cfg.n_routed_experts, layers, shape.attention, shape.experts)
+    slots = tuple(balanced_layer(routing.weights[i].tolist(), shape.experts, shape.redundant_slots)
+                  for i in range(len(layers)))
+    return PlacementTable(1, cfg.n_routed_experts, shape.attention, layers, slots)
+
+
+# ---- the shape and the costs ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    attention: int
+    experts: int
+    redundant_slots: int = 0
+    standbys: int = 0  # warm standby actors (each takes a device)
+    ping_pong: bool = False
+    rebalanced: bool = False  # experts placed by load (`moeray rebalance`); implied by redundant slots
+    # attention replica i and expert actor i share device i (fractional GPUs per actor; SGLang's and
+    # DeepSeek's "DP attention + EP" layout): their compute adds up on the device
+    colocated: bool = False
+
+    def __post_init__(self):
+        if self.colocated and self.attention != self.experts:
+            raise ValueError(f"a colocated shape puts one attention replica and one expert actor on each device: "
+                             f"attention ({self.attention}) must equal experts ({self.experts})")
+
+    @property
+    def devices(self) -> int:
+        return (self.attention if self.colocated else self.attention + self.experts) + self.standbys
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    attention_s: float  # the busiest attention replica, all layers
+    experts_s: float  # Σ over MoE layers of the busiest expert actor
+    exchange_s: float
+
+
+class StepCost:
+    """What one step costs (a :class:`~cluster.costmodel`-based :class:`GpuCost`, or a profiled
+    :class:`CpuCost`). ``chunks[r]``: (new tokens, context after the step) per sequence of
+    attention replica r; ``rows`` / ``touched`` [MoE layers, expert actors]: the rows each expert
+    actor computes in each MoE layer, and how many of its slots have any."""
+
+    overhead_s: float = 0.0
+
+    def attention_s(self, chunks: list[tuple[int, int]]) -> float:  # one replica, every layer
+        raise NotImplementedError
+
+    def experts_s(self, rows: np.ndarray, touched: np.ndarray) -> np.ndarray:  # seconds, [layers, actors]
+        raise NotImplementedError
+
+    def exchange_s(self, tokens: int, attention: int, experts: int) -> float:  # one MoE layer
+        raise NotImplementedError
+
+    def step(self, chunks: list[list[tuple[int, int]]], rows: np.ndarray, touched: np.ndarray, shape: Shape,
+             num_moe_layers: int) -> StepTime:
+        attn = max((self.attention_s(c) for c in chunks), default=0.0)
+        tokens = max((sum(n for n, _ in c) for c in chunks), default=0)
+        xch = self.exchange_s(tokens, shape.attention, shape.experts) * num_moe_layers
+        exp = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
+        if shape.ping_pong:
+            # two micro-batches: one's exchange runs while the other computes, so compute C and
+            # exchange X overlap but for one half of the shorter: max(C, X) + min(C, X) / 2
+            compute = attn + exp
+            return StepTime(self.overhead_s + max(compute, xch) + min(compute, xch) / 2, attn, exp, xch)
+        return StepTime(self.overhead_s + attn + exp + xch, attn, exp, xch)
+
+
+# ---- failures ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recovery:
+    """The pause of one recovery, in parts (moeray's measured components; see docs/simulate.md):
+    ``detect_s`` (a dead actor: its step fails; a hung one: the watchdog), a replacement's start
+    (``standby_s`` when a warm standby takes the index, else ``start_s`` + its weights at
+    ``load_bytes_per_s``), ``regroup_s`` (the new process group) and the failed step done again."""
+
+    detect_s: float = 1.0
+    standby_s: float = 0.5
+    start_s: float = 30.0
+    load_bytes_per_s: float = 2e9
+    regroup_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Failure:
+    at_s: float
+    kind: str  # "attention" or "expert"
+    index: int
+    actors: int = 1  # actors lost at once (a node's)
+
+
+# ---- the simulation -----------------------------------------------------------------------------
+@dataclass
+class SimResult:
+    shape: Shape
+    devices: int
+    duration_s: float
+    output_tokens: int
+    ttft_s: list[float]
+    itl_s: list[float]
+    steps: list[list[list[tuple[int, int]]]] = field(default_factory=list)  # per step, per replica: (seq, tokens)
+    imbalance: float = 0.0
+    paused_s: float = 0.0
+    decode_s: float = 0.0  # time in steps where every sequence decodes (no prefill chunk)
+    decode_tokens: int = 0  # tokens those steps produced
+
+    def summary(self) -> dict:
+        def pct(xs, q):
+            if not xs:
+                return 0.0
+            xs = sorted(xs)
+            return xs[min(len(xs) - 1, int(q * len(xs)))]
+        tps = self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+        return {"attention": self.shape.attention, "experts": self.shape.experts,
+                "redundant_slots": self.shape.redundant_slots, "standbys": self.shape.standbys,
+                "gpus": self.devices, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.devices,
+                "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
+                "itl_p50_s": pct(self.itl_s, 0.5), "itl_p99_s": pct(self.itl_s, 0.99),
+                "imbalance": self.imbalance, "paused_s": self.paused_s,
+                # a decode node's figure (prefill elsewhere): output tokens/s over the decode-only steps
+                "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0}
+
+
+class Simulator:
+    def __init__(self, model_cfg: ModelConfig, shape: Shape, cost: StepCost, *, config: EngineConfig,
+                 routing: Routing | None = None, seed: int = 0, recovery: Recovery = Recovery(),
+                 failures: tuple[Failure, ...] = (), weight_bytes_per_actor: float = 0.0):
+        if shape.attention < 1 or not 1 <= shape.experts <= model_cfg.n_routed_experts:
+            raise ValueError(f"a shape needs >= 1 attention replica and 1..{model_cfg.n_routed_experts} expert "
+                             f"actors, got {shape.attention} × {shape.experts}")
+        self.cfg, self.shape, self.cost, self.config = model_cfg, shape, cost, config
+        self.routing = routing or Routing.uniform(len(model_cfg.moe_layers), model_cfg.n_routed_experts,
+                                                  model_cfg.num_experts_per_tok)
+        self.table = placement(model_cfg, shape, self.routing)
+        self.seed, self.recovery, self.failures = seed, recovery, tuple(sorted(failures, key=lambda f: f.at_s))
+        self.weight_bytes_per_actor = weight_bytes_per_actor
+        # every physical slot, flat over layers: its layer, logical expert, copy rank, copies, actor
+        X = self.table.num_actors
+        slots = [(i, e, j) for i, per_actor in enumerate(self.table.slots) for j, ids in enumerate(per_actor)
+                 for e in ids]
+        n_copies: dict[tuple[int, int], int] = {}
+        rank = []
+        for i, e, _ in slots:
+            rank.append(n_copies.get((i, e), 0))
+            n_copies[(i, e)] = rank[-1] + 1
+        self._slot_layer = np.array([i for i, _, _ in slots])
+        self._slot_expert = np.array([e for _, e, _ in slots])
+        self._slot_rank = np.array(rank)
+        self._slot_copies = np.array([n_copies[(i, e)] for i, e, _ in slots])
+        self._slot_bin = self._slot_layer * X + np.array([j for _, _, j in slots])
+        self._bins = len(self.table.slots) * X
+
+    def imbalance(self) -> float:
+        """Mean over MoE layers of max/mean rows per expert actor, expected under the routing model
+        (the router's own prediction, :func:`~actors.router.actor_imbalance`)."""
+        values = actor_imbalance(self.table, self.routing.weights)
+        return sum(values) / len(values)
+
+    def _rows(self, tokens: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, touched slots) [MoE layers, expert actors] of one step's ``tokens`` tokens: a
+        logical expert's rows split as evenly as possible over its copies (the first copies take
+        the remainder)."""
+        counts = self.routing.sample(tokens, rng)[self._slot_layer, self._slot_expert]
+        per_slot = counts // self._slot_copies + (self._slot_rank < counts % self._slot_copies)
+        shape = (len(self.table.slots), self.table.num_actors)
+        rows = np.bincount(self._slot_bin, weights=per_slot, minlength=self._bins).reshape(shape)
+        touched = np.bincount(self._slot_bin, weights=per_slot > 0, minlength=self._bins).reshape(shape)
+        return rows, touched
+
+    def run(self, workload: list[SimRequest], *, record_steps: bool = False,
+            max_steps: int = 10_000_000) -> SimResult:
+        cfg = self.cfg
+        sched = Scheduler.for_engine(self.config, cfg, self.shape.attention)
+        gen = np.random.default_rng(self.seed)
+        pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival_s, i))
+        arrival, first, last = {}, {}, {}
+        ttft, itl, steps = [], [], []
+        decode_s, decode_tokens = 0.0, 0
+        t, out_tokens, paused, nxt, n_steps = 0.0, 0, 0.0, 0, 0
+        failures = list(self.failures)
+        vocab_token = 0
+        while nxt < len(pending) or sched.has_work:
+            while nxt < len(pending) and workload[pending[nxt]].arrival_s <= t:
+                i = pending[nxt]
+                r = workload[i]
+                params = SamplingParams(max_tokens=r.output_tokens, ignore_eos=True)
+                # distinct prompts (no prefix shared by accident): ids from the request's index
+                ids = [(i * 7919 + j * 104729) % max(cfg.vocab_size - 1, 1) + 1 for j in range(r.prompt_tokens)]
+                sched.add(Seq(i, ids, r.prompt_tokens, params))
+                arrival[i] = r.arrival_s
+                nxt += 1
+            if not sched.has_work:
+                t = workload[pending[nxt]].arrival_s
+                continue
+            if failures and failures[0].at_s <= t:
+                f = failures.pop(0)
+                pause = self._recover(sched, f)
+                t += pause
+                paused += pause
+                continue
+            plan = sched.schedule()
+            if plan.empty:
+                if nxt < len(pending):
+                    t = max(t, workload[pending[nxt]].arrival_s)
+                    continue
+                raise RuntimeError("the scheduler can place no waiting request on an idle cluster (a prompt larger "
+                                   "than one replica's cache?)")
+            step = self._step_time(plan, gen)
+            t += step.seconds
+            n_steps += 1
+            if all(len(c.token_ids) == 1 for chunks in plan.chunks for c in chunks):
+                decode_s += step.seconds
+                decode_tokens += sum(map(len, plan.chunks))
+            if record_steps:
+                steps.append([[(c.seq_id, len(c.token_ids)) for c in chunks] for chunks in plan.chunks])
+            sched.completed(plan)
+            sampled = [SampledToken(c.seq_id, vocab_token) for chunks in plan.chunks for c in chunks if c.sample]
+            for seq, _tok, _reason in sched.apply(sampled):
+                out_tokens += 1
+                sid = seq.seq_id
+                if sid not in first:
+                    first[sid] = t
+                    ttft.append(t - arrival[sid])
+                else:
+                    itl.append(t - last[sid])
+                last[sid] = t
+            if n_steps >= max_steps:
+                raise RuntimeError(f"no end after {max_steps} steps")
+        start = min((r.arrival_s for r in workload), default=0.0)
+        return SimResult(self.shape, self.shape.devices, t - start, out_tokens, ttft, itl, steps,
+                         self.imbalance(), paused, decode_s, decode_tokens)
+
+    def _step_time(self, plan: Plan, rng: np.random.Generator) -> StepTime:
+        chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids)) for c in per] for per in plan.chunks]
+        rows, touched = self._rows(plan.num_tokens, rng)
+        return self.cost.step(chunks, rows, touched, self.shape, len(self.cfg.moe_layers))
+
+    def _recover(self, sched: Scheduler, f: Failure) -> float:
+        """The pause of one failure; an attention replica's sequences are recomputed (the scheduler's
+        own rewind: its cache is gone)."""
+        rc = self.recovery
+        if f.kind == "attention":
+            sched.rewind([], {f.index % self.shape.attention}, recompute_state=bool(self.cfg.kda_layers))
+        elif f.kind != "expert":
+            raise ValueError(f"a failure's kind is attention or expert, got {f.kind!r}")
+        if self.shape.standbys >= f.actors:
+            start = rc.standby_s
+        else:
+            start = rc.start_s + (self.weight_bytes_per_actor / rc.load_bytes_per_s if rc.load_bytes_per_s else 0.0)
+        return rc.detect_s + start + rc.regroup_s
+
+
+def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimRequest], *, config: EngineConfig,
+           routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,), seed: int = 0,
+           tpot_s: float | None = None, ttft_s: float | None = None, fits=None) -> list[dict]:
+    """Every split of ``devices`` into attention replicas and expert actors (with each redundant-slot
+    count), simulated; each summary says whether it meets the targets (``ok``) and whether it is on
+    the Pareto front of tokens/s per GPU against ITL p50 (``pareto``). ``cost_for(shape)`` builds
+    the step cost of a shape (its links depend on it); ``fits(shape)``, if given, skips the shapes
+    whose weights do not fit the devices."""
+    out = []
+    for attention in range(1, devices):
+        experts = devices - attention
+        if experts > model_cfg.n_routed_experts:
+            continue
+        for r in redundant_slots:
+            if r and r > experts * model_cfg.n_routed_experts:
+                continue
+            shape = Shape(attention, experts, r)
+            if fits is not None and not fits(shape):
+                continue
+            res = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed).run(workload)
+            s = res.summary()
+            s["ok"] = (tpot_s is None or s["itl_p50_s"] <= tpot_s) and (ttft_s is None or s["ttft_p50_s"] <= ttft_s)
+            out.append(s)
+    if not out:
+        raise ValueError(f"no split of {devices} devices fits this model")
+    for s in out:
+        s["pareto"] = not any(o is not s and o["tokens_per_s_per_gpu"] >= s["tokens_per_s_per_gpu"]
+                              and o["itl_p50_s"] <= s["itl_p50_s"]
+                              and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
+                              for o in out)
+    return out

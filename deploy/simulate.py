@@ -1,0 +1,149 @@
+"""`moeray simulate`: the simulator (cluster/simulator.py) from the command line — one shape, or a
+search over the splits of N devices for a latency target — printed as a table, as JSON, or drawn
+(tokens/s per GPU against ITL, the Pareto front marked). On ``--gpu cpu`` the step costs come from
+this machine's profile (``--profile`` makes it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+COLUMNS = ("attention", "experts", "redundant_slots", "standbys", "gpus", "tokens_per_s", "tokens_per_s_per_gpu",
+           "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "imbalance")
+
+
+@dataclass(frozen=True)
+class SimArgs:
+    gpu: str
+    gpus: int | None
+    attention: int | None
+    experts: int | None
+    redundant_slots: tuple[int, ...]
+    standbys: int
+    ping_pong: bool
+    search: bool
+    tpot_ms: float | None
+    ttft_ms: float | None
+    rate: float
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    trace: Path | None
+    routing: Path | None
+    skew: float
+    seed: int
+    max_num_seqs: int
+    max_tokens_per_step: int
+    block_size: int
+    cpu_profile: Path
+
+
+def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
+    """The engine settings a deployment of this model would run with: on GPUs the cache blocks
+    that fit one attention device after its weights (the planner's arithmetic)."""
+    from cluster.config import EngineConfig
+    from cluster.planner import DEVICES, plan_shape
+    from model.params import cache_bytes_per_token
+
+    if cpu:
+        return EngineConfig(model="simulated", max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
+    plan = plan_shape(model_cfg, model="simulated", device=DEVICES[a.gpu], nodes=1, gpus_per_node=max(devices, 2),
+                      attention=1, experts=max(devices - 1, 1), context=a.prompt_tokens + a.output_tokens)
+    per_block = cache_bytes_per_token(model_cfg)["latent"] * a.block_size
+    blocks = max(1, plan.cache_bytes // max(per_block, 1))
+    return EngineConfig(model="simulated", block_size=a.block_size, num_blocks=int(min(blocks, 10_000_000)),
+                        max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
+
+
+def fits(model_cfg, gpu: str, shape) -> bool:
+    """The planner's verdict on the shape's weights, 8 devices per node."""
+    from cluster.planner import DEVICES, plan_shape
+
+    nodes = -(-shape.devices // 8)
+    return plan_shape(model_cfg, model="simulated", device=DEVICES[gpu], nodes=nodes, gpus_per_node=8,
+                      attention=shape.attention, experts=shape.experts + shape.standbys, context=4096).fits
+
+
+def run(model_cfg, a: SimArgs) -> list[dict]:
+    """Simulate what the arguments ask; one summary per shape (with ``ok`` and ``pareto`` on a search)."""
+    from cluster.costmodel import load_gpu
+    from cluster.simulator import Routing, Shape, Simulator, poisson_workload, search, trace_workload
+    from cluster.stepcost import CpuCost, GpuCost
+
+    cpu = a.gpu == "cpu"
+    if cpu:
+        cost = CpuCost.load(a.cpu_profile)
+        cost_for = lambda shape: cost  # noqa: E731
+    else:
+        gpu = load_gpu(a.gpu)
+        cost_for = lambda shape: GpuCost(model_cfg, gpu, shape)  # noqa: E731
+    workload = (trace_workload(a.trace) if a.trace else
+                poisson_workload(a.rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
+    k, E, L = model_cfg.num_experts_per_tok, model_cfg.n_routed_experts, len(model_cfg.moe_layers)
+    routing = (Routing.from_json(a.routing, k) if a.routing else
+               Routing.power_law(L, E, k, a.skew, seed=a.seed) if a.skew else Routing.uniform(L, E, k))
+    if a.search:
+        if not a.gpus or a.gpus < 2:
+            raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
+        config = engine_config(model_cfg, a, cpu, a.gpus)
+        return search(model_cfg, a.gpus, cost_for, workload, config=config, routing=routing,
+                      redundant_slots=a.redundant_slots, seed=a.seed,
+                      tpot_s=None if a.tpot_ms is None else a.tpot_ms / 1e3,
+                      ttft_s=None if a.ttft_ms is None else a.ttft_ms / 1e3,
+                      fits=None if cpu else lambda shape: fits(model_cfg, a.gpu, shape))
+    if a.attention is None or a.experts is None:
+        raise ValueError("give a shape (--attention and --experts), or --search with --gpus")
+    out = []
+    for r in a.redundant_slots:
+        shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong)
+        config = engine_config(model_cfg, a, cpu, shape.devices)
+        out.append(Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing,
+                             seed=a.seed).run(workload).summary())
+    return out
+
+
+def table(rows: list[dict]) -> "object":
+    from rich.table import Table
+
+    t = Table("attention", "experts", "redundant", "standbys", "GPUs", "tok/s", "tok/s/GPU", "TTFT p50",
+              "TTFT p99", "ITL p50", "ITL p99", "imbalance", *(("meets", "Pareto") if "ok" in rows[0] else ()))
+    for r in rows:
+        t.add_row(str(r["attention"]), str(r["experts"]), str(r["redundant_slots"]), str(r["standbys"]), str(r["gpus"]),
+                  f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.1f}", f"{r['ttft_p50_s'] * 1e3:,.1f} ms",
+                  f"{r['ttft_p99_s'] * 1e3:,.1f} ms", f"{r['itl_p50_s'] * 1e3:,.2f} ms", f"{r['itl_p99_s'] * 1e3:,.2f} ms",
+                  f"{r['imbalance']:.3f}", *(("yes" if r["ok"] else "no", "★" if r["pareto"] else "")
+                                             if "ok" in r else ()))
+    return t
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Tokens/s per GPU against ITL p50, one point per shape, the Pareto front joined."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'moeray[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [r["itl_p50_s"] * 1e3 for r in rows]
+    ys = [r["tokens_per_s_per_gpu"] for r in rows]
+    ax.scatter(xs, ys, color="tab:gray", label="shapes tried")
+    for r, x, y in zip(rows, xs, ys):
+        ax.annotate(f"{r['attention']}A×{r['experts']}E" + (f"+{r['redundant_slots']}r" if r["redundant_slots"] else ""),
+                    (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front = sorted((x, y) for r, x, y in zip(rows, xs, ys) if r.get("pareto", True))
+    if front:
+        ax.plot(*zip(*front), color="tab:red", marker="o", label="Pareto front")
+    ax.set_xlabel("ITL p50 (ms)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def dump(rows: list[dict]) -> str:
+    return json.dumps(rows, indent=2)

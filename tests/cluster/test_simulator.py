@@ -1,0 +1,211 @@
+"""The simulator (issue 27): its steps are the engine's, its expert imbalance is the router's
+prediction, it is deterministic for a seed and more load never lowers its ITL; failures cost what
+the recovery parts say; `moeray simulate` prints, searches, writes JSON and draws."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actors.router import Router
+from cluster.config import EngineConfig
+from cluster.costmodel import experts_cost, load_gpu
+from cluster.simulator import (Failure, Recovery, Routing, Shape, Simulator, SimRequest, StepCost, poisson_workload,
+                               trace_workload)
+from cluster.stepcost import CpuCost, GpuCost
+from model.config import load_config
+from model.sampling import SamplingParams
+
+from test_engine_fake import drain, make, model_dir  # noqa: F401 (model_dir: the fixture)
+
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
+K2 = load_config(CONFIGS / "kimi-k2-instruct.json")
+H200 = load_gpu("h200")
+GPU_CONFIG = EngineConfig(model="simulated", block_size=64, num_blocks=40_000, max_num_seqs=256,
+                          max_tokens_per_step=8192)
+
+
+class Flat(StepCost):
+    """A step cost that ignores the batch (the tests of scheduling need no cost model)."""
+
+    overhead_s = 0.001
+
+    def attention_s(self, chunks):
+        return 0.001 * len(chunks)
+
+    def experts_s(self, rows, touched):
+        return np.where(rows > 0, 1e-4, 0.0)
+
+    def exchange_s(self, tokens, attention, experts):
+        return 1e-5
+
+
+def test_the_simulated_steps_are_the_engines(model_dir):
+    """The same requests through the real engine (its scheduler, async steps, prefix caching; the
+    fake executor's actors) and through the simulator: the same batch in every step — which
+    sequences, on which replica, how many tokens each."""
+    rng = random.Random(5)
+    lens = [(rng.randrange(3, 90), rng.randrange(1, 30)) for _ in range(24)]
+    eng, _ = make(model_dir, num_blocks=48, block_size=4, max_tokens_per_step=64, max_num_seqs=8)
+    seen = []
+    send = eng._send
+
+    def recording(plan, **kw):
+        seen.append([[(c.seq_id, len(c.token_ids)) for c in per] for per in plan.chunks])
+        return send(plan, **kw)
+
+    eng._send = recording
+    vocab = eng.model_cfg.vocab_size
+    for i, (p, n) in enumerate(lens):  # the simulator's prompt ids: distinct per request, as here
+        eng.add_request([(i * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(p)],
+                        SamplingParams(max_tokens=n, ignore_eos=True))
+    drain(eng)
+    assert eng.stats.preemptions > 0 and eng.stats.ahead_steps > 0  # the hard parts happened
+    sim = Simulator(eng.model_cfg, Shape(2, 2), Flat(), config=eng.config)
+    got = sim.run([SimRequest(0.0, p, n) for p, n in lens], record_steps=True)
+    assert got.steps == seen
+    assert got.output_tokens == sum(n for _, n in lens)
+
+
+@pytest.mark.parametrize("redundant", [0, 2, 8])
+def test_the_imbalance_with_redundant_slots_is_the_routers_prediction(redundant):
+    """The simulator places experts as a rebalance would and reports the imbalance the router
+    predicts (Proposal.imbalance_after) for the same counts."""
+    g = torch.Generator().manual_seed(3)
+    layers, E, X = list(K2.moe_layers), K2.n_routed_experts, 12
+    counts = (torch.rand(len(layers), E, generator=g) ** 4 * 1000).long()  # skewed
+    router = Router(E, layers)
+    router.initial(1, X)
+    router.report(counts, torch.zeros(len(layers), X, dtype=torch.long))
+    proposal = router.propose(redundant_slots=redundant)
+    routing = Routing.measured(counts, 8)
+    after = Simulator(K2, Shape(1, X, redundant, rebalanced=True), Flat(), config=GPU_CONFIG, routing=routing)
+    before = Simulator(K2, Shape(1, X), Flat(), config=GPU_CONFIG, routing=routing)
+    assert after.table.slots == proposal.table.slots
+    assert after.imbalance() == pytest.approx(sum(proposal.imbalance_after) / len(layers), rel=1e-12)
+    assert before.imbalance() == pytest.approx(sum(proposal.imbalance_before) / len(layers), rel=1e-12)
+    assert after.imbalance() < before.imbalance()
+
+
+def _k2(shape, workload, seed=0, **kw):
+    return Simulator(K2, shape, GpuCost(K2, H200, shape), config=GPU_CONFIG, seed=seed, **kw).run(workload)
+
+
+def test_deterministic_for_a_seed_and_more_load_never_lowers_itl():
+    shape = Shape(2, 14)
+    work = poisson_workload(8, 60, (500, 1500), (20, 60), seed=1)
+    a, b = _k2(shape, work, seed=4).summary(), _k2(shape, work, seed=4).summary()
+    assert a == b
+    assert _k2(shape, work, seed=5).summary() != a  # the routing draws follow the seed
+    itl = [_k2(shape, poisson_workload(rate, 60, 1000, 40, seed=2)).summary()["itl_p50_s"]
+           for rate in (0.5, 2, 8, 32, 128)]
+    # past saturation the batches stop growing and the ITL stays put, up to the routing draws' noise
+    # (each step resamples which experts its tokens choose): at most 1e-4 of it, measured ~1e-6
+    assert all(b >= a * (1 - 1e-4) for a, b in zip(itl, itl[1:])) and itl[-1] > 1.2 * itl[0], itl
+
+
+def test_a_failure_pauses_for_its_recovery_parts_and_a_standby_shortens_it():
+    work = poisson_workload(0, 20, 800, 30, seed=3)
+    rc = Recovery(detect_s=1.0, standby_s=0.5, start_s=30.0, load_bytes_per_s=1e9, regroup_s=2.0)
+    fail = (Failure(0.05, "expert", 3),)
+    base = _k2(Shape(2, 14), work).summary()
+    cold = _k2(Shape(2, 14), work, recovery=rc, failures=fail, weight_bytes_per_actor=40e9).summary()
+    warm = _k2(Shape(2, 14, standbys=1), work, recovery=rc, failures=fail, weight_bytes_per_actor=40e9).summary()
+    assert cold["paused_s"] == pytest.approx(1.0 + 30.0 + 40.0 + 2.0)
+    assert warm["paused_s"] == pytest.approx(1.0 + 0.5 + 2.0)
+    assert base["tokens_per_s"] > warm["tokens_per_s"] > cold["tokens_per_s"]
+    lost_attention = _k2(Shape(2, 14), work, recovery=rc, failures=(Failure(0.2, "attention", 0),))
+    assert lost_attention.output_tokens == 20 * 30  # its sequences were recomputed, none lost
+
+
+def test_routing_models_and_workloads_refuse_bad_input(tmp_path):
+    r = Routing.power_law(3, 16, 2, skew=1.2, seed=1)
+    assert torch.allclose(r.probs.sum(1), torch.ones(3, dtype=torch.float64))
+    assert float(r.probs.max(1).values.min()) > 3 / 16  # skewed
+    rows = r.sample(1000, np.random.default_rng(0))
+    assert rows.shape == (3, 16) and (rows.sum(1) == 2000).all()
+    with pytest.raises(ValueError, match="routing probabilities"):
+        Routing(torch.zeros(2, 4), 2)
+    (tmp_path / "t.jsonl").write_text('{"arrival_s": 1.5, "prompt_tokens": 10, "output_tokens": 3}\n'
+                                      '{"arrival_s": 0.5, "prompt_tokens": 7, "output_tokens": 2}\n')
+    assert trace_workload(tmp_path / "t.jsonl") == [SimRequest(0.5, 7, 2), SimRequest(1.5, 10, 3)]
+    (tmp_path / "bad.jsonl").write_text('{"arrival_s": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        trace_workload(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="lacks"):
+        CpuCost({"attention": {}})
+
+
+def test_moeray_simulate_json_search_and_plot(tmp_path):
+    exe = Path(sys.executable).parent / "moeray"
+    base = [str(exe), "simulate", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
+            "--requests", "40", "--prompt-tokens", "1000", "--output-tokens", "30", "--rate", "0"]
+    one = subprocess.run(base + ["--attention", "2", "--experts", "14", "--redundant-slots", "0,16", "--skew", "1",
+                                 "--json"], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    rows = json.loads(one.stdout)
+    need = {"attention", "experts", "gpus", "tokens_per_s", "tokens_per_s_per_gpu", "ttft_p50_s", "ttft_p99_s",
+            "itl_p50_s", "itl_p99_s", "imbalance"}
+    assert [r["redundant_slots"] for r in rows] == [0, 16] and all(need <= set(r) for r in rows)
+    assert rows[1]["imbalance"] < rows[0]["imbalance"]  # the redundant slots take the skew out
+    png = tmp_path / "front.png"
+    found = subprocess.run(base + ["--gpus", "16", "--search", "--tpot-ms", "80", "--json", "--plot", str(png)],
+                           capture_output=True, text=True, timeout=600)
+    assert found.returncode == 0, found.stderr
+    rows = json.loads(found.stdout)
+    assert all(r["gpus"] == 16 for r in rows) and any(r["pareto"] for r in rows)
+    assert all(r["attention"] + r["experts"] == 16 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run(base + ["--gpu", "tpu", "--attention", "1", "--experts", "1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--gpu must be cpu or one of" in bad.stderr
+
+
+def test_gpu_expert_cost_over_every_actor_at_once_is_the_cost_models():
+    cost = GpuCost(K2, H200, Shape(2, 14))
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 300, (4, 14)) * (rng.random((4, 14)) > 0.2)
+    touched = np.minimum(rows, rng.integers(1, 28, (4, 14)))
+    got = cost.experts_s(rows, touched)
+    for i in range(4):
+        for j in range(14):
+            want = experts_cost(K2, H200, tokens=None, counts=[1] * int(touched[i, j]) + [0] * (28 - int(touched[i, j])),
+                                experts_held=28, weights="fp8") if rows[i, j] else None
+            if want is None:
+                assert got[i, j] == 0
+                continue
+            # the same roofline with rows spread over the touched experts
+            flops = 2 * rows[i, j] * K2.expert_hidden_size * K2.moe_intermediate_size * 3
+            assert got[i, j] == pytest.approx(max(flops / (H200.fp8_flops_per_s * 0.60), want.bytes / (H200.hbm_bytes_per_s * 0.80)))
+
+
+def test_cpu_profile_then_simulate_on_cpu(tmp_path):
+    """`moeray simulate --profile` times the real engine and actors on this machine (its own
+    one-node Ray cluster) and saves the fits; `--gpu cpu` simulates from them."""
+    exe = Path(sys.executable).parent / "moeray"
+    prof = tmp_path / "cpu.json"
+    env = {**__import__("os").environ, "MOERAY_CACHE_DIR": str(tmp_path / "cache")}
+    made = subprocess.run([str(exe), "simulate", "--profile", "--model", "kimi-k2-tiny", "--cpu-profile", str(prof)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert made.returncode == 0, made.stderr
+    table = json.loads(prof.read_text())
+    assert table["steps"] >= 8 and table["cores"] >= 1 and table["overhead_s"] > 0
+    assert table["attention"]["per_token_s"] > 0 and table["experts"]["per_row_s"] >= 0
+    cost = CpuCost(table)
+    assert cost.attention_s([(1, 40)] * 16) > cost.attention_s([(1, 40)])  # more work costs more
+    run = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
+                          "--attention", "1", "--experts", "2", "--requests", "16", "--rate", "0",
+                          "--prompt-tokens", "24", "--output-tokens", "24", "--max-num-seqs", "64",
+                          "--max-tokens-per-step", "256", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(run.stdout)
+    assert row["tokens_per_s"] > 0 and 0 < row["itl_p50_s"] < 1.0
+    missing = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile",
+                              str(tmp_path / "none.json"), "--attention", "1", "--experts", "1"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert missing.returncode == 2 and "moeray simulate --profile" in missing.stderr
