@@ -26,6 +26,7 @@ import numpy as np
 from model.sampling import SamplingParams
 
 from .config import EngineConfig
+from .stats import StepRecord
 
 
 def _fit(rows: list[list[float]], y: list[float], names: tuple[str, ...]) -> dict[str, float]:
@@ -69,7 +70,7 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
                     return send(plan, **kw)
 
                 eng._send = recording
-                eng.stats.listeners.append(lambda rec: samples.append(rec))
+                eng.stats.listeners.append(lambda rec: samples.append(rec) if isinstance(rec, StepRecord) else None)
                 params = SamplingParams(max_tokens=tokens, ignore_eos=True)
                 rng = np.random.default_rng(0)
                 vocab = eng.model_cfg.vocab_size
@@ -85,7 +86,7 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
                 num_moe = len(eng.model_cfg.moe_layers)
         finally:
             ray.shutdown()
-    steps = [(plans[i], rec) for i, rec in enumerate(samples) if i >= warm and type(rec).__name__ == "StepRecord"]
+    steps = list(zip(plans, samples))[warm:]  # a step's plan and its record, in step order
     if len(steps) < 8:
         raise RuntimeError(f"the profile ran only {len(steps)} steps")
     attn_x, attn_y, exp_x, exp_y, xch_x, xch_y, over = [], [], [], [], [], [], []

@@ -50,6 +50,7 @@ class Seq(Sequence):
     saving: tuple[int, int] | None = None  # (snapshot, boundary) a step in flight saves into
     aligned: bool = True  # every chunk so far ended on the snapshot grid (its snapshots are exact)
     registered: int = 0  # its first blocks whose content is registered (each is registered once)
+    branch: int = 0  # hybrid: a grid boundary where its prompt leaves a cached prefix with no snapshot yet
 
 
 @dataclass
@@ -350,10 +351,13 @@ class Scheduler:
         return self._hashes(seq, n)[n - 1]
 
     def _target(self, seq: Seq) -> int:
-        """The grid boundary whose KDA snapshot a sequence saves: the last one before its last
-        known token (a prompt's; the deepest any longer request can hit), or a refresh's end."""
+        """The next grid boundary whose KDA snapshot a sequence saves: its branch point while its
+        prefill is before it, then the last boundary before its last known token (a prompt's; the
+        deepest any longer request can hit), or a refresh's end."""
         if seq.job:
             return len(seq.token_ids)
+        if seq.num_cached < seq.branch:
+            return seq.branch
         return (len(seq.token_ids) - 1) // self.grid * self.grid
 
     def _prefill_len(self, seq: Seq, budget: int, start: int | None = None) -> int:
@@ -378,9 +382,11 @@ class Scheduler:
         return n
 
     def _plan_snapshot(self, seq: Seq, start: int) -> int | None:
-        """The snapshot this chunk saves into (after it), if it ends at the sequence's target."""
+        """The snapshot this chunk saves into (after it), if it ends at one of the sequence's targets."""
         end = seq.num_cached
-        if (self.snaps is None or not seq.aligned or end - start < 1 or end != self._target(seq) or end == 0
+        targets = (seq.branch, len(seq.token_ids) if seq.job else (len(seq.token_ids) - 1) // self.grid * self.grid) \
+            if self.grid else ()
+        if (self.snaps is None or not seq.aligned or end - start < 1 or end not in targets or end == 0
                 or end <= seq.snap_at or seq.saving is not None):
             return None
         pool = self.snaps[seq.replica]
@@ -391,26 +397,30 @@ class Scheduler:
             seq.saving = (snap, end)
         return snap
 
-    def _hit(self, seq: Seq, r: int) -> tuple[list[int], int, int | None]:
-        """(blocks, tokens, snapshot) that ``seq`` would find cached on replica ``r``; changes nothing.
-        On hybrid models the hit ends at the deepest grid boundary with a snapshot too."""
+    def _hit(self, seq: Seq, r: int) -> tuple[list[int], int, int | None, int]:
+        """(blocks, tokens, snapshot, branch) that ``seq`` would find cached on replica ``r``; changes
+        nothing. On hybrid models the hit ends at the deepest grid boundary with a snapshot too, and
+        ``branch`` is the deepest grid boundary of the cached blocks beyond it (0: none): saving a
+        snapshot there lets the next request sharing that prefix (a system prompt) hit it."""
         if not self.caching:
-            return [], 0, None
+            return [], 0, None, 0
         n = (len(seq.token_ids) - 1) // self.block_size
         blocks = self.blocks[r].lookup(self._hashes(seq, n)[:n])
         if self.grid is None:
-            return blocks, len(blocks) * self.block_size, None
+            return blocks, len(blocks) * self.block_size, None, 0
         if self.snaps is None:
-            return [], 0, None
+            return [], 0, None, 0
         per = self.grid // self.block_size
-        for k in range(len(blocks) - len(blocks) % per, 0, -per):
+        top = len(blocks) - len(blocks) % per
+        branch = top * self.block_size
+        for k in range(top, 0, -per):
             snap = self.snaps[r].lookup(seq.hashes[k - 1])
             if snap is not None:
-                return blocks[:k], k * self.block_size, snap
-        return [], 0, None
+                return blocks[:k], k * self.block_size, snap, branch if branch > k * self.block_size else 0
+        return [], 0, None, branch
 
-    def _place(self, seq: Seq, budget: int) -> tuple[int, list[int], int, int | None] | None:
-        """Where a waiting sequence goes: (replica, cached blocks, cached tokens, snapshot), or None
+    def _place(self, seq: Seq, budget: int) -> tuple[int, list[int], int, int | None, int] | None:
+        """Where a waiting sequence goes: (replica, cached blocks, cached tokens, snapshot, branch), or None
         when no replica has room (or a refresh of its own conversation is about to finish).
 
         The rule: among replicas with room for its first chunk (and a free KDA slot), the one with
@@ -423,7 +433,7 @@ class Scheduler:
         for r in range(len(self.blocks)):
             if self.slots is not None and self.slots[r].num_free == 0:
                 continue
-            blocks, hit, snap = self._hit(seq, r)
+            blocks, hit, snap, branch = self._hit(seq, r)
             pool = self.blocks[r]
             n = min(len(seq.token_ids) - hit, budget)
             if pool.blocks_needed(hit + n, len(blocks)) > pool.num_available - pool.num_cached_of(blocks):
@@ -431,7 +441,7 @@ class Scheduler:
             load = self.load(r)
             key = (hit - self.load_weight * load, -load, pool.num_available)
             if best_key is None or key > best_key:
-                best, best_key = (r, blocks, hit, snap), key
+                best, best_key = (r, blocks, hit, snap, branch), key
         if best is not None and self.jobs and self._refresh_pending(seq, best[2]):
             return None
         return best
@@ -446,14 +456,14 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self, seq: Seq, replica: int, blocks: list[int], hit: int, snap: int | None) -> None:
+    def _admit(self, seq: Seq, replica: int, blocks: list[int], hit: int, snap: int | None, branch: int) -> None:
         self.blocks[replica].take(blocks, len(seq.token_ids))
         if self.caching:
             self.prefix_queries[replica] = self.prefix_queries.get(replica, 0) + len(seq.token_ids)
             self.prefix_hits[replica] = self.prefix_hits.get(replica, 0) + hit
         self.admitted[replica] = self.admitted.get(replica, 0) + 1
         seq.replica, seq.block_table, seq.num_cached, seq.fresh, seq.aligned = replica, list(blocks), hit, True, True
-        seq.registered = len(blocks)
+        seq.registered, seq.branch = len(blocks), branch
         if seq.num_hit is None:
             seq.num_hit = hit
         if self.slots is not None:
@@ -546,4 +556,4 @@ class Scheduler:
                     if snap is not None:
                         self.snaps[seq.replica].release(snap)
         seq.block_table, seq.state_slot, seq.num_cached, seq.replica = [], None, 0, None
-        seq.snap, seq.snap_at, seq.saving, seq.fresh, seq.registered = None, 0, None, False, 0
+        seq.snap, seq.snap_at, seq.saving, seq.fresh, seq.registered, seq.branch = None, 0, None, False, 0, 0

@@ -193,3 +193,20 @@ def test_a_snapshot_under_the_wrong_boundary_is_caught(k3_dir, monkeypatch):
     turn(eng2, prompt)
     wrong = turn(eng2, nxt)
     assert wrong.num_hit > 0 and wrong.output_ids != good
+
+
+def test_a_shared_system_prompt_gets_a_snapshot_at_its_branch_point(k3_dir):
+    """Hybrid: the first conversation's prompt snapshot lies past the shared system prompt, so the
+    second finds the system prompt's blocks but no snapshot there; it saves one at that branch
+    point (the deepest grid boundary of the blocks it found), and the third hits it. Exact."""
+    eng, _ = make(k3_dir, num_blocks=256, attention=1)
+    g = eng.scheduler.grid
+    rng = random.Random(23)
+    system = [rng.randrange(1, 700) for _ in range(2 * g + 20)]
+    convs = [system + [rng.randrange(1, 700) for _ in range(70)] for _ in range(3)]  # prompt snapshots at 3g
+    hits = []
+    for prompt in convs:
+        seq = turn(eng, prompt)
+        hits.append(seq.num_hit)
+        assert seq.output_ids == oracle(eng, [prompt], PARAMS)[0]
+    assert hits == [0, 0, 2 * g]

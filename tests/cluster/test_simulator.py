@@ -102,11 +102,13 @@ def test_deterministic_for_a_seed_and_more_load_never_lowers_itl():
     a, b = _k2(shape, work, seed=4).summary(), _k2(shape, work, seed=4).summary()
     assert a == b
     assert _k2(shape, work, seed=5).summary() != a  # the routing draws follow the seed
-    itl = [_k2(shape, poisson_workload(rate, 60, 1000, 40, seed=2)).summary()["itl_p50_s"]
-           for rate in (0.5, 2, 8, 32, 128)]
-    # past saturation the batches stop growing and the ITL stays put, up to the routing draws' noise
-    # (each step resamples which experts its tokens choose): at most 1e-4 of it, measured ~1e-6
-    assert all(b >= a * (1 - 1e-4) for a, b in zip(itl, itl[1:])) and itl[-1] > 1.2 * itl[0], itl
+    rates = (0.25, 1, 4, 8, 16, 64)  # saturated from 8 on: every request in flight at once
+    itl = [_k2(shape, poisson_workload(rate, 60, 1000, 40, seed=2)).summary()["itl_p50_s"] for rate in rates]
+    # below saturation more load makes the batches, and the ITL, grow; past it the batches stop
+    # growing and the ITL stays put up to the noise of the routing draws (each step resamples which
+    # experts its tokens choose; measured 0.06 %): never lower by more than 0.1 %
+    assert all(b > a for a, b in zip(itl[:4], itl[1:4])), itl
+    assert all(b >= a * (1 - 1e-3) for a, b in zip(itl, itl[1:])) and itl[-1] > 3 * itl[0], itl
 
 
 def test_a_failure_pauses_for_its_recovery_parts_and_a_standby_shortens_it():
