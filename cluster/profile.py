@@ -42,51 +42,56 @@ def _fit(rows: list[list[float]], y: list[float], names: tuple[str, ...]) -> dic
 PROFILE_IP = 240
 
 
+def _run(Engine, ClusterSpec, model_path: str, attention: int, experts: int, batches, prefill_chunks, tokens: int,
+         progress) -> tuple[list, int]:
+    """(plan (T, S), step record) of every step after a warm-up, on an ``attention × experts`` engine."""
+    samples: list = []
+    plans: list[tuple[int, int]] = []
+    config = EngineConfig(model=model_path, max_tokens_per_step=max(prefill_chunks, default=0) + 32, num_blocks=512)
+    with Engine(config, ClusterSpec(attention=attention, experts=experts)) as eng:
+        send = eng._send
+
+        def recording(plan, **kw):
+            chunks = [c for per in plan.chunks for c in per]
+            n = [len(c.token_ids) for c in chunks]
+            plans.append((sum(n), sum(k * (c.num_cached + k) - k * (k - 1) // 2 for k, c in zip(n, chunks))))
+            return send(plan, **kw)
+
+        eng._send = recording
+        eng.stats.listeners.append(lambda rec: samples.append(rec) if isinstance(rec, StepRecord) else None)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        rng = np.random.default_rng(0)
+        vocab = eng.model_cfg.vocab_size
+        eng.generate([[1, 2, 3]], params)  # warm-up, dropped below
+        warm = len(samples)
+        for b in batches:
+            progress(f"profile: {attention}×{experts}, {b} sequence(s) decoding")
+            eng.generate([rng.integers(1, vocab, 24).tolist() for _ in range(b)], params)
+        for t in prefill_chunks:
+            progress(f"profile: {attention}×{experts}, prefill chunks of {t} tokens")
+            eng.generate([rng.integers(1, vocab, t).tolist() for _ in range(2)], SamplingParams(max_tokens=2, ignore_eos=True))
+        num_moe = len(eng.model_cfg.moe_layers)
+    return list(zip(plans, samples))[warm:], num_moe
+
+
 def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=(32, 128, 256),
             tokens: int = 24, progress=print, first_ip: int = PROFILE_IP) -> dict:
-    """Run the batches on a local 1 × 1 cluster and fit the table (the module docstring)."""
+    """Run the batches on a local 1 × 1 cluster and fit the table (the module docstring); then a
+    2 × 2 one, whose steps beyond the 1 × 1 fits give the cost of each more actor process sharing
+    the cores (``exchange.per_process_s``, per MoE layer)."""
     import ray
 
     from .engine import Engine
     from .local import LocalCluster
     from .spec import ClusterSpec
 
-    samples: list[tuple] = []  # (T, S, record)
-    plans: list[tuple[int, int]] = []
-
     with LocalCluster(nodes=1, num_cpus=4, object_store_mb=80, memory_mb=2048, first_ip=first_ip) as cluster:
         ray.init(address=cluster.address, logging_level="ERROR")
         try:
-            config = EngineConfig(model=model_path, max_tokens_per_step=max(prefill_chunks) + 32, num_blocks=512)
-            with Engine(config, ClusterSpec(attention=1, experts=1)) as eng:
-                send = eng._send
-
-                def recording(plan, **kw):
-                    chunks = [c for per in plan.chunks for c in per]
-                    T = sum(len(c.token_ids) for c in chunks)
-                    S = sum(len(c.token_ids) * (c.num_cached + len(c.token_ids)) - len(c.token_ids) *
-                            (len(c.token_ids) - 1) // 2 for c in chunks)
-                    plans.append((T, S))
-                    return send(plan, **kw)
-
-                eng._send = recording
-                eng.stats.listeners.append(lambda rec: samples.append(rec) if isinstance(rec, StepRecord) else None)
-                params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-                rng = np.random.default_rng(0)
-                vocab = eng.model_cfg.vocab_size
-                eng.generate([[1, 2, 3]], params)  # warm-up, dropped below
-                warm = len(samples)
-                for b in decode_batches:
-                    progress(f"profile: {b} sequence(s) decoding")
-                    eng.generate([rng.integers(1, vocab, 24).tolist() for _ in range(b)], params)
-                for t in prefill_chunks:
-                    progress(f"profile: prefill chunks of {t} tokens")
-                    eng.generate([rng.integers(1, vocab, t).tolist() for _ in range(2)],
-                                 SamplingParams(max_tokens=2, ignore_eos=True))
-                num_moe = len(eng.model_cfg.moe_layers)
+            steps, num_moe = _run(Engine, ClusterSpec, model_path, 1, 1, decode_batches, prefill_chunks, tokens, progress)
+            wide, _ = _run(Engine, ClusterSpec, model_path, 2, 2, (1, 16), (), tokens, progress)
         finally:
             ray.shutdown()
-    steps = list(zip(plans, samples))[warm:]  # a step's plan and its record, in step order
     if len(steps) < 8:
         raise RuntimeError(f"the profile ran only {len(steps)} steps")
     attn_x, attn_y, exp_x, exp_y, xch_x, xch_y, over = [], [], [], [], [], [], []
@@ -103,11 +108,26 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
         xch_y.append(max(0.0, parts["attention_wait"] - parts.get("expert_compute", 0.0)))
         over.append(max(0.0, parts["step"] - parts["attention_compute"] - parts["attention_wait"]
                         - parts["attention_post"]))
-    return {
+    table = {
         "model": Path(model_path).name, "cores": os.cpu_count() or 1, "num_moe_layers": num_moe,
-        "steps": len(steps),
+        "steps": len(steps) + len(wide),
         "attention": _fit(attn_x, attn_y, ("base_s", "per_token_s", "per_pair_s")),
         "experts": _fit(exp_x, exp_y, ("base_s", "per_row_s", "per_expert_s")),
-        "exchange": _fit(xch_x, xch_y, ("per_peer_s", "per_token_s")),
+        "exchange": _fit(xch_x, xch_y, ("per_peer_s", "per_token_s")) | {"per_process_s": 0.0},
         "overhead_s": statistics.median(over),
     }
+    # the 2 × 2 steps: what the 1 × 1 fits leave unexplained, per MoE layer and per process beyond two
+    from .simulator import Shape
+    from .stepcost import CpuCost
+
+    cost = CpuCost(table)
+    residual = []
+    for (T, S), rec in wide:
+        per = T / 2  # the two replicas' tokens, about evenly
+        decode = [(1, max(1, int(S / max(T, 1))))] * max(1, int(per))
+        rows = rec.slot_rows.sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
+        touched = (rec.slot_rows > 0).sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
+        predicted = cost.step([decode, decode], rows, touched, Shape(2, 2), num_moe).seconds
+        residual.append(dict(rec.parts)["step"] - predicted)
+    table["exchange"]["per_process_s"] = max(0.0, statistics.median(residual)) / (num_moe * 2) if residual else 0.0
+    return table

@@ -100,6 +100,7 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.released: list[list[int]] = []  # per replica: sequences that left it since its last step
+        self._loads: list[int] = []  # per replica: sequences holding a place there
         self.resize(num_replicas)
 
     @classmethod
@@ -125,6 +126,7 @@ class Scheduler:
         while len(self.blocks) < num_replicas:
             self.blocks.append(BlockPool(self.num_blocks, self.block_size))
             self.released.append([])
+            self._loads.append(0)
             if self.slots is not None:
                 self.slots.append(BlockPool(self.num_slots, 1))
             if self.snaps is not None:
@@ -138,6 +140,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
         del self.blocks[num_replicas:]  # a removed replica's cache goes with it
         del self.released[num_replicas:]
+        del self._loads[num_replicas:]
         if self.slots is not None:
             del self.slots[num_replicas:]
         if self.snaps is not None:
@@ -248,6 +251,7 @@ class Scheduler:
             if job is not None:
                 self.running.append(job)
                 self.jobs[job.seq_id] = job
+                self._loads[job.replica] += 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -270,7 +274,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def load(self, replica: int) -> int:
-        return sum(1 for s in self.running if s.replica == replica)
+        """Sequences (refresh jobs included) on ``replica`` now: counted as they come and go."""
+        return self._loads[replica]
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> Plan:
@@ -279,7 +284,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncached == 1 and not s.job]:  # decodes first
             if budget == 0:
                 break
-            if seq not in self.running or not self._grow(seq, 1, plan):
+            if seq.replica is None or not self._grow(seq, 1, plan):  # None: preempted above, in this plan
                 continue
             plan.chunks[seq.replica].append(self._chunk(seq, 1))
             budget -= 1
@@ -463,6 +468,7 @@ class Scheduler:
             self.prefix_hits[replica] = self.prefix_hits.get(replica, 0) + hit
         self.admitted[replica] = self.admitted.get(replica, 0) + 1
         seq.replica, seq.block_table, seq.num_cached, seq.fresh, seq.aligned = replica, list(blocks), hit, True, True
+        self._loads[replica] += 1
         seq.registered, seq.branch = len(blocks), branch
         if seq.num_hit is None:
             seq.num_hit = hit
@@ -547,6 +553,7 @@ class Scheduler:
     def _free(self, seq: Seq) -> None:
         """``seq`` leaves its replica: its blocks (cached if registered), KDA slot and snapshots."""
         if seq.replica < len(self.released):
+            self._loads[seq.replica] -= 1
             self.released[seq.replica].append(seq.seq_id)
             self.blocks[seq.replica].free(seq.block_table)
             if self.slots is not None and seq.state_slot is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,6 +237,7 @@ class SimResult:
     paused_s: float = 0.0
     decode_s: float = 0.0  # time in steps where every sequence decodes (no prefill chunk)
     decode_tokens: int = 0  # tokens those steps produced
+    decode_steps: int = 0
 
     def summary(self) -> dict:
         def pct(xs, q):
@@ -246,12 +248,14 @@ class SimResult:
         tps = self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
         return {"attention": self.shape.attention, "experts": self.shape.experts,
                 "redundant_slots": self.shape.redundant_slots, "standbys": self.shape.standbys,
+                "colocated": self.shape.colocated,
                 "gpus": self.devices, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.devices,
                 "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
                 "itl_p50_s": pct(self.itl_s, 0.5), "itl_p99_s": pct(self.itl_s, 0.99),
                 "imbalance": self.imbalance, "paused_s": self.paused_s,
                 # a decode node's figure (prefill elsewhere): output tokens/s over the decode-only steps
-                "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0}
+                "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+                "decode_step_s": self.decode_s / self.decode_steps if self.decode_steps else 0.0}
 
 
 class Simulator:
@@ -308,7 +312,7 @@ class Simulator:
         pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival_s, i))
         arrival, first, last = {}, {}, {}
         ttft, itl, steps = [], [], []
-        decode_s, decode_tokens = 0.0, 0
+        decode_s, decode_tokens, decode_steps = 0.0, 0, 0
         t, out_tokens, paused, nxt, n_steps = 0.0, 0, 0.0, 0, 0
         failures = list(self.failures)
         vocab_token = 0
@@ -317,8 +321,10 @@ class Simulator:
                 i = pending[nxt]
                 r = workload[i]
                 params = SamplingParams(max_tokens=r.output_tokens, ignore_eos=True)
-                # distinct prompts (no prefix shared by accident): ids from the request's index
-                ids = [(i * 7919 + j * 104729) % max(cfg.vocab_size - 1, 1) + 1 for j in range(r.prompt_tokens)]
+                # distinct prompts (no prefix shared by accident): ids from the request's index, 4 bytes each
+                # (a 256-GPU decode simulation holds ~10^8 prompt tokens)
+                ids = array("i", ((i * 7919 + j * 104729) % max(cfg.vocab_size - 1, 1) + 1
+                                  for j in range(r.prompt_tokens)))
                 sched.add(Seq(i, ids, r.prompt_tokens, params))
                 arrival[i] = r.arrival_s
                 nxt += 1
@@ -344,6 +350,7 @@ class Simulator:
             if all(len(c.token_ids) == 1 for chunks in plan.chunks for c in chunks):
                 decode_s += step.seconds
                 decode_tokens += sum(map(len, plan.chunks))
+                decode_steps += 1
             if record_steps:
                 steps.append([[(c.seq_id, len(c.token_ids)) for c in chunks] for chunks in plan.chunks])
             sched.completed(plan)
@@ -361,7 +368,7 @@ class Simulator:
                 raise RuntimeError(f"no end after {max_steps} steps")
         start = min((r.arrival_s for r in workload), default=0.0)
         return SimResult(self.shape, self.shape.devices, t - start, out_tokens, ttft, itl, steps,
-                         self.imbalance(), paused, decode_s, decode_tokens)
+                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps)
 
     def _step_time(self, plan: Plan, rng: np.random.Generator) -> StepTime:
         chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids)) for c in per] for per in plan.chunks]
@@ -385,21 +392,23 @@ class Simulator:
 
 def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimRequest], *, config: EngineConfig,
            routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,), seed: int = 0,
-           tpot_s: float | None = None, ttft_s: float | None = None, fits=None) -> list[dict]:
+           tpot_s: float | None = None, ttft_s: float | None = None, fits=None,
+           colocated: bool = True) -> list[dict]:
     """Every split of ``devices`` into attention replicas and expert actors (with each redundant-slot
     count), simulated; each summary says whether it meets the targets (``ok``) and whether it is on
     the Pareto front of tokens/s per GPU against ITL p50 (``pareto``). ``cost_for(shape)`` builds
     the step cost of a shape (its links depend on it); ``fits(shape)``, if given, skips the shapes
-    whose weights do not fit the devices."""
+    whose weights do not fit the devices. ``colocated`` adds the layout with an attention replica
+    and an expert actor on every device."""
+    splits = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
+    if colocated and devices <= model_cfg.n_routed_experts:
+        splits.append((devices, devices, True))
     out = []
-    for attention in range(1, devices):
-        experts = devices - attention
-        if experts > model_cfg.n_routed_experts:
-            continue
+    for attention, experts, together in splits:
         for r in redundant_slots:
             if r and r > experts * model_cfg.n_routed_experts:
                 continue
-            shape = Shape(attention, experts, r)
+            shape = Shape(attention, experts, r, colocated=together)
             if fits is not None and not fits(shape):
                 continue
             res = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed).run(workload)

@@ -118,8 +118,11 @@ class CpuCost(StepCost):
         return np.where(rows > 0, e["base_s"] + e["per_row_s"] * rows + e["per_expert_s"] * touched, 0.0)
 
     def exchange_s(self, tokens: int, attention: int, experts: int) -> float:
+        """Per MoE layer: a message per peer, the tokens, and each actor process beyond the two of a
+        1 × 1 shape (every exchange wakes every process, which share the cores)."""
         x = self.p["exchange"]
-        return x["per_peer_s"] * max(attention, experts) + x["per_token_s"] * tokens
+        return (x["per_peer_s"] * max(attention, experts) + x["per_token_s"] * tokens
+                + x.get("per_process_s", 0.0) * max(0, attention + experts - 2))
 
     def step(self, chunks, rows, touched, shape: Shape, num_moe_layers: int) -> StepTime:
         base = super().step(chunks, rows, touched, shape, num_moe_layers)

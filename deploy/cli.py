@@ -171,6 +171,8 @@ def simulate(
     redundant_slots: str = typer.Option("0", help="Redundant expert slots per MoE layer; a comma list tries each."),
     standbys: int = typer.Option(0, help="Warm standby actors (each takes a device)."),
     ping_pong: bool = typer.Option(False, help="Overlap attention and experts in two micro-batches."),
+    colocated: bool = typer.Option(False, help="Put one attention replica and one expert actor on every device "
+                                               "(fractional gpus_per_actor; --attention = --experts)."),
     search: bool = typer.Option(False, help="Try every attention/expert split of --gpus devices."),
     tpot_ms: Optional[float] = typer.Option(None, help="Target ITL p50 (ms) a searched shape must meet."),
     ttft_ms: Optional[float] = typer.Option(None, help="Target TTFT p50 (ms) a searched shape must meet."),
@@ -219,7 +221,8 @@ def simulate(
     except ValueError:
         raise ValueError(f"--redundant-slots must be integers separated by commas, got {redundant_slots!r}") from None
     model_cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
-    args = sim.SimArgs(gpu, gpus, attention, experts, slots, standbys, ping_pong, search, tpot_ms, ttft_ms, rate,
+    args = sim.SimArgs(gpu, gpus, attention, experts, slots, standbys, ping_pong, colocated, search, tpot_ms, ttft_ms,
+                       rate,
                        requests, prompt_tokens, output_tokens, trace, routing, skew, seed, max_num_seqs,
                        max_tokens_per_step, block_size, profile_path)
     with err.status("simulating"):

@@ -22,6 +22,7 @@ class SimArgs:
     redundant_slots: tuple[int, ...]
     standbys: int
     ping_pong: bool
+    colocated: bool
     search: bool
     tpot_ms: float | None
     ttft_ms: float | None
@@ -57,9 +58,14 @@ def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
 
 
 def fits(model_cfg, gpu: str, shape) -> bool:
-    """The planner's verdict on the shape's weights, 8 devices per node."""
-    from cluster.planner import DEVICES, plan_shape
+    """The planner's verdict on the shape's weights, 8 devices per node (colocated: one attention
+    replica's weights plus one expert actor's share on each device, with room for caches)."""
+    from cluster.planner import ATTENTION_WORKSPACE, DEVICES, EXPERT_WORKSPACE, plan_shape, weight_bytes
 
+    if shape.colocated:
+        w = weight_bytes(model_cfg)
+        per_device = w.attention + -(-w.n_experts // shape.experts) * w.per_expert + ATTENTION_WORKSPACE + EXPERT_WORKSPACE
+        return per_device < DEVICES[gpu].memory_bytes * 0.9
     nodes = -(-shape.devices // 8)
     return plan_shape(model_cfg, model="simulated", device=DEVICES[gpu], nodes=nodes, gpus_per_node=8,
                       attention=shape.attention, experts=shape.experts + shape.standbys, context=4096).fits
@@ -96,7 +102,7 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
         raise ValueError("give a shape (--attention and --experts), or --search with --gpus")
     out = []
     for r in a.redundant_slots:
-        shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong)
+        shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong, colocated=a.colocated)
         config = engine_config(model_cfg, a, cpu, shape.devices)
         out.append(Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing,
                              seed=a.seed).run(workload).summary())
@@ -106,10 +112,11 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
 def table(rows: list[dict]) -> "object":
     from rich.table import Table
 
-    t = Table("attention", "experts", "redundant", "standbys", "GPUs", "tok/s", "tok/s/GPU", "TTFT p50",
+    t = Table("attention", "experts", "colocated", "redundant", "standbys", "GPUs", "tok/s", "tok/s/GPU", "TTFT p50",
               "TTFT p99", "ITL p50", "ITL p99", "imbalance", *(("meets", "Pareto") if "ok" in rows[0] else ()))
     for r in rows:
-        t.add_row(str(r["attention"]), str(r["experts"]), str(r["redundant_slots"]), str(r["standbys"]), str(r["gpus"]),
+        t.add_row(str(r["attention"]), str(r["experts"]), "yes" if r["colocated"] else "", str(r["redundant_slots"]),
+                  str(r["standbys"]), str(r["gpus"]),
                   f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.1f}", f"{r['ttft_p50_s'] * 1e3:,.1f} ms",
                   f"{r['ttft_p99_s'] * 1e3:,.1f} ms", f"{r['itl_p50_s'] * 1e3:,.2f} ms", f"{r['itl_p99_s'] * 1e3:,.2f} ms",
                   f"{r['imbalance']:.3f}", *(("yes" if r["ok"] else "no", "★" if r["pareto"] else "")
@@ -131,7 +138,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ys = [r["tokens_per_s_per_gpu"] for r in rows]
     ax.scatter(xs, ys, color="tab:gray", label="shapes tried")
     for r, x, y in zip(rows, xs, ys):
-        ax.annotate(f"{r['attention']}A×{r['experts']}E" + (f"+{r['redundant_slots']}r" if r["redundant_slots"] else ""),
+        ax.annotate((f"{r['gpus']}×(A+E)" if r["colocated"] else f"{r['attention']}A×{r['experts']}E")
+                    + (f"+{r['redundant_slots']}r" if r["redundant_slots"] else ""),
                     (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     front = sorted((x, y) for r, x, y in zip(rows, xs, ys) if r.get("pareto", True))
     if front:

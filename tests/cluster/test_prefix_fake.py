@@ -33,6 +33,8 @@ def check_pools(eng) -> None:
     """free + cached + held = total on every replica, and each block's holds are exactly the block
     tables (and refresh jobs) that list it: nothing leaked, nothing held twice."""
     sched = eng.scheduler
+    assert [sched.load(r) for r in range(len(sched.blocks))] == [
+        sum(1 for s in sched.running if s.replica == r) for r in range(len(sched.blocks))], "the load counts drifted"
     for r, pool in enumerate(sched.blocks):
         assert pool.num_free + pool.num_cached + pool.num_held == pool.num_blocks
         holds: dict[int, int] = {}

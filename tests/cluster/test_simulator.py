@@ -161,7 +161,8 @@ def test_moeray_simulate_json_search_and_plot(tmp_path):
     assert found.returncode == 0, found.stderr
     rows = json.loads(found.stdout)
     assert all(r["gpus"] == 16 for r in rows) and any(r["pareto"] for r in rows)
-    assert all(r["attention"] + r["experts"] == 16 for r in rows)
+    assert all(r["attention"] + r["experts"] == 16 for r in rows if not r["colocated"])
+    assert [(r["attention"], r["experts"]) for r in rows if r["colocated"]] == [(16, 16)]  # and the colocated layout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run(base + ["--gpu", "tpu", "--attention", "1", "--experts", "1"], capture_output=True,
                          text=True, timeout=120)
