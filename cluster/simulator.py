@@ -223,6 +223,23 @@ class Failure:
     actors: int = 1  # actors lost at once (a node's)
 
 
+def poisson_failures(per_hour: float, duration_s: float, shape: "Shape", seed: int = 0) -> tuple[Failure, ...]:
+    """Actors lost at random over ``duration_s``: a Poisson process of ``per_hour`` failures, each
+    of an actor drawn uniformly from the shape's (attention or expert, by their share)."""
+    if per_hour < 0:
+        raise ValueError(f"failures per hour must be >= 0, got {per_hour}")
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while per_hour > 0:
+        t += rng.expovariate(per_hour / 3600)
+        if t >= duration_s:
+            break
+        i = rng.randrange(shape.attention + shape.experts)
+        out.append(Failure(t, "attention", i) if i < shape.attention else
+                   Failure(t, "expert", i - shape.attention))
+    return tuple(out)
+
+
 # ---- the simulation -----------------------------------------------------------------------------
 @dataclass
 class SimResult:
@@ -238,6 +255,7 @@ class SimResult:
     decode_s: float = 0.0  # time in steps where every sequence decodes (no prefill chunk)
     decode_tokens: int = 0  # tokens those steps produced
     decode_steps: int = 0
+    failures: int = 0  # failures that happened (and were recovered) while work remained
 
     def summary(self) -> dict:
         def pct(xs, q):
@@ -252,7 +270,7 @@ class SimResult:
                 "gpus": self.devices, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.devices,
                 "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
                 "itl_p50_s": pct(self.itl_s, 0.5), "itl_p99_s": pct(self.itl_s, 0.99),
-                "imbalance": self.imbalance, "paused_s": self.paused_s,
+                "imbalance": self.imbalance, "paused_s": self.paused_s, "failures": self.failures,
                 # a decode node's figure (prefill elsewhere): output tokens/s over the decode-only steps
                 "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
                 "decode_step_s": self.decode_s / self.decode_steps if self.decode_steps else 0.0}
@@ -312,7 +330,7 @@ class Simulator:
         pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival_s, i))
         arrival, first, last = {}, {}, {}
         ttft, itl, steps = [], [], []
-        decode_s, decode_tokens, decode_steps = 0.0, 0, 0
+        decode_s, decode_tokens, decode_steps, n_failures = 0.0, 0, 0, 0
         t, out_tokens, paused, nxt, n_steps = 0.0, 0, 0.0, 0, 0
         failures = list(self.failures)
         vocab_token = 0
@@ -336,6 +354,7 @@ class Simulator:
                 pause = self._recover(sched, f)
                 t += pause
                 paused += pause
+                n_failures += 1
                 continue
             plan = sched.schedule()
             if plan.empty:
@@ -368,7 +387,7 @@ class Simulator:
                 raise RuntimeError(f"no end after {max_steps} steps")
         start = min((r.arrival_s for r in workload), default=0.0)
         return SimResult(self.shape, self.shape.devices, t - start, out_tokens, ttft, itl, steps,
-                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps)
+                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps, n_failures)
 
     def _step_time(self, plan: Plan, rng: np.random.Generator) -> StepTime:
         chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids)) for c in per] for per in plan.chunks]

@@ -178,8 +178,10 @@ def simulate(
     ttft_ms: Optional[float] = typer.Option(None, help="Target TTFT p50 (ms) a searched shape must meet."),
     rate: float = typer.Option(4.0, help="Poisson arrivals, requests/s (0: all at once)."),
     requests: int = typer.Option(200, help="Requests simulated."),
-    prompt_tokens: int = typer.Option(2000, help="Prompt tokens per request."),
-    output_tokens: int = typer.Option(200, help="Output tokens per request."),
+    prompt_tokens: str = typer.Option("2000", help="Prompt tokens per request: N, or LO:HI drawn uniformly."),
+    output_tokens: str = typer.Option("200", help="Output tokens per request: N, or LO:HI drawn uniformly."),
+    failures_per_hour: float = typer.Option(0.0, help="Actors lost at random (Poisson), each recovered with "
+                                                      "--standbys warm standbys or a cold start."),
     trace: Optional[Path] = typer.Option(None, help="A trace instead: JSON lines of arrival_s, prompt_tokens, "
                                                     "output_tokens."),
     routing: Optional[Path] = typer.Option(None, help="Measured routing: `moeray experts --json` of a real run."),
@@ -222,9 +224,9 @@ def simulate(
         raise ValueError(f"--redundant-slots must be integers separated by commas, got {redundant_slots!r}") from None
     model_cfg = parse_config(preset_config(model), where=f"preset {model}") if model in PRESETS else load_config(model)
     args = sim.SimArgs(gpu, gpus, attention, experts, slots, standbys, ping_pong, colocated, search, tpot_ms, ttft_ms,
-                       rate,
-                       requests, prompt_tokens, output_tokens, trace, routing, skew, seed, max_num_seqs,
-                       max_tokens_per_step, block_size, profile_path)
+                       rate, requests, sim.lengths(prompt_tokens, "--prompt-tokens"),
+                       sim.lengths(output_tokens, "--output-tokens"), trace, routing, skew, seed, max_num_seqs,
+                       max_tokens_per_step, block_size, profile_path, failures_per_hour)
     with err.status("simulating"):
         rows = sim.run(model_cfg, args)
     if plot is not None:

@@ -28,8 +28,8 @@ class SimArgs:
     ttft_ms: float | None
     rate: float
     requests: int
-    prompt_tokens: int
-    output_tokens: int
+    prompt_tokens: int | tuple[int, int]
+    output_tokens: int | tuple[int, int]
     trace: Path | None
     routing: Path | None
     skew: float
@@ -38,6 +38,7 @@ class SimArgs:
     max_tokens_per_step: int
     block_size: int
     cpu_profile: Path
+    failures_per_hour: float = 0.0
 
 
 def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
@@ -50,7 +51,7 @@ def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
     if cpu:
         return EngineConfig(model="simulated", max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
     plan = plan_shape(model_cfg, model="simulated", device=DEVICES[a.gpu], nodes=1, gpus_per_node=max(devices, 2),
-                      attention=1, experts=max(devices - 1, 1), context=a.prompt_tokens + a.output_tokens)
+                      attention=1, experts=max(devices - 1, 1), context=_top(a.prompt_tokens) + _top(a.output_tokens))
     per_block = cache_bytes_per_token(model_cfg)["latent"] * a.block_size
     blocks = max(1, plan.cache_bytes // max(per_block, 1))
     return EngineConfig(model="simulated", block_size=a.block_size, num_blocks=int(min(blocks, 10_000_000)),
@@ -71,10 +72,31 @@ def fits(model_cfg, gpu: str, shape) -> bool:
                       attention=shape.attention, experts=shape.experts + shape.standbys, context=4096).fits
 
 
+def _top(n: int | tuple[int, int]) -> int:
+    return n if isinstance(n, int) else n[1]
+
+
+def expert_actor_bytes(model_cfg, shape) -> float:
+    """One expert actor's weights (what a cold replacement loads)."""
+    from cluster.planner import weight_bytes
+
+    return weight_bytes(model_cfg).routed_experts / shape.experts
+
+
+def lengths(text: str, flag: str) -> int | tuple[int, int]:
+    """``N`` or ``LO:HI`` (uniform)."""
+    try:
+        lo, _, hi = text.partition(":")
+        return (int(lo), int(hi)) if hi else int(lo)
+    except ValueError:
+        raise ValueError(f"{flag} must be N or LO:HI (tokens), got {text!r}") from None
+
+
 def run(model_cfg, a: SimArgs) -> list[dict]:
     """Simulate what the arguments ask; one summary per shape (with ``ok`` and ``pareto`` on a search)."""
     from cluster.costmodel import load_gpu
-    from cluster.simulator import Routing, Shape, Simulator, poisson_workload, search, trace_workload
+    from cluster.simulator import (Routing, Shape, Simulator, poisson_failures, poisson_workload, search,
+                                   trace_workload)
     from cluster.stepcost import CpuCost, GpuCost
 
     cpu = a.gpu == "cpu"
@@ -86,6 +108,7 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
         cost_for = lambda shape: GpuCost(model_cfg, gpu, shape)  # noqa: E731
     workload = (trace_workload(a.trace) if a.trace else
                 poisson_workload(a.rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
+    span = max(r.arrival_s for r in workload)  # failures drawn over the arrivals' span
     k, E, L = model_cfg.num_experts_per_tok, model_cfg.n_routed_experts, len(model_cfg.moe_layers)
     routing = (Routing.from_json(a.routing, k) if a.routing else
                Routing.power_law(L, E, k, a.skew, seed=a.seed) if a.skew else Routing.uniform(L, E, k))
@@ -104,8 +127,10 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
     for r in a.redundant_slots:
         shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong, colocated=a.colocated)
         config = engine_config(model_cfg, a, cpu, shape.devices)
-        out.append(Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing,
-                             seed=a.seed).run(workload).summary())
+        failures = poisson_failures(a.failures_per_hour, span, shape, seed=a.seed)
+        out.append(Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=a.seed,
+                             failures=failures, weight_bytes_per_actor=expert_actor_bytes(model_cfg, shape)
+                             ).run(workload).summary())
     return out
 
 

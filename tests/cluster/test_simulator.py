@@ -167,6 +167,16 @@ def test_moeray_simulate_json_search_and_plot(tmp_path):
     bad = subprocess.run(base + ["--gpu", "tpu", "--attention", "1", "--experts", "1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--gpu must be cpu or one of" in bad.stderr
+    ranged = subprocess.run(base[:6] + ["--requests", "30", "--rate", "2", "--prompt-tokens", "200:800",
+                                         "--output-tokens", "10:30", "--attention", "2", "--experts", "14",
+                                         "--failures-per-hour", "2000", "--standbys", "1", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert ranged.returncode == 0, ranged.stderr
+    (row,) = json.loads(ranged.stdout)
+    assert row["failures"] > 0 and row["paused_s"] == pytest.approx(row["failures"] * 3.5)  # warm: 1 + 0.5 + 2 s
+    wrong = subprocess.run(base[:6] + ["--prompt-tokens", "a:b", "--attention", "1", "--experts", "1"],
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "--prompt-tokens must be N or LO:HI" in wrong.stderr
 
 
 def test_gpu_expert_cost_over_every_actor_at_once_is_the_cost_models():
