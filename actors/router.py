@@ -162,17 +162,26 @@ class Router:
                 raise ValueError("rebalance keeps the expert actors: give redundant_slots or num_actors, not both")
             if isinstance(redundant_slots, bool) or not isinstance(redundant_slots, int) or redundant_slots < 0:
                 raise ValueError(f"redundant_slots must be an integer >= 0, got {redundant_slots!r}")
-            load = self.window_counts()
-            slots = tuple(balanced_layer(load[i].tolist(), cur.num_actors, redundant_slots)
-                          for i in range(len(self.moe_layers)))
-            table = PlacementTable(nxt, self.num_experts, attention, self.moe_layers, slots)
-            proposal = Proposal(table, tuple(actor_imbalance(cur, load)), tuple(actor_imbalance(table, load)))
+            proposal = self.rebalanced(redundant_slots, epoch=nxt, num_attention=attention)
         elif num_actors is not None and num_actors != cur.num_actors:
             proposal = Proposal(even_table(self.num_experts, self.moe_layers, attention, num_actors, nxt))
         else:
             proposal = Proposal(PlacementTable(nxt, self.num_experts, attention, self.moe_layers, cur.slots))
         self.pending, self._last_epoch = proposal.table, nxt
         return proposal
+
+    def rebalanced(self, redundant_slots: int, *, epoch: int | None = None,
+                   num_attention: int | None = None) -> Proposal:
+        """The placement a rebalance would give from the window's counts, over the current actors,
+        with its predicted imbalance before and after; changes nothing (:meth:`propose` makes it
+        the pending epoch; the simulator only reads it)."""
+        cur = self.current()
+        load = self.window_counts()
+        slots = tuple(balanced_layer(load[i].tolist(), cur.num_actors, redundant_slots)
+                      for i in range(len(self.moe_layers)))
+        table = PlacementTable(cur.epoch + 1 if epoch is None else epoch, self.num_experts,
+                               cur.num_attention if num_attention is None else num_attention, self.moe_layers, slots)
+        return Proposal(table, tuple(actor_imbalance(cur, load)), tuple(actor_imbalance(table, load)))
 
     def commit(self, epoch: int) -> PlacementTable:
         """The engine applied the pending table: publish it."""

@@ -377,6 +377,8 @@ class Scheduler:
         end, target = start + n, self._target(seq)
         if start < target < end:
             return target - start
+        if start >= target and not seq.job:
+            return n  # past its last snapshot boundary: how the rest is chunked changes no snapshot
         if end < len(seq.token_ids) and end != target:
             aligned = end - end % self.grid
             if aligned > start:

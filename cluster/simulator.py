@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from actors.messages import PlacementTable, SampledToken
-from actors.router import actor_imbalance, balanced_layer, even_table
+from actors.router import Router, actor_imbalance
 from model.config import ModelConfig
 from model.sampling import SamplingParams
 
@@ -111,6 +111,14 @@ class Routing:
         d = json.loads(Path(path).read_text())
         return cls.measured(d.get("tokens_total") or d["tokens_window"], k)
 
+    def counts(self) -> torch.Tensor:
+        """The loads as token counts (what a router is told): the weights themselves when they are
+        counts, else scaled to 10^9 tokens per layer."""
+        w = self.weights
+        if bool((w == w.round()).all()):
+            return w.long()
+        return (self.probs * 1e9).round().long()
+
     def sample(self, tokens: int, rng: np.random.Generator) -> np.ndarray:
         """[layers, E] rows per expert for ``tokens`` tokens (a multinomial of tokens·k per layer:
         O(layers·E), whatever the tokens)."""
@@ -127,15 +135,15 @@ class Routing:
 
 
 def placement(cfg: ModelConfig, shape: "Shape", routing: Routing) -> PlacementTable:
-    """The table the engine would run: contiguous shards (as it starts), or, rebalanced (always with
-    redundant slots), what a rebalance proposes from these expected counts (the router's own
-    function)."""
-    layers = tuple(cfg.moe_layers)
+    """The table the engine would run, asked of a router as the engine asks its own: its first
+    table (contiguous shards), or, rebalanced (always with redundant slots), what it proposes once
+    it has seen the routing model's loads as token counts."""
+    router = Router(cfg.n_routed_experts, list(cfg.moe_layers))
+    table = router.initial(shape.attention, shape.experts)
     if not (shape.redundant_slots or shape.rebalanced):
-        return even_table(cfg.n_routed_experts, layers, shape.attention, shape.experts)
-    slots = tuple(balanced_layer(routing.weights[i].tolist(), shape.experts, shape.redundant_slots)
-                  for i in range(len(layers)))
-    return PlacementTable(1, cfg.n_routed_experts, shape.attention, layers, slots)
+        return table
+    router.report(routing.counts())
+    return router.rebalanced(shape.redundant_slots).table
 
 
 # ---- the shape and the costs ------------------------------------------------------------------
