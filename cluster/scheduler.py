@@ -359,11 +359,14 @@ class Scheduler:
         """The next grid boundary whose KDA snapshot a sequence saves: its branch point while its
         prefill is before it, then the last boundary before its last known token (a prompt's; the
         deepest any longer request can hit), or a refresh's end."""
-        if seq.job:
-            return len(seq.token_ids)
-        if seq.num_cached < seq.branch:
+        if not seq.job and seq.num_cached < seq.branch:
             return seq.branch
-        return (len(seq.token_ids) - 1) // self.grid * self.grid
+        return self._last_target(seq)
+
+    def _last_target(self, seq: Seq) -> int:
+        """A sequence's last snapshot boundary: a refresh's end, else the last grid boundary before its
+        last known token."""
+        return len(seq.token_ids) if seq.job else (len(seq.token_ids) - 1) // self.grid * self.grid
 
     def _prefill_len(self, seq: Seq, budget: int, start: int | None = None) -> int:
         """Tokens of ``seq``'s prefill to compute now: within ``budget``; on hybrid models with
@@ -391,8 +394,7 @@ class Scheduler:
     def _plan_snapshot(self, seq: Seq, start: int) -> int | None:
         """The snapshot this chunk saves into (after it), if it ends at one of the sequence's targets."""
         end = seq.num_cached
-        targets = (seq.branch, len(seq.token_ids) if seq.job else (len(seq.token_ids) - 1) // self.grid * self.grid) \
-            if self.grid else ()
+        targets = (seq.branch, self._last_target(seq)) if self.grid else ()
         if (self.snaps is None or not seq.aligned or end - start < 1 or end not in targets or end == 0
                 or end <= seq.snap_at or seq.saving is not None):
             return None
