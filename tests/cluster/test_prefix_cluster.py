@@ -1,7 +1,12 @@
 """Prefix caching on a real Ray cluster with the real model: a KDA snapshot restored on a hit is bit
-for bit the state a from-scratch prefill reaches at its boundary (CPU, fp32), and a snapshot
-registered under the wrong boundary is caught by that comparison, though the tokens it produces
-may not change."""
+for bit the state a from-scratch prefill reaches at its boundary (CPU, fp32) when that prefill is
+chunked on the same grid, and a snapshot registered under the wrong boundary is caught by that
+comparison, though the tokens it produces may not change.
+
+The reference is chunked on the grid because the cached chain was (each snapshot is restored and
+the next grid chunk computed from it): one 192-token chunk and three 64-token chunks are the same
+math but not always the same bits, since the BLAS may block a 64-row GEMM differently from a
+192-row one (measured on an AMD EPYC with AVX2: 2e-8 apart in the last KDA layers)."""
 
 import random
 
@@ -38,9 +43,14 @@ def _read(eng: Engine, snap: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _fresh(eng: Engine, tokens: list[int], boundary: int, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The state a from-scratch prefill reaches after ``tokens[:boundary]``: a request under a salt
     nothing else uses (so nothing is found cached), whose prompt's last grid boundary is
-    ``boundary``, snapshots it there."""
-    eng.generate([tokens[:boundary] + [1]], SamplingParams(max_tokens=1, cache_salt=salt))
+    ``boundary``, snapshots it there. Its prefill is chunked on the grid (one grid's tokens per
+    step), as the cached chain of snapshots was computed."""
     sched = eng.scheduler
+    budget, sched.budget = sched.budget, sched.grid
+    try:
+        eng.generate([tokens[:boundary] + [1]], SamplingParams(max_tokens=1, cache_salt=salt))
+    finally:
+        sched.budget = budget
     key = sched.blocks[0].chain([], tokens, salt, boundary // sched.block_size)[-1]
     snap = sched.snaps[0].lookup(key)
     assert snap is not None, f"the fresh prefill to {boundary} saved no snapshot"
