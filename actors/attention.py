@@ -2,7 +2,8 @@
 
 Owns: the embedding, every layer's attention (MLA, KDA), norms, gates, shared experts, dense
 layers and the lm_head — but no routed experts; the paged latent cache and KDA slots of the
-sequences the engine pinned here, and the logits processors' per-sequence histories (penalties,
+sequences the engine pinned here, their sampling params (sent once, with a sequence's first chunk
+here, kept until the engine releases it), and the logits processors' per-sequence histories (penalties,
 grammar matchers: :class:`model.logits.LogitsState`, fed with every chunk's tokens, so they are
 rebuilt wherever a sequence is prefilled again). Draws are stateless (seeds derive from the
 request's seed and the context length). An epoch change (:meth:`enter_epoch`)
@@ -24,7 +25,7 @@ from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
 from model.logits import LogitsState, grammars_for
 from model.moe import COMBINE, Dispatch
-from model.sampling import draw_seed, sample, top_logprobs
+from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
 
 from .device import choose_device
 from .channel import ServesSteps
@@ -59,6 +60,9 @@ class AttentionWorker(ServesSteps):
         self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
         self.completed = -1  # the last step that completed here
         self.sampled: dict[int, int] = {}  # seq id → the token that step sampled (AHEAD chunks read it)
+        # seq id → its sampling params (None: a refresh job, never samples): they come with the sequence's
+        # first chunk here (reset_state) and stay until the engine releases it
+        self.params: dict[int, SamplingParams | None] = {}
         # penalties' and grammars' per-sequence histories, fed with every chunk's tokens
         self.logits_state = LogitsState(self.cfg.vocab_size, self.device, lambda: grammars_for(model_path,
                                                                                               self.cfg.vocab_size))
@@ -105,6 +109,11 @@ class AttentionWorker(ServesSteps):
                                f"epoch {self.table.epoch}")
         refuse_ahead(self.name, req.step, req.ahead, self.completed)
         self.logits_state.release(req.release)
+        for seq_id in req.release:
+            self.params.pop(seq_id, None)
+        for c in req.chunks:
+            if c.reset_state:
+                self.params[c.seq_id] = c.params
         self.logits_state.prepare(c.params for c in req.chunks if c.reset_state)  # compiles beside the forward
         d.begin_step(req.step)
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -167,9 +176,9 @@ class AttentionWorker(ServesSteps):
         known = [[self._known(c.seq_id) if t == AHEAD else t for t in c.token_ids] for c in chunks]
         for c, toks in zip(chunks, known):
             if c.prefix:  # the tokens found cached, for the sequence's new history
-                self.logits_state.feed(c.seq_id, c.prompt_len, 0, list(c.prefix) + toks, c.params)
+                self.logits_state.feed(c.seq_id, c.prompt_len, 0, list(c.prefix) + toks, self._params(c))
             else:
-                self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached, toks, c.params)
+                self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached, toks, self._params(c))
         ids = torch.tensor([t for toks in known for t in toks], device=self.device)
         meta = build_attn_meta(
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
@@ -177,6 +186,14 @@ class AttentionWorker(ServesSteps):
             state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None)
         h = yield from self.model.stages(ids, meta, self.cache, self.impl)
         return h[meta.last_token_index.to(h.device)]  # each chunk's last token
+
+    def _params(self, chunk: SeqChunk) -> SamplingParams | None:
+        """The sampling params of ``chunk``'s sequence, as its first chunk here brought them."""
+        try:
+            return self.params[chunk.seq_id]
+        except KeyError:
+            raise RuntimeError(f"{self.name}: sequence {chunk.seq_id} has a chunk at position {chunk.num_cached}, "
+                               "but its first chunk here (with its params) never came") from None
 
     def _known(self, seq_id: int) -> int:
         """The token the last step sampled here for ``seq_id`` (an AHEAD chunk's input)."""
@@ -192,9 +209,9 @@ class AttentionWorker(ServesSteps):
             return ()
         h = torch.cat([x for x in last if x is not None])
         logits = self.model.logits(h[rows])  # [R, V] stays on the device
-        params = [chunks[b].params for b in rows]
+        params = [self._params(chunks[b]) for b in rows]
         seq_ids = [chunks[b].seq_id for b in rows]
-        seeds = [draw_seed(chunks[b].params, chunks[b].num_cached + len(chunks[b].token_ids)) for b in rows]
+        seeds = [draw_seed(p, chunks[b].num_cached + len(chunks[b].token_ids)) for p, b in zip(params, rows)]
         shaped = self.logits_state.apply(logits, seq_ids, params, [chunks[b].banned for b in rows])
         next_ids = sample(shaped, params, seeds)
         return self._package(seq_ids, logits, next_ids, params)

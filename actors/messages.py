@@ -105,10 +105,11 @@ class SeqChunk:
     num_cached: int
     block_table: tuple[int, ...]
     state_slot: int | None = None
-    reset_state: bool = False  # zero the KDA slot first: a new or recomputed sequence
+    reset_state: bool = False  # its first chunk on this replica: zero the KDA slot (and take ``params``)
     sample: bool = True  # this chunk ends the known tokens: sample the next one
-    params: SamplingParams | None = None  # the sequence's, on every chunk (penalties and grammars read
-    # the prefill's tokens too)
+    # the sequence's sampling params, only on its first chunk on its replica (reset_state): the actor keeps
+    # them until StepRequest.release names the sequence; None on every other chunk and on refresh jobs
+    params: SamplingParams | None = None
     prompt_len: int = 0  # the sequence's prompt tokens: positions from here on are generated ones
     banned: tuple[int, ...] = ()  # ids the sampled token must not be: the stop ids before min_tokens
     # prefix caching: with reset_state, load the KDA state from this snapshot instead of zeroing it

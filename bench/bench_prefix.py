@@ -74,7 +74,7 @@ def _drain(eng: Engine) -> None:
 
 def _prefix_counters(eng: Engine) -> tuple[int, int]:
     s = eng.scheduler
-    return sum(s.prefix_queries.values()), sum(s.prefix_hits.values())
+    return sum(s.cache.queries.values()), sum(s.cache.hits.values())
 
 
 def conversation_round(eng: Engine, sys_prompt: list[int], msgs: list[list[list[int]]], answer: int,
@@ -120,7 +120,7 @@ def random_round(eng: Engine, n: int, prompt_len: int, answer: int, seed: int) -
 
 
 def snapshots_in_use(eng: Engine) -> int:
-    snaps = eng.scheduler.snaps
+    snaps = eng.scheduler.cache.snaps
     return sum(p.num_held + p.num_cached for p in snaps) if snaps else 0
 
 
@@ -176,7 +176,7 @@ def bench_preset(preset: str, args, lc_dir: str) -> dict:
         on = engines["on"]
         grid, cap_count, each = snapshot_plan(on.config, on.model_cfg)
         snap_end = snapshots_in_use(on)
-        evicted = sum(p.num_evicted for p in on.scheduler.snaps) if on.scheduler.snaps else 0
+        evicted = sum(p.num_evicted for p in on.scheduler.cache.snaps) if on.scheduler.cache.snaps else 0
     finally:
         for eng in engines.values():
             eng.shutdown()

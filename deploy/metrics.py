@@ -312,12 +312,12 @@ class _ScrapeCollector:
             g.add_metric(list(values), value)
             return g
 
-        jobs = len(getattr(sched, "jobs", ()))  # refresh jobs (prefix caching) are no requests
+        jobs = len(sched.cache.jobs)  # refresh jobs (prefix caching) are no requests
         yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running) - jobs,
                     sp, slabels, svalues)
         yield gauge("num_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting),
                     sp, slabels, svalues)
-        pools = list(sched.blocks)
+        pools = list(sched.cache.blocks)
         used = [a.num_held for a in pools]
         total = [a.num_blocks for a in pools]
         yield gauge("kv_cache_usage_perc", "Fraction of cache blocks held by running sequences over all attention "
@@ -335,8 +335,8 @@ class _ScrapeCollector:
             yield g
         # over the engine's life: per attention replica (``actor``); under vLLM's names, the engine's total
         for metric, doc, counts in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", sched.prefix_queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", sched.prefix_hits)):
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", sched.cache.queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", sched.cache.hits)):
             if sp != PREFIX:
                 c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
                 c.add_metric(list(svalues), sum(counts.values()))

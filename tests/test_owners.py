@@ -1,9 +1,11 @@
 """One owner per piece of state, held statically (as tests/cluster/test_elastic.py holds the router to
-building placement tables): only the scheduler assigns a sequence's fields, and only the epoch
-owner (cluster/epochs.py) starts, commits or abandons a shape change. Also: the engine's fake-driven
-tests run with Ray not importable and without the shared conftest."""
+building placement tables): only the scheduler assigns a sequence's fields, only the prefix cache
+assigns a sequence's cache record (``Seq.cache``, a :class:`~cluster.prefix_cache.CacheHold`), and
+only the epoch owner (cluster/epochs.py) starts, commits or abandons a shape change. Also: the
+engine's fake-driven tests run with Ray not importable and without the shared conftest."""
 
 import ast
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from cluster.prefix_cache import CacheHold
+from cluster.scheduler import Seq
+
 ROOT = Path(__file__).parents[1]
 RUNTIME = ("model", "actors", "cluster", "deploy")
-# model.runner.Sequence's fields and the scheduler's additions (cluster/scheduler.py: Seq)
-SEQ_FIELDS = {"seq_id", "token_ids", "num_prompt_tokens", "params", "block_table", "state_slot", "num_cached",
-              "finish_reason", "replica", "num_preemptions"}
+# every field of a sequence (model.runner.Sequence's and the scheduler's additions) and of its cache record
+SEQ_FIELDS = frozenset(f.name for f in dataclasses.fields(Seq))
+CACHE_FIELDS = frozenset(f.name for f in dataclasses.fields(CacheHold))
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__"}
 # the shape-change primitives: the router's proposals and commits, the executor's preparation and
 # replacement of actors, the scheduler's resize and rewind
@@ -28,15 +33,15 @@ def _runtime_files(packages=RUNTIME):
         yield from sorted((ROOT / pkg).rglob("*.py"))
 
 
-def _seq_writes(tree) -> list[tuple[int, str]]:
-    """(line, what) for every assignment to, or in-place change of, ``<x>.<seq field>`` with ``x``
-    not ``self`` (a class's own fields are its own business)."""
+def _seq_writes(tree, fields=SEQ_FIELDS) -> list[tuple[int, str]]:
+    """(line, what) for every assignment to, or in-place change of, ``<x>.<field>`` (a field of
+    ``fields``) with ``x`` not ``self`` (a class's own fields are its own business)."""
     out = []
 
     def target(node) -> str | None:
         if isinstance(node, ast.Subscript):
             node = node.value
-        if isinstance(node, ast.Attribute) and node.attr in SEQ_FIELDS and \
+        if isinstance(node, ast.Attribute) and node.attr in fields and \
                 not (isinstance(node.value, ast.Name) and node.value.id == "self"):
             return node.attr
         return None
@@ -52,7 +57,7 @@ def _seq_writes(tree) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
             targets = [node.func.value]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
-                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in SEQ_FIELDS:
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields:
             out.append((node.lineno, f"setattr(..., {node.args[1].value!r})"))
         for t in targets:
             name = target(t)
@@ -83,10 +88,48 @@ def _outside(owner: str, walk, packages=RUNTIME) -> dict[str, list]:
     return found
 
 
+def _cache_writes(tree) -> list[tuple[int, str]]:
+    return _seq_writes(tree, CACHE_FIELDS)
+
+
+def test_the_owner_checks_cover_every_field():
+    """Every field of Seq and of its cache record is guarded, and none is guarded twice: the two
+    owners' field names are apart, so a write names its owner."""
+    assert {"replica", "num_preemptions", "cache_salt", "num_hit", "is_refresh", "reset_state_next", "cache",
+            "block_table", "num_cached", "token_ids", "finish_reason", "state_slot"} <= SEQ_FIELDS
+    assert {"hashes", "snapshot", "snapshot_at", "pending_snapshot", "on_grid", "num_registered_blocks",
+            "branch_point"} == CACHE_FIELDS
+    assert not SEQ_FIELDS & CACHE_FIELDS
+
+
 def test_only_the_scheduler_assigns_sequence_fields():
-    found = _outside("cluster/scheduler.py", _seq_writes, ("cluster", "deploy"))
+    found = _outside("cluster/scheduler.py", _seq_writes, ("actors", "cluster", "deploy"))
     assert not found, f"sequence fields written outside cluster/scheduler.py: {found}"
     assert _seq_writes(ast.parse((ROOT / "cluster/scheduler.py").read_text())), "the walk sees the scheduler's writes"
+
+
+def test_only_the_prefix_cache_assigns_a_sequences_cache_record():
+    found = _outside("cluster/prefix_cache.py", _cache_writes, ("actors", "cluster", "deploy"))
+    assert not found, f"cache-record fields written outside cluster/prefix_cache.py: {found}"
+    assert _cache_writes(ast.parse((ROOT / "cluster/prefix_cache.py").read_text())), \
+        "the walk sees the prefix cache's writes"
+
+
+@pytest.mark.parametrize("owner,checker,line,field", [
+    ("cluster/prefix_cache.py", _seq_writes, "seq.reset_state_next = False", "reset_state_next"),
+    ("cluster/prefix_cache.py", _seq_writes, "job.block_table.append(3)", "block_table"),
+    ("cluster/scheduler.py", _cache_writes, "seq.cache.snapshot_at = 0", "snapshot_at"),
+    ("cluster/scheduler.py", _cache_writes, "seq.cache.hashes.clear()", "hashes"),
+    ("cluster/engine.py", _seq_writes, "req.seq.is_refresh = True", "is_refresh"),
+])
+def test_a_write_in_the_wrong_owner_is_caught(owner, checker, line, field):
+    """Break it: a real runtime module with one write of another owner's field added is flagged,
+    at that line (the other owner's checks see it too)."""
+    src = (ROOT / owner).read_text()
+    assert field not in {w for _, w in checker(ast.parse(src))}, f"{owner} already writes {field}"
+    broken = src + f"\n\ndef _broken(seq, job, req):\n    {line}\n"
+    found = checker(ast.parse(broken))
+    assert (broken.count("\n"), field) in found, found
 
 
 def test_the_seq_check_catches_an_engine_that_appends_tokens():

@@ -62,7 +62,7 @@ def test_async_scheduling_gives_the_plain_loops_tokens(ray_cluster, k2):
         with Engine(EngineConfig(model=str(k2), async_scheduling=on), ClusterSpec(attention=2, experts=2)) as eng:
             got[on] = [s.output_ids for s in eng.generate(prompts, params)]
             assert (eng.stats.ahead_steps > 0) == on, eng.stats.ahead_steps
-            assert all(a.num_held == 0 for a in eng.scheduler.blocks)  # stopped sequences freed all
+            assert all(a.num_held == 0 for a in eng.scheduler.cache.blocks)  # stopped sequences freed all
     assert got[True] == got[False] == expected
 
 

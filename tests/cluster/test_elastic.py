@@ -95,7 +95,7 @@ def test_uneven_shards_and_k3_attention_removed_mid_stream(ray_cluster, presets)
         assert on_second
         down = _change_in_flight(eng, lambda e: e.begin_scale_attention(1), steps_first=1)
         assert down.moved_sequences == len(on_second) and down.new_shape == "1 attention × 3 expert actors"
-        assert len(eng.scheduler.blocks) == 1 and len(eng.executor.fleet.attention) == 1
+        assert len(eng.scheduler.cache.blocks) == 1 and len(eng.executor.fleet.attention) == 1
         while eng.has_work:
             eng.step()
         got = [eng.requests.pop(i).seq.output_ids for i in ids]

@@ -200,7 +200,7 @@ def test_async_stream_and_disconnect_frees_the_cache(k2_2x4, presets):
         while k2_2x4.scheduler.has_work and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not k2_2x4.scheduler.has_work
-        assert all(a.num_held == 0 for a in k2_2x4.scheduler.blocks)
+        assert all(a.num_held == 0 for a in k2_2x4.scheduler.cache.blocks)
         assert aeng.healthy  # tokens for a consumer whose event loop is gone must not kill the engine thread
     finally:
         aeng.stop()
@@ -274,7 +274,7 @@ def test_a_step_that_fails_every_time_ends_its_requests_not_the_engine(ray_clust
         while eng.requests and time.monotonic() < deadline:
             time.sleep(0.05)
         assert aeng.healthy and not eng.requests
-        assert all(a.num_held == 0 for a in eng.scheduler.blocks)
+        assert all(a.num_held == 0 for a in eng.scheduler.cache.blocks)
     finally:
         aeng.stop()
         eng.shutdown()

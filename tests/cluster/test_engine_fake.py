@@ -83,7 +83,7 @@ def started(eng: Engine, ps, params, turns: int) -> list[int]:
 
 
 def _all_free(eng: Engine) -> bool:
-    return all(a.num_held == 0 for a in eng.scheduler.blocks)
+    return all(a.num_held == 0 for a in eng.scheduler.cache.blocks)
 
 
 # ---- scheduling and async scheduling ----------------------------------------------------------------
@@ -208,13 +208,13 @@ def test_scale_attention_down_and_up_while_streaming(model_dir):
     ps = prompts(6, seed=10)
     ids = started(eng, ps, LONG, turns=4)
     down = eng.wait(eng.begin_scale_attention(1))
-    assert down.moved_sequences > 0 and len(eng.scheduler.blocks) == 1
+    assert down.moved_sequences > 0 and len(eng.scheduler.cache.blocks) == 1
     up = eng.wait(eng.begin_scale_attention(3))
     drain(eng)
     assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
     assert [(c.kind, c.epoch) for c in (down, up)] == [("attention", 1), ("attention", 2)]
     commits = [e for e in fake.log if e[0] == "commit"]
-    assert [c[1] for c in commits] == [1, 2] and len(eng.scheduler.blocks) == 3
+    assert [c[1] for c in commits] == [1, 2] and len(eng.scheduler.cache.blocks) == 3
 
 
 def test_a_change_commits_only_at_a_step_boundary_once_ready(model_dir):
@@ -273,7 +273,7 @@ def test_an_actor_lost_while_the_group_re_forms_abandons_the_change_and_recovers
     drain(eng)
     assert "re-formed" in str(t.done.exception())
     assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
-    assert len(eng.scheduler.blocks) == 2 and eng.router.pending is None
+    assert len(eng.scheduler.cache.blocks) == 2 and eng.router.pending is None
     assert ("replace", 2, (dead,)) in fake.log  # epoch 1 was the abandoned change's
     assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
 

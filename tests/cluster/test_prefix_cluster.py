@@ -16,7 +16,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine import Engine
-from cluster.scheduler import Scheduler
+from cluster.prefix_cache import PrefixCache
 from cluster.spec import ClusterSpec
 from model.presets import build_preset
 from model.sampling import SamplingParams
@@ -46,13 +46,13 @@ def _fresh(eng: Engine, tokens: list[int], boundary: int, salt: str) -> tuple[to
     ``boundary``, snapshots it there. Its prefill is chunked on the grid (one grid's tokens per
     step), as the cached chain of snapshots was computed."""
     sched = eng.scheduler
-    budget, sched.budget = sched.budget, sched.grid
+    budget, sched.budget = sched.budget, sched.cache.grid
     try:
         eng.generate([tokens[:boundary] + [1]], SamplingParams(max_tokens=1, cache_salt=salt))
     finally:
         sched.budget = budget
-    key = sched.blocks[0].chain([], tokens, salt, boundary // sched.block_size)[-1]
-    snap = sched.snaps[0].lookup(key)
+    key = sched.cache.blocks[0].chain([], tokens, salt, boundary // sched.block_size)[-1]
+    snap = sched.cache.snaps[0].lookup(key)
     assert snap is not None, f"the fresh prefill to {boundary} saved no snapshot"
     return _read(eng, snap)
 
@@ -60,9 +60,9 @@ def _fresh(eng: Engine, tokens: list[int], boundary: int, salt: str) -> tuple[to
 def _registered(eng: Engine, tokens: list[int]) -> dict[int, int]:
     """boundary → snapshot, for the unsalted snapshots whose key is a grid boundary of ``tokens``."""
     sched = eng.scheduler
-    hashes = sched.blocks[0].chain([], tokens, None, len(tokens) // sched.block_size)
+    hashes = sched.cache.blocks[0].chain([], tokens, None, len(tokens) // sched.block_size)
     at = {h: (i + 1) * sched.block_size for i, h in enumerate(hashes)}
-    return {at[key]: snap for key, snap in sched.snaps[0]._table.items() if key in at}
+    return {at[key]: snap for key, snap in sched.cache.snaps[0]._table.items() if key in at}
 
 
 def _mismatches(eng: Engine, tokens: list[int], tag: str) -> list[int]:
@@ -77,7 +77,7 @@ def _mismatches(eng: Engine, tokens: list[int], tag: str) -> list[int]:
 
 def test_restored_kda_state_is_bit_for_bit_a_from_scratch_prefill(k3):
     eng = k3
-    g = eng.scheduler.grid
+    g = eng.scheduler.cache.grid
     rng = random.Random(1)
     conv = [rng.randrange(1, 700) for _ in range(100)]
     for _ in range(3):  # the answer's snapshots come from refresh jobs chained on the prompt's
@@ -98,10 +98,10 @@ def test_a_snapshot_registered_one_boundary_early_is_caught(k3, monkeypatch):
     """The scheduler of the running engine registers each new snapshot under the key of the grid
     boundary before its own: the comparison names that boundary."""
     eng = k3
-    g = eng.scheduler.grid
-    real = Scheduler._snapshot_key
-    monkeypatch.setattr(eng.scheduler, "_snapshot_key",
-                        lambda seq, b: real(eng.scheduler, seq, b - g if b > g else b))
+    g = eng.scheduler.cache.grid
+    real = PrefixCache._snapshot_key
+    monkeypatch.setattr(eng.scheduler.cache, "_snapshot_key",
+                        lambda seq, b: real(eng.scheduler.cache, seq, b - g if b > g else b))
     rng = random.Random(2)
     conv = [rng.randrange(1, 700) for _ in range(3 * g + 20)]  # a prompt snapshot at 3g, keyed as 2g
     eng.generate([conv], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cluster.scheduler import Scheduler
+from cluster.prefix_cache import PrefixCache
 from model.presets import preset_config
 from model.sampling import SamplingParams
 
@@ -20,7 +20,7 @@ PARAMS = SamplingParams(max_tokens=19, ignore_eos=True)
 
 def grid_of(eng) -> int:
     """The granularity of a hit: a block, or the KDA snapshot grid on hybrid models."""
-    return eng.scheduler.grid or eng.scheduler.block_size
+    return eng.scheduler.cache.grid or eng.scheduler.block_size
 
 
 def turn(eng, prompt, params=PARAMS, salt=None):
@@ -33,9 +33,9 @@ def check_pools(eng) -> None:
     """free + cached + held = total on every replica, and each block's holds are exactly the block
     tables (and refresh jobs) that list it: nothing leaked, nothing held twice."""
     sched = eng.scheduler
-    assert [sched.load(r) for r in range(len(sched.blocks))] == [
-        sum(1 for s in sched.running if s.replica == r) for r in range(len(sched.blocks))], "the load counts drifted"
-    for r, pool in enumerate(sched.blocks):
+    assert [sched.load(r) for r in range(len(sched.cache.blocks))] == [
+        sum(1 for s in sched.running if s.replica == r) for r in range(len(sched.cache.blocks))], "the load counts drifted"
+    for r, pool in enumerate(sched.cache.blocks):
         assert pool.num_free + pool.num_cached + pool.num_held == pool.num_blocks
         holds: dict[int, int] = {}
         for s in sched.running:
@@ -44,12 +44,12 @@ def check_pools(eng) -> None:
                     holds[b] = holds.get(b, 0) + 1
         assert {b: n for b, n in enumerate(pool._ref) if n} == holds
         assert all(n == 1 or pool._hash[b] is not None for b, n in holds.items()), "a shared block is unregistered"
-        if sched.snaps is not None:  # snapshots: held exactly by the sequences that restore or save them
-            snaps = sched.snaps[r]
+        if sched.cache.snaps is not None:  # snapshots: held exactly by the sequences that restore or save them
+            snaps = sched.cache.snaps[r]
             assert snaps.num_free + snaps.num_cached + snaps.num_held == snaps.num_snapshots
             held: dict[int, int] = {}
             for s in sched.running:
-                for snap in (s.snap, s.saving[0] if s.saving else None):
+                for snap in (s.cache.snapshot, s.cache.pending_snapshot[0] if s.cache.pending_snapshot else None):
                     if s.replica == r and snap is not None:
                         held[snap] = held.get(snap, 0) + 1
             assert {i: n for i, n in enumerate(snaps._ref) if n} == held
@@ -85,8 +85,8 @@ def test_turns_hit_the_block_rounded_shared_length_and_equal_the_oracle(model_di
             check_pools(eng)
     assert all(len(set(h)) == 1 for h in homes), f"a conversation moved between replicas: {homes}"
     assert homes[0][0] != homes[1][0], "the first turns arrived together: one on each replica"
-    assert sum(eng.scheduler.prefix_hits.values()) > 0
-    assert not eng.scheduler.jobs and all(p.num_held == 0 for p in eng.scheduler.blocks)
+    assert sum(eng.scheduler.cache.hits.values()) > 0
+    assert not eng.scheduler.cache.jobs and all(p.num_held == 0 for p in eng.scheduler.cache.blocks)
 
 
 def test_load_outweighs_a_short_hit(model_dir):
@@ -117,7 +117,7 @@ def test_salts_separate_equal_prompts(model_dir):
     turn(eng, prompt, salt="tenant-a")
     assert turn(eng, prompt, salt="tenant-b").num_hit == 0
     assert turn(eng, prompt).num_hit == 0  # no salt is a salt of its own
-    if eng.scheduler.grid is None:  # a repeated prompt hits its own blocks; a hybrid, its prompt snapshot
+    if eng.scheduler.cache.grid is None:  # a repeated prompt hits its own blocks; a hybrid, its prompt snapshot
         assert turn(eng, prompt, salt="tenant-a").num_hit == 148
     else:
         assert turn(eng, prompt, salt="tenant-a").num_hit == 128
@@ -150,8 +150,8 @@ def test_random_traffic_under_pressure_equals_the_oracle_and_keeps_the_pools_who
     assert not eng.busy
     got = [eng.release(i).seq.output_ids for i in ids]
     assert got == oracle(eng, [p for p, _ in reqs], [sp for _, sp in reqs])
-    assert sum(eng.scheduler.prefix_hits.values()) > 0
-    assert sum(p.num_evicted for p in eng.scheduler.blocks) > 0, "no eviction: the test exerts no pressure"
+    assert sum(eng.scheduler.cache.hits.values()) > 0
+    assert sum(p.num_evicted for p in eng.scheduler.cache.blocks) > 0, "no eviction: the test exerts no pressure"
     assert eng.stats.preemptions > 0
     check_pools(eng)
 
@@ -181,7 +181,7 @@ def test_a_snapshot_under_the_wrong_boundary_is_caught(k3_dir, monkeypatch):
     oracle: the oracle comparisons above would catch such a bug, which a model whose tokens
     happen not to change would let through."""
     eng, _ = make(k3_dir, num_blocks=256, attention=1)
-    g = eng.scheduler.grid
+    g = eng.scheduler.cache.grid
     rng = random.Random(17)
     prompt = [rng.randrange(1, 700) for _ in range(3 * g + 10)]
     nxt = turn(eng, prompt).token_ids + [3, 4]
@@ -189,8 +189,8 @@ def test_a_snapshot_under_the_wrong_boundary_is_caught(k3_dir, monkeypatch):
     right = turn(eng, nxt)
     assert right.num_hit == 3 * g and right.output_ids == good  # as built: a deep hit, exact
 
-    real = Scheduler._snapshot_key
-    monkeypatch.setattr(Scheduler, "_snapshot_key", lambda self, seq, b: real(self, seq, b - g if b > g else b))
+    real = PrefixCache._snapshot_key
+    monkeypatch.setattr(PrefixCache, "_snapshot_key", lambda self, seq, b: real(self, seq, b - g if b > g else b))
     eng2, _ = make(k3_dir, num_blocks=256, attention=1)
     turn(eng2, prompt)
     wrong = turn(eng2, nxt)
@@ -202,7 +202,7 @@ def test_a_shared_system_prompt_gets_a_snapshot_at_its_branch_point(k3_dir):
     second finds the system prompt's blocks but no snapshot there; it saves one at that branch
     point (the deepest grid boundary of the blocks it found), and the third hits it. Exact."""
     eng, _ = make(k3_dir, num_blocks=256, attention=1)
-    g = eng.scheduler.grid
+    g = eng.scheduler.cache.grid
     rng = random.Random(23)
     system = [rng.randrange(1, 700) for _ in range(2 * g + 20)]
     convs = [system + [rng.randrange(1, 700) for _ in range(70)] for _ in range(3)]  # prompt snapshots at 3g

@@ -67,5 +67,5 @@ def test_finish_frees_everything():
     s.schedule()
     for q in seqs:
         s.finish(q, "stop")
-    assert all(a.num_held == 0 for a in s.blocks) and all(a.num_free == 4 for a in s.slots)
+    assert all(a.num_held == 0 for a in s.cache.blocks) and all(a.num_free == 4 for a in s.cache.slots)
     assert not s.has_work

@@ -27,7 +27,7 @@ from cluster.stats import EngineStats, StepRecord
 from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
-from model.block_pool import BlockPool
+from cluster.block_pool import BlockPool
 from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_env
 
 ROOT = Path(__file__).parents[2]
@@ -59,8 +59,8 @@ def populated_metrics() -> EngineMetrics:
     table = router.initial(1, 2)
     engine = SimpleNamespace(stats=stats, table=table, router=router,
                              scheduler=SimpleNamespace(waiting=deque([object()]), running=[object()],
-                                                       blocks=[_pool()], jobs={}, prefix_queries={0: 40},
-                                                       prefix_hits={0: 16}))
+                                                       cache=SimpleNamespace(blocks=[_pool()], jobs={},
+                                                                             queries={0: 40}, hits={0: 16})))
     m = EngineMetrics(engine, "tiny")
     attn = [StepResult(1, "attention[0]", expert_tokens=((2, 1, 0, 1), (0, 3, 1, 0)),
                        slot_tokens=(((2, 1), (0, 1)), ((0, 3), (1, 0))), exchange_s=0.002,

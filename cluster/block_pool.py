@@ -21,9 +21,10 @@ Sharing needs no copy-on-write: a shared block is full, and callers only ever wr
 own tail block — the positions after its matched prefix, which :meth:`match` always leaves at
 least one token of — so a block is written only while its one holder is the sequence extending it.
 
-Owned by whoever schedules sequences (one per replica, like the :class:`~model.cache.BlockAllocator`
-it replaces; same interface plus :meth:`match`, :meth:`register` and :meth:`clear`). Never: holds
-per-sequence state, touches tensors, or decides which sequence gets evicted — only which blocks.
+Owned by the engine's prefix cache (:mod:`cluster.prefix_cache`, one per attention replica; the
+:class:`~model.cache.BlockAllocator` interface plus :meth:`match`, :meth:`register` and
+:meth:`clear`). Never: holds per-sequence state, touches tensors, or decides which sequence gets
+evicted — only which blocks.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from model.block_pool import BlockPool
+from cluster.block_pool import BlockPool
 from model.cache import CacheFull
 
 BS = 4

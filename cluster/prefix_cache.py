@@ -1,0 +1,349 @@
+"""The prefix cache: where each attention replica's cache lives, and what of it a later request may
+share (docs/architecture.md "Prefix caching").
+
+Owns: per attention replica the block pool (allocation, reference counts, chained content hashes,
+the LRU of cached blocks: :class:`~cluster.block_pool.BlockPool`), the KDA-slot allocator and the
+KDA snapshot pool (hybrid models); the snapshot grid, branch points and refresh jobs; every
+sequence's :class:`CacheHold` — the only code that writes one (a static test holds it to that);
+the prompt tokens looked up and found, per replica.
+
+A new sequence takes the longest cached prefix on its replica (:meth:`PrefixCache.hit`,
+:meth:`PrefixCache.admit`) and computes the rest; a finished sequence's blocks stay cached. Blocks
+(and KDA snapshots) are registered only in :meth:`PrefixCache.completed`, once the step that wrote
+them came back. On hybrid models a hit needs a KDA state snapshot at its boundary: prefill chunks
+are cut on the snapshot grid (:meth:`PrefixCache.cut`), a snapshot is saved at the last grid
+boundary of every prompt and at its branch point, and a finished sequence's answer is prefilled
+once more from its newest snapshot (a *refresh* job, no sampling: :meth:`PrefixCache.refresh`) so
+that its final boundary has a snapshot a from-scratch prefill chunked on the grid would reach.
+
+Never: decides which sequences run, how many tokens a step takes or which replica a new sequence
+goes to (the scheduler does, asking :meth:`PrefixCache.hit`); assigns a sequence's own fields (it
+hands the scheduler blocks, slots and refresh jobs to place); touches tensors or talks to actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from actors.messages import SeqChunk
+
+from .block_pool import BlockPool, SnapshotPool
+
+if TYPE_CHECKING:
+    from .scheduler import Seq
+
+
+@dataclass
+class CacheHold:
+    """One sequence's standing with the prefix cache; created with the sequence, written only by
+    :class:`PrefixCache`."""
+
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (a memo)
+    snapshot: int | None = None  # the KDA snapshot it holds: its state after its first snapshot_at tokens
+    snapshot_at: int = 0
+    pending_snapshot: tuple[int, int] | None = None  # (snapshot, boundary) a step in flight saves into
+    on_grid: bool = True  # every chunk so far ended on the snapshot grid (its snapshots are exact)
+    num_registered_blocks: int = 0  # its first blocks whose content is registered (each once)
+    branch_point: int = 0  # hybrid: a grid boundary where its prompt leaves a cached prefix with no snapshot yet
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What a sequence would find cached on one replica; finding it changes nothing."""
+
+    blocks: tuple[int, ...] = ()
+    tokens: int = 0  # the prompt tokens those blocks (and the snapshot) cover
+    snapshot: int | None = None  # hybrid: the KDA snapshot at ``tokens``
+    branch_point: int = 0  # hybrid: the deepest grid boundary of the cached blocks beyond it (0: none)
+
+
+NO_HIT = Hit()
+
+
+class PrefixCache:
+    def __init__(self, *, num_blocks: int, block_size: int, num_slots: int | None, caching: bool,
+                 grid: int | None, num_snapshots: int, step_budget: int):
+        """``num_slots``: KDA slots per replica (hybrid models; None otherwise). ``caching``: share
+        cached blocks between sequences. ``grid`` (hybrid models): the token grid KDA snapshots
+        sit on (a multiple of ``block_size``), with ``num_snapshots`` of them per replica.
+        ``step_budget``: the scheduler's tokens per step (a prefill that cannot reach the grid
+        within what is left of a step waits for the next one)."""
+        if grid is not None and (grid < block_size or grid % block_size):
+            raise ValueError(f"the snapshot grid ({grid}) must be a multiple of block_size ({block_size})")
+        self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
+        self.caching, self.step_budget = caching, step_budget
+        self.grid = grid if num_slots else None  # hybrid models only
+        self.num_snapshots = num_snapshots if caching and self.grid else 0
+        self.blocks: list[BlockPool] = []
+        self.slots: list[BlockPool] | None = [] if num_slots else None
+        self.snaps: list[SnapshotPool] | None = [] if self.num_snapshots else None
+        self.jobs: dict[int, Seq] = {}  # refresh jobs, by their (negative) ids
+        # per replica index, over the engine's life: prompt tokens looked up, and found cached
+        self.queries: dict[int, int] = {}
+        self.hits: dict[int, int] = {}
+
+    # ---- replicas --------------------------------------------------------------------------
+    def resize(self, num_replicas: int) -> None:
+        """Pools for ``num_replicas`` replicas: a new one starts empty; a removed one's cache goes with
+        it (the scheduler moved its sequences away first)."""
+        while len(self.blocks) < num_replicas:
+            self.blocks.append(BlockPool(self.num_blocks, self.block_size))
+            if self.slots is not None:
+                self.slots.append(BlockPool(self.num_slots, 1))
+            if self.snaps is not None:
+                self.snaps.append(SnapshotPool(self.num_snapshots))
+        del self.blocks[num_replicas:]
+        if self.slots is not None:
+            del self.slots[num_replicas:]
+        if self.snaps is not None:
+            del self.snaps[num_replicas:]
+
+    def forget(self, replicas) -> None:
+        """These replicas died with their cache: their pools start empty (their sequences were
+        requeued first)."""
+        for r in replicas:
+            if r < len(self.blocks):
+                self.blocks[r].clear()
+                if self.snaps is not None:
+                    self.snaps[r].clear()
+
+    # ---- room ------------------------------------------------------------------------------
+    def max_tokens(self) -> int:
+        """The most tokens one sequence's blocks can hold on a replica."""
+        return self.num_blocks * self.block_size
+
+    def blocks_to_grow(self, seq: Seq, n: int) -> int:
+        """Blocks ``seq`` needs on its replica for ``n`` more tokens."""
+        return self.blocks[seq.replica].blocks_needed(seq.num_cached + n, len(seq.block_table))
+
+    def can_allocate(self, replica: int, num_blocks: int) -> bool:
+        return self.blocks[replica].can_allocate(num_blocks)
+
+    def fits(self, replica: int, seq: Seq | None, n: int) -> bool:
+        """Room on ``replica`` for ``n`` more tokens of ``seq`` (a new sequence when it is not there)."""
+        here = seq is not None and seq.replica == replica
+        need = self.blocks[replica].blocks_needed((seq.num_cached if here else 0) + n,
+                                                  len(seq.block_table) if here else 0)
+        return self.blocks[replica].can_allocate(need)
+
+    def allocate(self, seq: Seq, n: int) -> list[int]:
+        """New blocks for ``n`` more tokens of ``seq`` on its replica (the scheduler appends them)."""
+        return self.blocks[seq.replica].allocate(self.blocks_to_grow(seq, n))
+
+    def has_free_slot(self, replica: int) -> bool:
+        return self.slots is None or self.slots[replica].num_free > 0
+
+    def room_for(self, seq: Seq, replica: int, hit: Hit, n: int) -> bool:
+        """Room on ``replica`` for ``seq``'s first chunk of ``n`` tokens after ``hit`` (taking
+        cached blocks takes room too)."""
+        pool = self.blocks[replica]
+        need = pool.blocks_needed(hit.tokens + n, len(hit.blocks))
+        return need <= pool.num_available - pool.num_cached_of(hit.blocks)
+
+    # ---- hits and admission -----------------------------------------------------------------
+    def hit(self, seq: Seq, replica: int) -> Hit:
+        """What ``seq`` would find cached on ``replica``. On hybrid models the hit ends at the
+        deepest grid boundary with a snapshot too, and its ``branch_point`` is the deepest grid
+        boundary of the cached blocks beyond it: saving a snapshot there lets the next request
+        sharing that prefix (a system prompt) hit it."""
+        if not self.caching:
+            return NO_HIT
+        n = (len(seq.token_ids) - 1) // self.block_size
+        blocks = self.blocks[replica].lookup(self._hashes(seq, n)[:n])
+        if self.grid is None:
+            return Hit(tuple(blocks), len(blocks) * self.block_size)
+        if self.snaps is None:
+            return NO_HIT
+        per = self.grid // self.block_size
+        top = len(blocks) - len(blocks) % per
+        branch = top * self.block_size
+        for k in range(top, 0, -per):
+            snap = self.snaps[replica].lookup(seq.cache.hashes[k - 1])
+            if snap is not None:
+                return Hit(tuple(blocks[:k]), k * self.block_size, snap,
+                           branch if branch > k * self.block_size else 0)
+        return Hit(branch_point=branch)
+
+    def admit(self, seq: Seq, replica: int, hit: Hit) -> int | None:
+        """``seq`` moves in on ``replica`` with ``hit``: its cached blocks (and snapshot) are held,
+        the lookup counted. Returns its KDA slot (hybrid models), else None."""
+        self.blocks[replica].take(hit.blocks, len(seq.token_ids))
+        if self.caching:
+            self.queries[replica] = self.queries.get(replica, 0) + len(seq.token_ids)
+            self.hits[replica] = self.hits.get(replica, 0) + hit.tokens
+        hold = seq.cache
+        hold.on_grid, hold.num_registered_blocks, hold.branch_point = True, len(hit.blocks), hit.branch_point
+        if hit.snapshot is not None:
+            self.snaps[replica].hold(hit.snapshot)
+            hold.snapshot, hold.snapshot_at = hit.snapshot, hit.tokens
+        return self.slots[replica].allocate(1)[0] if self.slots is not None else None
+
+    def refresh_pending(self, seq: Seq, hit: Hit) -> bool:
+        """A refresh job in progress will give ``seq`` a deeper hit than ``hit`` within a step or
+        two (the next turn of its conversation arrived first): it should wait for it."""
+        bs = self.block_size
+        for job in self.jobs.values():
+            end = len(job.token_ids)
+            mine, theirs = seq.cache.hashes[end // bs - 1: end // bs], job.cache.hashes[end // bs - 1: end // bs]
+            if hit.tokens < end < len(seq.token_ids) and mine == theirs:
+                return True
+        return False
+
+    def release(self, seq: Seq, *, replica_alive: bool) -> None:
+        """``seq`` leaves its replica: its blocks (cached where registered), KDA slot and snapshots go
+        back to the pools (unless the replica is gone), and its hold is cleared."""
+        r, hold = seq.replica, seq.cache
+        if replica_alive:
+            self.blocks[r].free(seq.block_table)
+            if self.slots is not None and seq.state_slot is not None:
+                self.slots[r].free([seq.state_slot])
+            if self.snaps is not None:
+                for snap in (hold.snapshot, hold.pending_snapshot[0] if hold.pending_snapshot else None):
+                    if snap is not None:
+                        self.snaps[r].release(snap)
+        hold.snapshot, hold.snapshot_at, hold.pending_snapshot = None, 0, None
+        hold.num_registered_blocks, hold.branch_point = 0, 0
+
+    # ---- the snapshot grid ------------------------------------------------------------------
+    def cut(self, seq: Seq, start: int, n: int) -> int:
+        """How many of the ``n`` prefill tokens from ``start`` to compute now. On hybrid models with
+        prefix caching: ending at the snapshot target when the chunk would cross it, and otherwise
+        on the snapshot grid unless it ends the prefill (so each snapshot is what a from-scratch
+        prefill chunked the same way reaches, bit for bit); 0 when the rest of the step's budget
+        cannot reach the grid (the next step's will)."""
+        if self.snaps is None or n == 0:
+            return n
+        end, target = start + n, self._target(seq)
+        if start < target < end:
+            return target - start
+        if start >= target and not seq.is_refresh:
+            return n  # past its last snapshot boundary: how the rest is chunked changes no snapshot
+        if end < len(seq.token_ids) and end != target:
+            aligned = end - end % self.grid
+            if aligned > start:
+                return aligned - start
+            if self.step_budget >= self.grid:
+                return 0
+            seq.cache.on_grid = False  # a budget under the grid: no snapshot from this sequence is exact
+        return n
+
+    def plan_snapshot(self, seq: Seq, start: int) -> int | None:
+        """The snapshot a chunk of ``seq`` from ``start`` to its ``num_cached`` saves into, if it ends
+        at one of the sequence's snapshot boundaries (held until :meth:`completed` registers it)."""
+        end, hold = seq.num_cached, seq.cache
+        if self.snaps is None:
+            return None
+        targets = (hold.branch_point, self._last_target(seq))
+        if (not hold.on_grid or end - start < 1 or end not in targets or end == 0 or end <= hold.snapshot_at
+                or hold.pending_snapshot is not None):
+            return None
+        pool = self.snaps[seq.replica]
+        if pool.lookup(self._snapshot_key(seq, end)) is not None:
+            return None  # another sequence's snapshot already covers it
+        snap = pool.allocate()
+        if snap is not None:
+            hold.pending_snapshot = (snap, end)
+        return snap
+
+    def _target(self, seq: Seq) -> int:
+        """The next grid boundary whose KDA snapshot a sequence saves: its branch point while its
+        prefill is before it, then its last snapshot boundary."""
+        if not seq.is_refresh and seq.num_cached < seq.cache.branch_point:
+            return seq.cache.branch_point
+        return self._last_target(seq)
+
+    def _last_target(self, seq: Seq) -> int:
+        """A sequence's last snapshot boundary: a refresh's end, else the last grid boundary before its
+        last known token (a prompt's: the deepest any longer request can hit)."""
+        return len(seq.token_ids) if seq.is_refresh else (len(seq.token_ids) - 1) // self.grid * self.grid
+
+    # ---- after a step -----------------------------------------------------------------------
+    def completed(self, seq: Seq, replica: int, chunk: SeqChunk) -> bool:
+        """The step that computed ``chunk`` of ``seq`` (still on ``replica``) came back whole: what it
+        wrote may be shared. Registers its full blocks up to the chunk's end (on hybrid models: up to
+        its newest snapshot, the deepest a hit can use there) and the snapshot it saved. True when
+        ``seq`` is a refresh job that is done."""
+        if not self.caching:
+            return False
+        hold, end = seq.cache, chunk.num_cached + len(chunk.token_ids)
+        saving = hold.pending_snapshot
+        if saving is not None and chunk.snapshot == saving[0] and saving[1] == end:
+            hold.pending_snapshot = None
+            if self.snaps[replica].register(saving[0], self._snapshot_key(seq, end)):
+                self._keep_snapshot(seq, saving[0], end)
+            else:
+                self.snaps[replica].release(saving[0])
+        n = (min(end, hold.snapshot_at) if self.grid else end) // self.block_size
+        if n > hold.num_registered_blocks:  # only the blocks this step filled: O(new blocks) per step
+            hashes = self._hashes(seq, n)
+            self.blocks[replica].register_hashes(seq.block_table[hold.num_registered_blocks:n],
+                                                 hashes[hold.num_registered_blocks:n])
+            hold.num_registered_blocks = n
+        return seq.is_refresh and end == len(seq.token_ids)
+
+    def failed(self, job: Seq) -> int:
+        """A refresh job's step failed (its KDA state is half-advanced): it starts again from its
+        snapshot, whose boundary this returns; the snapshot it was saving is dropped."""
+        hold = job.cache
+        if hold.pending_snapshot is not None:
+            self.snaps[job.replica].release(hold.pending_snapshot[0])
+            hold.pending_snapshot = None
+        return hold.snapshot_at
+
+    def _keep_snapshot(self, seq: Seq, snap: int, at: int) -> None:
+        """``seq`` keeps ``snap`` (held) as its newest snapshot, releasing the one before."""
+        hold = seq.cache
+        if hold.snapshot is not None:
+            self.snaps[seq.replica].release(hold.snapshot)
+        hold.snapshot, hold.snapshot_at = snap, at
+
+    # ---- refresh jobs ------------------------------------------------------------------------
+    def refresh(self, seq: Seq) -> tuple[int, CacheHold] | None:
+        """For a hybrid sequence that finished: (end, hold) of a job that prefills its answer again
+        from its newest snapshot to ``end``, the last grid boundary before its last token, so the
+        next turn of its conversation can hit there with an exact state; None when there is nothing
+        to gain. The job takes over the sequence's snapshot (the scheduler hands it the blocks up to
+        ``end`` and the KDA slot, and :meth:`track` s it)."""
+        hold = seq.cache
+        if self.snaps is None or seq.replica is None or not hold.on_grid:
+            return None
+        end = (len(seq.token_ids) - 1) // self.grid * self.grid
+        if end <= hold.snapshot_at or self.snaps[seq.replica].lookup(self._snapshot_key(seq, end)) is not None:
+            return None
+        job = CacheHold(hashes=hold.hashes, snapshot=hold.snapshot, snapshot_at=hold.snapshot_at,
+                        num_registered_blocks=hold.snapshot_at // self.block_size)
+        hold.snapshot, hold.snapshot_at = None, 0
+        return end, job
+
+    def track(self, job: Seq) -> None:
+        self.jobs[job.seq_id] = job
+
+    def untrack(self, job: Seq) -> None:
+        self.jobs.pop(job.seq_id, None)
+
+    # ---- keys ------------------------------------------------------------------------------
+    def _hashes(self, seq: Seq, num_blocks: int) -> list[bytes]:
+        return self.blocks[0].chain(seq.cache.hashes, seq.token_ids, seq.cache_salt, num_blocks)
+
+    def _snapshot_key(self, seq: Seq, boundary: int) -> bytes:
+        """A snapshot's key: the chained hash of the block ending at its boundary."""
+        n = boundary // self.block_size
+        return self._hashes(seq, n)[n - 1]
+
+    def snapshot_key(self, token_ids: list[int], salt: str | None, boundary: int) -> bytes:
+        """The key a snapshot of ``token_ids``' first ``boundary`` tokens under ``salt`` has."""
+        n = boundary // self.block_size
+        return self.blocks[0].chain([], token_ids, salt, n)[n - 1]
+
+    # ---- status ----------------------------------------------------------------------------
+    def status(self, replica: int) -> dict:
+        """One replica's blocks (held, cached, free), KDA snapshots (held, cached) and, over the
+        engine's life, the prompt tokens looked up and found cached there."""
+        pool = self.blocks[replica]
+        snaps = self.snaps[replica] if self.snaps is not None else None
+        return {"blocks_held": pool.num_held, "blocks_cached": pool.num_cached, "blocks_free": pool.num_free,
+                "snapshots_held": snaps.num_held if snaps else 0,
+                "snapshots_cached": snaps.num_cached if snaps else 0,
+                "snapshots": snaps.num_snapshots if snaps else 0,
+                "queries_tokens": self.queries.get(replica, 0), "hit_tokens": self.hits.get(replica, 0)}
