@@ -1,10 +1,11 @@
 """The fleet: the actors of one engine and the Ray resources they sit in.
 
-Owns: the placement reservations and the bundles in them, the attention and expert actors (in
-rank order) and their step channels, the warm standbys, and the process group of the current
-epoch. It carries out what :mod:`cluster.epochs` decides — new actors for a shape change
-(:meth:`Fleet.prepare` … :meth:`Fleet.commit`), replacements after a failure (:meth:`Fleet.replace`) —
-and answers liveness probes, each about one member's node.
+Owns: the attention and expert actors (in rank order) and their step channels, and the process
+group of the current epoch; through its parts, the placement reservations and the spare bundles
+in them (:class:`~cluster.homes.Homes`) and the warm standbys (:class:`~cluster.standbys.Standbys`).
+It creates every actor, and carries out what :mod:`cluster.epochs` decides — new actors for a
+shape change (:meth:`Fleet.prepare` … :meth:`Fleet.commit`), replacements after a failure
+(:meth:`Fleet.replace`) — and answers liveness probes, each about one member's node.
 Never: decides which shape comes next (the router proposes, the epoch owner decides), sends a
 step (the executor does, over the channels opened here), or waits on an actor without a timeout.
 """
@@ -27,13 +28,13 @@ from model.config import ModelConfig
 from .config import EngineConfig, snapshot_plan
 from .errors import EngineError, NoCapacity
 from .executor import MemberId, member_names, parse_name
+from .homes import Homes
 from .members import Home, Member, Prepared, kill_actor, retire
-from .preflight import PreflightError, preflight
-from .probes import node_of, node_reachable, unreachable_nodes
+from .preflight import preflight
+from .probes import node_of, node_reachable
+from .standbys import Standbys
 from .startup import default_load_timeout_s
-from .spec import fmt_resources, plan_bundles
-from .topology import (ClusterSpec, Kind, Reservation, ReservationTimeoutError, free_nodes, remove_orphans, reserve,
-                       reserve_pending)
+from .topology import ClusterSpec, Kind, Reservation, remove_orphans
 
 
 class Fleet:
@@ -45,9 +46,21 @@ class Fleet:
         self.table: PlacementTable | None = None
         self.attention: list[Member] = []
         self.experts: list[Member] = []
-        self.spare: list[Home] = []  # bundles of retired actors, reused before reserving more
-        self.standby: list[Member] = []  # warm actors in no process group, each ready to take a dead one's index
-        self.reservations: list[Reservation] = []
+        self.homes = Homes(config, spec)  # the reservations and their spare bundles
+        self.standbys = Standbys(config, spec, self.homes, self._new_member, self._await_start)  # the warm pool
+
+    # the parts' lists, read as the fleet's (describe, tests, benches); only the parts change them
+    @property
+    def reservations(self) -> list[Reservation]:
+        return self.homes.reservations
+
+    @property
+    def spare(self) -> list[Home]:  # bundles of retired actors, reused before reserving more
+        return self.homes.spare
+
+    @property
+    def standby(self) -> list[Member]:  # warm actors in no process group, each ready to take a dead one's index
+        return self.standbys.members
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, table: PlacementTable) -> None:
@@ -55,25 +68,23 @@ class Fleet:
         if c.owner:
             remove_orphans(c.owner)
         preflight(self.model_cfg, spec, c.dtype)  # refuse a shape this cluster cannot hold, before reserving
-        res = self._reserve(spec, c.start_timeout_s)
-        self.reservations.append(res)
+        res = self.homes.reserve(spec, c.start_timeout_s)
         try:
             self.attention = [self._new_attention(Home(res, "attention", i), table, i) for i in range(spec.attention)]
             self.experts = [self._new_expert(Home(res, "expert", j), table, j) for j in range(spec.experts)]
             self._form_group(table, self.attention, self.experts, "joining the process group")
             self.table = table
-            self._start_standbys(c.start_timeout_s)
+            self.standbys.start(table, c.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
     def shutdown(self) -> None:
-        for m in self.attention + self.experts + self.standby:
+        for m in self.attention + self.experts:
             retire(m)
-        self.attention, self.experts, self.spare, self.standby = [], [], [], []
-        for res in self.reservations:
-            res.release()
-        self.reservations = []
+        self.attention, self.experts = [], []
+        self.standbys.retire_all()
+        self.homes.release_all()
 
     @property
     def started(self) -> bool:
@@ -157,9 +168,9 @@ class Fleet:
                      self.attention[table.num_attention:] + self.experts[table.num_actors:], [], [],
                      waits_for_capacity=waits)
         try:
-            homes = self._homes("attention", table.num_attention - len(p.attention), p)
+            homes = self.homes.for_change("attention", table.num_attention - len(p.attention), p)
             p.attention += [self._new_attention(h, table, len(p.attention) + i) for i, h in enumerate(homes)]
-            homes = self._homes("expert", table.num_actors - len(p.experts), p)
+            homes = self.homes.for_change("expert", table.num_actors - len(p.experts), p)
             p.experts += [self._new_expert(h, table, len(p.experts) + i) for i, h in enumerate(homes)]
             new = p.attention[old.num_attention:] + p.experts[old.num_actors:]
             p.staging = [m.actor.prepare.options(concurrency_group="control").remote(table, j)
@@ -178,24 +189,7 @@ class Fleet:
         room (then False: ask for it without waiting; True: there is room now)."""
         grown = dataclasses.replace(self.spec, attention=table.num_attention, experts=table.num_actors)
         preflight(self.model_cfg, grown, self.config.dtype)
-        spare = {kind: sum(h.kind == kind for h in self.spare) for kind in ("attention", "expert")}
-        new_attention = max(0, table.num_attention - len(self.attention) - spare["attention"])
-        new_experts = max(0, table.num_actors - len(self.experts) - spare["expert"])
-        if new_attention + new_experts == 0:
-            return True
-        more = dataclasses.replace(self.spec, attention=new_attention, experts=new_experts)
-        nodes = free_nodes()
-        plan = plan_bundles(more, nodes)
-        if None in plan and self.config.capacity_wait_s:
-            return False
-        if None in plan:
-            free = {k: sum(n.available.get(k, 0.0) for n in nodes) for k in set().union(*more.bundles)}
-            raise PreflightError(
-                f"no room now for {plan.count(None)} of the {len(plan)} new actors ({more.describe()}): the "
-                f"cluster's free resources are {fmt_resources(free)} over {len(nodes)} node(s), the rest is "
-                f"held (this deployment's actors and standbys, or other work): free some or add nodes, or set "
-                f"capacity_wait_s on a cluster that grows by itself")
-        return True
+        return self.homes.room(table.num_attention - len(self.attention), table.num_actors - len(self.experts))
 
     def ready(self, p: Prepared) -> bool:
         """True once every new actor started and every kept one staged its weights. Raises
@@ -239,9 +233,9 @@ class Fleet:
             raise
         for m in p.retired:
             retire(m)
-            self.spare.append(m.home)
+            self.homes.keep([m.home])
         self.attention, self.experts, self.table = p.attention, p.experts, p.table
-        self._release_unused()
+        self.homes.release_unused(self.attention + self.experts + self.standby)
         return regroup, loaded
 
     def abort(self, p: Prepared) -> None:
@@ -249,10 +243,8 @@ class Fleet:
         for m in p.attention[p.old.num_attention:] + p.experts[p.old.num_actors:]:
             retire(m)
             if m.home.reservation not in p.reservations:
-                self.spare.append(m.home)
-        for res in p.reservations:
-            res.release()
-            self.reservations.remove(res)
+                self.homes.keep([m.home])
+        self.homes.release(p.reservations)
 
     # ---- recovery ----------------------------------------------------------------------------
     def lost(self, suspects: list[MemberId]) -> list[MemberId]:
@@ -284,8 +276,8 @@ class Fleet:
                 members = attention if kind == "attention" else experts
                 retire(members[i])
                 freed.append(members[i].home)
-                members[i] = self._take_standby(kind) or self._replacement(kind, members[i].home, table, i,
-                                                                            reserve_timeout_s)
+                members[i] = self.standbys.take(kind) or self._replacement(kind, members[i].home, table, i,
+                                                                           reserve_timeout_s)
                 made.append(members[i])
             t1 = time.monotonic()
             self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
@@ -296,9 +288,9 @@ class Fleet:
             raise
         self.attention, self.experts, self.table = attention, experts, table
         in_use = {id(m.home) for m in attention + experts}  # a replacement can sit in its predecessor's bundle
-        self.spare += [h for h in freed if id(h) not in in_use and node_reachable(h)]
-        self._refill_standbys(min(reserve_timeout_s, 2.0))  # off the step path but for a new reservation
-        self._release_unused()
+        self.homes.keep([h for h in freed if id(h) not in in_use and node_reachable(h)])
+        self.standbys.refill(table, min(reserve_timeout_s, 2.0))  # off the step path but for a new reservation
+        self.homes.release_unused(self.attention + self.experts + self.standby)
         loaded = sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values())
         return t1 - t0, regroup, loaded
 
@@ -308,7 +300,7 @@ class Fleet:
         after it stopped answering): then once more in a fresh home. Never waits on a dead node."""
         new = self._new_attention if kind == "attention" else self._new_expert
         if not node_reachable(home):
-            home = self._fresh_home(kind, timeout_s)
+            home = self.homes.fresh(kind, timeout_s)
         for attempt in range(2):
             member = new(home, table, index)
             state = self._await_start(member, self.config.start_timeout_s)
@@ -319,7 +311,7 @@ class Fleet:
                 raise NoCapacity(f"no node has room for a replacement {kind} actor: it did not start within "
                                  f"{self.config.start_timeout_s:.0f}s")
             if attempt == 0:
-                home = self._fresh_home(kind, timeout_s)
+                home = self.homes.fresh(kind, timeout_s)
         raise NoCapacity(f"no node has room for a replacement {kind} actor: the node it was placed on is gone too")
 
     def _await_start(self, member: Member, timeout_s: float) -> str:
@@ -340,106 +332,14 @@ class Fleet:
             if time.monotonic() >= deadline:
                 return "timeout"
 
-    def _fresh_home(self, kind: Kind, timeout_s: float) -> Home:
-        """A bundle in a new reservation, on a node that answers (a dead node may still be listed alive)."""
-        spec = dataclasses.replace(self.spec, attention=1 if kind == "attention" else 0,
-                                   experts=1 if kind == "expert" else 0)
-        try:
-            res = self._reserve(spec, timeout_s, exclude=unreachable_nodes())
-        except (ReservationTimeoutError, ValueError) as e:  # ValueError: a pinned node is gone
-            raise NoCapacity(f"no node has room for a replacement {kind} actor: {str(e).splitlines()[0]}") from None
-        self.reservations.append(res)
-        return Home(res, kind, 0)
-
-    # ---- standbys ----------------------------------------------------------------------------
-    def _start_standbys(self, timeout_s: float) -> None:
-        """Reserve the configured standbys' bundles (raises like a reservation of the shape does) and
-        start them; their start-up is not waited for."""
-        c = self.config
-        if c.standby_attention + c.standby_experts == 0:
-            return
-        spec = dataclasses.replace(self.spec, attention=c.standby_attention, experts=c.standby_experts)
-        try:
-            res = self._reserve(spec, timeout_s)
-        except ReservationTimeoutError as e:
-            raise ReservationTimeoutError(f"no room for the standby actors (standby_attention={c.standby_attention}, "
-                                          f"standby_experts={c.standby_experts}) beside the shape: {e}") from None
-        self.reservations.append(res)
-        homes = [Home(res, "attention", i) for i in range(c.standby_attention)]
-        homes += [Home(res, "expert", j) for j in range(c.standby_experts)]
-        self.standby += [self._new_standby(h) for h in homes]
-
-    def _new_standby(self, home: Home) -> Member:
-        new = self._new_attention if home.kind == "attention" else self._new_expert
-        return new(home, self.table, None)
-
-    def _take_standby(self, kind: Kind) -> Member | None:
-        """A started standby of ``kind`` out of the pool; None when none is (dead ones are dropped)."""
-        while pool := [m for m in self.standby if m.home.kind == kind]:
-            member = pool[0]
-            self.standby.remove(member)
-            if self._await_start(member, self.config.start_timeout_s) == "started":
-                return member
-            retire(member)
-        return None
-
-    def _refill_standbys(self, timeout_s: float) -> None:
-        """Start standbys until the pool is full: in free bundles whose node answers, else in a new
-        reservation (bounded by ``timeout_s``; without room the pool stays short until the next
-        recovery). The new actors' start-up is not waited for."""
-        c = self.config
-        for kind, want in (("attention", c.standby_attention), ("expert", c.standby_experts)):
-            for _ in range(want - sum(m.home.kind == kind for m in self.standby)):
-                home = next((h for h in self.spare if h.kind == kind and node_reachable(h)), None)
-                if home is not None:
-                    self.spare.remove(home)
-                else:
-                    try:
-                        home = self._fresh_home(kind, timeout_s)
-                    except NoCapacity:
-                        break
-                self.standby.append(self._new_standby(home))
-
     # ---- helpers -------------------------------------------------------------------------------
-    def _homes(self, kind: Kind, count: int, p: Prepared) -> list[Home]:
-        """``count`` bundles for new actors of ``kind``: spare ones first, then one new reservation."""
-        if count <= 0:
-            return []
-        reuse = [h for h in self.spare if h.kind == kind][:count]
-        for h in reuse:
-            self.spare.remove(h)
-        more = count - len(reuse)
-        if more == 0:
-            return reuse
-        spec = dataclasses.replace(self.spec, attention=more if kind == "attention" else 0,
-                                   experts=more if kind == "expert" else 0)
-        try:
-            res = (reserve_pending(spec, name=self._name()) if p.waits_for_capacity
-                   else self._reserve(spec, self.config.start_timeout_s))
-        except BaseException:
-            self.spare += reuse
-            raise
-        self.reservations.append(res)
-        p.reservations.append(res)
-        return reuse + [Home(res, kind, i) for i in range(more)]
-
-    def _reserve(self, spec: ClusterSpec, timeout_s: float, exclude: frozenset[str] = frozenset()) -> Reservation:
-        return reserve(spec, timeout_s=timeout_s, name=self._name(), exclude=exclude)
-
-    def _name(self) -> str:
-        return f"{self.config.owner}/{len(self.reservations)}" if self.config.owner else ""
-
-    def _release_unused(self) -> None:
-        """Release reservations none of whose bundles hold a live actor (or a standby) any more."""
-        live = {id(m.home.reservation) for m in self.attention + self.experts + self.standby}
-        for res in [r for r in self.reservations if id(r) not in live]:
-            res.release()
-            self.reservations.remove(res)
-            self.spare = [h for h in self.spare if h.reservation is not res]
-
     def _options(self, opts: dict) -> dict:
         """An actor's Ray options; on NCCL with the environment that makes a dead peer abortable."""
         return {**opts, "runtime_env": {"env_vars": dict(NCCL_ENV)}} if self.backend == "nccl" else opts
+
+    def _new_member(self, home: Home, table: PlacementTable, index: int | None) -> Member:
+        new = self._new_attention if home.kind == "attention" else self._new_expert
+        return new(home, table, index)
 
     def _new_attention(self, home: Home, table: PlacementTable, index: int) -> Member:
         c = self.config

@@ -1,6 +1,7 @@
 """The fleet's records: a reserved bundle (:class:`Home`), an actor in it (:class:`Member`), and the
 actors of a shape change being prepared (:class:`Prepared`); retiring an actor.
-Owned by :class:`cluster.fleet.Fleet`; nobody else creates or retires a member.
+Owned by :class:`cluster.fleet.Fleet` and its parts (:mod:`cluster.homes` hands out homes,
+:mod:`cluster.standbys` keeps and retires warm members); nobody else creates or retires a member.
 """
 
 from __future__ import annotations
