@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import typer
 
-from deploy.cli import bench_serve
+from deploy.cli_ops import bench_serve
 
 if __name__ == "__main__":
     typer.run(bench_serve)

@@ -167,7 +167,7 @@ def _value(v) -> str:
 
 def _up_flags() -> dict[str, str]:
     """Config key → the ``moeray up`` option that sets it (an option named like a key sets that key)."""
-    from .cli import up
+    from .cli_serving import up
 
     fields = ServeConfig.model_fields
     out = {}

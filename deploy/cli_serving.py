@@ -1,0 +1,163 @@
+"""The serving ``moeray`` commands: ``up`` (start the OpenAI-compatible app, in the foreground or
+detached), ``down`` (stop what ``up`` started) and ``status`` (what the running app is doing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .cli_common import KEY_HELP, MODEL_HELP, URL_HELP, err, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    """Add the serving commands to ``app``, in the order ``moeray --help`` lists them."""
+    app.command()(up)
+    app.command()(down)
+    app.command()(status)
+
+
+@user_errors
+def up(
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP + " [default: kimi-k2-tiny]"),
+    attention: Optional[int] = typer.Option(None, help="Attention data-parallel replicas. [default: 1]"),
+    experts: Optional[int] = typer.Option(None, help="Expert actors. [default: 1]"),
+    gpus_per_actor: Optional[float] = typer.Option(None, help="GPUs each attention and expert actor reserves; "
+                                                              "fractions let expert actors share a GPU (NCCL then)."),
+    nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine (default: 1)."),
+    address: Optional[str] = typer.Option(None, help="Serve on the existing Ray cluster at ADDR."),
+    host: Optional[str] = typer.Option(None, help="HTTP host. [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="HTTP port. [default: 8000]"),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' on every route but "
+                                                     "/health and /admin/*."),
+    admin_api_key: Optional[str] = typer.Option(None, "--admin-key",
+                                                help="The key the /admin/* routes need (scale, rebalance, experts, "
+                                                     "chaos); not an API key. Default: on a loopback host, a random "
+                                                     "token in the cache directory that the moeray commands read; "
+                                                     "elsewhere none, and the admin routes answer 403."),
+    config: Optional[Path] = typer.Option(None, help="A YAML serving config (flags given here override it)."),
+    metrics_prefix: Optional[str] = typer.Option(None, help="moeray (default) or vllm: serve the serving series "
+                                                            "under vLLM's names, for vLLM's dashboards."),
+    expert_metrics: Optional[str] = typer.Option(None, help="summary (default) or full: also export the "
+                                                            "per-(layer, expert) token counter."),
+    ingress: Optional[str] = typer.Option(None, help="haproxy (default): Serve's direct ingress behind HAProxy; "
+                                                     "proxy: Serve's proxy actor (nodes started here only)."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                                  help="Share cached prompt prefixes between requests. "
+                                                       "[default: on]"),
+    detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
+):
+    """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
+    a local Ray, at http://127.0.0.1:8000."""
+    from .config import ServeConfig
+    from .server import serve_foreground, start_detached
+    from .settings import cache_root
+
+    given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
+                 admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
+                 gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching)
+    flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
+    serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
+    root = cache_root()
+    if detach:
+        argv = [a for a in sys.argv[2:] if a != "--detach"]
+        with err.status("starting moeray in the background"):
+            info = start_detached(argv, root, serve_cfg.host, serve_cfg.port)
+        err.print(f"moeray is serving at http://{serve_cfg.host}:{serve_cfg.port}/v1 (pid {info['pid']}, log {info['log']}); "
+                  "stop it with: moeray down")
+        return
+    with err.status("starting Ray") as status:
+        serve_foreground(serve_cfg, root, nodes=nodes, address=address, status=status)
+
+
+@user_errors
+def down():
+    """Stop what `moeray up` started (its Serve application and the local Ray nodes), nothing else."""
+    from .server import stop_running
+    from .settings import cache_root
+
+    state = stop_running(cache_root())
+    err.print("nothing to stop: no server started by `moeray up` is running" if state is None
+              else f"stopped moeray at {state['url']} (pid {state['pid']})")
+
+
+@user_errors
+def status(
+    api_key: Optional[str] = typer.Option(None, help=KEY_HELP),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Actors, nodes, expert placement (epoch, physical slots, replicas), cache use and the last pause."""
+    from .server import fetch_status
+    from .settings import cache_root
+
+    st = fetch_status(cache_root(), api_key, url)
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    out = Console()
+    if "loading" in st:
+        out.print(f"{st['model']} at {st['url']}: loading the weights")
+        for actor, p in sorted(st["loading"].items()):
+            out.print(f"  {actor}: {p['bytes_read'] / 2**30:,.2f} / {p['bytes_total'] / 2**30:,.2f} GiB")
+        return
+    _print_serving(out, st)
+    out.print(_actors_table(st))
+
+
+def _print_serving(out: Console, st: dict) -> None:
+    """The lines above the actor table: shape, queue, epoch, a change under way, the last hang, step times."""
+    last = st.get("last_change")
+    pause = f"; last change: {last['kind']} to epoch {last['epoch']}, paused {last['pause_s']:.2f}s" if last else ""
+    out.print(f"{st['model']} at {st['url']}: {st['shape']}; running {st['running']}, waiting {st['waiting']}, "
+              f"steps {st['steps']}, epoch {st['epoch']}{pause}")
+    change = st.get("change")
+    if change:
+        out.print(f"changing: {change['kind']} to epoch {change['epoch']}, {change.get('state', 'preparing')} "
+                  f"for {change.get('for_s', 0):.0f}s")
+    hang = st.get("last_hang")
+    if hang:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hang["at"]))
+        out.print(f"last hang: {hang['kind']}[{hang['index']}] at step {hang['step']} ({when}): killed and replaced; "
+                  f"hangs so far {st.get('hangs', {})}")
+    b = st.get("breakdown") or {}
+    if b.get("steps"):
+        parts = ", ".join(f"{k} {1000 * v / b['steps']:.2f}" for k, v in b.items() if k != "steps")
+        out.print(f"mean per step, ms: {parts}")
+
+
+def _actors_table(st: dict):
+    """One row per attention replica (cache blocks, prefix cache) and per expert actor (slots, tokens, weights)."""
+    from rich.table import Table
+
+    t = Table("actor", "node", "placement / cache")
+    for a in st["attention"]:
+        pc = a.get("prefix_cache") or {}
+        cached = (f", {pc['blocks_cached']} cached" + (f", {pc['snapshots_cached'] + pc['snapshots_held']}/"
+                  f"{pc['snapshots']} KDA snapshots" if pc["snapshots"] else "") +
+                  f"; prefix hits {pc['hit_tokens']:,}/{pc['queries_tokens']:,} prompt tokens") if pc else ""
+        t.add_row(f"attention[{a['index']}]", a["node"],
+                  f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks held{cached}")
+    for e in st["experts"]:
+        weights = e.get("weight_bytes")  # None: the actor did not answer (down until the next step recovers it)
+        held = f"{weights / 2**20:,.1f} MiB of weights" if weights is not None else "weights unknown (no answer)"
+        t.add_row(f"expert[{e['index']}]", e["node"], f"{_slots_text(e['slots'], e['replicas'])}; {e['tokens']:,} tokens; "
+                                                       f"{held}")
+    return t
+
+
+def _slots_text(slots: dict[str, list[int]], replicas: dict[str, list[int]]) -> str:
+    """Physical slots of one expert actor: one line when every MoE layer is alike, `*` marks a replica."""
+    def ids(layer: str) -> str:
+        return ",".join(f"{e}*" if e in replicas.get(layer, []) else str(e) for e in slots[layer])
+
+    layers = list(slots)
+    if all(slots[l] == slots[layers[0]] and replicas.get(l) == replicas.get(layers[0]) for l in layers):
+        return f"experts {ids(layers[0])} (every MoE layer)"
+    return "; ".join(f"L{l}: {ids(l)}" for l in layers)
+
