@@ -30,7 +30,7 @@ from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
 from .device import choose_device
 from .channel import ServesSteps
 from .group import exchange_device, join_group, leave_group, open_store
-from .dispatch import DistDispatcher
+from .dispatch import DistDispatcher, LocalExchange
 from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult,
                        refuse_ahead)
 from .progress import LoadProgress
@@ -39,7 +39,10 @@ from .progress import LoadProgress
 class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
-                 threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0):
+                 threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0,
+                 local_experts: bool = False):
+        """``local_experts``: hold every routed expert too, for :meth:`use_local_experts` (the
+        in-process executor); an attention actor holds none."""
         super().__init__()
         if threads:
             torch.set_num_threads(threads)
@@ -50,14 +53,14 @@ class AttentionWorker(ServesSteps):
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
         self.progress = LoadProgress(self.name)
-        self.model = load_model(model_path, dtype=self.dtype, experts=range(0), progress=False,
-                                on_progress=self.progress.update).to(self.device)
+        self.model = load_model(model_path, dtype=self.dtype, experts=None if local_experts else range(0),
+                                progress=False, on_progress=self.progress.update).to(self.device)
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device,
                                            num_snapshots=num_snapshots if self.cfg.kda_layers else 0)
         self._moe = self.model.moe_blocks()
         self.moe_layers = sorted(self._moe)
-        self.dispatcher: DistDispatcher | None = None  # set by enter_epoch
+        self.dispatcher: DistDispatcher | LocalExchange | None = None  # set by enter_epoch
         self.completed = -1  # the last step that completed here
         self.sampled: dict[int, int] = {}  # seq id → the token that step sampled (AHEAD chunks read it)
         # seq id → its sampling params (None: a refresh job, never samples): they come with the sequence's
@@ -94,6 +97,13 @@ class AttentionWorker(ServesSteps):
             self.dispatcher = DistDispatcher(self.name, table, self.cfg.expert_hidden_size, self.dtype,
                                              self.cfg.num_experts_per_tok, self.exchange_format,
                                              device=exchange_device(info, self.device))
+
+    def use_local_experts(self, table: PlacementTable) -> None:
+        """The in-process executor (cluster/inprocess.py): no process group; every MoE layer runs on
+        this worker's own routed experts (built with ``local_experts``), by ``table``'s epoch."""
+        self.table = table
+        self.dispatcher = LocalExchange(table, self._moe, self.cfg.expert_hidden_size, self.dtype,
+                                        self.cfg.num_experts_per_tok, device=self.device)
 
     def shutdown(self) -> None:
         self.close_channel()
@@ -232,7 +242,7 @@ class AttentionWorker(ServesSteps):
         return tuple(out)
 
 
-def step_stats(d: DistDispatcher) -> dict:
+def step_stats(d: DistDispatcher | LocalExchange) -> dict:
     """The step's routing statistics for its :class:`StepResult`: two host arrays (one host sync),
     never Python lists — at Kimi K2 scale they hold 23k and 23k counts. numpy, not torch: Ray
     serialises a numpy array out of band, and a torch tensor through its pickle reducer (about

@@ -30,8 +30,10 @@ class Placement:
 
 
 def _ray_assignment() -> tuple[tuple[str, ...], str]:
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # a worker in a process without Ray (the in-process executor): no GPUs assigned
+        return (), "this process (no Ray)"
     if not ray.is_initialized():  # a worker built outside Ray (a benchmark): no GPUs assigned, and no
         return (), "this process (no Ray)"  # local Ray instance started just to ask
     ctx = ray.get_runtime_context()

@@ -249,14 +249,14 @@ class Pending:
     tok: torch.Tensor | None = None  # sparse: the token of each sorted pair
 
 
-class DistDispatcher(_Collectives):
-    """Attention-worker side. Accumulates per-layer pair counts per logical expert and per physical
-    slot (tensors on its device, read by :meth:`take_stats`)."""
+class _PairCounts:
+    """An attention worker's per-step pair counts per logical expert and per physical slot (tensors on
+    its device, read by :meth:`take_stats`): what every dispatcher on the attention side reports."""
 
-    def __init__(self, actor: str, table: PlacementTable, hidden: int, dtype: torch.dtype, top_k: int,
-                 exchange_format: str = "auto", group=None, device: str | torch.device = "cpu"):
-        super().__init__(actor, table, top_k, exchange_format, group, device)
-        self.hidden, self.dtype = hidden, dtype
+    def __init__(self, table: PlacementTable, hidden: int, dtype: torch.dtype, top_k: int,
+                 device: torch.device):
+        self.table, self.hidden, self.dtype, self.top_k, self.device = table, hidden, dtype, top_k, device
+        self.num_expert_actors = table.num_actors
         self.routing = Routing(table, self.device)
         self.layer_index = {layer: i for i, layer in enumerate(table.moe_layers)}
         # the exchanges since the last take_stats: (MoE layer index, top-k ids, physical slot of each
@@ -265,9 +265,15 @@ class DistDispatcher(_Collectives):
         # per unreplicated MoE layer: logical expert → its physical slot, [logical experts]
         self.slot_of = {layer: self._slot(a, l) for layer, (a, l) in self.routing.single.items()}
 
-    def begin_step(self, step: int) -> None:
-        self.reset_timers(step)
-        self.routed = []
+    def count(self, layer: int, idx: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """One exchange's pairs (``slots`` None: an unreplicated layer's, looked up at take_stats)."""
+        self.routed.append((self.layer_index[layer], idx, slots))
+
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, topk_idx, topk_w) of no tokens: a replica with nothing to run still takes part in every exchange."""
+        dev = self.device
+        return (torch.empty(0, self.hidden, dtype=self.dtype, device=dev),
+                torch.empty(0, self.top_k, dtype=torch.long, device=dev), torch.empty(0, self.top_k, device=dev))
 
     def take_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Pair counts of this step's exchanges, on the host: [MoE layers, experts] and [MoE layers, expert
@@ -290,19 +296,55 @@ class DistDispatcher(_Collectives):
             expert, slot = expert.view(n_layers, n_experts).cpu(), slot.view(n_layers, n_physical).cpu()
         return expert, slot.view(n_layers, self.num_expert_actors, -1)  # [MoE layers, expert actors, local slots]
 
+    def _slot(self, actor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The physical slot (expert actor × its local slot) of each pair, as the statistics count them."""
+        return actor * self.table.max_local + local
+
+
+class LocalExchange(_PairCounts):
+    """An attention worker's dispatcher when its own process holds every routed expert (the in-process
+    executor, cluster/inprocess.py): :class:`DistDispatcher`'s interface, each MoE layer computed in
+    place by the block's own experts (what :class:`LocalDispatcher` computes: copies of an expert are
+    the same weights), its pairs counted as the distributed path counts them."""
+
+    def __init__(self, table: PlacementTable, moe_blocks: dict, hidden: int, dtype: torch.dtype, top_k: int,
+                 device: str | torch.device = "cpu"):
+        super().__init__(table, hidden, dtype, top_k, torch.device(device))
+        self.moe = moe_blocks  # MoE layer → its MoE block, holding every routed expert
+        self.exchange_s, self.phase_s = 0.0, {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
+
+    def begin_step(self, step: int) -> None:
+        self.routed = []
+
+    def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, topk_idx))
+        self.count(layer, topk_idx, slots)
+        if x.shape[0] == 0:
+            return x
+        return self.moe[layer].experts(x, topk_idx, topk_w)
+
+    def collect(self, pending: torch.Tensor) -> torch.Tensor:
+        return pending
+
+
+class DistDispatcher(_Collectives, _PairCounts):
+    """Attention-worker side of the distributed exchange; its pair counts as :class:`_PairCounts`."""
+
+    def __init__(self, actor: str, table: PlacementTable, hidden: int, dtype: torch.dtype, top_k: int,
+                 exchange_format: str = "auto", group=None, device: str | torch.device = "cpu"):
+        _Collectives.__init__(self, actor, table, top_k, exchange_format, group, device)
+        _PairCounts.__init__(self, table, hidden, dtype, top_k, self.device)
+
+    def begin_step(self, step: int) -> None:
+        self.reset_timers(step)
+        self.routed = []
+
     def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         return self.collect(self.issue(layer, x, topk_idx, topk_w))
 
-    def empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x, topk_idx, topk_w) of no tokens: a replica with nothing to run still takes part in every exchange."""
-        dev = self.device
-        return (torch.empty(0, self.hidden, dtype=self.dtype, device=dev),
-                torch.empty(0, self.top_k, dtype=torch.long, device=dev), torch.empty(0, self.top_k, device=dev))
-
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Pending:
         """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
-        i, dev = self.layer_index[layer], self.device
-        idx = topk_idx.to(dev)
+        idx = topk_idx.to(self.device)
         if self.mode == "dense":
             pending = self._issue_dense(layer, x, idx, topk_w)
             slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
@@ -310,12 +352,8 @@ class DistDispatcher(_Collectives):
             actor, local = self.routing.assign(layer, idx)
             pending = self._issue_sparse(layer, x, idx, topk_w, actor, local)
             slots = self._slot(actor, local)
-        self.routed.append((i, idx, slots))
+        self.count(layer, idx, slots)
         return pending
-
-    def _slot(self, actor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """The physical slot (expert actor × its local slot) of each pair, as the statistics count them."""
-        return actor * self.table.max_local + local
 
     def _issue_dense(self, layer, x, idx, w) -> Pending:
         T, A, n_actors, dev = x.shape[0], self.num_attention, self.num_expert_actors, self.device

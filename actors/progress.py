@@ -48,8 +48,10 @@ class LoadProgress:
 
 def _key(actor: str) -> str | None:
     """This actor's key, or None outside a Ray placement group (nothing to group it by)."""
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # a worker in a process without Ray: nobody to publish to
+        return None
     if not ray.is_initialized():
         return None
     pg = ray.get_runtime_context().get_placement_group_id()

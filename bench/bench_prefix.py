@@ -143,7 +143,7 @@ def bench_preset(preset: str, args, lc_dir: str) -> dict:
     try:
         for m in MODES:  # warm: the first steps of each engine (allocation, first prefill and decode)
             engines[m].generate([[(7 * i) % 700 + 1 for i in range(300)]],
-                                SamplingParams(max_tokens=8, ignore_eos=True, cache_salt="warm"))
+                                SamplingParams(max_tokens=8, ignore_eos=True), cache_salt="warm")
         sys_prompt, msgs = workload(args.convs, args.turns, args.system)
         conv = {m: [] for m in MODES}
         snap_first = None

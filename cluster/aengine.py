@@ -1,9 +1,11 @@
 """An async token stream per request over the (synchronous) engine.
 
 :class:`AsyncEngine` owns one background thread, the only one that touches the :class:`Engine`:
-it admits submitted requests, runs steps while there is work, and hands each request's new
-tokens — detokenised incrementally, special tokens left out of the text unless the request's
-``skip_special_tokens`` is off — to that request's asyncio queue. A consumer that stops
+it admits submitted requests (:class:`~cluster.engine.EngineRequest`), runs steps while there is
+work, and hands each request's new token ids (with their logprobs, the finish reason and the
+prompt tokens found cached) to that request's asyncio queue. It never makes text: the front end
+does (deploy/output.py). After each step it publishes a :class:`~cluster.engine.EngineSnapshot`,
+which ``/metrics`` and the queue check read instead of the engine's live state. A consumer that stops
 iterating (a client that disconnected) aborts its request, which frees its cache at once, and one
 sequence of a request can be aborted alone (:meth:`AsyncEngine.abort`: a choice that met its stop
 string).
@@ -28,34 +30,50 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from model.sampling import SamplingParams
-from model.tokenizer import IncrementalDecoder, Tokenizer
-
-from .engine import Engine, EpochChange, NoCapacity, RequestsFailed, TokenEvent, Transition
+from .engine import Engine, EngineRequest, EpochChange, NoCapacity, RequestsFailed, TokenEvent, Transition
 
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """What a consumer sees: new token ids, the text they complete, and the finish reason at the end
-    (``abort`` for a sequence aborted alone). A sequence ended by a stop token (``stop``) has that
-    token's text in ``stop_text``, not in ``text``: vLLM leaves it out of the output unless
-    ``include_stop_str_in_output``, which is the consumer's to apply."""
+    """Engine → front end, what a consumer sees of one sequence after a step: new token ids, their
+    :class:`~actors.messages.SampledToken` s (logprobs), and the finish reason at the end (``stop``:
+    the last id is a stop token; ``abort`` for a sequence aborted alone)."""
 
     token_ids: tuple[int, ...]
-    text: str
     finish_reason: str | None
     sampled: tuple = ()
-    stop_text: str = ""
     cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI's usage.prompt_tokens_details)
+
+
+@dataclass(frozen=True)
+class _Add:
+    """Inbox: admit one request's sequences together, then resolve ``ready`` with their ids."""
+
+    requests: list  # [(EngineRequest, _Stream)]
+    ready: asyncio.Future
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Inbox: run ``fn(engine)`` between steps; its result or exception goes to ``future``."""
+
+    fn: Callable
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """Inbox: drop one sequence."""
+
+    seq_id: int
 
 
 class _Stream:
     """One sequence's way to its consumer: ``(index, item)`` into a queue it may share with the other
     sequences of its request."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, decoder: IncrementalDecoder | None, queue: asyncio.Queue,
-                 index: int = 0):
-        self.loop, self.queue, self.decoder, self.index = loop, queue, decoder, index
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0):
+        self.loop, self.queue, self.index = loop, queue, index
 
     def push(self, item) -> bool:
         """Hand an item to the consumer's loop; False when that loop is gone (consumer vanished)."""
@@ -63,9 +81,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, *, idle_wait_s: float = 0.05,
-                 heal_every_s: float = 2.0):
-        self.engine, self.tokenizer, self.idle_wait_s, self.heal_every_s = engine, tokenizer, idle_wait_s, heal_every_s
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05, heal_every_s: float = 2.0):
+        self.engine, self.idle_wait_s, self.heal_every_s = engine, idle_wait_s, heal_every_s
         self.unavailable: str | None = None  # why new requests are refused (no capacity to recover), or None
         self._next_heal = 0.0
         self._inbox: queue.Queue = queue.Queue()
@@ -98,38 +115,35 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests submitted but not yet running (queued here or in the scheduler)."""
-        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+        """Requests submitted but not yet running (queued here, or in the scheduler at the last step)."""
+        return self._inbox.qsize() + self.engine.snapshot.waiting
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
-        stream = self.generate_many([(prompt_ids, params)])
+        stream = self.generate_many([request])
         try:
             async for _, _, chunk in stream:
                 yield chunk
         finally:
             await stream.aclose()
 
-    async def generate_many(self, jobs: list[tuple[list[int], SamplingParams]]
-                            ) -> AsyncIterator[tuple[int, int, StreamChunk]]:
+    async def generate_many(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, int, StreamChunk]]:
         """Stream the sequences of one request (its ``n`` choices, its list of prompts), which enter the
         engine together: all are admitted at one step boundary, so none waits behind another's first
-        token. Yields ``(index into jobs, seq_id, chunk)`` as they come, until every one finished.
+        token. Yields ``(index into requests, seq_id, chunk)`` as they come, until every one finished.
         Raises as :meth:`check` does, before anything is queued. Closing the iterator aborts the
         sequences still running."""
-        self.check(jobs)
+        self.check(requests)
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        streams = [_Stream(loop, None if self.tokenizer is None else
-                           IncrementalDecoder(self.tokenizer, skip_special_tokens=params.skip_special_tokens), out, i)
-                   for i, (_, params) in enumerate(jobs)]
+        streams = [_Stream(loop, out, i) for i in range(len(requests))]
         ready: asyncio.Future = loop.create_future()
-        self._inbox.put(("add", [(ids, params, st) for (ids, params), st in zip(jobs, streams)], ready))
+        self._inbox.put(_Add(list(zip(requests, streams)), ready))
         try:
             seq_ids = await asyncio.shield(ready)
         except asyncio.CancelledError:  # gone before admission: abort as soon as it is admitted
             ready.add_done_callback(self._abort_when_admitted)
             raise
-        running = set(range(len(jobs)))
+        running = set(range(len(requests)))
         try:
             while running:
                 i, item = await out.get()
@@ -140,22 +154,24 @@ class AsyncEngine:
                     running.discard(i)
         finally:  # the consumer went away (or one sequence failed): free the others now
             for i in running:
-                self._inbox.put(("abort", seq_ids[i]))
+                self._inbox.put(_Abort(seq_ids[i]))
 
     def abort(self, seq_id: int) -> None:
         """Abort one sequence (of a request still being read): its stream ends with an ``abort`` chunk,
         and its cache is freed at the next step boundary. Any thread; a finished one is left alone."""
-        self._inbox.put(("abort", seq_id))
+        self._inbox.put(_Abort(seq_id))
 
-    def check(self, jobs: list[tuple[list[int], SamplingParams]]) -> None:
-        """Raises ValueError for bad input and RuntimeError when the engine cannot take work now."""
+    def check(self, requests: list[EngineRequest]) -> None:
+        """The one check of a request's limits (the engine thread admits it without another): raises
+        ValueError for bad input and RuntimeError when the engine cannot take work now. Any thread:
+        it reads only the engine's fixed settings."""
         if not self.healthy:
             raise RuntimeError(f"engine is unavailable: {self.unavailable}" if self.alive
                                else f"engine is not running: {self.error}")
-        if not jobs:
+        if not requests:
             raise ValueError("a request needs at least one sequence")
-        for prompt_ids, params in jobs:
-            self.engine.validate(prompt_ids, params)
+        for r in requests:
+            self.engine.validate(list(r.prompt_ids), r.params)
 
     def control(self, fn: Callable[[Engine], object], *, even_if_unavailable: bool = False
                 ) -> concurrent.futures.Future:
@@ -166,7 +182,7 @@ class AsyncEngine:
         if not (self._thread.is_alive() if even_if_unavailable else self.healthy):
             fut.set_exception(RuntimeError(f"engine is not running: {self.error}"))
             return fut
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(_Call(fn, fut))
         return fut
 
     async def change(self, begin: Callable[[Engine], Transition], timeout_s: float) -> EpochChange:
@@ -177,7 +193,7 @@ class AsyncEngine:
     def _abort_when_admitted(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
             for seq_id in fut.result():
-                self._inbox.put(("abort", seq_id))
+                self._inbox.put(_Abort(seq_id))
 
     # ---- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -204,6 +220,7 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 for ev in events:
                     self._deliver(ev)
+                engine.publish()
                 engine.stats.add_time(deliver=time.perf_counter() - t0)
             except RequestsFailed as e:  # work that failed every time it ran: only its requests end
                 for seq_id in e.seq_ids:
@@ -250,23 +267,23 @@ class AsyncEngine:
                 return
 
     def _handle(self, item) -> None:
-        if item[0] == "add":
-            self._add(*item[1:])
-        elif item[0] == "call":
-            _, fn, fut = item
+        if isinstance(item, _Add):
+            self._add(item.requests, item.ready)
+        elif isinstance(item, _Call):
             try:
-                fut.set_result(fn(self.engine))
+                item.future.set_result(item.fn(self.engine))
             except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
-                fut.set_exception(e)
-        elif item[0] == "abort":
-            stream = self._streams.pop(item[1], None)
-            self.engine.abort(item[1])
+                item.future.set_exception(e)
+        elif isinstance(item, _Abort):
+            stream = self._streams.pop(item.seq_id, None)
+            self.engine.abort(item.seq_id)
             if stream is not None:  # ends the sequence's place in its request's stream
-                stream.push(StreamChunk((), "", "abort"))
+                stream.push(StreamChunk((), "abort"))
+        self.engine.publish()  # admissions and aborts change what /metrics shows
 
     def _add(self, jobs: list, ready: asyncio.Future) -> None:
         """Admit one request's sequences together (all or none), before the next step."""
-        loop = jobs[0][2].loop
+        loop = jobs[0][1].loop
         if self.error is not None or self.unavailable is not None:  # queued at the failure: answered
             why = f"engine is not running: {self.error}" if self.error is not None else \
                 f"engine is unavailable: {self.unavailable}"
@@ -274,15 +291,15 @@ class AsyncEngine:
             return
         seq_ids: list[int] = []
         try:
-            for prompt_ids, params, _ in jobs:
-                seq_ids.append(self.engine.add_request(prompt_ids, params))
+            for request, _ in jobs:
+                seq_ids.append(self.engine.admit(request))  # checked by check() when submitted
         except BaseException as e:  # noqa: BLE001
             for seq_id in seq_ids:
                 self.engine.abort(seq_id)
             _call(loop, _set_exception, ready, e)
             return
         if _call(loop, _set_result, ready, seq_ids):
-            self._streams.update((seq_id, stream) for seq_id, (_, _, stream) in zip(seq_ids, jobs))
+            self._streams.update((seq_id, stream) for seq_id, (_, stream) in zip(seq_ids, jobs))
         else:  # the consumer's loop is already gone
             for seq_id in seq_ids:
                 self.engine.abort(seq_id)
@@ -291,18 +308,9 @@ class AsyncEngine:
         stream = self._streams.get(ev.seq_id)
         if stream is None:
             return
-        text = stop_text = ""
-        if stream.decoder is not None:
-            stop = ev.finish_reason == "stop" and bool(ev.token_ids)  # the last token is the stop token
-            body = ev.token_ids[:-1] if stop else ev.token_ids
-            text = "".join(stream.decoder.push(t) for t in body)
-            if ev.finish_reason is not None:
-                text += stream.decoder.flush()
-            if stop:
-                stop_text = stream.decoder.push(ev.token_ids[-1]) + stream.decoder.flush()
-        delivered = stream.push(StreamChunk(ev.token_ids, text, ev.finish_reason, ev.sampled, stop_text, ev.cached_tokens))
+        delivered = stream.push(StreamChunk(ev.token_ids, ev.finish_reason, ev.sampled, ev.cached_tokens))
         if not delivered and ev.finish_reason is None:  # nobody will read it: free the sequence now
-            self._handle(("abort", ev.seq_id))
+            self._handle(_Abort(ev.seq_id))
             return
         if ev.finish_reason is not None:
             self._streams.pop(ev.seq_id, None)

@@ -32,12 +32,24 @@ from .config import EngineConfig
 from .epochs import EpochChange, Epochs, Transition
 from .errors import EngineError, NoCapacity, RequestsFailed, StepFailed
 from .executor import Executor, Sent
-from .scheduler import Plan, Scheduler, Seq
+from .scheduler import Plan, Scheduler, SchedulerSnapshot, Seq
 from .stats import EngineStats, StepRecord
 from .spec import ClusterSpec
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request", "RequestsFailed",
-           "TokenEvent", "Transition"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "EngineRequest", "EpochChange", "NoCapacity", "Request",
+           "RequestsFailed", "TokenEvent", "Transition"]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate (a choice of a prompt): created by the front end (the Ingress, from an
+    OpenAI request, or an offline caller), checked once (:meth:`Engine.validate`), admitted by the
+    engine thread. Token ids in; the engine streams ids back (:class:`TokenEvent`) — text never
+    crosses into the engine."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams  # the actors sample with it; the scheduler stops at its limits
+    cache_salt: str | None = None  # its cached blocks are shared only with requests of the same salt
 
 
 @dataclass
@@ -105,6 +117,7 @@ class Engine:
         self.ping_pong = config.ping_pong  # may be switched between steps
         self._unrecorded: tuple | None = None  # the last finished step's results, until record()
         self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
+        self.snapshot: SchedulerSnapshot = self.scheduler.snapshot()  # what other threads read (publish)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -147,11 +160,16 @@ class Engine:
                              f"cache ({cap} tokens)")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
-        """Queue a request; it shares cached blocks only with requests of the same salt
-        (``cache_salt``, default ``params.cache_salt``)."""
+        """Check and queue a request (offline use); it shares cached blocks only with requests of the
+        same ``cache_salt``."""
         self.validate(prompt_ids, params)
-        salt = params.cache_salt if cache_salt is None else cache_salt
-        seq = Seq(next(self._ids), list(prompt_ids), len(prompt_ids), params, cache_salt=salt)
+        return self.admit(EngineRequest(tuple(prompt_ids), params, cache_salt))
+
+    def admit(self, request: EngineRequest) -> int:
+        """Queue a request already checked by :meth:`validate` (the async engine checks on its
+        caller's thread, so a bad request is refused before it is queued). Returns its sequence id."""
+        seq = Seq(next(self._ids), list(request.prompt_ids), len(request.prompt_ids), request.params,
+                  cache_salt=request.cache_salt)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = Request(seq)
         return seq.seq_id
@@ -296,6 +314,11 @@ class Engine:
         self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table)
         return events
 
+    def publish(self) -> None:
+        """Take the scheduler's snapshot for readers on other threads (``/metrics``, the queue check):
+        the engine thread calls it between steps; nobody else reads the live scheduler."""
+        self.snapshot = self.scheduler.snapshot()
+
     def record(self) -> None:
         """The finished step's statistics: the router's counts, the engine's, the automatic policy."""
         results, self._unrecorded = self._unrecorded, None
@@ -417,10 +440,11 @@ class Engine:
         return t.done.result()
 
     # ---- offline use --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Seq]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 cache_salt: str | None = None) -> list[Seq]:
         """Run requests to completion (offline use and tests), pipelined like the async engine."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.add_request(p, sp, cache_salt) for p, sp in zip(prompts, plist)]
         while self.busy:
             self.pipelined()
             self.record()

@@ -9,7 +9,14 @@ from actors.progress import KEY_PREFIX
 
 def load_progress(placement_group: str | None = None) -> dict[str, dict[str, int]]:
     """Actor name → {"bytes_read", "bytes_total"} for the actors of ``placement_group`` (hex id), or
-    of every placement group that is still alive when None."""
+    of every placement group that is still alive when None; empty in a process without Ray (the
+    in-process app), which has no actors to load."""
+    try:
+        import ray
+    except ImportError:
+        return {}
+    if not ray.is_initialized():
+        return {}
     from ray.experimental import internal_kv
     from ray.util.placement_group import placement_group_table
 

@@ -58,6 +58,22 @@ class Plan:
         return sum(len(c.token_ids) for r in self.chunks for c in r)
 
 
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """What readers on other threads see of the scheduler (``/metrics``, the queue check): taken by
+    the engine thread between steps (:meth:`Scheduler.snapshot`, published by ``Engine.publish``),
+    never the live queues and pools."""
+
+    running: int  # sequences running (refresh jobs are not requests)
+    waiting: int  # new or preempted sequences queued
+    blocks_held: tuple[int, ...]  # per attention replica: blocks held by running sequences
+    blocks_available: tuple[int, ...]  # … a new sequence can take (free or cached)
+    blocks_cached: tuple[int, ...]  # … nobody holds whose content a prefix hit can reuse
+    blocks_total: tuple[int, ...]
+    prefix_queries: tuple[tuple[int, int], ...] = ()  # (replica, prompt tokens looked up), over the engine's life
+    prefix_hits: tuple[tuple[int, int], ...] = ()  # (replica, prompt tokens found cached)
+
+
 class Scheduler:
     def __init__(self, *, num_replicas: int, num_blocks: int, block_size: int, num_slots: int | None,
                  max_num_seqs: int, max_tokens_per_step: int, stop_ids: frozenset[int] = frozenset(),
@@ -214,6 +230,14 @@ class Scheduler:
     def cache_status(self) -> list[dict]:
         """Per replica: the prefix cache's status there and the sequences placed there."""
         return [{**self.cache.status(r), "admitted": self.admitted.get(r, 0)} for r in range(self.num_replicas)]
+
+    def snapshot(self) -> SchedulerSnapshot:
+        pools = self.cache.blocks
+        return SchedulerSnapshot(
+            running=len(self.running) - len(self.cache.jobs), waiting=len(self.waiting),
+            blocks_held=tuple(p.num_held for p in pools), blocks_available=tuple(p.num_available for p in pools),
+            blocks_cached=tuple(p.num_cached for p in pools), blocks_total=tuple(p.num_blocks for p in pools),
+            prefix_queries=tuple(sorted(self.cache.queries.items())), prefix_hits=tuple(sorted(self.cache.hits.items())))
 
     @property
     def has_work(self) -> bool:

@@ -1,12 +1,11 @@
-"""One chat request's assistant turn: what is asked of the model (the prompt through the chat
-template, the grammar its tokens must follow) and what comes back (content, reasoning and tool
-calls, streamed as OpenAI deltas or assembled into one message).
+"""One chat request's assistant turn, planned: the prompt through the chat template, the grammar its
+tokens must follow, and how its output is to be read (plain text, or K2's markers parsed into
+content, reasoning and tool calls by the output processor, :mod:`deploy.output`).
 
-Owns: the choice between plain text and K2's parsed output (:mod:`deploy.tool_parser`), the
-grammar for ``tools`` / ``tool_choice`` and ``response_format`` (:mod:`deploy.structured`), stop
-strings over the content, and the rule that a non-streamed message is the assembly of the deltas
-a stream of the same tokens gives — so both always agree.
-Never: talks to the engine or builds HTTP responses (deploy/app.py, deploy/openai_api.py do).
+Owns: the choice between plain text and K2's parsed output (:mod:`deploy.tool_parser`) and the
+grammar for ``tools`` / ``tool_choice`` and ``response_format`` (:mod:`deploy.structured`).
+Never: talks to the engine, reads the output or builds HTTP responses (deploy/output.py,
+deploy/ingress.py and deploy/openai_api.py do).
 
 Policies (docs/operations.md, "Tool calls and structured output"):
 - ``tool_choice`` "none" (or no tools): tools are still declared to the model, nothing is parsed
@@ -23,9 +22,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deploy.openai_api import APIError, StopStrings, chat_prompt_ids
+from deploy.openai_api import APIError, chat_prompt_ids
 from deploy.structured import SchemaError, response_format_grammar, tool_call_grammar
-from deploy.tool_parser import K2Markers, ToolCallStream
+from deploy.tool_parser import K2Markers
 from model.grammar import check as check_grammar
 from model.tokenizer import Tokenizer
 
@@ -89,75 +88,3 @@ def plan_chat(req, tok: Tokenizer) -> ChatPlan:
         raise APIError(400, str(e), param="response_format" if rf is not None else "tools",
                        code="invalid_schema" if isinstance(e, SchemaError) else None) from None
     return ChatPlan(prompt_ids, grammar, markers, tools_enabled, think)
-
-
-class ChatOutput:
-    """One choice's output as it streams: :meth:`push` each engine chunk (its ids and text) for the
-    deltas to send, :meth:`finish` at the end; :attr:`message` assembles the deltas."""
-
-    def __init__(self, tok: Tokenizer, plan: ChatPlan, stops: StopStrings, *, skip_special_tokens: bool = True):
-        self.stops = stops  # the choice's: its content goes through them
-        self.parser = None
-        if plan.markers is not None:
-            def decode(ids):
-                return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-            self.parser = ToolCallStream(decode, plan.markers, tools_enabled=plan.tools_enabled, think=plan.think)
-        self.content, self.reasoning, self.calls = [], [], []  # the deltas so far, assembled
-
-    def push(self, token_ids, text: str) -> tuple[list[dict], bool]:
-        """New ids (and the engine's text of them) → (deltas, whether a stop string ended it)."""
-        deltas = self.parser.feed(token_ids) if self.parser is not None else [{"content": text}]
-        return self._through_stops(deltas)
-
-    def finish(self, engine_reason: str) -> tuple[list[dict], str]:
-        """The end: held-back text, and OpenAI's finish_reason ("tool_calls" when calls came)."""
-        deltas: list[dict] = []
-        if self.parser is not None:
-            deltas, _ = self._through_stops(self.parser.finish())
-        held = self.stops.flush()
-        if held:
-            deltas.append(self._take({"content": held}))
-        reason = "stop" if engine_reason == "stop" else "length"
-        if self.calls and reason != "length":
-            reason = "tool_calls"
-        return [d for d in deltas if d], reason
-
-    def _through_stops(self, deltas: list[dict]) -> tuple[list[dict], bool]:
-        out = []
-        for d in deltas:
-            if "content" in d:
-                text, stopped = self.stops.push(d["content"])
-                if text:
-                    out.append(self._take({"content": text}))
-                if stopped:
-                    return out, True
-            elif "reasoning_content" in d:
-                out.append(self._take({**d, "reasoning": d["reasoning_content"]}))  # the newer clients' name
-            else:
-                out.append(self._take(d))
-        return out, False
-
-    def _take(self, d: dict) -> dict:
-        if "content" in d:
-            self.content.append(d["content"])
-        if "reasoning_content" in d:
-            self.reasoning.append(d["reasoning_content"])
-        for call in d.get("tool_calls", ()):
-            if "id" in call:
-                self.calls.append({"id": call["id"], "type": "function",
-                                   "function": {"name": call["function"]["name"], "arguments": ""}})
-            self.calls[call["index"]]["function"]["arguments"] += call["function"].get("arguments", "")
-        return d
-
-    @property
-    def message(self) -> dict:
-        """The assistant message the deltas assemble into (OpenAI's shape; reasoning under both
-        ``reasoning_content`` and its newer alias ``reasoning``)."""
-        content = "".join(self.content)
-        msg = {"role": "assistant", "content": None if (not content and self.calls) else content}
-        if self.reasoning:
-            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
-        if self.calls:
-            msg["tool_calls"] = self.calls
-        return msg

@@ -98,8 +98,9 @@ class _Registry(CollectorRegistry):
 
 class EngineMetrics:
     """The ``/metrics`` of one engine. ``engine`` needs ``.stats`` (an EngineStats), ``.router`` (the
-    Router: token counts), ``.scheduler`` (``waiting``, ``running``, ``blocks``: allocators with
-    ``num_free``/``num_blocks``) and ``.table`` (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
+    Router: token counts, read under its lock), ``.snapshot`` (the :class:`~cluster.scheduler.SchedulerSnapshot`
+    the engine thread publishes between steps: a scrape never reads the live scheduler) and ``.table``
+    (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
     ``expert_metrics``: "summary" (default) or "full" (adds the per-(layer, expert) counter);
     ``max_model_len``: the top of the per-request token-count buckets (default: the scheduler's
     ``max_context``, the model's context)."""
@@ -303,7 +304,6 @@ class _ScrapeCollector:
     def collect(self) -> Iterable[Metric]:
         o = self.owner
         engine, name = o.engine, o.model_name
-        sched = engine.scheduler
         sp, slabels, svalues = o._serving
 
         def gauge(metric: str, doc: str, value: float, prefix: str = PREFIX, labels=("model_name",),
@@ -312,37 +312,36 @@ class _ScrapeCollector:
             g.add_metric(list(values), value)
             return g
 
-        jobs = len(sched.cache.jobs)  # refresh jobs (prefix caching) are no requests
-        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", len(sched.running) - jobs,
+        snap = engine.snapshot  # published by the engine thread between steps; never the live scheduler
+        yield gauge("num_requests_running", "Requests scheduled on attention replicas.", snap.running,
                     sp, slabels, svalues)
-        yield gauge("num_requests_waiting", "Requests queued (new or preempted).", len(sched.waiting),
+        yield gauge("num_requests_waiting", "Requests queued (new or preempted).", snap.waiting,
                     sp, slabels, svalues)
-        pools = list(sched.cache.blocks)
-        used = [a.num_held for a in pools]
-        total = [a.num_blocks for a in pools]
+        used, total = snap.blocks_held, snap.blocks_total
         yield gauge("kv_cache_usage_perc", "Fraction of cache blocks held by running sequences over all attention "
                     "replicas (0..1); cached blocks nobody holds count as free, as vLLM's.",
                     sum(used) / sum(total) if sum(total) else 0.0, sp, slabels, svalues)
         for metric, doc, values in (
                 ("cache_blocks_used", "Cache blocks held by running sequences, per attention replica.", used),
                 ("cache_blocks_free", "Cache blocks a new sequence can take (free or cached), per attention replica.",
-                 [a.num_available for a in pools]),
+                 snap.blocks_available),
                 ("cache_blocks_cached", "Cache blocks nobody holds whose content a prefix hit can reuse, per "
-                 "attention replica.", [a.num_cached for a in pools])):
+                 "attention replica.", snap.blocks_cached)):
             g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name", "actor"])
             for actor, v in enumerate(values):
                 g.add_metric([name, str(actor)], v)
             yield g
         # over the engine's life: per attention replica (``actor``); under vLLM's names, the engine's total
-        for metric, doc, counts in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", sched.cache.queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", sched.cache.hits)):
+        for metric, doc, pairs in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", snap.prefix_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", snap.prefix_hits)):
+            counts = dict(pairs)
             if sp != PREFIX:
                 c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
                 c.add_metric(list(svalues), sum(counts.values()))
             else:
                 c = CounterMetricFamily(sp + metric, doc, labels=["model_name", "actor"])
-                for replica in range(max(len(pools), max(counts, default=-1) + 1)):
+                for replica in range(max(len(total), max(counts, default=-1) + 1)):
                     c.add_metric([name, str(replica)], counts.get(replica, 0))
             yield c
         yield gauge("epoch", "Placement-table epoch (increments when experts are re-placed).", engine.table.epoch)

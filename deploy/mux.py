@@ -1,8 +1,7 @@
 """One multiplexed engine stream per Ingress replica.
 
-A Ray item costs the same whether it carries one token or a hundred. One streaming call per request
-made the engine replica send, and the Ingress receive, one item per request per step. Instead each
-Ingress replica holds one subscription (:meth:`EngineStreams.subscribe`). Requests enter by a unary
+A Ray item costs the same whether it carries one token or a hundred, so each Ingress replica holds
+one subscription (:meth:`EngineStreams.subscribe`). Requests enter by a unary
 ``submit`` naming that subscription and are cancelled by a unary ``cancel``; one choice of a request
 (a sequence) is stopped alone by a unary ``stop_choice``. Per step, the subscription carries one
 item: every chunk for every request of that replica.
@@ -30,6 +29,7 @@ import itertools
 import uuid
 
 from cluster.aengine import AsyncEngine
+from cluster.engine import EngineRequest
 
 from .fanout import END, Fanout
 
@@ -76,14 +76,14 @@ class EngineStreams:
             for task in list(sink.tasks.values()):
                 task.cancel()
 
-    def submit(self, sink_id: str, key: int, jobs: list) -> None:
+    def submit(self, sink_id: str, key: int, requests: list[EngineRequest]) -> None:
         """Start request ``key`` of subscription ``sink_id``. Raises ValueError for bad input and
         RuntimeError when the engine cannot take it (or does not know the subscription)."""
         sink = self.sinks.get(sink_id)
         if sink is None:
             raise RuntimeError("this engine replica holds no such stream (it was restarted); retry")
-        self.aengine.check(jobs)
-        sink.tasks[key] = asyncio.get_running_loop().create_task(self._forward(sink, key, jobs))
+        self.aengine.check(requests)
+        sink.tasks[key] = asyncio.get_running_loop().create_task(self._forward(sink, key, requests))
 
     def stop_choice(self, sink_id: str, key: int, index: int) -> None:
         """Abort one sequence of a request (its choice met a stop string); the others run on."""
@@ -100,8 +100,8 @@ class EngineStreams:
             if task is not None:
                 task.cancel()
 
-    async def _forward(self, sink: _Sink, key: int, jobs: list) -> None:
-        stream = self.aengine.generate_many(jobs)
+    async def _forward(self, sink: _Sink, key: int, requests: list[EngineRequest]) -> None:
+        stream = self.aengine.generate_many(requests)
         seq_ids = sink.seq_ids[key] = {}
         try:
             async for index, seq_id, chunk in stream:
@@ -129,15 +129,15 @@ class StreamMux:
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
 
-    async def open(self, jobs: list) -> tuple[Fanout, object]:
+    async def open(self, requests: list[EngineRequest]) -> tuple[Fanout, object]:
         """Submit one request's sequences; returns its :class:`Fanout` and the engine's answer (None:
         admitted, else its refusal). Raises TimeoutError when the engine replica does not answer."""
         sink = await self._connect()
         key = next(self._keys)
-        fan = Fanout(len(jobs), lambda: self._cancel(key), lambda index: self._stop_choice(key, index))
+        fan = Fanout(len(requests), lambda: self._cancel(key), lambda index: self._stop_choice(key, index))
         self.requests[key] = (sink, fan)
         try:
-            refusal = await asyncio.wait_for(_detached(lambda: self.engine.submit.remote(sink, key, jobs)),
+            refusal = await asyncio.wait_for(_detached(lambda: self.engine.submit.remote(sink, key, requests)),
                                              self.timeout_s)
         except BaseException:
             fan.close()

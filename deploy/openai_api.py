@@ -197,8 +197,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, stop_toke
                               presence_penalty=float(req.presence_penalty or 0.0),
                               frequency_penalty=float(req.frequency_penalty or 0.0),
                               repetition_penalty=float(1.0 if req.repetition_penalty is None else req.repetition_penalty),
-                              min_p=float(req.min_p or 0.0), logit_bias=bias,
-                              skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
+                              min_p=float(req.min_p or 0.0), logit_bias=bias)
     except ValueError as e:
         found = re.search(r"sampling parameter '(\w+)'", str(e))
         param = found.group(1) if found else None
@@ -405,7 +404,7 @@ def completion_chunk(request_id: str, model: str, created: int, *, index: int, t
 def chat_chunk(request_id: str, model: str, created: int, *, index: int, text: str = "", first: bool = False,
                finish_reason: str | None = None, logprobs: dict | None = None, delta: dict | None = None) -> dict:
     """One streamed delta of one choice: ``text`` as content, or a ``delta`` from
-    :class:`deploy.chat_turn.ChatOutput` (reasoning, a tool call's header or argument fragment). The
+    :class:`deploy.output.ChoiceOutput` (reasoning, a tool call's header or argument fragment). The
     ``first`` chunk of each choice carries the role; a final chunk with only a finish reason has an
     empty delta."""
     if delta is not None:

@@ -18,6 +18,11 @@ NUCLEUS_WINDOW = 1024  # top-p without top-k looks for its nucleus among this ma
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one sequence is generated: what the attention actors sample with (temperature … grammar)
+    and the limits the scheduler stops it at (max_tokens, min_tokens, stop ids, ignore_eos), as
+    vLLM's SamplingParams. Nothing about text: decoding options and stop strings are the front end's
+    (deploy/output.py), and the cache salt is the request's (cluster.engine.EngineRequest)."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0 → greedy
     top_p: float = 1.0
@@ -36,10 +41,6 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     grammar: str | None = None  # an llguidance grammar (Lark or its JSON form) every token must follow
-    skip_special_tokens: bool = True  # decoding of the output text (the engine's detokenizer)
-    # not a sampling parameter but the request's, riding along to the scheduler: cached blocks are shared
-    # only between requests of the same salt (vLLM's cache_salt)
-    cache_salt: str | None = None
 
     def __post_init__(self):
         def bad(field: str, why: str):

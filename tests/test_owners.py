@@ -147,10 +147,12 @@ def test_only_the_epoch_owner_changes_the_shape():
             "scheduler.rewind", "scheduler.resize"} <= own, own
 
 
-def test_fake_tests_need_no_ray(tmp_path):
-    """Every tests/**/test_*fake*.py passes with ``import ray`` failing and the shared conftest off."""
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fake*.py"))
-    assert files, "no fake-driven tests found"
+def test_fake_and_inprocess_tests_need_no_ray(tmp_path):
+    """Every tests/**/test_*fake*.py (the engine over the fake executor) and test_*inproc*.py (the
+    serving app in one process) passes with ``import ray`` failing and the shared conftest off."""
+    files = sorted(str(p.relative_to(ROOT)) for pattern in ("test_*fake*.py", "test_*inproc*.py")
+                   for p in (ROOT / "tests").rglob(pattern))
+    assert any("fake" in f for f in files) and any("inproc" in f for f in files), files
     blocker = tmp_path / "ray"
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('ray is not importable in this test')\n")

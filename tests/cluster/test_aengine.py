@@ -7,9 +7,10 @@ import threading
 import time
 
 import pytest
+from types import SimpleNamespace
 
 from cluster.aengine import AsyncEngine
-from cluster.engine import TokenEvent
+from cluster.engine import EngineRequest, TokenEvent
 from cluster.stats import EngineStats
 from model.sampling import SamplingParams
 
@@ -19,9 +20,15 @@ class FakeEngine:
     queue, statistics, and no epoch changes."""
 
     def __init__(self):
-        self.requests, self.scheduler = {}, type("S", (), {"waiting": []})()
+        self.requests, self.snapshot = {}, SimpleNamespace(waiting=0)
         self.stats = EngineStats(0)  # the async engine adds its delivery time to the breakdown
         self.inflight = []  # the steps in flight (the async engine clears them when a step fails)
+
+    def admit(self, request):  # checked by validate() when submitted, as the real engine's
+        return self.add_request(list(request.prompt_ids), request.params)
+
+    def publish(self):
+        pass
 
     @property
     def busy(self):
@@ -76,21 +83,29 @@ class FailingEngine(FakeEngine):
 
 
 
+def _req(ids, params) -> EngineRequest:
+    return EngineRequest(tuple(ids), params)
+
+
+def _reqs(jobs) -> list[EngineRequest]:
+    return [_req(ids, params) for ids, params in jobs]
+
+
 def test_queued_and_later_requests_get_the_error_not_a_hang():
     eng = FailingEngine()
     aeng = AsyncEngine(eng).start()
     params = SamplingParams(max_tokens=4)
 
     async def run():
-        first = aeng.generate([1, 2], params)
+        first = aeng.generate(_req([1, 2], params))
         running = asyncio.ensure_future(first.__anext__())
         await asyncio.sleep(0.2)  # the first request runs; its step waits for the second
-        second = asyncio.ensure_future(aeng.generate([3], params).__anext__())
+        second = asyncio.ensure_future(aeng.generate(_req([3], params)).__anext__())
         await asyncio.sleep(0.1)
         eng.queued.set()
         results = await asyncio.wait_for(asyncio.gather(running, second, return_exceptions=True), 30)
         with pytest.raises(RuntimeError, match="engine is not running"):
-            await asyncio.wait_for(aeng.generate([4], params).__anext__(), 30)
+            await asyncio.wait_for(aeng.generate(_req([4], params)).__anext__(), 30)
         return results
 
     try:
@@ -156,7 +171,7 @@ def test_one_requests_sequences_are_admitted_together_before_its_first_token():
 
     async def run():
         firsts, chunks = {}, []
-        async for index, seq_id, chunk in aeng.generate_many(jobs):
+        async for index, seq_id, chunk in aeng.generate_many(_reqs(jobs)):
             firsts.setdefault(index, (seq_id, eng.steps))
             chunks.append((index, chunk))
         return firsts, chunks
@@ -181,8 +196,8 @@ def test_a_bad_prompt_queues_nothing_and_closing_aborts_the_rest():
 
     async def run():
         with pytest.raises(ValueError, match="empty"):
-            await aeng.generate_many([([1], SamplingParams()), ([], SamplingParams())]).__anext__()
-        stream = aeng.generate_many(jobs)
+            await aeng.generate_many(_reqs([([1], SamplingParams()), ([], SamplingParams())])).__anext__()
+        stream = aeng.generate_many(_reqs(jobs))
         seen = [await stream.__anext__() for _ in range(3)]  # the first step's three tokens
         await stream.aclose()
         for _ in range(100):  # the aborts reach the engine thread between steps
@@ -209,7 +224,7 @@ def test_the_record_tells_one_by_one_submission_apart():
     async def run():
         streams = []
         for _ in range(4):
-            streams.append(aeng.generate([1, 2], SamplingParams(max_tokens=6)))
+            streams.append(aeng.generate(_req([1, 2], SamplingParams(max_tokens=6))))
             await streams[-1].__anext__()
         for s in streams:
             await s.aclose()
@@ -222,67 +237,6 @@ def test_the_record_tells_one_by_one_submission_apart():
     assert waited[0] == 0 and all(a < b for a, b in zip(waited, waited[1:])), eng.log  # each behind the last
 
 
-class ScriptedEngine(RecordingEngine):
-    """Each request emits its script's tokens one per step; the last ends it with the script's reason."""
-
-    def __init__(self, scripts: list[tuple[list[int], str]]):
-        super().__init__(step_s=0.005)
-        self.scripts, self.left = scripts, {}
-
-    def add_request(self, prompt_ids, params):
-        sid = super().add_request(prompt_ids, params)
-        self.left[sid] = list(self.scripts[sid][0])
-        self.requests[sid] = len(self.left[sid])
-        return sid
-
-    def finish(self, running):
-        events = []
-        for sid in running or ():
-            if sid not in self.requests:
-                continue
-            token = self.left[sid].pop(0)
-            self.requests[sid] -= 1
-            done = self.scripts[sid][1] if not self.left[sid] else None
-            events.append(TokenEvent(sid, (token,), (), done))
-        return events
-
-
-def _collect(aeng, jobs) -> dict[int, list]:
-    async def run():
-        chunks: dict[int, list] = {}
-        async for index, _, chunk in aeng.generate_many(jobs):
-            chunks.setdefault(index, []).append(chunk)
-        return chunks
-
-    return asyncio.run(asyncio.wait_for(run(), 30))
-
-
-def test_special_tokens_are_left_out_of_the_text_unless_asked_and_the_stop_token_apart():
-    """skip_special_tokens (default true) decides whether a special token's text is in the stream's
-    text; the stop token that ends a sequence is never in ``text`` but in ``stop_text``, for the
-    Ingress to add with include_stop_str_in_output (vLLM's meanings)."""
-    from model.tokenizer import SHIPPED_DIR, Tokenizer
-
-    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
-    special, end = 876, tok.token_to_id("<|im_end|>")
-    hi = tok.encode("hi there")
-    script = ([*hi[:1], special, *hi[1:], end], "stop")
-    eng = ScriptedEngine([script] * 2 + [([*hi, special], "length")])
-    aeng = AsyncEngine(eng, tok).start()
-    try:
-        chunks = _collect(aeng, [([1], SamplingParams(max_tokens=8)),
-                                 ([1], SamplingParams(max_tokens=8, skip_special_tokens=False)),
-                                 ([1], SamplingParams(max_tokens=8))])
-    finally:
-        aeng.stop()
-    text = {i: "".join(c.text for c in cs) for i, cs in chunks.items()}
-    assert text[0] == "hi there" and "<|" not in text[0]
-    assert text[1] == tok.decode(script[0][:-1]) and tok.decode([special]) in text[1] and "<|im_end|>" not in text[1]
-    assert [c.stop_text for c in chunks[0]][-1] == "" and chunks[1][-1].stop_text == "<|im_end|>"
-    assert chunks[0][-1].finish_reason == "stop" and chunks[0][-1].token_ids == (end,)  # the token is still there
-    assert text[2] == "hi there" and chunks[2][-1].stop_text == ""  # a length finish has no stop token
-
-
 def test_one_sequence_of_a_request_is_aborted_alone():
     """AsyncEngine.abort(seq_id): that sequence leaves the engine and its stream ends with an 'abort'
     chunk; the request's other sequences run to their end (a choice that met its stop string)."""
@@ -292,7 +246,7 @@ def test_one_sequence_of_a_request_is_aborted_alone():
 
     async def run():
         chunks, aborted = {0: [], 1: []}, None
-        async for index, seq_id, chunk in aeng.generate_many(jobs):
+        async for index, seq_id, chunk in aeng.generate_many(_reqs(jobs)):
             chunks[index].append(chunk)
             if index == 0 and aborted is None:
                 aborted = seq_id

@@ -48,7 +48,7 @@ def _fresh(eng: Engine, tokens: list[int], boundary: int, salt: str) -> tuple[to
     sched = eng.scheduler
     budget, sched.budget = sched.budget, sched.cache.grid
     try:
-        eng.generate([tokens[:boundary] + [1]], SamplingParams(max_tokens=1, cache_salt=salt))
+        eng.generate([tokens[:boundary] + [1]], SamplingParams(max_tokens=1), cache_salt=salt)
     finally:
         sched.budget = budget
     key = sched.cache.blocks[0].chain([], tokens, salt, boundary // sched.block_size)[-1]

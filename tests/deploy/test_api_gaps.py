@@ -90,10 +90,13 @@ def test_out_of_bounds_sampling_fields_are_400(fields, param, needle):
 
 
 def test_vllm_output_fields_map_and_default():
-    p = sampling_params(completion(stop_token_ids=[9, 4], skip_special_tokens=False), stop_token_ids=(4, 2))
-    assert p.stop_token_ids == (4, 2, 9) and p.skip_special_tokens is False
+    """stop_token_ids reach the engine; the output options stay on the Ingress (never in the params)."""
+    req = completion(stop_token_ids=[9, 4], skip_special_tokens=False)
+    p = sampling_params(req, stop_token_ids=(4, 2))
+    assert p.stop_token_ids == (4, 2, 9) and req.skip_special_tokens is False
+    assert not hasattr(p, "skip_special_tokens") and not hasattr(p, "include_stop_str_in_output")
     default = completion()
-    assert sampling_params(default).skip_special_tokens is True and default.include_stop_str_in_output is False
+    assert default.skip_special_tokens is True and default.include_stop_str_in_output is False
 
 
 # ---------------------------------------------------------------- every documented field (no Ray)
@@ -497,11 +500,14 @@ def test_served_choice_stopped_by_its_stop_string_stops_decoding(server, client)
 
 
 def test_chat_content_keeps_the_stop_string_with_include_stop_str_in_output(tok):
-    from deploy.chat_turn import ChatOutput, ChatPlan
-    from deploy.openai_api import StopStrings
+    from cluster.aengine import StreamChunk
+    from deploy.chat_turn import ChatPlan
+    from deploy.output import ChoiceOutput, OutputOptions
 
     plan = ChatPlan([1], None, None, False, False)
     for include, want in ((False, "ab"), (True, "abEND")):
-        out = ChatOutput(tok, plan, StopStrings(["END"], include))
-        deltas, stopped = out.push([], "abEND and more")
-        assert stopped and "".join(d["content"] for d in deltas) == want and out.message["content"] == want
+        out = ChoiceOutput(tok, 0, OutputOptions(stop=("END",), include_stop_str_in_output=include), chat=True,
+                           plan=plan)
+        piece, stopped = out.push(StreamChunk(tuple(tok.encode("abEND and more")), None))
+        assert stopped and "".join(d["content"] for d in piece.deltas) == want
+        assert out.result().message["content"] == want and piece.finish_reason == "stop"

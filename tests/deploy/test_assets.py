@@ -13,7 +13,6 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
 from cluster.block_pool import BlockPool
+from cluster.scheduler import SchedulerSnapshot
 from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_env
 
 ROOT = Path(__file__).parents[2]
@@ -57,10 +57,14 @@ def _pool() -> BlockPool:
 def populated_metrics() -> EngineMetrics:
     stats, router = EngineStats(2), Router(4, [1, 2])
     table = router.initial(1, 2)
+    pool = _pool()
     engine = SimpleNamespace(stats=stats, table=table, router=router,
-                             scheduler=SimpleNamespace(waiting=deque([object()]), running=[object()],
-                                                       cache=SimpleNamespace(blocks=[_pool()], jobs={},
-                                                                             queries={0: 40}, hits={0: 16})))
+                             scheduler=SimpleNamespace(),
+                             snapshot=SchedulerSnapshot(running=1, waiting=1, blocks_held=(pool.num_held,),
+                                                        blocks_available=(pool.num_available,),
+                                                        blocks_cached=(pool.num_cached,),
+                                                        blocks_total=(pool.num_blocks,), prefix_queries=((0, 40),),
+                                                        prefix_hits=((0, 16),)))
     m = EngineMetrics(engine, "tiny")
     attn = [StepResult(1, "attention[0]", expert_tokens=((2, 1, 0, 1), (0, 3, 1, 0)),
                        slot_tokens=(((2, 1), (0, 1)), ((0, 3), (1, 0))), exchange_s=0.002,

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from ray import serve
 
-from deploy.app import RebalanceRequest, ScaleRequest, build_app
+from deploy.access import RebalanceRequest, ScaleRequest
+from deploy.app import build_app
 from deploy.config import ServeConfig
 from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                   TokenizeCompletionRequest)

@@ -26,7 +26,7 @@ def make_engine(*, replicas: int = 2, expert_actors: int = 2, window_steps: int 
     scheduler = Scheduler(num_replicas=replicas, num_blocks=8, block_size=4, num_slots=None, max_num_seqs=8,
                           max_tokens_per_step=64, max_context=MAX_CONTEXT)
     table = router.initial(replicas, expert_actors)
-    return SimpleNamespace(stats=stats, router=router, scheduler=scheduler, table=table)
+    return SimpleNamespace(stats=stats, router=router, scheduler=scheduler, table=table, snapshot=scheduler.snapshot())
 
 
 def record(engine, rec: StepRecord) -> None:
@@ -52,8 +52,14 @@ def _slots(table, counts):
                  for row, per_actor in zip(counts, table.slots))
 
 
+def publish(engine) -> None:
+    """What the engine thread does between steps (Engine.publish): the scheduler's snapshot for readers."""
+    engine.snapshot = engine.scheduler.snapshot()
+
+
 def scrape(metrics) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, frozenset(labels)): value} from the rendered text."""
+    """{(sample name, frozenset(labels)): value} from the rendered text, after a step boundary's publish."""
+    publish(metrics.engine)
     text = metrics.render().decode()
     out = {}
     for family in text_string_to_metric_families(text):

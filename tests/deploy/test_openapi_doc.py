@@ -5,11 +5,14 @@ import pytest
 
 from actors.messages import SampledToken
 from deploy import openai_responses as out
-from deploy.app import api, doc
+from deploy.ingress import Ingress, make_api
 from deploy.openai_api import (ChoiceResult, chat_chunk, chat_response, completion_chunk, completion_response,
                                error_body, models_response, usage, usage_chunk)
 from deploy.openai_models import ChatCompletionRequest
 from model.tokenizer import Tokenizer
+
+
+api, doc = make_api(lambda name: getattr(Ingress, name))
 
 
 @pytest.fixture(scope="module")
