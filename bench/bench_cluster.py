@@ -119,7 +119,7 @@ def main() -> None:
     with LocalCluster(nodes=3, num_cpus=4) as lc:
         ray.init(address=lc.address, logging_level="WARNING")
         for A, E in ((1, 2), (2, 4)):
-            with Engine(EngineConfig(model=str(path), num_blocks=256, max_tokens_per_step=1024),
+            with Engine(EngineConfig.of(model=str(path), num_blocks=256, max_tokens_per_step=1024),
                         ClusterSpec(attention=A, experts=E)) as eng:
                 for c in concs:
                     tps, per_layer = cluster_run(eng, c, args.tokens)

@@ -46,7 +46,7 @@ def change_in_flight(eng: Engine, begin) -> dict:
 
 def one_run(path: str, streams: int) -> dict:
     out = {}
-    cfg = EngineConfig(model=path, num_blocks=1024, max_tokens_per_step=256)
+    cfg = EngineConfig.of(model=path, num_blocks=1024, max_tokens_per_step=256)
     with Engine(cfg, ClusterSpec(attention=2, experts=2)) as eng:
         ids = [eng.add_request(p, LONG) for p in _prompts(streams)]
         for _ in range(3):
@@ -56,7 +56,7 @@ def one_run(path: str, streams: int) -> dict:
         out["attention 2→1"] = change_in_flight(eng, lambda e: e.begin_scale_attention(1))
         for i in ids:
             eng.abort(i)
-    with Engine(EngineConfig(model=path, max_tokens_per_step=512), ClusterSpec(attention=1, experts=3)) as eng:
+    with Engine(EngineConfig.of(model=path, max_tokens_per_step=512), ClusterSpec(attention=1, experts=3)) as eng:
         skewed = [[t] * 40 for t in (5, 5, 5, 9, 9, 17)]
         sp = SamplingParams(max_tokens=16, ignore_eos=True)
         eng.generate(skewed, sp)

@@ -118,7 +118,7 @@ def engine_rates(path: Path, streams: list[int], prompt_len: int, new: int, reps
     with LocalCluster(nodes=1, num_cpus=4, first_ip=60) as cluster:
         ray.init(address=cluster.address, logging_level="WARNING")
         try:
-            with Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=64),
+            with Engine(EngineConfig.of(model=str(path), dtype="float32", max_num_seqs=64),
                         ClusterSpec(attention=1, experts=1)) as eng:
                 eng.generate(prompts(2, prompt_len), SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
                 for n in streams:

@@ -137,7 +137,7 @@ def bench_preset(preset: str, args, lc_dir: str) -> dict:
     spec = ClusterSpec(attention=args.attention, experts=args.experts)
     base = dict(model=path, num_blocks=args.num_blocks, max_tokens_per_step=args.max_tokens_per_step,
                 max_num_seqs=args.max_num_seqs)
-    configs = {"on": EngineConfig(**base, prefix_caching=True), "off": EngineConfig(**base, prefix_caching=False)}
+    configs = {"on": EngineConfig.of(**base, prefix_caching=True), "off": EngineConfig.of(**base, prefix_caching=False)}
     engines = {m: Engine(configs[m], spec).start() for m in MODES}
     mismatches: list[str] = []
     try:

@@ -106,7 +106,7 @@ def run_with_stop(eng: Engine, prompts, kind: str, index: int) -> tuple[list[lis
 
 
 def one_run(path: str, prompts, standby: int) -> dict:
-    cfg = EngineConfig(model=path, collective_timeout_s=10, max_tokens_per_step=128,
+    cfg = EngineConfig.of(model=path, collective_timeout_s=10, max_tokens_per_step=128,
                        standby_attention=standby, standby_experts=standby)
     with Engine(cfg, ClusterSpec(attention=2, experts=3)) as eng:
         reference = [s.output_ids for s in eng.generate(prompts, PARAMS)]

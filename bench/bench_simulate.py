@@ -47,7 +47,7 @@ def _decode_config(cfg, gpu_name: str, attention: int, per_replica: int, block_s
     plan = plan_shape(cfg, model="simulated", device=DEVICES[gpu_name], nodes=1, gpus_per_node=8, attention=1,
                       experts=7, context=4096)
     blocks = plan.cache_bytes // (cache_bytes_per_token(cfg)["latent"] * block_size)
-    return EngineConfig(model="simulated", block_size=block_size, num_blocks=int(blocks),
+    return EngineConfig.of(model="simulated", block_size=block_size, num_blocks=int(blocks),
                         max_num_seqs=per_replica * attention, max_tokens_per_step=32_768 * attention)
 
 
@@ -237,7 +237,7 @@ def machine(quick: bool, runs: int) -> list[dict]:
                 if key not in engines:
                     for eng in engines.values():
                         eng.shutdown()
-                    engines = {key: Engine(EngineConfig(model=str(path), max_tokens_per_step=512, num_blocks=512),
+                    engines = {key: Engine(EngineConfig.of(model=str(path), max_tokens_per_step=512, num_blocks=512),
                                            ClusterSpec(attention=attention, experts=experts)).start()}
                 eng = engines[key]
                 itl: list[float] = []

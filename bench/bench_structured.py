@@ -129,7 +129,7 @@ def main() -> None:
     rows = []
     with LocalCluster(nodes=2, num_cpus=4) as lc:
         ray.init(address=lc.address, logging_level="WARNING")
-        with Engine(EngineConfig(model=path, num_blocks=512, max_tokens_per_step=512),
+        with Engine(EngineConfig.of(model=path, num_blocks=512, max_tokens_per_step=512),
                     ClusterSpec(attention=1, experts=1)) as eng:
             one_round(eng, 2, 8, GRAMMAR, 0)  # warm: compiles, first steps
             for streams in (int(s) for s in args.streams.split(",")):

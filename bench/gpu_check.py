@@ -76,10 +76,10 @@ def cluster_run(path: Path, streams: int, new: int, gpus: int) -> dict:
     nccl = gpus >= 3
     res = {"CPU": 1, "GPU": 1.0 if nccl else 0.3} if gpus else {"CPU": 1}
     spec = ClusterSpec(attention=1, experts=2, attention_resources=res, expert_resources=dict(res))
-    config = EngineConfig(model=str(path), dtype="bfloat16", backend="nccl" if nccl else "gloo",
+    config = EngineConfig.of(model=str(path), dtype="bfloat16", backend="nccl" if nccl else "gloo",
                           num_blocks=streams * 8 + 8, num_slots=streams + 1, max_tokens_per_step=2048)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    out = {"backend": config.backend}
+    out = {"backend": config.data_plane.backend}
     with Engine(config, spec).start() as eng:
         for on in (False, True):
             eng.ping_pong = on

@@ -1,99 +1,192 @@
-"""Runtime knobs of one deployment (the architecture comes from the checkpoint). Built once at the
-edge (deploy/ or the CLI) and handed down; read by the engine, its epoch owner and its fleet."""
+"""Runtime knobs of one deployment (the architecture comes from the checkpoint), grouped by the part
+of the engine that reads them: the scheduler, the cache, faults, the elastic plane and the data
+plane. Each knob is declared once, here, with its bound and its description (:func:`knob`): the
+serving config (deploy/config.py) derives its keys from these records, the generated reference
+(docs/configuration.md) documents them, and each part of the engine takes its own record.
+
+Built once at the edge (deploy/ or the CLI) and handed down, frozen. Never: read by the model
+(``ModelConfig`` carries no runtime knob), or read from the environment.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def knob(default, doc: str, *, serve: bool = True, **bounds):
+    """A knob: its default, what it does (the serving config's description), its bounds (``ge``,
+    ``gt``, ``le``, ``lt``, checked when the record is built) and whether the serving config has a
+    key for it (``serve``; engine-only knobs are set by code)."""
+    return field(default=default, metadata={"doc": doc, "serve": serve, **bounds})
+
+
+_CHECKS = {"ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"), "le": (lambda v, b: v <= b, "<="),
+           "lt": (lambda v, b: v < b, "<")}
+
+
+class _Checked:
+    """Every knob within its bounds and of its Literal's values, checked at construction
+    (ValueError naming the setting)."""
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            for key, (ok, sign) in _CHECKS.items():
+                if key in f.metadata and not ok(value, f.metadata[key]):
+                    raise ValueError(f"engine setting {f.name!r} must be {sign} {f.metadata[key]}, got {value!r}")
+            allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else None
+            if allowed and value not in allowed:
+                raise ValueError(f"engine setting {f.name!r} must be one of {', '.join(map(str, allowed))}, "
+                                 f"got {value!r}")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class SchedulerConfig(_Checked):
+    """What the scheduler decides with (cluster/scheduler.py), and the engine's step loop."""
+
+    max_num_seqs: int = knob(64, "Sequences running at once.", ge=1)
+    max_tokens_per_step: int = knob(256, "Token budget of one engine step.", ge=1)
+    async_scheduling: bool = knob(True, "Send a decode step before the last step's results are back (the engine's "
+                                        "and Ray's per-step work overlaps the actors'; the same tokens).")
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Checked):
+    """Where sequences' cache lives and what is shared (cluster/prefix_cache.py; the attention actors'
+    cache tensors)."""
+
+    num_blocks: int = knob(256, "Latent-cache blocks per attention replica.", ge=1)
+    block_size: int = knob(16, "Tokens per latent-cache block.", ge=1)
+    num_slots: int = knob(64, "KDA state slots per attention replica (hybrid models).", ge=1)
+    prefix_caching: bool = knob(True, "Share the cached blocks of equal prompt prefixes between requests (and, on "
+                                      "hybrid models, KDA state snapshots); a request goes to the attention replica "
+                                      "holding most of its prompt, weighed against load (prefix_load_weight).")
+    prefix_load_weight: float = knob(256.0, "Placement: a replica running one more sequence must hold this many more "
+                                            "cached tokens of a new request to be chosen (0: always follow the cache; "
+                                            "large: least loaded).", ge=0)
+    snapshot_bytes: int = knob(1 << 30, "Hybrid models with prefix caching: bytes of KDA state snapshots per attention "
+                                        "replica (prefix hits need one at their boundary); `moeray plan` counts them.",
+                               ge=0)
+
+
+@dataclass(frozen=True)
+class FaultConfig(_Checked):
+    """Timeouts, the hang watchdog, retries and standbys (cluster/executor.py, cluster/epochs.py, the fleet)."""
+
+    load_timeout_s: float | None = knob(None, "How long the actors may take to load the weights; default: scales "
+                                              "with the bytes to read.", gt=0)
+    max_step_retries: int = knob(2, "Times a failed step is redone after its failure was recovered (actors replaced "
+                                    "or regrouped) before its requests end with the error instead: work that fails "
+                                    "every time is not retried for ever.", ge=0, le=100)
+    capacity_wait_s: float = knob(0.0, "A scale whose new actors the cluster's free resources cannot place now is "
+                                       "refused at once (0), or, on a cluster that grows by itself (an autoscaler), "
+                                       "asked for and waited for this long while requests stream (`moeray status` "
+                                       "shows it waiting). One the cluster could never hold is refused at once "
+                                       "either way.", ge=0, le=86400)
+    step_timeout_s: float = knob(120.0, "The longest one step may take, whatever the hang watchdog says.",
+                                 gt=0, le=3600)
+    hang_floor_s: float = knob(3.0, "The hang watchdog asks the actors still silent in a step for a heartbeat after "
+                                    "max(this, hang_factor × the p99 of their kind's recent steps); one that does not "
+                                    "answer is hung: killed and replaced through recovery.", gt=0, le=3600)
+    hang_factor: float = knob(4.0, "See hang_floor_s.", gt=0, le=1000)
+    heartbeat_timeout_s: float = knob(1.5, "How long a silent actor has to answer the watchdog's heartbeat (on Ray's "
+                                           "thread, not the step's) before it counts as hung.", gt=0, le=600)
+    standby_attention: int = knob(0, "Warm standby attention actors (each holds the attention weights and a "
+                                     "bundle): a dead replica is replaced in about the regroup's time instead of an "
+                                     "actor's start.", ge=0)
+    standby_experts: int = knob(0, "Warm standby expert actors (each holds a bundle, no weights until it takes a "
+                                   "dead actor's experts).", ge=0)
+    collective_timeout_s: float = knob(60.0, "The exchange's collective timeout.", serve=False, gt=0)
+    start_timeout_s: float = knob(300.0, "Reserving placement groups and starting actors.", serve=False, gt=0)
+
+
+@dataclass(frozen=True)
+class ElasticConfig(_Checked):
+    """Token counts and rebalancing (the router's window, cluster/epochs.py's automatic policy)."""
+
+    redundant_slots: int = knob(0, "Spare physical expert slots per MoE layer for copies of hot experts (used by "
+                                   "`moeray rebalance` and the automatic policy).", ge=0)
+    auto_rebalance: bool = knob(False, "Rebalance by itself when the measured imbalance passes rebalance_threshold "
+                                       "(at most once per rebalance_interval_s).")
+    rebalance_window_steps: int = knob(256, "Steps of token counts the router keeps.", ge=1)
+    rebalance_threshold: float = knob(1.5, "Max/mean tokens per expert actor that triggers an automatic rebalance.",
+                                      ge=1.0)
+    rebalance_interval_s: float = knob(300.0, "Least time between two automatic rebalances.", ge=0)
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig(_Checked):
+    """How the actors compute and exchange (actors/, the fleet's actor options)."""
+
+    ping_pong: bool = knob(False, "Split each step into micro-batches so attention and expert actors compute at the "
+                                  "same time (MegaScale-Infer's ping-pong).")
+    micro_batches: int = knob(2, "Micro-batches per step with ping_pong.", ge=2)
+    actor_threads: int = knob(1, "Torch threads of each attention and expert actor (CPU intra-op parallelism; on "
+                                 "GPUs 1 is enough).", ge=1)
+    expert_threads: int = knob(1, "Threads of each expert actor's routed-expert GEMMs on CPU, each over its own range "
+                                  "of experts (decode reads every expert's weights: bound by memory, so a second core "
+                                  "helps where it is idle; the same results bit for bit). Ignored on GPUs.",
+                               ge=1, le=256)
+    exchange: Literal["auto", "dense", "sparse"] = knob(
+        "auto", "The expert exchange's wire format: dense (every token to every expert actor, no counts exchange) "
+                "or sparse (pairs only where their expert lives); auto: dense while there are no more expert actors "
+                "than experts per token.")
+    transport: Literal["auto", "group"] = knob(
+        "auto", "How the expert exchange travels between CPU actors (gloo process groups): auto, a direct socket per "
+                "attention and expert actor pair, written and read by the actors' own threads; group, gloo's own "
+                "sends and receives (through its I/O thread: slower). GPU actors on NCCL use all_to_all_single "
+                "either way.")
+    impl: Literal["absorbed", "naive"] = knob("absorbed", "The MLA implementation (naive: the oracle).", serve=False)
+    backend: Literal["gloo", "nccl"] | None = knob(None, "The process groups' backend; None: nccl when actors "
+                                                         "have GPUs, else gloo.", serve=False)
+
+
+GROUPS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "faults": FaultConfig, "elastic": ElasticConfig,
+          "data_plane": DataPlaneConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig(_Checked):
+    """One engine's knobs: the checkpoint, the compute dtype, the owner of its placement groups (an
+    engine with an owner removes the ones an earlier incarnation left, e.g. a Serve replica that
+    died), and one record per part of the engine. Build one from flat keys with :meth:`of`."""
+
     model: str
-    dtype: str = "float32"
-    block_size: int = 16
-    num_blocks: int = 256  # per attention replica
-    num_slots: int = 64  # KDA slots per attention replica (hybrid models)
-    max_num_seqs: int = 64
-    max_tokens_per_step: int = 256
-    impl: str = "absorbed"
-    backend: str | None = None  # None: nccl when actors have GPUs, else gloo
-    collective_timeout_s: float = 60.0
-    step_timeout_s: float = 120.0  # the upper bound of one step's wait, whatever the hang watchdog says
-    # the hang watchdog (cluster/executor.py): an actor kind's step is expected within
-    # clamp(hang_factor × p99 of its recent steps, hang_floor_s, step_timeout_s); past that every actor
-    # still silent is asked for a heartbeat on Ray's thread, and one that does not answer within
-    # heartbeat_timeout_s is hung: killed and replaced through recovery
-    hang_floor_s: float = 3.0
-    hang_factor: float = 4.0
-    heartbeat_timeout_s: float = 1.5
-    # a step that fails this many more times in a row, each failure recovered, drops its sequences
-    # (RequestsFailed) rather than retrying for ever
-    max_step_retries: int = 2
-    start_timeout_s: float = 300.0  # reserving placement groups, starting actors
-    # a change whose new actors the cluster's free resources cannot place now: refused at once (0), or, on a
-    # cluster that grows by itself (an autoscaler), asked for and waited for this long while steps go on
-    # (one the cluster could never hold is refused at once either way)
-    capacity_wait_s: float = 0.0
-
-    load_timeout_s: float | None = None  # actors loading weights; None: scales with the bytes to read
-    # elastic plane: the router's sliding window of token counts (steps), which rebalancing, the measured
-    # imbalance and the metrics read, and the automatic rebalancing policy (off by default)
-    window_steps: int = 256
-    auto_rebalance: bool = False
-    rebalance_threshold: float = 1.5  # mean over MoE layers of max/mean tokens per expert actor
-    rebalance_interval_s: float = 300.0  # at least this long between two automatic rebalances
-    redundant_slots: int = 0  # spare physical slots per MoE layer for copies of hot experts
-    # names this deployment's placement groups "<owner>/..."; an engine with an owner removes the ones an
-    # earlier incarnation left behind (a Serve replica that died) before reserving
+    dtype: Literal["float32", "bfloat16"] = "float32"
     owner: str | None = None
-    # data plane: ping-pong splits each step into micro-batches so attention and expert actors compute at
-    # once; the exchange's wire format (actors/dispatch.py: dense, sparse, or auto by the table's shape)
-    ping_pong: bool = False
-    actor_threads: int = 1  # torch threads per attention / expert actor (intra-op parallelism of each)
-    # threads of an expert actor's routed-expert GEMMs on CPU, each over its own range of experts
-    # (model.moe.ExpertThreads); torch's intra-op threads stay actor_threads
-    expert_threads: int = 1
-    micro_batches: int = 2
-    exchange: str = "auto"
-    # how the exchange travels on gloo (CPU) groups: auto, direct sockets between the calling threads
-    # (actors/wire.py); group, gloo's own sends and receives. NCCL groups use all_to_all_single either way
-    transport: str = "auto"
-    # async scheduling: a decode step goes out before the last step's results are back (the engine's and
-    # Ray's per-step work then overlaps the actors' compute; the same tokens)
-    async_scheduling: bool = True
-    # warm standby actors, started ahead in their own bundles and joined to no process group: a dead
-    # actor's index is taken by a standby (failover without starting a process), then a new standby starts
-    standby_attention: int = 0  # each holds the attention weights and a cache, like a replica
-    standby_experts: int = 0  # each holds nothing until it takes a dead actor's experts
-    # prefix caching (cluster/scheduler.py): cached blocks shared between sequences; a new sequence goes
-    # to the replica with the most of it cached minus prefix_load_weight cached tokens per running sequence
-    # there; on hybrid models at most snapshot_bytes of KDA state snapshots per attention replica
-    prefix_caching: bool = True
-    prefix_load_weight: float = 256.0
-    snapshot_bytes: int = 1 << 30
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
 
-    def __post_init__(self):
-        for name in ("block_size", "num_blocks", "num_slots", "max_num_seqs", "max_tokens_per_step", "window_steps",
-                     "actor_threads", "expert_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine setting {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.micro_batches < 2:
-            raise ValueError(f"engine setting 'micro_batches' must be >= 2 (ping-pong needs two), got {self.micro_batches}")
-        if self.exchange not in ("auto", "dense", "sparse"):
-            raise ValueError(f"engine setting 'exchange' must be auto, dense or sparse, got {self.exchange!r}")
-        if self.transport not in ("auto", "group"):
-            raise ValueError(f"engine setting 'transport' must be auto or group, got {self.transport!r}")
-        for name in ("redundant_slots", "standby_attention", "standby_experts", "max_step_retries", "capacity_wait_s",
-                     "prefix_load_weight", "snapshot_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"engine setting {name!r} must be >= 0, got {getattr(self, name)}")
-        for name in ("hang_floor_s", "hang_factor", "heartbeat_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"engine setting {name!r} must be > 0, got {getattr(self, name)}")
-        if self.rebalance_threshold < 1:
-            raise ValueError(f"engine setting 'rebalance_threshold' must be >= 1 (1 = balanced), "
-                             f"got {self.rebalance_threshold}")
+    @classmethod
+    def of(cls, model: str, *, dtype: str = "float32", owner: str | None = None, **knobs) -> "EngineConfig":
+        """An engine config from flat knob names (``max_num_seqs=8, prefix_caching=False``), each
+        sent to its group; an unknown name is a ValueError naming it."""
+        groups: dict[str, dict] = {name: {} for name in GROUPS}
+        where = {f.name: name for name, rec in GROUPS.items() for f in dataclasses.fields(rec)}
+        for key, value in knobs.items():
+            if key not in where:
+                raise ValueError(f"unknown engine setting {key!r}")
+            groups[where[key]][key] = value
+        return cls(model=model, dtype=dtype, owner=owner, **{n: GROUPS[n](**kw) for n, kw in groups.items()})
+
+
+def serve_knobs() -> list[tuple[str, dataclasses.Field, type]]:
+    """(group, field, type) of every knob the serving config has a key for, in declaration order."""
+    out = []
+    for name, rec in GROUPS.items():
+        hints = typing.get_type_hints(rec)
+        out += [(name, f, hints[f.name]) for f in dataclasses.fields(rec) if f.metadata.get("serve", True)]
+    return out
 
 
 def snapshot_plan(config: EngineConfig, model_cfg) -> tuple[int | None, int, int]:
@@ -106,8 +199,9 @@ def snapshot_plan(config: EngineConfig, model_cfg) -> tuple[int | None, int, int
     from model.loader import parse_dtype
     from model.params import state_bytes_per_sequence
 
-    if not (config.prefix_caching and model_cfg.kda_layers):
+    cache = config.cache
+    if not (cache.prefix_caching and model_cfg.kda_layers):
         return None, 0, 0
-    grid = math.lcm(config.block_size, KDA_CHUNK)
+    grid = math.lcm(cache.block_size, KDA_CHUNK)
     each = state_bytes_per_sequence(model_cfg, parse_dtype(config.dtype).itemsize)["total"]
-    return grid, min(config.snapshot_bytes // each, config.num_blocks * config.block_size // grid), each
+    return grid, min(cache.snapshot_bytes // each, cache.num_blocks * cache.block_size // grid), each

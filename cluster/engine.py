@@ -100,7 +100,7 @@ class Engine:
             raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
                              f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
         self.scheduler = Scheduler.for_engine(config, mc, spec.attention, stop_ids)
-        self.router = Router(mc.n_routed_experts, mc.moe_layers, window_steps=config.window_steps)
+        self.router = Router(mc.n_routed_experts, mc.moe_layers, window_steps=config.elastic.rebalance_window_steps)
         if executor is None:
             from .executor import RayExecutor
             from .fleet import Fleet
@@ -114,7 +114,7 @@ class Engine:
         self.inflight: deque[Launched] = deque()  # steps sent and not finished, oldest first (at most two)
         self._ids = itertools.count()
         self.step_no = 0
-        self.ping_pong = config.ping_pong  # may be switched between steps
+        self.ping_pong = config.data_plane.ping_pong  # may be switched between steps
         self._unrecorded: tuple | None = None  # the last finished step's results, until record()
         self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
         self.snapshot: SchedulerSnapshot = self.scheduler.snapshot()  # what other threads read (publish)
@@ -154,7 +154,7 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > ctx:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context ({ctx})")
-        cap = self.config.num_blocks * self.config.block_size
+        cap = self.config.cache.num_blocks * self.config.cache.block_size
         if len(prompt_ids) + params.max_tokens > cap:
             raise ValueError(f"prompt + max_tokens ({len(prompt_ids) + params.max_tokens}) exceeds one replica's "
                              f"cache ({cap} tokens)")
@@ -239,7 +239,7 @@ class Engine:
         one more token, no request waits to be admitted and no epoch change is pending. A sequence
         that stops at that step (a stop token or string) has its extra token dropped, so the
         streams are exactly those of the plain loop."""
-        if (len(self.inflight) != 1 or not self.config.async_scheduling or not self.epochs.settled
+        if (len(self.inflight) != 1 or not self.config.scheduler.async_scheduling or not self.epochs.settled
                 or self.scheduler.waiting):
             return None
         current = self.inflight[0]
@@ -335,7 +335,7 @@ class Engine:
     def _micro_batches(self, chunks_per_replica: list[list]) -> list[list[list]]:
         """Each replica's chunks in M contiguous micro-batches of about equal tokens (M = 1 without
         ping-pong, or when no replica has two chunks); every replica gets M, some maybe empty."""
-        M = self.config.micro_batches if self.ping_pong else 1
+        M = self.config.data_plane.micro_batches if self.ping_pong else 1
         M = max(1, min(M, max(len(c) for c in chunks_per_replica)))
         out = []
         for chunks in chunks_per_replica:
@@ -381,7 +381,7 @@ class Engine:
         self.heal()
         self.stats.observe_recovery(time.monotonic() - t0)
         self.failed_in_a_row += 1
-        if self.failed_in_a_row > self.config.max_step_retries:
+        if self.failed_in_a_row > self.config.faults.max_step_retries:
             self._give_up(failed, failure)
 
     def heal(self) -> None:

@@ -95,7 +95,7 @@ class Epochs:
         if self.transition is not None:
             raise ValueError(f"epoch {self.transition.table.epoch} is still being applied; retry when it is done")
         if kind == "rebalance" and redundant_slots is None:
-            redundant_slots = self.config.redundant_slots
+            redundant_slots = self.config.elastic.redundant_slots
         started = time.monotonic()
         try:
             proposal = self.router.propose(num_attention=num_attention, num_actors=num_actors,
@@ -216,11 +216,11 @@ class Epochs:
         """Every window of steps, begin a rebalance when the measured imbalance (the router's max/mean
         tokens per expert actor, per MoE layer) passed the threshold and the last change is old enough."""
         c = self.config
-        if not c.auto_rebalance or self.transition is not None or steps % c.window_steps:
+        if not c.elastic.auto_rebalance or self.transition is not None or steps % c.elastic.rebalance_window_steps:
             return None
         imbalance = self.router.measured_imbalance()
-        if imbalance and sum(imbalance) / len(imbalance) > c.rebalance_threshold and \
-                time.monotonic() - self._last_auto >= c.rebalance_interval_s:
+        if imbalance and sum(imbalance) / len(imbalance) > c.elastic.rebalance_threshold and \
+                time.monotonic() - self._last_auto >= c.elastic.rebalance_interval_s:
             self._last_auto = time.monotonic()
             return self.begin("rebalance")
         return None

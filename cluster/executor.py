@@ -82,8 +82,8 @@ class RayExecutor:
 
     def __init__(self, fleet, config):
         self.fleet, self.config = fleet, config
-        self.watch = HangWatch(floor_s=min(config.hang_floor_s, config.step_timeout_s), factor=config.hang_factor,
-                               cap_s=config.step_timeout_s)
+        self.watch = HangWatch(floor_s=min(config.faults.hang_floor_s, config.faults.step_timeout_s), factor=config.faults.hang_factor,
+                               cap_s=config.faults.step_timeout_s)
 
     @property
     def table(self) -> PlacementTable | None:
@@ -119,7 +119,7 @@ class RayExecutor:
         peers' exchanges too. After the first failure the others get until the collective timeout
         (and 5 s) from then: a peer of a dead actor answers when its exchange fails."""
         begin = time.monotonic()
-        hard = begin + self.config.step_timeout_s
+        hard = begin + self.config.faults.step_timeout_s
         results, dead, errored, hung, causes, grace = [], [], [], [], [], None
         for k, (name, member) in enumerate(sent):
             kind = name.split("[")[0]
@@ -136,10 +136,10 @@ class RayExecutor:
                 except TimeoutError:
                     if time.monotonic() < hard:
                         silent = [(n, m) for n, m in sent[k:] if n not in hung and m.channel is not None]
-                        found = self.fleet.unresponsive(silent, self.config.heartbeat_timeout_s)
+                        found = self.fleet.unresponsive(silent, self.config.faults.heartbeat_timeout_s)
                         for n, m in found:
                             hung.append(n)
-                            causes.append(f"{n} hung (no heartbeat within {self.config.heartbeat_timeout_s:g}s)")
+                            causes.append(f"{n} hung (no heartbeat within {self.config.faults.heartbeat_timeout_s:g}s)")
                             self.fleet.kill_member(m)
                         if found:  # its live peers wait on its sockets, which close only when it is gone
                             self.fleet.break_exchanges([m for n, m in silent if n not in hung])
@@ -155,7 +155,7 @@ class RayExecutor:
                     if name not in hung:
                         causes.append(f"{name} died")
                 if grace is None:  # the first failure: the others' exchanges fail within the collective timeout
-                    grace = time.monotonic() + self.config.collective_timeout_s + 5
+                    grace = time.monotonic() + self.config.faults.collective_timeout_s + 5
                     hard = max(hard, grace)
                 break
         if causes:
@@ -184,7 +184,7 @@ class RayExecutor:
         return self.fleet.lost(suspects)
 
     def failed_members(self) -> list[MemberId]:
-        return self.fleet.failed_members(self.config.heartbeat_timeout_s)
+        return self.fleet.failed_members(self.config.faults.heartbeat_timeout_s)
 
     def replace(self, dead: list[MemberId], table: PlacementTable) -> tuple[float, float, int]:
         return self.fleet.replace(dead, table)

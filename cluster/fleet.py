@@ -41,8 +41,8 @@ class Fleet:
     def __init__(self, config: EngineConfig, spec: ClusterSpec, model_cfg: ModelConfig):
         self.config, self.spec, self.model_cfg = config, spec, model_cfg
         self.path = str(Path(config.model).resolve())
-        self.backend = config.backend or ("nccl" if spec.gpus else "gloo")
-        self.load_timeout_s = config.load_timeout_s or default_load_timeout_s(model_cfg, spec.attention)
+        self.backend = config.data_plane.backend or ("nccl" if spec.gpus else "gloo")
+        self.load_timeout_s = config.faults.load_timeout_s or default_load_timeout_s(model_cfg, spec.attention)
         self.table: PlacementTable | None = None
         self.attention: list[Member] = []
         self.experts: list[Member] = []
@@ -68,13 +68,13 @@ class Fleet:
         if c.owner:
             remove_orphans(c.owner)
         preflight(self.model_cfg, spec, c.dtype)  # refuse a shape this cluster cannot hold, before reserving
-        res = self.homes.reserve(spec, c.start_timeout_s)
+        res = self.homes.reserve(spec, c.faults.start_timeout_s)
         try:
             self.attention = [self._new_attention(Home(res, "attention", i), table, i) for i in range(spec.attention)]
             self.experts = [self._new_expert(Home(res, "expert", j), table, j) for j in range(spec.experts)]
             self._form_group(table, self.attention, self.experts, "joining the process group")
             self.table = table
-            self.standbys.start(table, c.start_timeout_s)
+            self.standbys.start(table, c.faults.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -197,21 +197,21 @@ class Fleet:
         done, _ = ray.wait(p.pending, num_returns=len(p.pending), timeout=0)
         if len(done) == len(p.pending):
             try:
-                self._get(p.pending, self.config.step_timeout_s, f"preparing epoch {p.table.epoch}")
+                self._get(p.pending, self.config.faults.step_timeout_s, f"preparing epoch {p.table.epoch}")
             except EngineError:
                 self.abort(p)
                 raise
             return True
         waited = time.monotonic() - p.started
         if p.waits_for_capacity and not all(r.created() for r in p.reservations):
-            if waited > self.config.capacity_wait_s:
+            if waited > self.config.faults.capacity_wait_s:
                 self.abort(p)
                 raise EngineError(f"epoch {p.table.epoch}: no room for the new actors appeared within "
-                                  f"capacity_wait_s ({self.config.capacity_wait_s:g}s); the change is off")
-        elif waited > self.config.start_timeout_s + (self.config.capacity_wait_s if p.waits_for_capacity else 0):
+                                  f"capacity_wait_s ({self.config.faults.capacity_wait_s:g}s); the change is off")
+        elif waited > self.config.faults.start_timeout_s + (self.config.faults.capacity_wait_s if p.waits_for_capacity else 0):
             self.abort(p)
             raise EngineError(f"epoch {p.table.epoch}: the new actors were not ready within "
-                              f"{self.config.start_timeout_s:.0f}s")
+                              f"{self.config.faults.start_timeout_s:.0f}s")
         return False
 
     def progress(self, p: Prepared) -> dict:
@@ -224,7 +224,7 @@ class Fleet:
         """At a step boundary, after ``ready``: every actor of the new epoch joins a new process
         group; retired actors are killed and their bundles kept as spares. (regroup s, experts loaded)."""
         try:
-            loaded = sum(self._get(p.staging, self.config.step_timeout_s, "staged weights"))
+            loaded = sum(self._get(p.staging, self.config.faults.step_timeout_s, "staged weights"))
             t1 = time.monotonic()
             self._form_group(p.table, p.attention, p.experts, f"entering epoch {p.table.epoch}")
             regroup = time.monotonic() - t1
@@ -303,13 +303,13 @@ class Fleet:
             home = self.homes.fresh(kind, timeout_s)
         for attempt in range(2):
             member = new(home, table, index)
-            state = self._await_start(member, self.config.start_timeout_s)
+            state = self._await_start(member, self.config.faults.start_timeout_s)
             if state == "started":
                 return member
             retire(member)
             if state == "timeout":
                 raise NoCapacity(f"no node has room for a replacement {kind} actor: it did not start within "
-                                 f"{self.config.start_timeout_s:.0f}s")
+                                 f"{self.config.faults.start_timeout_s:.0f}s")
             if attempt == 0:
                 home = self.homes.fresh(kind, timeout_s)
         raise NoCapacity(f"no node has room for a replacement {kind} actor: the node it was placed on is gone too")
@@ -345,24 +345,24 @@ class Fleet:
         c = self.config
         opts = self._options(home.reservation.attention_options(home.index))
         actor = RemoteAttention.options(**opts).remote(
-            self.path, index=index, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
-            num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, exchange=c.exchange, threads=c.actor_threads,
+            self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
+            num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange, threads=c.data_plane.actor_threads,
             num_snapshots=snapshot_plan(c, self.model_cfg)[1])
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:
         opts = self._options(home.reservation.expert_options(home.index))
         return Member(RemoteExpert.options(**opts).remote(self.path, index=index, table=table, dtype=self.config.dtype,
-                                                          exchange=self.config.exchange,
-                                                          threads=self.config.actor_threads,
-                                                          expert_threads=self.config.expert_threads), home)
+                                                          exchange=self.config.data_plane.exchange,
+                                                          threads=self.config.data_plane.actor_threads,
+                                                          expert_threads=self.config.data_plane.expert_threads), home)
 
     def _form_group(self, table: PlacementTable, attention: list[Member], experts: list[Member], what: str) -> None:
         c = self.config
         # the first answers from new actors wait for their weights to load
         addr, port = self._get(attention[0].actor.rendezvous.remote(), self.load_timeout_s, f"{what}: rendezvous")
         info = GroupInfo(epoch=table.epoch, address=addr, port=port, backend=self.backend,
-                         timeout_s=c.collective_timeout_s, transport=c.transport,
+                         timeout_s=c.faults.collective_timeout_s, transport=c.data_plane.transport,
                          token=secrets.token_bytes(TOKEN_BYTES))
         refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
         refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
@@ -379,11 +379,11 @@ class Fleet:
         fresh = [(m, n) for m, n in zip(members, names) if m.channel is None]
         tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in fresh]
         where = self._get([m.actor.open_channel.remote(t) for (m, _), t in zip(fresh, tokens)],
-                          self.config.step_timeout_s, f"{what}: opening step channels", names=[n for _, n in fresh])
+                          self.config.faults.step_timeout_s, f"{what}: opening step channels", names=[n for _, n in fresh])
         for (m, name), address, token in zip(fresh, where, tokens):
             try:  # the actor listens already: a reachable one connects at once
-                m.channel = StepChannel(name, tuple(address), token, self.config.step_timeout_s,
-                                        connect_timeout_s=min(30.0, self.config.step_timeout_s))
+                m.channel = StepChannel(name, tuple(address), token, self.config.faults.step_timeout_s,
+                                        connect_timeout_s=min(30.0, self.config.faults.step_timeout_s))
             except OSError as e:
                 raise EngineError(f"{what}: cannot connect the step channel of {name} at "
                                   f"{address[0]}:{address[1]}: {e}") from None

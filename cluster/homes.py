@@ -52,7 +52,7 @@ class Homes:
         more = dataclasses.replace(self.spec, attention=new_attention, experts=new_experts)
         nodes = free_nodes()
         plan = plan_bundles(more, nodes)
-        if None in plan and self.config.capacity_wait_s:
+        if None in plan and self.config.faults.capacity_wait_s:
             return False
         if None in plan:
             free = {k: sum(n.available.get(k, 0.0) for n in nodes) for k in set().union(*more.bundles)}
@@ -78,7 +78,7 @@ class Homes:
                                    experts=more if kind == "expert" else 0)
         try:
             res = (reserve_pending(spec, name=self._name()) if p.waits_for_capacity
-                   else reserve(spec, timeout_s=self.config.start_timeout_s, name=self._name()))
+                   else reserve(spec, timeout_s=self.config.faults.start_timeout_s, name=self._name()))
         except BaseException:
             self.spare += reuse
             raise

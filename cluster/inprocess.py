@@ -40,9 +40,9 @@ class InProcessExecutor:
     def start(self, table: PlacementTable) -> None:
         c = self.config
         for i in range(table.num_attention):
-            w = AttentionWorker(c.model, index=i, table=table, num_blocks=c.num_blocks, block_size=c.block_size,
-                                num_slots=c.num_slots, dtype=c.dtype, impl=c.impl, threads=None,
-                                exchange=c.exchange, num_snapshots=snapshot_plan(c, self.model_cfg)[1],
+            w = AttentionWorker(c.model, index=i, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
+                                num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, threads=None,
+                                exchange=c.data_plane.exchange, num_snapshots=snapshot_plan(c, self.model_cfg)[1],
                                 local_experts=True)
             w.use_local_experts(table)
             self.workers.append(w)

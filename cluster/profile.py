@@ -47,7 +47,7 @@ def _run(Engine, ClusterSpec, model_path: str, attention: int, experts: int, bat
     """(plan (T, S), step record) of every step after a warm-up, on an ``attention × experts`` engine."""
     samples: list = []
     plans: list[tuple[int, int]] = []
-    config = EngineConfig(model=model_path, max_tokens_per_step=max(prefill_chunks, default=0) + 32, num_blocks=512)
+    config = EngineConfig.of(model=model_path, max_tokens_per_step=max(prefill_chunks, default=0) + 32, num_blocks=512)
     with Engine(config, ClusterSpec(attention=attention, experts=experts)) as eng:
         send = eng._send
 

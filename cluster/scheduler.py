@@ -104,12 +104,12 @@ class Scheduler:
         """The scheduler an engine with ``config`` (an :class:`~cluster.config.EngineConfig`) runs
         for ``model_cfg`` (the engine's, and the simulator's: the same decisions)."""
         grid, num_snapshots, _ = snapshot_plan(config, model_cfg)
-        return cls(num_replicas=num_replicas, num_blocks=config.num_blocks, block_size=config.block_size,
-                   num_slots=config.num_slots if model_cfg.kda_layers else None, max_num_seqs=config.max_num_seqs,
-                   max_tokens_per_step=config.max_tokens_per_step,
+        return cls(num_replicas=num_replicas, num_blocks=config.cache.num_blocks, block_size=config.cache.block_size,
+                   num_slots=config.cache.num_slots if model_cfg.kda_layers else None, max_num_seqs=config.scheduler.max_num_seqs,
+                   max_tokens_per_step=config.scheduler.max_tokens_per_step,
                    stop_ids=frozenset(stop_ids) | frozenset(model_cfg.eos_token_ids),
-                   max_context=model_cfg.max_position_embeddings, prefix_caching=config.prefix_caching,
-                   load_weight=config.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots)
+                   max_context=model_cfg.max_position_embeddings, prefix_caching=config.cache.prefix_caching,
+                   load_weight=config.cache.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots)
 
     @property
     def num_replicas(self) -> int:

@@ -39,16 +39,16 @@ class Standbys:
         """Reserve the configured standbys' bundles (raises like a reservation of the shape does) and
         start them; their start-up is not waited for."""
         c = self.config
-        if c.standby_attention + c.standby_experts == 0:
+        if c.faults.standby_attention + c.faults.standby_experts == 0:
             return
-        spec = dataclasses.replace(self.spec, attention=c.standby_attention, experts=c.standby_experts)
+        spec = dataclasses.replace(self.spec, attention=c.faults.standby_attention, experts=c.faults.standby_experts)
         try:
             res = self.homes.reserve(spec, timeout_s)
         except ReservationTimeoutError as e:
-            raise ReservationTimeoutError(f"no room for the standby actors (standby_attention={c.standby_attention}, "
-                                          f"standby_experts={c.standby_experts}) beside the shape: {e}") from None
-        homes = [Home(res, "attention", i) for i in range(c.standby_attention)]
-        homes += [Home(res, "expert", j) for j in range(c.standby_experts)]
+            raise ReservationTimeoutError(f"no room for the standby actors (standby_attention={c.faults.standby_attention}, "
+                                          f"standby_experts={c.faults.standby_experts}) beside the shape: {e}") from None
+        homes = [Home(res, "attention", i) for i in range(c.faults.standby_attention)]
+        homes += [Home(res, "expert", j) for j in range(c.faults.standby_experts)]
         self.members += [self._new(h, table) for h in homes]
 
     def _new(self, home: Home, table: PlacementTable) -> Member:
@@ -59,7 +59,7 @@ class Standbys:
         while pool := [m for m in self.members if m.home.kind == kind]:
             member = pool[0]
             self.members.remove(member)
-            if self._await_start(member, self.config.start_timeout_s) == "started":
+            if self._await_start(member, self.config.faults.start_timeout_s) == "started":
                 return member
             retire(member)
         return None
@@ -69,7 +69,7 @@ class Standbys:
         reservation (bounded by ``timeout_s``; without room the pool stays short until the next
         recovery). The new actors' start-up is not waited for."""
         c = self.config
-        for kind, want in (("attention", c.standby_attention), ("expert", c.standby_experts)):
+        for kind, want in (("attention", c.faults.standby_attention), ("expert", c.faults.standby_experts)):
             for _ in range(want - sum(m.home.kind == kind for m in self.members)):
                 home = self.homes.take_spare(kind)
                 if home is None:

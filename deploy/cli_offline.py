@@ -309,7 +309,7 @@ def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes,
     blocks = -(-(len(ids) + sp.max_tokens) // 16) + 1
     with err.status(f"starting {spec.describe()}") as status, connected(spec, nodes=nodes, address=address):
         status.update(f"loading {path.name} onto {spec.describe()}")
-        with Engine(EngineConfig(model=str(path), dtype=dtype, num_blocks=blocks), spec, stop_ids=stop_ids) as eng:
+        with Engine(EngineConfig.of(model=str(path), dtype=dtype, num_blocks=blocks), spec, stop_ids=stop_ids) as eng:
             status.update("generating")
             return eng.generate([ids], sp)[0].output_ids
 

@@ -3,16 +3,20 @@ model with ``extra="forbid"``, then handed down as frozen dataclasses (EngineCon
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 
-class ServeConfig(BaseModel):
+class _Deployment(BaseModel):
     """One deployment's settings: the serving config YAML (``moeray up --config``, ``serve deploy``),
-    the flags of ``moeray up``, or a Serve application's args. Unknown keys are refused."""
+    the flags of ``moeray up``, or a Serve application's args. Unknown keys are refused. The keys
+    declared here are the deployment's own (model, shape, HTTP, keys); the engine's knobs follow,
+    each declared once in cluster/config.py with its bound and description, grouped by the part of
+    the engine that reads it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -22,27 +26,9 @@ class ServeConfig(BaseModel):
     experts: int = Field(1, ge=1, description="Expert actors.")
     gpus_per_actor: float = Field(0, ge=0, description="GPUs each attention and expert actor reserves (NCCL then); "
                                                        "a fraction lets several actors share one GPU.")
-    load_timeout_s: float | None = Field(None, gt=0, description="How long the actors may take to load the "
-                                                                 "weights; default: scales with the bytes to read.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype of the actors' weights "
                                                                          "and caches (quantised experts stay resident "
                                                                          "in their checkpoint format).")
-    max_num_seqs: int = Field(64, ge=1, description="Sequences running at once.")
-    max_tokens_per_step: int = Field(256, ge=1, description="Token budget of one engine step.")
-    num_blocks: int = Field(256, ge=1, description="Latent-cache blocks per attention replica.")
-    block_size: int = Field(16, ge=1, description="Tokens per latent-cache block.")
-    num_slots: int = Field(64, ge=1, description="KDA state slots per attention replica (hybrid models).")
-    prefix_caching: bool = Field(True, description="Share the cached blocks of equal prompt prefixes between "
-                                                   "requests (and, on hybrid models, KDA state snapshots); a "
-                                                   "request goes to the attention replica holding most of its "
-                                                   "prompt, weighed against load (prefix_load_weight).")
-    prefix_load_weight: float = Field(256.0, ge=0, description="Placement: a replica running one more sequence "
-                                                               "must hold this many more cached tokens of a new "
-                                                               "request to be chosen (0: always follow the cache; "
-                                                               "large: least loaded).")
-    snapshot_bytes: int = Field(1 << 30, ge=0, description="Hybrid models with prefix caching: bytes of KDA state "
-                                                           "snapshots per attention replica (prefix hits need one "
-                                                           "at their boundary); `moeray plan` counts them.")
     max_queue: int = Field(256, ge=1, description="Requests waiting for a slot before new ones get 503.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body.")
     max_model_len: int | None = Field(None, ge=2, description="Context length served (prompt plus output), at "
@@ -79,62 +65,6 @@ class ServeConfig(BaseModel):
     expert_nodes: list[str] | None = Field(None, description="Pin expert actors to these Ray nodes (IPs or node "
                                                              "ids), round-robin; default: spread over nodes with room.")
     attention_nodes: list[str] | None = Field(None, description="Pin attention replicas to these Ray nodes.")
-    redundant_slots: int = Field(0, ge=0, description="Spare physical expert slots per MoE layer for copies of hot "
-                                                      "experts (used by `moeray rebalance` and the automatic policy).")
-    standby_attention: int = Field(0, ge=0, description="Warm standby attention actors (each holds the attention "
-                                                        "weights and a bundle): a dead replica is replaced in "
-                                                        "about the regroup's time instead of an actor's start.")
-    standby_experts: int = Field(0, ge=0, description="Warm standby expert actors (each holds a bundle, no weights "
-                                                      "until it takes a dead actor's experts).")
-    auto_rebalance: bool = Field(False, description="Rebalance by itself when the measured imbalance passes "
-                                                    "rebalance_threshold (at most once per rebalance_interval_s).")
-    rebalance_window_steps: int = Field(256, ge=1, description="Steps of token counts the router keeps.")
-    rebalance_threshold: float = Field(1.5, ge=1.0, description="Max/mean tokens per expert actor that triggers "
-                                                                "an automatic rebalance.")
-    rebalance_interval_s: float = Field(300.0, ge=0, description="Least time between two automatic rebalances.")
-    ping_pong: bool = Field(False, description="Split each step into micro-batches so attention and expert actors "
-                                               "compute at the same time (MegaScale-Infer's ping-pong).")
-    micro_batches: int = Field(2, ge=2, description="Micro-batches per step with ping_pong.")
-    actor_threads: int = Field(1, ge=1, description="Torch threads of each attention and expert actor (CPU "
-                                                    "intra-op parallelism; on GPUs 1 is enough).")
-    max_step_retries: int = Field(2, ge=0, le=100,
-                                  description="Times a failed step is redone after its failure was recovered "
-                                              "(actors replaced or regrouped) before its requests end with the "
-                                              "error instead: work that fails every time is not retried for ever.")
-    capacity_wait_s: float = Field(0.0, ge=0, le=86400,
-                                   description="A scale whose new actors the cluster's free resources cannot place "
-                                               "now is refused at once (0), or, on a cluster that grows by itself "
-                                               "(an autoscaler), asked for and waited for this long while requests "
-                                               "stream (`moeray status` shows it waiting). One the cluster could "
-                                               "never hold is refused at once either way.")
-    step_timeout_s: float = Field(120.0, gt=0, le=3600, description="The longest one step may take, whatever the "
-                                                                    "hang watchdog says.")
-    hang_floor_s: float = Field(3.0, gt=0, le=3600,
-                                description="The hang watchdog asks the actors still silent in a step for a "
-                                            "heartbeat after max(this, hang_factor × the p99 of their kind's "
-                                            "recent steps); one that does not answer is hung: killed and "
-                                            "replaced through recovery.")
-    hang_factor: float = Field(4.0, gt=0, le=1000, description="See hang_floor_s.")
-    heartbeat_timeout_s: float = Field(1.5, gt=0, le=600, description="How long a silent actor has to answer the "
-                                                                      "watchdog's heartbeat (on Ray's thread, not "
-                                                                      "the step's) before it counts as hung.")
-    expert_threads: int = Field(1, ge=1, le=256,
-                                description="Threads of each expert actor's routed-expert GEMMs on CPU, each over "
-                                            "its own range of experts (decode reads every expert's weights: "
-                                            "bound by memory, so a second core helps where it is idle; the same "
-                                            "results bit for bit). Ignored on GPUs.")
-    exchange: Literal["auto", "dense", "sparse"] = Field(
-        "auto", description="The expert exchange's wire format: dense (every token to every expert actor, no counts "
-                            "exchange) or sparse (pairs only where their expert lives); auto: dense while there are "
-                            "no more expert actors than experts per token.")
-    transport: Literal["auto", "group"] = Field(
-        "auto", description="How the expert exchange travels between CPU actors (gloo process groups): auto, "
-                            "a direct socket per attention and expert actor pair, written and read by the "
-                            "actors' own threads; group, gloo's own sends and receives (through its I/O "
-                            "thread: slower). GPU actors on NCCL use all_to_all_single either way.")
-    async_scheduling: bool = Field(True, description="Send a decode step before the last step's results are back "
-                                                     "(the engine's and Ray's per-step work overlaps the actors'; "
-                                                     "the same tokens).")
     ingress: Literal["haproxy", "proxy"] = Field(
         "haproxy", description="HTTP in front of the Ingress replicas on a cluster `moeray up` starts: haproxy "
                                "(Serve's direct ingress behind one HAProxy per node: no Python proxy and no Ray "
@@ -209,23 +139,13 @@ class ServeConfig(BaseModel):
             raise ValueError(f"{where}: {'; '.join(map(_problem, e.errors()))}") from None
 
     def engine_config(self, model_path: str, owner: str | None = None):
-        from cluster.config import EngineConfig
+        """The engine's frozen config: each group of knobs from the keys of the same names."""
+        from cluster.config import GROUPS, EngineConfig
 
-        return EngineConfig(model=model_path, owner=owner, dtype=self.dtype, block_size=self.block_size,
-                            num_blocks=self.num_blocks, num_slots=self.num_slots, max_num_seqs=self.max_num_seqs,
-                            max_tokens_per_step=self.max_tokens_per_step, window_steps=self.rebalance_window_steps,
-                            auto_rebalance=self.auto_rebalance, rebalance_threshold=self.rebalance_threshold,
-                            rebalance_interval_s=self.rebalance_interval_s, redundant_slots=self.redundant_slots,
-                            load_timeout_s=self.load_timeout_s, ping_pong=self.ping_pong,
-                            micro_batches=self.micro_batches, exchange=self.exchange, transport=self.transport,
-                            actor_threads=self.actor_threads,
-                            expert_threads=self.expert_threads, max_step_retries=self.max_step_retries,
-                            async_scheduling=self.async_scheduling,
-                            standby_attention=self.standby_attention, standby_experts=self.standby_experts,
-                            step_timeout_s=self.step_timeout_s, hang_floor_s=self.hang_floor_s,
-                            capacity_wait_s=self.capacity_wait_s, prefix_caching=self.prefix_caching,
-                            prefix_load_weight=self.prefix_load_weight, snapshot_bytes=self.snapshot_bytes,
-                            hang_factor=self.hang_factor, heartbeat_timeout_s=self.heartbeat_timeout_s)
+        groups = {name: rec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(rec)
+                               if f.metadata.get("serve", True)})
+                  for name, rec in GROUPS.items()}
+        return EngineConfig(model=model_path, owner=owner, dtype=self.dtype, **groups)
 
     def cluster_spec(self):
         from cluster.spec import ClusterSpec
@@ -239,6 +159,23 @@ class ServeConfig(BaseModel):
     def name_for(self, model_path: Path) -> str:
         return self.served_model_name or (self.model if "/" not in self.model else model_path.name)
 
+
+
+def _engine_keys() -> dict:
+    """A serving-config key per engine knob (cluster/config.py), with the knob's default, bound and
+    description, and the part of the engine that reads it."""
+    from cluster.config import serve_knobs
+
+    keys = {}
+    for group, f, tp in serve_knobs():
+        bounds = {k: f.metadata[k] for k in ("ge", "gt", "le", "lt") if k in f.metadata}
+        keys[f.name] = (tp, Field(f.default, description=f.metadata["doc"], json_schema_extra={"engine": group},
+                                  **bounds))
+    return keys
+
+
+ServeConfig = create_model("ServeConfig", __base__=_Deployment, __module__=__name__, **_engine_keys())
+ServeConfig.__doc__ = _Deployment.__doc__
 
 def check_key(key: str, where: str | None = None) -> str:
     """A key must be one HTTP header token: 1 to 512 visible ASCII characters (what `openssl rand

@@ -36,7 +36,11 @@ Edit the model, not this file: tests/test_docs.py fails when the two differ. -->
 Every setting of a deployment is a key of one pydantic model, `ServeConfig`
 ([deploy/config.py](../deploy/config.py)), read once at the edge and handed down as frozen
 dataclasses (`EngineConfig` in [cluster/config.py](../cluster/config.py), `ClusterSpec` in
-[cluster/spec.py](../cluster/spec.py)). It arrives by one of three doors:
+[cluster/spec.py](../cluster/spec.py)). The deployment's own keys (model, shape, HTTP, keys) are
+declared in `ServeConfig`; each engine knob is declared once, in the group of the part of the
+engine that reads it (scheduler, cache, faults, elastic, data plane: the "read by" column), and
+the serving config takes its key, bound and description from there. The keys stay flat in the
+YAML. It arrives by one of three doors:
 
 - `moeray up --config FILE.yaml`: a YAML mapping of these keys; the flags in the `moeray up` flag
   column override the file, and with no file they are the whole config;
@@ -70,13 +74,15 @@ def _table(prefix: str, model: type[BaseModel], anchors: dict, flags: dict[str, 
     rows = ["## " + _title(prefix, model), ""]
     if model.__doc__:
         rows += [inspect.cleandoc(model.__doc__), ""]
-    rows += ["| key | type | default | allowed | `moeray up` flag | description |", "|---|---|---|---|---|---|"]
+    rows += ["| key | type | default | allowed | `moeray up` flag | read by | description |",
+             "|---|---|---|---|---|---|---|"]
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name
         default = "(required)" if field.is_required() else f"`{_value(field.get_default(call_default_factory=True))}`"
         flag = f"`{flags[name]}`" if name in flags else ""
+        part = (field.json_schema_extra or {}).get("engine") if isinstance(field.json_schema_extra, dict) else None
         cells = [f"`{key}`", _type(field.annotation, anchors), default, _constraints(key, field.metadata), flag,
-                 _text(field.description or "")]
+                 f"engine: {part}" if part else "deployment", _text(field.description or "")]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -159,7 +159,7 @@ class EngineServer:
             "breakdown": snap["breakdown"],
             "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
-            "prefix_caching": self.engine.config.prefix_caching,
+            "prefix_caching": self.engine.config.cache.prefix_caching,
             "attention": [{"index": i, "node": a["node"], "cache_blocks_used": used, "cache_blocks": total,
                            "prefix_cache": pc}
                           for i, (a, (used, total), pc) in enumerate(zip(actors["attention"], snap["cache"],

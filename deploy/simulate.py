@@ -49,12 +49,12 @@ def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
     from model.params import cache_bytes_per_token
 
     if cpu:
-        return EngineConfig(model="simulated", max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
+        return EngineConfig.of(model="simulated", max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
     plan = plan_shape(model_cfg, model="simulated", device=DEVICES[a.gpu], nodes=1, gpus_per_node=max(devices, 2),
                       attention=1, experts=max(devices - 1, 1), context=_top(a.prompt_tokens) + _top(a.output_tokens))
     per_block = cache_bytes_per_token(model_cfg)["latent"] * a.block_size
     blocks = max(1, plan.cache_bytes // max(per_block, 1))
-    return EngineConfig(model="simulated", block_size=a.block_size, num_blocks=int(min(blocks, 10_000_000)),
+    return EngineConfig.of(model="simulated", block_size=a.block_size, num_blocks=int(min(blocks, 10_000_000)),
                         max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
 
 

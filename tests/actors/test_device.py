@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent('''
         spec = ClusterSpec(attention=1, experts=2, attention_resources={"CPU": 1, "GPU": 1},
                            expert_resources={"CPU": 1, "GPU": 0.5})
         try:
-            Engine(EngineConfig(model=sys.argv[1], load_timeout_s=120), spec).start()
+            Engine(EngineConfig.of(model=sys.argv[1], load_timeout_s=120), spec).start()
             out["engine"] = "started"
         except EngineError as e:
             out["engine"] = str(e)

@@ -122,13 +122,13 @@ def test_an_unknown_transport_is_refused_by_name():
     from cluster.config import EngineConfig
     from deploy.config import ServeConfig
 
-    with pytest.raises(ValueError, match="engine setting 'transport' must be auto or group, got 'tcp'"):
-        EngineConfig(model="m", transport="tcp")
+    with pytest.raises(ValueError, match="engine setting 'transport' must be one of auto, group, got 'tcp'"):
+        EngineConfig.of(model="m", transport="tcp")
     with pytest.raises(ValueError, match="exchange transport must be one of auto, group, got 'tcp'"):
         join_group(GroupInfo(0, "127.0.0.1", 1, TOKEN, transport="tcp"), 0, 2, num_attention=1)
     with pytest.raises(ValueError, match="transport"):
         ServeConfig.parse({"transport": "tcp"})
-    assert ServeConfig.parse({}).engine_config("m").transport == "auto"
+    assert ServeConfig.parse({}).engine_config("m").data_plane.transport == "auto"
 
 
 def test_a_group_needs_a_token_of_the_right_size():

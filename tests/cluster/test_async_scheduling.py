@@ -59,7 +59,7 @@ def test_async_scheduling_gives_the_plain_loops_tokens(ray_cluster, k2):
     assert len(expected[0]) < 24 and len(expected[1]) < 24  # the stop tokens really end those two early
     got = {}
     for on in (True, False):
-        with Engine(EngineConfig(model=str(k2), async_scheduling=on), ClusterSpec(attention=2, experts=2)) as eng:
+        with Engine(EngineConfig.of(model=str(k2), async_scheduling=on), ClusterSpec(attention=2, experts=2)) as eng:
             got[on] = [s.output_ids for s in eng.generate(prompts, params)]
             assert (eng.stats.ahead_steps > 0) == on, eng.stats.ahead_steps
             assert all(a.num_held == 0 for a in eng.scheduler.cache.blocks)  # stopped sequences freed all
@@ -92,7 +92,7 @@ def test_actor_killed_with_a_step_sent_ahead_recovers_exactly(ray_cluster, reque
     prompts = _prompts(4, seed=9)
     params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 4
     expected = _alone(path, prompts, params)
-    eng = Engine(EngineConfig(model=str(path), collective_timeout_s=5, step_timeout_s=30),
+    eng = Engine(EngineConfig.of(model=str(path), collective_timeout_s=5, step_timeout_s=30),
                  ClusterSpec(attention=2, experts=2)).start()
     try:
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]

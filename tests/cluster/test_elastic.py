@@ -30,7 +30,7 @@ def presets(tmp_path_factory):
 
 
 def _engine(path, attention, experts, **kw):
-    return Engine(EngineConfig(model=str(path), **kw), ClusterSpec(attention=attention, experts=experts)).start()
+    return Engine(EngineConfig.of(model=str(path), **kw), ClusterSpec(attention=attention, experts=experts)).start()
 
 
 def _change_in_flight(eng, begin, steps_first=3):
@@ -151,7 +151,7 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
     assert before_out == after_out == single.alone(path, prompts, params)
 
 
-AUTO_POLICY = dict(window_steps=4, rebalance_threshold=1.0, rebalance_interval_s=0.0)  # would act at once
+AUTO_POLICY = dict(rebalance_window_steps=4, rebalance_threshold=1.0, rebalance_interval_s=0.0)  # would act at once
 
 
 def test_automatic_policy_rebalances_by_itself_when_on(ray_cluster, presets):

@@ -43,7 +43,7 @@ def _alone(path, prompts, params):
 
 
 def _engine(path, attention, experts, **kw):
-    return Engine(EngineConfig(model=str(path), **kw), ClusterSpec(attention=attention, experts=experts)).start()
+    return Engine(EngineConfig.of(model=str(path), **kw), ClusterSpec(attention=attention, experts=experts)).start()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def k2_2x4(ray_cluster, presets):
 def test_one_attention_one_expert_equals_single_process(ray_cluster, presets):
     path = presets["kimi-k2-tiny"]
     prompts = _prompts(3)
-    with Engine(EngineConfig(model=str(path)), ClusterSpec(attention=1, experts=1)) as eng:
+    with Engine(EngineConfig.of(model=str(path)), ClusterSpec(attention=1, experts=1)) as eng:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]
         b = dict(eng.stats.breakdown)
     assert got == _alone(path, prompts, GREEDY)

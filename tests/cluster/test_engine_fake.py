@@ -29,9 +29,9 @@ def model_dir(request, tmp_path_factory):
 
 
 def make(model_dir, *, attention=2, experts=2, **config) -> tuple[Engine, FakeExecutor]:
-    cfg = EngineConfig(model=str(model_dir), **{"num_blocks": 64, "block_size": 4, **config})
+    cfg = EngineConfig.of(model=str(model_dir), **{"num_blocks": 64, "block_size": 4, **config})
     mc = load_config(model_dir)
-    fake = FakeExecutor(num_blocks=cfg.num_blocks, block_size=cfg.block_size, hybrid=bool(mc.kda_layers),
+    fake = FakeExecutor(num_blocks=cfg.cache.num_blocks, block_size=cfg.cache.block_size, hybrid=bool(mc.kda_layers),
                         vocab=mc.vocab_size, num_experts=mc.n_routed_experts)
     return Engine(cfg, ClusterSpec(attention=attention, experts=experts), executor=fake).start(), fake
 
@@ -279,7 +279,7 @@ def test_an_actor_lost_while_the_group_re_forms_abandons_the_change_and_recovers
 
 
 def test_the_automatic_policy_rebalances_a_skewed_load(model_dir):
-    eng, fake = make(model_dir, auto_rebalance=True, window_steps=8, rebalance_interval_s=0.0,
+    eng, fake = make(model_dir, auto_rebalance=True, rebalance_window_steps=8, rebalance_interval_s=0.0,
                      rebalance_threshold=1.2)
     fake.routing = lambda t: 0  # every token to expert 0: expert actor 0 takes all
     ps = prompts(4, seed=14)

@@ -60,7 +60,7 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(ray_cluster, k2
     prompts = single.prompts(4, seed=7)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = single.alone(k2, prompts, params)
-    eng = Engine(EngineConfig(model=str(k2), hang_floor_s=HANG_FLOOR_S, heartbeat_timeout_s=HEARTBEAT_S),
+    eng = Engine(EngineConfig.of(model=str(k2), hang_floor_s=HANG_FLOOR_S, heartbeat_timeout_s=HEARTBEAT_S),
                  ClusterSpec(attention=2, experts=2)).start()
     stopped = []
     try:
@@ -87,9 +87,9 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(ray_cluster, k2
 def test_a_long_prefill_is_not_taken_for_a_hang(ray_cluster, k2):
     """The longest prompt the config allows, with a budget far below its prefill: the watchdog asks,
     the actors answer, nothing is killed."""
-    cfg = EngineConfig(model=str(k2), num_blocks=64, block_size=16, max_tokens_per_step=1024,
+    cfg = EngineConfig.of(model=str(k2), num_blocks=64, block_size=16, max_tokens_per_step=1024,
                        hang_floor_s=0.01, hang_factor=0.01, heartbeat_timeout_s=HEARTBEAT_S)
-    longest = cfg.num_blocks * cfg.block_size - 8  # one replica's cache, less the answer
+    longest = cfg.cache.num_blocks * cfg.cache.block_size - 8  # one replica's cache, less the answer
     prompt = single.prompts(1, seed=8, lo=longest, hi=longest + 1)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     expected = single.alone(k2, prompt, params)

@@ -12,7 +12,7 @@ from model.presets import preset_config
 
 def _group(**spec):
     cfg = parse_config(preset_config("kimi-k2-tiny"), where="preset")
-    return Fleet(EngineConfig(model="kimi-k2-tiny", load_timeout_s=60), ClusterSpec(**spec), cfg)
+    return Fleet(EngineConfig.of(model="kimi-k2-tiny", load_timeout_s=60), ClusterSpec(**spec), cfg)
 
 
 def test_nccl_actors_get_the_abortable_environment_and_gloo_ones_do_not():

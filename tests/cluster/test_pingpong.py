@@ -33,7 +33,7 @@ def _prompts(n=8, seed=0):
 @pytest.mark.parametrize("preset,exchange", [("kimi-k2-tiny", "sparse"), ("kimi-k3-tiny", "dense")])
 def test_ping_pong_on_and_off_give_identical_tokens(ray_cluster, presets, preset, exchange):
     path, prompts = presets[preset], _prompts()
-    config = EngineConfig(model=str(path), max_tokens_per_step=512, exchange=exchange)
+    config = EngineConfig.of(model=str(path), max_tokens_per_step=512, exchange=exchange)
     with Engine(config, ClusterSpec(attention=2, experts=3)).start() as eng:
         nodes = {eng.executor.fleet.node_ip(m) for m in eng.executor.fleet.attention + eng.executor.fleet.experts}
         assert len(nodes) == 3, nodes
@@ -56,7 +56,7 @@ def test_expert_threads_give_identical_tokens(ray_cluster, presets):
     """Expert actors running their GEMMs over 2 threads (``expert_threads``) give the single
     process's tokens, greedy and seeded; the threads are really there."""
     path, prompts = presets["kimi-k2-tiny"], _prompts(seed=1)
-    config = EngineConfig(model=str(path), max_tokens_per_step=512, expert_threads=2)
+    config = EngineConfig.of(model=str(path), max_tokens_per_step=512, expert_threads=2)
     with Engine(config, ClusterSpec(attention=1, experts=2)).start() as eng:
         import ray
 

@@ -110,7 +110,7 @@ def test_preflight_refuses_k2_on_one_h200_node_with_numbers():
 def test_preflight_refuses_before_reserving_on_the_local_cluster(ray_cluster, tmp_path):
     path = build_preset("kimi-k2-tiny", tmp_path / "k2", seed=1, progress=False)
     before = placement_group_table()
-    eng = Engine(EngineConfig(model=str(path)), ClusterSpec(attention=6, experts=8))  # 14 CPUs > 3 × 4
+    eng = Engine(EngineConfig.of(model=str(path)), ClusterSpec(attention=6, experts=8))  # 14 CPUs > 3 × 4
     with pytest.raises(PreflightError) as e:
         eng.start()
     msg = str(e.value)

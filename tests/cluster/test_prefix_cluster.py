@@ -28,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 def k3(ray_cluster, tmp_path_factory):
     path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("k3") / "kimi-k3-tiny", seed=2, dtype="float32",
                         progress=False)
-    eng = Engine(EngineConfig(model=str(path), max_tokens_per_step=512), ClusterSpec(attention=1, experts=1)).start()
+    eng = Engine(EngineConfig.of(model=str(path), max_tokens_per_step=512), ClusterSpec(attention=1, experts=1)).start()
     yield eng
     eng.shutdown()
 

@@ -27,7 +27,7 @@ def test_quantised_experts_on_2x3_equal_the_dequantised_single_process_model(ray
     net = load_model(path, progress=False, dequantize=True)
     expect = [generate(ModelRunner(net, num_blocks=16, block_size=16, num_slots=2), [p], GREEDY)[0].output_ids
               for p in prompts]
-    eng = Engine(EngineConfig(model=str(path), max_tokens_per_step=32),
+    eng = Engine(EngineConfig.of(model=str(path), max_tokens_per_step=32),
                  ClusterSpec(attention=2, experts=3)).start()
     try:
         got = [s.output_ids for s in eng.generate(prompts, GREEDY)]

@@ -34,7 +34,7 @@ def _refused_fast(begin) -> str:
 
 
 def test_a_scale_that_cannot_fit_is_refused_at_once_and_serving_goes_on(idle_cluster, k2):
-    with Engine(EngineConfig(model=str(k2)), ClusterSpec(attention=1, experts=2)) as eng:
+    with Engine(EngineConfig.of(model=str(k2)), ClusterSpec(attention=1, experts=2)) as eng:
         before = [s.output_ids for s in eng.generate([[1, 2, 3]], GREEDY)]
         # 3 nodes x 4 CPUs: 1 attention + 16 expert actors of 1 CPU each can never fit
         why = _refused_fast(lambda: eng.begin_scale_experts(16))
@@ -61,7 +61,7 @@ def test_with_capacity_wait_a_scale_asks_for_room_and_completes_when_it_appears(
     """capacity_wait_s: the new actors are asked for at once and the engine serves on while they wait;
     room appearing (here: other work ending; on a cloud: an autoscaler's new node) completes the
     change; room that never appears ends it with a clear error after capacity_wait_s."""
-    with Engine(EngineConfig(model=str(k2), capacity_wait_s=60), ClusterSpec(attention=1, experts=2)) as eng:
+    with Engine(EngineConfig.of(model=str(k2), capacity_wait_s=60), ClusterSpec(attention=1, experts=2)) as eng:
         before = [s.output_ids for s in eng.generate([[1, 2, 3]], GREEDY)]
         hog = _hog_the_rest()
         try:
@@ -78,7 +78,7 @@ def test_with_capacity_wait_a_scale_asks_for_room_and_completes_when_it_appears(
 
 
 def test_with_capacity_wait_room_that_never_appears_ends_the_change(idle_cluster, k2):
-    with Engine(EngineConfig(model=str(k2), capacity_wait_s=2), ClusterSpec(attention=1, experts=2)) as eng:
+    with Engine(EngineConfig.of(model=str(k2), capacity_wait_s=2), ClusterSpec(attention=1, experts=2)) as eng:
         hog = _hog_the_rest()
         try:
             t = eng.begin_scale_experts(4)

@@ -26,7 +26,7 @@ from test_engine_fake import drain, make, model_dir  # noqa: F401 (model_dir: th
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
 K2 = load_config(CONFIGS / "kimi-k2-instruct.json")
 H200 = load_gpu("h200")
-GPU_CONFIG = EngineConfig(model="simulated", block_size=64, num_blocks=40_000, max_num_seqs=256,
+GPU_CONFIG = EngineConfig.of(model="simulated", block_size=64, num_blocks=40_000, max_num_seqs=256,
                           max_tokens_per_step=8192)
 
 

@@ -23,12 +23,12 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 def test_standby_settings_are_validated_and_reach_the_engine():
     for name in ("standby_attention", "standby_experts"):
         with pytest.raises(ValueError, match=name):
-            EngineConfig(model="m", **{name: -1})
+            EngineConfig.of(model="m", **{name: -1})
         with pytest.raises(ValueError, match=name):
             ServeConfig.parse({name: -1})
     cfg = ServeConfig.parse({"standby_attention": 1, "standby_experts": 2}).engine_config("m")
-    assert (cfg.standby_attention, cfg.standby_experts) == (1, 2)
-    assert (EngineConfig(model="m").standby_attention, EngineConfig(model="m").standby_experts) == (0, 0)
+    assert (cfg.faults.standby_attention, cfg.faults.standby_experts) == (1, 2)
+    assert (EngineConfig.of(model="m").faults.standby_attention, EngineConfig.of(model="m").faults.standby_experts) == (0, 0)
 
 
 def _id(actor) -> str:
@@ -47,7 +47,7 @@ def test_standbys_take_the_dead_actors_index_and_are_replaced(ray_cluster, tmp_p
     net = load_model(path, progress=False)
     expected = [generate(ModelRunner(net, num_blocks=64, block_size=16, num_slots=2), [p], [GREEDY])[0].output_ids
                 for p in prompts]
-    cfg = EngineConfig(model=str(path), collective_timeout_s=5, step_timeout_s=30, max_tokens_per_step=64,
+    cfg = EngineConfig.of(model=str(path), collective_timeout_s=5, step_timeout_s=30, max_tokens_per_step=64,
                        standby_attention=1, standby_experts=1)
     eng = Engine(cfg, ClusterSpec(attention=2, experts=2)).start()
     try:

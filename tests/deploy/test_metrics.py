@@ -527,8 +527,8 @@ def test_moeray_up_no_prefix_caching_reaches_the_engine_config(monkeypatch, tmp_
     assert in_process("up", "--no-prefix-caching").returncode == 0
     assert in_process("up").returncode == 0
     assert [c.prefix_caching for c in seen] == [False, True]
-    assert seen[0].engine_config("m").prefix_caching is False and seen[1].engine_config("m").prefix_caching is True
-    assert ServeConfig.parse({"prefix_caching": False, "prefix_load_weight": 0}).engine_config("m").prefix_load_weight == 0
+    assert seen[0].engine_config("m").cache.prefix_caching is False and seen[1].engine_config("m").cache.prefix_caching is True
+    assert ServeConfig.parse({"prefix_caching": False, "prefix_load_weight": 0}).engine_config("m").cache.prefix_load_weight == 0
 
 
 def test_every_series_of_vllms_dashboard_is_rendered_with_data_under_prefix_vllm(engine):

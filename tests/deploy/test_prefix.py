@@ -73,7 +73,7 @@ def _where(url, before: list[int]) -> int:
 
 def _reference(path, prompts_and_sampling) -> list[list[int]]:
     """The same requests, one by one, on a cluster without prefix caching (1 × 1, this process's engine)."""
-    with Engine(EngineConfig(model=str(path), prefix_caching=False, num_blocks=512, max_tokens_per_step=128),
+    with Engine(EngineConfig.of(model=str(path), prefix_caching=False, num_blocks=512, max_tokens_per_step=128),
                 ClusterSpec(attention=1, experts=1)) as eng:
         return [eng.generate([p], SamplingParams(max_tokens=ANSWER, ignore_eos=True,
                                                  temperature=s["temperature"], seed=s.get("seed")))[0].output_ids
