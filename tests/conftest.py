@@ -74,6 +74,7 @@ CLUSTER_TESTS = frozenset({
     "tests/test_readme.py::test_readme_quick_start_serves_and_stops",  # `moeray up --detach`
     "tests/deploy/test_down.py",  # a foreground `moeray up`
     "tests/deploy/test_ray_up.py",  # a private sshd, `ray up`, `serve deploy`, a real Prometheus
+    "tests/deploy/test_fuzz_inproc.py::test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard",  # Prometheus
     "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",  # --nodes 3
     "tests/deploy/test_cli.py::test_cluster_flag_errors_are_clear",  # --nodes 1 starts a Ray node first
     "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",

@@ -1,13 +1,18 @@
 """Hostile input (Must show 6 of the survival issue): /openapi.json describes every route's body and
 responses with the models the routes validate with, and schemathesis fuzzes that document against
-the real Serve app on loopback: a bounded number of examples per operation, no 5xx, no hang, no
+the serving app on loopback: a bounded number of examples per operation, no 5xx, no hang, no
 "mostly rejected" warning, and the server answers a normal completion the same way afterwards.
 
 Nothing generated is altered or filtered. Generation stays short through the document's own bound:
 the server serves a context of CONTEXT tokens (``max_model_len``), so max_tokens <= CONTEXT - 1.
 
 The app exports its serving series under vLLM's names (``metrics_prefix: vllm``), and a real
-Prometheus scraping it has data for every query of vLLM's own Grafana dashboard."""
+Prometheus scraping it has data for every query of vLLM's own Grafana dashboard.
+
+In one process (tests/deploy/inproc.py, no Ray): the same Ingress and engine server as under Serve,
+the engine on the in-process executor, served by uvicorn on a loopback port; schemathesis and
+Prometheus are the real tools, each a subprocess talking HTTP to that port. The Prometheus test
+starts a process, so tests/conftest.py lists it in CLUSTER_TESTS (out of the fast subset)."""
 
 import json
 import math
@@ -18,16 +23,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray import serve
 
 from deploy.access import RebalanceRequest, ScaleRequest
-from deploy.app import build_app
-from deploy.config import ServeConfig
 from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                   TokenizeCompletionRequest)
-from model.presets import build_preset
 
 from dashboards import VLLM_DASHBOARD_QUERIES, prom_query, prometheus, wait_for
+from inproc import preset, serve
 
 KEY = "fuzz-key"
 NAME = "k2"
@@ -53,20 +55,17 @@ def _probe(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(serve_port, tmp_path_factory):
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("fuzz") / "k2", seed=4, progress=False)
-    port = serve_port
-    cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=1, experts=2, api_key=KEY, port=port,
-                      max_queue=32, max_num_seqs=16, max_body_bytes=64 * 1024, max_tokens_per_step=128,
-                      max_model_len=CONTEXT, metrics_prefix="vllm")
-    serve.run(build_app(cfg.model_dump()), name="moeray-fuzz", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.5)
-    yield url
-    serve.delete("moeray-fuzz")
+def server():
+    """The app's loopback URL: the settings the Serve app of this test had (attention 1, experts 2)."""
+    path = preset("kimi-k2-tiny", seed=4)
+    with serve(path, served_model_name=NAME, attention=1, experts=2, api_key=KEY, max_queue=32, max_num_seqs=16,
+               max_body_bytes=64 * 1024, max_tokens_per_step=128, max_model_len=CONTEXT,
+               metrics_prefix="vllm") as app:
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{app.url}/health", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "server never became healthy"
+            time.sleep(0.5)
+        yield app.url
 
 
 def test_openapi_declares_every_body_and_response(server):
