@@ -63,7 +63,7 @@ class EngineServer:
         self.metrics = EngineMetrics(self.engine, self.name, prefix=serve_cfg.metrics_prefix,
                                      expert_metrics=serve_cfg.expert_metrics)
         self.ingress = serve_ingress()  # set when the Ray nodes start, not by the app (settings.py)
-        if self.ingress != serve_cfg.ingress:
+        if executor_factory is None and self.ingress != serve_cfg.ingress:  # on Ray: its nodes decide
             logging.getLogger("ray.serve").warning(
                 "the serving config asks for ingress %r, but this Ray cluster's nodes run %r: the `ray start` "
                 "environment decides (deploy/ray-cluster-*.yaml carry the haproxy one)", serve_cfg.ingress, self.ingress)
