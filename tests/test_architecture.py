@@ -43,3 +43,44 @@ def test_import_arrows(pkg, path):
 
 def test_walk_sees_every_package():
     assert {p for p, _ in _modules()} >= {"model", "deploy"}
+
+
+# ---- text exists only on the Ingress (deploy/output.py): the engine and the actors move token ids ----------
+TEXT_MODULES = {"model.tokenizer", "model.tokenizer_backends", "tokenizers", "tiktoken"}
+TEXT_NAMES = {"Tokenizer", "IncrementalDecoder", "detokenize", "decode_text"}
+
+
+def _text_uses(tree) -> list[tuple[int, str]]:
+    """(line, what) for every import of a tokenizer module or of a decoding name, and every use of a
+    decoding name: what a module needs to turn token ids into text."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name in TEXT_MODULES]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module in TEXT_MODULES:
+                out.append((node.lineno, node.module))
+            out += [(node.lineno, a.name) for a in node.names if a.name in TEXT_NAMES]
+        elif isinstance(node, ast.Name) and node.id in TEXT_NAMES:
+            out.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute) and node.attr in TEXT_NAMES:
+            out.append((node.lineno, node.attr))
+    return out
+
+
+def test_no_module_of_the_engine_or_the_actors_decodes_text():
+    """cluster/ and actors/ stream token ids; the Ingress's output processor makes the text."""
+    found = {}
+    for pkg in ("cluster", "actors"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            if hits := _text_uses(ast.parse(f.read_text())):
+                found[str(f.relative_to(ROOT))] = hits
+    assert not found, f"modules that decode text outside the front end: {found}"
+    assert _text_uses(ast.parse((ROOT / "deploy" / "output.py").read_text())), "the walk sees the output processor's"
+
+
+def test_the_text_check_catches_the_engine_thread_that_decoded():
+    """The check above can fail: the async engine as it was (it detokenised each stream) is flagged."""
+    old = ("from model.tokenizer import IncrementalDecoder, Tokenizer\n"
+           "def _stream(tok, params):\n    return IncrementalDecoder(tok, skip_special_tokens=params.skip)\n")
+    assert {w for _, w in _text_uses(ast.parse(old))} >= {"model.tokenizer", "IncrementalDecoder", "Tokenizer"}
