@@ -312,6 +312,53 @@ def test_engine_calls_are_not_children_of_the_request_that_made_them():
     assert all(parent == "" for _, parent in engine.log), engine.log
 
 
+# ---------------------------------------------------------------- the queue's room (no Ray)
+
+
+class _QueueingEngine:
+    """What EngineStreams uses of the async engine: a request's sequences are queued when its stream
+    first runs (as AsyncEngine.generate_many queues them), then nothing comes."""
+
+    def __init__(self):
+        self.queued = 0
+
+    def check(self, requests):
+        pass
+
+    async def generate_many(self, requests):
+        self.queued += len(requests)
+        await asyncio.Event().wait()
+        yield
+
+
+def test_a_burst_of_submits_counts_against_the_queue_before_their_tasks_run():
+    """Several submits can come before any of their forwarding tasks has run (one event-loop turn
+    takes a burst of requests): their sequences, not yet in the engine's queue, still count against
+    its room (EngineServer.submit adds num_starting to the engine's waiting count)."""
+    from cluster.engine import EngineRequest
+    from deploy.mux import EngineStreams
+    from model.sampling import SamplingParams
+
+    engine = _QueueingEngine()
+    req = EngineRequest((1, 2), SamplingParams(max_tokens=2))
+
+    async def run():
+        streams = EngineStreams(engine)
+        sub = streams.subscribe("s")
+        assert await sub.__anext__() == []
+        streams.submit("s", 0, [req, req])
+        streams.submit("s", 1, [req])
+        streams.submit("s", 2, [req])
+        streams.cancel("s", [2])  # cancelled before its task ran: it never queues
+        assert (streams.num_starting, engine.queued) == (3, 0)
+        await asyncio.sleep(0)  # the tasks run: their sequences are in the engine's queue now
+        assert (streams.num_starting, engine.queued, streams.num_requests) == (0, 3, 2)
+        await sub.aclose()
+        assert streams.num_requests == 0 and streams.sinks == {}
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------- served (one app for the module)
 
 
