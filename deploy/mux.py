@@ -42,6 +42,7 @@ class _Sink:
         self.ready = asyncio.Event()
         self.tasks: dict[int, asyncio.Task] = {}
         self.seq_ids: dict[int, dict[int, int]] = {}  # request key → choice index → the engine's seq_id
+        self.starting: dict[int, int] = {}  # request key → its sequences, until its task queues them in the engine
 
     def put(self, item) -> None:
         self.items.append(item)
@@ -58,6 +59,12 @@ class EngineStreams:
     @property
     def num_requests(self) -> int:
         return sum(len(s.tasks) for s in self.sinks.values())
+
+    @property
+    def num_starting(self) -> int:
+        """Sequences admitted by :meth:`submit` whose task has not yet run to queue them in the engine
+        (not yet in :attr:`AsyncEngine.num_waiting`): a burst of submits comes before any of them."""
+        return sum(sum(s.starting.values()) for s in self.sinks.values())
 
     async def subscribe(self, sink_id: str):
         """Yield ``[]`` at once (subscribed), then, whenever some are pending, lists of ``(key, index,
@@ -83,6 +90,7 @@ class EngineStreams:
         if sink is None:
             raise RuntimeError("this engine replica holds no such stream (it was restarted); retry")
         self.aengine.check(requests)
+        sink.starting[key] = len(requests)
         sink.tasks[key] = asyncio.get_running_loop().create_task(self._forward(sink, key, requests))
 
     def stop_choice(self, sink_id: str, key: int, index: int) -> None:
@@ -96,11 +104,13 @@ class EngineStreams:
         """Abort these requests (the client went away, or every choice stopped early)."""
         sink = self.sinks.get(sink_id)
         for key in keys if sink is not None else ():
+            sink.starting.pop(key, None)  # a task cancelled before it ran queues nothing
             task = sink.tasks.pop(key, None)
             if task is not None:
                 task.cancel()
 
     async def _forward(self, sink: _Sink, key: int, requests: list[EngineRequest]) -> None:
+        sink.starting.pop(key, None)  # the stream's first step queues them, before this task first waits
         stream = self.aengine.generate_many(requests)
         seq_ids = sink.seq_ids[key] = {}
         try:

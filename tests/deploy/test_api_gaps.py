@@ -1,40 +1,29 @@
-"""The rest of what SDKs send: penalties, min_p and logit_bias mapped into the sampling parameters;
-special tokens left out of the text (skip_special_tokens, include_stop_str_in_output, stop_token_ids);
-every field of OpenAI's request bodies accepted; vLLM's /tokenize and /detokenize; a non-streamed
-request whose client went away freed; running text offsets in streamed logprobs; a choice stopped by
-its stop string stops decoding while the others run on.
+"""The rest of what SDKs send, as protocol (no app served): penalties, min_p and logit_bias mapped
+into the sampling parameters; special tokens left out of the text (skip_special_tokens,
+include_stop_str_in_output, stop_token_ids); every field of OpenAI's request bodies accepted; vLLM's
+/tokenize and /detokenize; running text offsets in logprobs; a choice stopped by its stop string
+stops alone, and the stream mux's engine calls are never children of the Serve request that made
+them (Serve's request context: the one test here that imports Ray; it starts nothing); a burst of
+submits counts against the queue's room before it reaches the engine.
 
-The protocol tests need no Ray; the served ones share one app for the module (the session's Ray
-cluster and Serve proxy, as tests/deploy/test_serve.py)."""
+The same behaviours served over HTTP are in test_api_gaps_inproc.py (one process, no Ray); a
+non-streamed request whose client went away under Serve, in test_serve.py."""
 
 import asyncio
-import json
-import socket
-import time
 import typing
 
-import httpx
-import openai
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
-from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 
 from actors.messages import SampledToken
-from deploy.app import build_app
-from deploy.config import ServeConfig
 from deploy.fanout import Fanout
-from deploy.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, StopStrings,
+from deploy.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, StopStrings,
                                TokenizeChatRequest, TokenizeCompletionRequest, _template_message, chat_prompt_ids,
                                completion_logprobs, detokenize_text, models_response, parse_request, parse_tokenize,
                                sampling_params, tokenize_ids, tokenize_response)
-from model.presets import build_preset
 from model.tokenizer import SHIPPED_DIR, Tokenizer
 from test_openai_api import LIMIT, USER, api_error, body, chat, completion
-
-KEY = "gaps-key"
-NAME = "k2"
 
 
 @pytest.fixture(scope="module")
@@ -312,191 +301,54 @@ def test_engine_calls_are_not_children_of_the_request_that_made_them():
     assert all(parent == "" for _, parent in engine.log), engine.log
 
 
-# ---------------------------------------------------------------- served (one app for the module)
+# ---------------------------------------------------------------- the queue's room (no Ray)
 
 
-@pytest.fixture(scope="module")
-def server(serve_port, tmp_path_factory):
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("gaps") / "k2", seed=4, progress=False)
-    cfg = ServeConfig(model=str(path), served_model_name=NAME, attention=1, experts=2, api_key=KEY, port=serve_port,
-                      max_queue=32, max_num_seqs=8, num_blocks=512, max_body_bytes=64 * 1024, max_tokens_per_step=64)
-    serve.run(build_app(cfg.model_dump()), name="moeray-gaps", route_prefix="/")
-    url = f"http://127.0.0.1:{serve_port}"
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.5)
-    yield {"url": url, "tok": Tokenizer.from_dir(path), "port": serve_port}
-    serve.delete("moeray-gaps")
+class _QueueingEngine:
+    """What EngineStreams uses of the async engine: a request's sequences are queued when its stream
+    first runs (as AsyncEngine.generate_many queues them), then nothing comes."""
+
+    def __init__(self):
+        self.queued = 0
+
+    def check(self, requests):
+        pass
+
+    async def generate_many(self, requests):
+        self.queued += len(requests)
+        await asyncio.Event().wait()
+        yield
 
 
-@pytest.fixture()
-def client(server):
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0)
+def test_a_burst_of_submits_counts_against_the_queue_before_their_tasks_run():
+    """Several submits can come before any of their forwarding tasks has run (one event-loop turn
+    takes a burst of requests): their sequences, not yet in the engine's queue, still count against
+    its room (EngineServer.submit adds num_starting to the engine's waiting count)."""
+    from cluster.engine import EngineRequest
+    from deploy.mux import EngineStreams
+    from model.sampling import SamplingParams
+
+    engine = _QueueingEngine()
+    req = EngineRequest((1, 2), SamplingParams(max_tokens=2))
+
+    async def run():
+        streams = EngineStreams(engine)
+        sub = streams.subscribe("s")
+        assert await sub.__anext__() == []
+        streams.submit("s", 0, [req, req])
+        streams.submit("s", 1, [req])
+        streams.submit("s", 2, [req])
+        streams.cancel("s", [2])  # cancelled before its task ran: it never queues
+        assert (streams.num_starting, engine.queued) == (3, 0)
+        await asyncio.sleep(0)  # the tasks run: their sequences are in the engine's queue now
+        assert (streams.num_starting, engine.queued, streams.num_requests) == (0, 3, 2)
+        await sub.aclose()
+        assert streams.num_requests == 0 and streams.sinks == {}
+
+    asyncio.run(run())
 
 
-def _headers() -> dict:
-    return {"Authorization": f"Bearer {KEY}"}
-
-
-def _post(server, route: str, payload: dict) -> httpx.Response:
-    return httpx.post(f"{server['url']}{route}", headers=_headers(), json=payload, timeout=120)
-
-
-GREEDY = {"model": NAME, "prompt": [5, 77, 300, 12, 9], "temperature": 0, "ignore_eos": True}
-
-
-def test_served_logit_bias_forces_a_token(server):
-    tok = server["tok"]
-    token = tok.encode(" the")[0]
-    r = _post(server, "/v1/completions", {**GREEDY, "max_tokens": 4, "logit_bias": {str(token): 100}})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == tok.decode([token]) * 4, r.json()
-    bad = _post(server, "/v1/completions", {**GREEDY, "logit_bias": {str(tok.vocab_size): 1}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text
-
-
-def test_served_penalties_and_min_p_are_accepted(server):
-    r = _post(server, "/v1/completions", {**GREEDY, "max_tokens": 4, "presence_penalty": 1.5,
-                                          "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-
-
-def test_served_special_tokens_skipped_by_default_and_stop_token_ids(server):
-    """This greedy output starts <|reserved_token_876|> 'orth' ...: by default the special token is not
-    in the text; stop_token_ids ends the choice at 'orth', whose text is kept only with
-    include_stop_str_in_output."""
-    tok = server["tok"]
-    kw = {**GREEDY, "max_tokens": 8}
-    shown = _post(server, "/v1/completions", {**kw, "skip_special_tokens": False}).json()["choices"][0]["text"]
-    plain = _post(server, "/v1/completions", kw).json()["choices"][0]["text"]
-    specials = [tok.decode([t]) for t in tok.special_token_ids if tok.decode([t]) in shown]
-    without = shown
-    for text in specials:
-        without = without.replace(text, "")
-    assert specials and "<|" not in plain and plain == without, (shown, plain)
-    stop = tok.encode("orth")[0]
-    cut = _post(server, "/v1/completions", {**kw, "stop_token_ids": [stop], "skip_special_tokens": False}).json()
-    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] == 2, cut
-    assert cut["choices"][0]["text"] == tok.decode([876])
-    kept = _post(server, "/v1/completions", {**kw, "stop_token_ids": [stop], "include_stop_str_in_output": True})
-    assert kept.json()["choices"][0]["text"] == "orth", kept.text
-    bad = _post(server, "/v1/completions", {**kw, "stop_token_ids": [tok.vocab_size]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids", bad.text
-
-
-def test_served_reply_ending_with_the_end_of_turn_token_does_not_carry_it(server):
-    """The end-of-turn token (forced here by logit_bias) ends the reply; its text is not in the content,
-    even with skip_special_tokens false, unless include_stop_str_in_output."""
-    tok = server["tok"]
-    end = tok.token_to_id("<|im_end|>")
-    kw = {"model": NAME, "messages": USER, "max_tokens": 5, "temperature": 0, "logit_bias": {str(end): 100}}
-    for extra, content in (({}, ""), ({"skip_special_tokens": False}, ""),
-                           ({"skip_special_tokens": False, "include_stop_str_in_output": True}, "<|im_end|>")):
-        r = _post(server, "/v1/chat/completions", {**kw, **extra}).json()
-        assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["message"]["content"] == content, r
-
-
-def test_served_sdk_request_with_every_field(server, client):
-    fields = {k: v for k, v in SDK_CHAT.items() if k not in ("stream", "stream_options", "tool_choice", "tools")}
-    r = _post(server, "/v1/chat/completions", {"model": NAME, "messages": USER, **fields})
-    assert r.status_code == 200, r.text
-    got = client.chat.completions.create(model=NAME, messages=USER, max_completion_tokens=2, store=False,
-                                         metadata={"a": "b"}, user="u", service_tier="auto", parallel_tool_calls=False,
-                                         safety_identifier="s", prompt_cache_key="k", verbosity="low",
-                                         reasoning_effort="low", extra_body={"min_p": 0.05})
-    assert got.usage.completion_tokens <= 2
-    bad = _post(server, "/v1/chat/completions", {"model": NAME, "messages": USER, "frobnicate": 1})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "frobnicate"
-
-
-def test_served_tokenize_detokenize_and_models(server):
-    tok, url = server["tok"], server["url"]
-    r = _post(server, "/tokenize", {"model": NAME, "prompt": "hello world", "return_token_strs": True}).json()
-    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 4096
-    assert r["token_strs"] == [tok.id_to_token(i) for i in r["tokens"]]
-    c = _post(server, "/tokenize", {"model": NAME, "messages": USER}).json()
-    assert c["tokens"] == chat_prompt_ids(chat(), tok) and c["token_strs"] is None
-    assert _post(server, "/detokenize", {"model": NAME, "tokens": r["tokens"]}).json() == {"prompt": "hello world"}
-    assert _post(server, "/detokenize", {"tokens": [876]}).json() == {"prompt": tok.decode([876])}
-    for route, payload, status, param in (("/detokenize", {"tokens": [tok.vocab_size]}, 400, "tokens"),
-                                          ("/tokenize", {"prompt": 3}, 400, "prompt"),
-                                          ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model")):
-        bad = _post(server, route, payload)
-        assert bad.status_code == status and bad.json()["error"]["param"] == param, bad.text
-    for route in ("/tokenize", "/detokenize"):
-        assert httpx.post(f"{url}{route}", json={"prompt": "x", "tokens": [1]}, timeout=30).status_code == 401
-    models = httpx.get(f"{url}/v1/models", headers=_headers(), timeout=30).json()
-    assert models["data"][0]["max_model_len"] == 4096
-
-
-def _status(server) -> dict:
-    return httpx.get(f"{server['url']}/status", headers=_headers(), timeout=30).json()
-
-
-def _wait_idle(server, within_s: float) -> dict:
-    deadline = time.monotonic() + within_s
-    while True:
-        st = _status(server)
-        if st["running"] == 0 and st["waiting"] == 0 and st["streams"]["requests"] == 0:
-            return st
-        assert time.monotonic() < deadline, st
-        time.sleep(0.1)
-
-
-def test_served_non_streamed_request_freed_when_its_client_goes(server):
-    _wait_idle(server, 60)
-    before = _generated(server)
-    payload = json.dumps({**GREEDY, "prompt": "go", "max_tokens": 4000}).encode()
-    sock = socket.create_connection(("127.0.0.1", server["port"]))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(payload)).encode()
-                 + b"\r\n\r\n" + payload)
-    deadline = time.monotonic() + 60
-    while _status(server)["running"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.05)
-    time.sleep(0.5)
-    sock.close()
-    st = _wait_idle(server, 5)
-    assert st["streams"]["subscriptions"] == 1, st  # the replica's engine stream outlives the request
-    assert all(a["cache_blocks_used"] == 0 for a in st["attention"]), st
-    generated = _generated(server) - before
-    assert generated < 4000, generated  # cut short, not run to its max_tokens
-
-
-def test_served_streamed_logprob_offsets_continue_as_not_streamed(client):
-    kw = dict(model=NAME, prompt=[5, 77, 300, 12, 9], max_tokens=12, temperature=0, logprobs=2,
-              extra_body={"ignore_eos": True})
-    whole = client.completions.create(**kw).choices[0].logprobs
-    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
-    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
-    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
-    assert tokens == whole.tokens and offsets == whole.text_offset and offsets[-1] > 0, (offsets, whole.text_offset)
-
-
-def _generated(server) -> float:
-    text = httpx.get(f"{server['url']}/metrics", headers=_headers(), timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "moeray:generation_tokens_total")
-
-
-def test_served_choice_stopped_by_its_stop_string_stops_decoding(server, client):
-    """Two prompts in one request (two sequences behind one fanout): the first meets its stop string
-    early, the second runs to max_tokens. The engine generates about max_tokens + a few tokens, not
-    2 * max_tokens (the stopped sequence running on until the other finished)."""
-    prompts, most = [[5, 77, 300, 12, 9], [42, 43, 44]], 150
-    kw = dict(model=NAME, max_tokens=most, temperature=0, extra_body={"ignore_eos": True})
-    first, second = (c.text for c in client.completions.create(prompt=prompts, **kw).choices)
-    stop = next(first[i:i + 3] for i in range(len(first)) if first[i:i + 3] not in second and len(first[i:i + 3]) == 3)
-    assert first.find(stop) < len(first) // 4, (first, stop)
-    _wait_idle(server, 60)
-    before = _generated(server)
-    r = client.completions.create(prompt=prompts, stop=[stop], **kw)
-    assert [c.finish_reason for c in r.choices] == ["stop", "length"] and r.choices[0].text == first[:first.find(stop)]
-    _wait_idle(server, 30)
-    generated = _generated(server) - before
-    assert most < generated < most + most // 2, generated
+# ---------------------------------------------------------------- chat content (no Ray)
 
 
 def test_chat_content_keeps_the_stop_string_with_include_stop_str_in_output(tok):

@@ -1,7 +1,7 @@
 """The load generator without a real server: percentiles and per-level aggregation, SSE tallying,
 and whole runs against an OpenAI-compatible server faked in an ``httpx.MockTransport`` — one that
 refuses ignore_eos, stream_options or token-id prompts, packs several tokens into one chunk, needs
-a key, or fails mid-stream. `moeray bench serve` against the real app is tests/deploy/test_bench_serve.py."""
+a key, or fails mid-stream. `moeray bench serve` against the real app is in tests/deploy/test_serve_inproc.py."""
 
 import asyncio
 import json
