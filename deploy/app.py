@@ -40,10 +40,15 @@ class _ServeIngress(Ingress):
         specialize(doc, self.serve_cfg, model_path)
 
 
-def build_app(args: dict, *, ray_actor_options: dict | None = None):
-    """``serve deploy`` / ``serve run deploy.app:build_app``: ``args`` are a :class:`ServeConfig`.
-    ``ray_actor_options`` (tests, operators pinning the app): both deployments' Ray options
-    (default: no CPUs, anywhere)."""
+def build_app(args: dict):
+    """``serve deploy`` / ``serve run deploy.app:build_app``: ``args`` are a :class:`ServeConfig` (Serve
+    calls an application builder with that one argument)."""
+    return pinned_app(args)
+
+
+def pinned_app(args: dict, ray_actor_options: dict | None = None):
+    """:func:`build_app` with both deployments' Ray options (``ray_actor_options``: an operator or a
+    test pinning the app to a node; default: no CPUs, anywhere)."""
     from model.presets import resolve_model
 
     from .settings import cache_root

@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from deploy.app import build_app
+from deploy.app import pinned_app
 from deploy.config import ServeConfig
 from model.loader import load_model
 from model.runner import ModelRunner, generate
@@ -39,7 +39,7 @@ def deploy(port, path, name, *, serve_on=None, **shape):
     cfg = ServeConfig(model=str(path), served_model_name=name, api_key=KEY, admin_api_key=ADMIN, port=port,
                       num_blocks=512, max_num_seqs=16, max_tokens_per_step=128, **shape)
     where = None if serve_on is None else {"num_cpus": 0, "resources": {f"moeray_node_{serve_on}": 0.001}}
-    app = build_app(cfg.model_dump(), ray_actor_options=where)
+    app = pinned_app(cfg.model_dump(), where)
     serve.run(app, name=name, route_prefix=f"/{name}")
     url = f"http://127.0.0.1:{port}/{name}"
     deadline = time.monotonic() + 180

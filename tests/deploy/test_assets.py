@@ -111,7 +111,10 @@ def _check_serve_config(cfg: dict) -> dict:
     assert (module, attr) == ("deploy.app", "build_app")
     source = (ROOT / Path(*module.split("."))).with_suffix(".py")
     tree = ast.parse(source.read_text())
-    assert any(isinstance(n, ast.FunctionDef) and n.name == attr for n in tree.body), f"{source} lacks {attr}()"
+    (builder,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == attr]
+    params = builder.args
+    # Serve calls an application builder with exactly one argument, the args dict (anything more fails `serve deploy`)
+    assert len(params.args) == 1 and not (params.kwonlyargs or params.vararg or params.kwarg), ast.dump(params)
     assert REQUIRED_ARGS <= set(app["args"]) <= set(ServeConfig.model_fields), set(app["args"])
     ServeConfig.parse(app["args"])  # the args build_app will parse (extra="forbid")
     assert cfg["http_options"] == {"host": "0.0.0.0", "port": 8000}
