@@ -1,6 +1,8 @@
-"""Shared Ray fixtures for cluster tests, and the `cluster` mark that the fast subset
-(``python -m pytest -q -m "not cluster"``) leaves out."""
+"""Shared Ray fixtures for cluster tests, the `cluster` mark that the fast subset
+(``python -m pytest -q -m "not cluster"``) leaves out, and the in-process tests run once with Ray
+blocked (:func:`pytest_ignore_collect`)."""
 
+import fnmatch
 import os
 import socket
 import time
@@ -80,7 +82,22 @@ CLUSTER_TESTS = frozenset({
     "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",
     "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
     "tests/cluster/test_simulator.py::test_cpu_profile_then_simulate_on_cpu",  # its own one-node cluster
+    "tests/test_owners.py::test_inprocess_tests_need_no_ray",  # every in-process app (HTTP servers), once
 })
+
+
+# ---- the in-process tests: run once, with Ray blocked ----------------------------------------------------
+INPROCESS = "test_*inproc*.py"  # the serving app in one process (tests/deploy/inproc.py), no Ray
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A run given no paths (the whole suite, as CI runs it; or the fast subset) leaves the in-process
+    modules out: tests/test_owners.py::test_inprocess_tests_need_no_ray runs every one of them with
+    ``import ray`` failing, so each runs once. Named on the command line (a file, a directory) they
+    are collected as usual."""
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and fnmatch.fnmatch(collection_path.name, INPROCESS):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -147,20 +147,39 @@ def test_only_the_epoch_owner_changes_the_shape():
             "scheduler.rewind", "scheduler.resize"} <= own, own
 
 
-def test_fake_and_inprocess_tests_need_no_ray(tmp_path):
-    """Every tests/**/test_*fake*.py (the engine over the fake executor) and test_*inproc*.py (the
-    serving app in one process) passes with ``import ray`` failing and the shared conftest off."""
-    files = sorted(str(p.relative_to(ROOT)) for pattern in ("test_*fake*.py", "test_*inproc*.py")
-                   for p in (ROOT / "tests").rglob(pattern))
-    assert any("fake" in f for f in files) and any("inproc" in f for f in files), files
+def _run_without_ray(tmp_path, files: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """pytest on ``files`` with ``import ray`` failing and the shared conftest off."""
     blocker = tmp_path / "ray"
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('ray is not importable in this test')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", *files],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+                           "--durations=10", *files], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def _passed(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "error" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+    print(proc.stdout[-3000:])  # the durations, shown with -rP
+
+
+def test_fake_tests_need_no_ray(tmp_path):
+    """Every tests/**/test_*fake*.py (the engine over the fake executor) passes with ``import ray``
+    failing and the shared conftest off."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fake*.py"))
+    assert files, "no fake-driven tests found"
+    _passed(_run_without_ray(tmp_path, files, 300))
+
+
+@pytest.mark.timeout(1500)
+def test_inprocess_tests_need_no_ray(tmp_path):
+    """Every tests/**/test_*inproc*.py (the serving app in one process: HTTP semantics) passes with
+    ``import ray`` failing and the shared conftest off. The whole suite runs them here, once (the
+    conftest leaves them out of a run given no paths); named on the command line, they run as usual."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*inproc*.py"))
+    assert len(files) >= 5, files
+    _passed(_run_without_ray(tmp_path, files, 1400))
 
 
 @pytest.mark.parametrize("probe", ["import ray", "from cluster.topology import reserve"])
