@@ -38,6 +38,24 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _materialize(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model.to_empty(device="cpu").to(dtype)`` without its cost: ``to_empty`` on meta tensors runs
+    torch's Python reference ops, which import sympy (0.5 s of every actor's start). Every parameter
+    and buffer becomes uninitialised CPU memory of its shape (floating point ones in ``dtype``), to be
+    filled from the checkpoint."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = nn.Parameter(empty(p), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = empty(b)
+    return model
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, experts: range | None = None,
                progress: bool = True, cfg: ModelConfig | None = None, dequantize: bool = False,
                threads: int = DEFAULT_READ_THREADS, on_progress: ProgressFn | None = None) -> CausalLM:
@@ -50,7 +68,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, experts:
                               keep_quantized=not dequantize, threads=threads, on_progress=on_progress)
     with torch.device("meta"):
         model = CausalLM(cfg, experts)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = _materialize(model, dtype)
     for m in model.modules():  # the selection bias stays fp32, as in the checkpoint and the HF gate
         if isinstance(m, Gate):
             m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()

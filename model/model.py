@@ -91,10 +91,18 @@ class DecoderLayer(nn.Module):
         return prefix + (yield from self.ffn_stages(self.post_attention_layernorm(x)))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table; built on the meta device (a checkpoint fills it) without its random init,
+    whose normal_ on meta tensors imports torch._dynamo: 1.7 s of every actor's start."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding | None, experts: range | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, experts) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size:
