@@ -147,14 +147,14 @@ def test_only_the_epoch_owner_changes_the_shape():
             "scheduler.rewind", "scheduler.resize"} <= own, own
 
 
-def _run_without_ray(tmp_path, files: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+def _run_without_ray(tmp_path, files: list[str], timeout_s: float, *options: str) -> subprocess.CompletedProcess:
     """pytest on ``files`` with ``import ray`` failing and the shared conftest off."""
     blocker = tmp_path / "ray"
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('ray is not importable in this test')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-                           "--durations=10", *files], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "--durations=10", *options, *files], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
 
 
@@ -179,7 +179,8 @@ def test_inprocess_tests_need_no_ray(tmp_path):
     conftest leaves them out of a run given no paths); named on the command line, they run as usual."""
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*inproc*.py"))
     assert len(files) >= 5, files
-    _passed(_run_without_ray(tmp_path, files, 1400))
+    # two workers (pytest-xdist): each test's app runs in its worker's process, and both cores are used
+    _passed(_run_without_ray(tmp_path, files, 1400, "-n", "2"))
 
 
 @pytest.mark.parametrize("probe", ["import ray", "from cluster.topology import reserve"])
