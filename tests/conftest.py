@@ -83,6 +83,10 @@ CLUSTER_TESTS = frozenset({
     "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
     "tests/cluster/test_simulator.py::test_cpu_profile_then_simulate_on_cpu",  # its own one-node cluster
     "tests/test_owners.py::test_inprocess_tests_need_no_ray",  # every in-process app (HTTP servers), once
+    # five worker processes in a gloo group (the exchange over real process groups; the fast subset keeps the
+    # routing and the local dispatcher)
+    "tests/actors/test_dispatch.py::test_gloo_exchange_equals_local_dispatch",
+    "tests/actors/test_dispatch.py::test_peer_gone_or_stuck_raises_clear_error",
 })
 
 

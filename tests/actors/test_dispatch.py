@@ -116,7 +116,7 @@ def _run(rank, world, port, A, configs, mode, transport, q):
     the exchange over the group's direct sockets (transport "auto") or gloo's own ops ("group")."""
     key = None
     try:
-        info = GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=4 if mode != "ok" else 60, transport=transport)
+        info = GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=2 if mode != "ok" else 60, transport=transport)
         join_group(info, rank, world, num_attention=A)
         assert (current_mesh() is not None) == (transport == "auto")
         if mode == "ok":

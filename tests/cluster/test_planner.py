@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from cli_runner import in_process
 from ray.util.placement_group import placement_group_table
 
 from cluster.engine import Engine, EngineConfig
@@ -81,20 +82,15 @@ def test_kda_snapshots_for_prefix_caching_come_out_of_the_sequences_room():
 
 
 def test_moeray_plan_json(tmp_path):
-    import subprocess
-    import sys
-
-    exe = Path(sys.executable).parent / "moeray"
-    run = subprocess.run([str(exe), "plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
-                          "--nodes", "1", "--gpus-per-node", "8", "--json"], capture_output=True, text=True)
+    """In this process (cli_runner.in_process: the same app and error handling)."""
+    model = str(CONFIGS / "kimi-k2-instruct.json")
+    run = in_process("plan", "--model", model, "--gpu", "h200", "--nodes", "1", "--gpus-per-node", "8", "--json")
     out = json.loads(run.stdout)
     assert out["fits"] is False and out["total_weight_bytes"] == 1_029_173_249_888 and out["proposal"] is None
-    run = subprocess.run([str(exe), "plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
-                          "--nodes", "2", "--gpus-per-node", "8", "--json"], capture_output=True, text=True)
+    run = in_process("plan", "--model", model, "--gpu", "h200", "--nodes", "2", "--gpus-per-node", "8", "--json")
     out = json.loads(run.stdout)
     assert out["fits"] is True and out["proposal"] == {"attention": out["attention"], "experts": out["experts"]}
-    bad = subprocess.run([str(exe), "plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "tpu"],
-                         capture_output=True, text=True)
+    bad = in_process("plan", "--model", model, "--gpu", "tpu")
     assert bad.returncode == 2 and "--gpu must be one of" in bad.stderr
 
 

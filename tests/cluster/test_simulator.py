@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_runner import in_process
 
 from actors.router import Router
 from cluster.config import EngineConfig
@@ -144,11 +145,11 @@ def test_routing_models_and_workloads_refuse_bad_input(tmp_path):
 
 
 def test_moeray_simulate_json_search_and_plot(tmp_path):
-    exe = Path(sys.executable).parent / "moeray"
-    base = [str(exe), "simulate", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
+    """The command in this process (cli_runner.in_process: the same app and error handling), but for
+    one user error run as a subprocess, as a user would."""
+    base = ["simulate", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200",
             "--requests", "40", "--prompt-tokens", "1000", "--output-tokens", "30", "--rate", "0"]
-    one = subprocess.run(base + ["--attention", "2", "--experts", "14", "--redundant-slots", "0,16", "--skew", "1",
-                                 "--json"], capture_output=True, text=True, timeout=300)
+    one = in_process(*base, "--attention", "2", "--experts", "14", "--redundant-slots", "0,16", "--skew", "1", "--json")
     assert one.returncode == 0, one.stderr
     rows = json.loads(one.stdout)
     need = {"attention", "experts", "gpus", "tokens_per_s", "tokens_per_s_per_gpu", "ttft_p50_s", "ttft_p99_s",
@@ -156,26 +157,24 @@ def test_moeray_simulate_json_search_and_plot(tmp_path):
     assert [r["redundant_slots"] for r in rows] == [0, 16] and all(need <= set(r) for r in rows)
     assert rows[1]["imbalance"] < rows[0]["imbalance"]  # the redundant slots take the skew out
     png = tmp_path / "front.png"
-    found = subprocess.run(base + ["--gpus", "16", "--search", "--tpot-ms", "80", "--json", "--plot", str(png)],
-                           capture_output=True, text=True, timeout=600)
+    found = in_process(*base, "--gpus", "16", "--search", "--tpot-ms", "80", "--json", "--plot", str(png))
     assert found.returncode == 0, found.stderr
     rows = json.loads(found.stdout)
     assert all(r["gpus"] == 16 for r in rows) and any(r["pareto"] for r in rows)
     assert all(r["attention"] + r["experts"] == 16 for r in rows if not r["colocated"])
     assert [(r["attention"], r["experts"]) for r in rows if r["colocated"]] == [(16, 16)]  # and the colocated layout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run(base + ["--gpu", "tpu", "--attention", "1", "--experts", "1"], capture_output=True,
+    exe = Path(sys.executable).parent / "moeray"
+    bad = subprocess.run([str(exe), *base, "--gpu", "tpu", "--attention", "1", "--experts", "1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--gpu must be cpu or one of" in bad.stderr
-    ranged = subprocess.run(base[:6] + ["--requests", "30", "--rate", "2", "--prompt-tokens", "200:800",
-                                         "--output-tokens", "10:30", "--attention", "2", "--experts", "14",
-                                         "--failures-per-hour", "2000", "--standbys", "1", "--json"],
-                            capture_output=True, text=True, timeout=300)
+    ranged = in_process(*base[:5], "--requests", "30", "--rate", "2", "--prompt-tokens", "200:800",
+                        "--output-tokens", "10:30", "--attention", "2", "--experts", "14",
+                        "--failures-per-hour", "2000", "--standbys", "1", "--json")
     assert ranged.returncode == 0, ranged.stderr
     (row,) = json.loads(ranged.stdout)
     assert row["failures"] > 0 and row["paused_s"] == pytest.approx(row["failures"] * 3.5)  # warm: 1 + 0.5 + 2 s
-    wrong = subprocess.run(base[:6] + ["--prompt-tokens", "a:b", "--attention", "1", "--experts", "1"],
-                           capture_output=True, text=True, timeout=120)
+    wrong = in_process(*base[:5], "--prompt-tokens", "a:b", "--attention", "1", "--experts", "1")
     assert wrong.returncode == 2 and "--prompt-tokens must be N or LO:HI" in wrong.stderr
 
 

@@ -11,9 +11,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from cli_runner import in_process
 from safetensors.torch import load_file, save_file
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs"
@@ -48,19 +48,6 @@ def moeray_at_once(*arg_lists) -> list[str]:
         assert p.returncode == 0, f"moeray {' '.join(a)} failed ({p.returncode}):\n{err}"
         outs.append(out)
     return outs
-
-
-def in_process(*args) -> SimpleNamespace:
-    """`moeray ARGS` through the same Typer app and error handling, in this process: exit code,
-    stdout and stderr as a subprocess would give them."""
-    from typer.testing import CliRunner
-
-    from deploy.cli import app
-
-    result = CliRunner().invoke(app, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception  # an uncaught exception: a subprocess would print a traceback
-    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 @pytest.fixture(scope="module")
