@@ -15,6 +15,7 @@ an attention device's rest after weights and workspace is its latent cache / KDA
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -78,7 +79,10 @@ class WeightBytes:
     n_experts: int
 
 
+@functools.lru_cache(maxsize=64)
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> WeightBytes:
+    """The model's weight bytes by part (a walk over every tensor name: K2 has 630k; remembered per
+    config, since planning a shape asks for them once per candidate)."""
     total = routed = attention = 0
     for name, shape in tensor_specs(cfg).items():
         stored = stored_bytes(name, shape, cfg)
