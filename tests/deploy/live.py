@@ -33,15 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_config(port, path, name, **settings) -> ServeConfig:
+    """The tests' serving config: the inference key KEY, the admin key ADMIN (``admin_api_key=None``
+    for none, as `moeray up` on loopback then makes its own), and ``settings`` (the shape, ...)."""
+    return ServeConfig(**{"model": str(path), "served_model_name": name, "api_key": KEY, "admin_api_key": ADMIN,
+                          "port": port, "num_blocks": 512, "max_num_seqs": 16, "max_tokens_per_step": 128,
+                          **settings})
+
+
 def deploy(port, path, name, *, serve_on=None, **shape):
     """serve_on: the index of the node the Serve replicas go to (moeray_node_<i>; 0 is the head), as
     an operator would pin them; otherwise Serve places them (build_app as `serve deploy` does)."""
-    cfg = ServeConfig(model=str(path), served_model_name=name, api_key=KEY, admin_api_key=ADMIN, port=port,
-                      num_blocks=512, max_num_seqs=16, max_tokens_per_step=128, **shape)
+    return deploy_config(serve_config(port, path, name, **shape), serve_on=serve_on)
+
+
+def deploy_config(cfg: ServeConfig, *, serve_on=None) -> str:
+    """The app of ``cfg`` under its served model name (also its route prefix), once healthy: its URL."""
+    name = cfg.served_model_name
     where = None if serve_on is None else {"num_cpus": 0, "resources": {f"moeray_node_{serve_on}": 0.001}}
     app = pinned_app(cfg.model_dump(), where)
     serve.run(app, name=name, route_prefix=f"/{name}")
-    url = f"http://127.0.0.1:{port}/{name}"
+    url = f"http://127.0.0.1:{cfg.port}/{name}"
     deadline = time.monotonic() + 180
     while httpx.get(f"{url}/health").status_code != 200:
         assert time.monotonic() < deadline, "server never became healthy"
@@ -149,10 +161,10 @@ def finish(streams):
     return ["".join(s.pieces) for s in streams]
 
 
-def run_cli(url, *args):
-    """`moeray ARGS --url URL --admin-key ADMIN` (an admin command): its stderr (the report) and when it
-    returned."""
-    done = moeray(*args, "--url", url, "--admin-key", ADMIN)
+def run_cli(url, *args, admin=ADMIN):
+    """`moeray ARGS --url URL --admin-key ADMIN` (an admin command; ``admin``: the app's admin key when
+    it is another): its stderr (the report) and when it returned."""
+    done = moeray(*args, "--url", url, "--admin-key", admin)
     assert done.returncode == 0, done.stderr
     return done.stderr, time.monotonic()
 

@@ -6,7 +6,7 @@ the key, before anything changes; the loopback token `moeray up` writes is priva
 
 Two in-process apps (tests/deploy/inproc.py) on one checkpoint: `on` with an admin key, `off` without.
 The quick start's `moeray scale` / `moeray chaos` through the token file, on a real cluster, is in
-test_admin_auth.py; the real `moeray up` writing and removing the token is in test_down.py.
+test_live.py; the real `moeray up` writing and removing the token is in test_down.py.
 """
 
 import json

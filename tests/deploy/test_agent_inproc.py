@@ -8,7 +8,7 @@ In one process, no Ray (tests/deploy/inproc.py): two in-process apps, kimi-k2-ti
 kimi-k2-thinking-tiny (K2-Thinking's template), both seed 6 as on Serve before, the same Ingress and
 engine server over the in-process executor (the real attention worker, every routed expert here).
 Nothing here needs the cluster: these are the Ingress's and the output processor's semantics; that
-the served app on Ray answers as the model does in one process is checked on Ray (test_serve.py's
+the served app on Ray answers as the model does in one process is checked on Ray (test_live.py's
 greedy completion against `moeray generate`, test_cli.py's three-node cluster against one process).
 """
 

@@ -7,7 +7,7 @@ them (Serve's request context: the one test here that imports Ray; it starts not
 submits counts against the queue's room before it reaches the engine.
 
 The same behaviours served over HTTP are in test_api_gaps_inproc.py (one process, no Ray); a
-non-streamed request whose client went away under Serve, in test_serve.py."""
+non-streamed request whose client went away under Serve, in test_live.py."""
 
 import asyncio
 import typing

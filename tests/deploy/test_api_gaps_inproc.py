@@ -6,7 +6,7 @@ freed (the Ingress's poll: no Serve to cancel the handler); running text offsets
 logprobs; a choice stopped by its stop string stops decoding while the others run on.
 
 One in-process app for the module (tests/deploy/inproc.py). The protocol tests are in
-test_api_gaps.py; the same client going away under Serve is in test_serve.py."""
+test_api_gaps.py; the same client going away under Serve is in test_live.py."""
 
 import json
 import socket

@@ -4,9 +4,9 @@ concurrency; every bad input's status and envelope; a full queue; a stream whose
 the API key; /admin/experts and `moeray experts`; and `moeray bench serve` against this server
 (issue 10, Must show 2: every requested token counted, no errors, ordered percentiles).
 
-One in-process app for the module (tests/deploy/inproc.py) in test_serve.py's shape: 2 attention
+One in-process app for the module (tests/deploy/inproc.py) in test_live.py's K2 shape: 2 attention
 replicas, 2 expert actors' table, every routed expert in this process. What needs the cluster stays
-in test_serve.py: the served 2 × 2 cluster over real actors generating what `moeray generate` does,
+in test_live.py: the served 2 × 2 cluster over real actors generating what `moeray generate` does,
 and a client going away under Serve (its proxy cancels the handler; the replica's engine stream
 survives)."""
 
@@ -55,7 +55,7 @@ def _generate_cli(path, ids, n):
 
 def test_greedy_completion_equals_moeray_generate(client, server):
     """The in-process executor generates what the single process does (the cluster's own oracle is
-    test_serve.py's)."""
+    test_live.py's)."""
     ids = [5, 77, 300, 12, 9]
     got = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
