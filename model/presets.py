@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -244,9 +246,16 @@ def resolve_model(name_or_path: str | Path, cache_root: str | Path) -> Path:
     if str(name_or_path) in PRESETS:
         target = Path(cache_root) / "presets" / f"{name_or_path}-seed0-{preset_fingerprint(str(name_or_path))}"
         if not (target / "config.json").exists():
-            tmp = target.with_name(target.name + ".partial")
+            # a build of its own, renamed into place: two processes building the same preset at once
+            # (two `moeray` commands, two test workers) each finish theirs, and the first rename wins
+            tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
             build_preset(str(name_or_path), tmp)
-            tmp.rename(target)
+            try:
+                tmp.rename(target)
+            except OSError:  # another process's build is there now: the same files
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not (target / "config.json").exists():
+                    raise
         return target
     if p.is_dir():
         return p
