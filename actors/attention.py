@@ -37,6 +37,8 @@ from .progress import LoadProgress
 
 
 class AttentionWorker(ServesSteps):
+    ROLE = "attention"  # its name's kind: attention[i] (a colocated worker: worker[i])
+
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0,
@@ -46,7 +48,7 @@ class AttentionWorker(ServesSteps):
         super().__init__()
         if threads:
             torch.set_num_threads(threads)
-        self.index, self.name = index, "attention[standby]" if index is None else f"attention[{index}]"
+        self.index, self.name = index, f"{self.ROLE}[standby]" if index is None else f"{self.ROLE}[{index}]"
         self.table, self.impl, self.block_size = table, impl, block_size
         self.exchange_format = exchange  # the exchange's wire format: auto, dense or sparse (actors/dispatch.py)
         self.dtype = parse_dtype(dtype)
@@ -125,7 +127,7 @@ class AttentionWorker(ServesSteps):
             if c.reset_state:
                 self.params[c.seq_id] = c.params
         self.logits_state.prepare(c.params for c in req.chunks if c.reset_state)  # compiles beside the forward
-        d.begin_step(req.step)
+        d.begin_step(req.step, req.peer_tokens)
         t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]

@@ -313,7 +313,7 @@ class LocalExchange(_PairCounts):
         self.moe = moe_blocks  # MoE layer → its MoE block, holding every routed expert
         self.exchange_s, self.phase_s = 0.0, {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, tokens: tuple = ()) -> None:
         self.routed = []
 
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -335,7 +335,8 @@ class DistDispatcher(_Collectives, _PairCounts):
         _Collectives.__init__(self, actor, table, top_k, exchange_format, group, device)
         _PairCounts.__init__(self, table, hidden, dtype, top_k, self.device)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, tokens: tuple = ()) -> None:
+        """``tokens``: the colocated layout's per-worker counts (the disaggregated expert side has them)."""
         self.reset_timers(step)
         self.routed = []
 

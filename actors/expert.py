@@ -32,6 +32,62 @@ from .messages import ExpertStep, ExpertStepResult, GroupInfo, PlacementTable, r
 from .progress import LoadProgress
 
 
+class ExpertShard:
+    """The routed experts of one expert actor or colocated worker, in every MoE layer, and those staged
+    for the next epoch. Owns their weights (read lazily: only this shard's bytes; quantised ones stay
+    in checkpoint format). Never: computes a step or joins a group (its holder does)."""
+
+    def __init__(self, model_path: str, cfg, shard: dict[int, tuple[int, ...]], *, dtype: torch.dtype,
+                 device: torch.device, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS,
+                 expert_threads: int = 1, on_progress=None):
+        self.path, self.cfg, self.dtype, self.device = model_path, cfg, dtype, device
+        self.dequantize, self.read_threads = dequantize, read_threads
+        self.gemm_threads = ExpertThreads(expert_threads) if expert_threads > 1 and device.type == "cpu" else None
+        self.experts = self._run_on_threads(load_routed_experts(
+            model_path, cfg, shard, dtype=dtype, device=device, dequantize=dequantize, threads=read_threads,
+            on_progress=on_progress))
+        self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
+
+    def held(self) -> dict[int, tuple[int, ...]]:
+        """MoE layer → the logical experts in this shard's physical slots."""
+        return {layer: ex.expert_ids for layer, ex in self.experts.items()}
+
+    def weight_bytes(self) -> int:
+        """Bytes of the expert weights held: checkpoint bytes (+ scales) when they stay quantised."""
+        return sum(ex.weight_bytes() for ex in self.experts.values())
+
+    def prepare(self, table: PlacementTable, index: int) -> int:
+        """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
+        checkpoint (the rest are reused from what this shard holds)."""
+        want = table.experts_of(index)
+        held = self.held()
+        missing = {layer: [e for e in ids if e not in held.get(layer, ())] for layer, ids in want.items()}
+        missing = {layer: ids for layer, ids in missing.items() if ids}
+        fresh = load_routed_experts(self.path, self.cfg, missing, dtype=self.dtype, device=self.device,
+                                    dequantize=self.dequantize, threads=self.read_threads)
+        staged = {}
+        for layer, ids in want.items():
+            old, new = self.experts.get(layer), fresh.get(layer)
+            parts = [(old, old.expert_ids.index(e)) if e in held.get(layer, ()) else (new, new.expert_ids.index(e))
+                     for e in ids]
+            staged[layer] = gather_experts(parts)
+        self.staged = (table.epoch, index, staged)
+        return sum(len(ids) for ids in missing.values())
+
+    def enter(self, table: PlacementTable, index: int) -> None:
+        """Hold slot set ``index`` of ``table`` (staged by :meth:`prepare`, or staged now)."""
+        if table.experts_of(index) != self.held():
+            if self.staged is None or self.staged[:2] != (table.epoch, index):
+                self.prepare(table, index)
+            self.experts = self._run_on_threads(self.staged[2])
+        self.staged = None
+
+    def _run_on_threads(self, experts: dict[int, RoutedExperts]) -> dict[int, RoutedExperts]:
+        """``experts`` with this shard's GEMM threads attached (:func:`~model.moe.attach_threads`)."""
+        attach_threads(experts.values(), self.gemm_threads)
+        return experts
+
+
 class ExpertWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, dtype: str = "float32",
                  threads: int | None = 1, dequantize: bool = False, read_threads: int = DEFAULT_READ_THREADS,
@@ -48,15 +104,12 @@ class ExpertWorker(ServesSteps):
         self.dtype = parse_dtype(dtype)
         self.placement = choose_device(self.name)  # the GPU Ray assigned, if any
         self.device = torch.device(self.placement.device)
-        self.dequantize, self.read_threads = dequantize, read_threads
         self.exchange_format = exchange  # the exchange's wire format: auto, dense or sparse (actors/dispatch.py)
         self.progress = LoadProgress(self.name)
-        self.gemm_threads = ExpertThreads(expert_threads) if expert_threads > 1 and self.device.type == "cpu" else None
-        shard = {} if index is None else table.experts_of(index)
-        self.experts = self._run_on_threads(load_routed_experts(
-            model_path, self.cfg, shard, dtype=self.dtype, device=self.device, dequantize=dequantize,
-            threads=read_threads, on_progress=self.progress.update))
-        self.staged: tuple[int, int, dict[int, RoutedExperts]] | None = None  # (epoch, index, experts)
+        self.shard = ExpertShard(model_path, self.cfg, {} if index is None else table.experts_of(index),
+                                 dtype=self.dtype, device=self.device, dequantize=dequantize,
+                                 read_threads=read_threads, expert_threads=expert_threads,
+                                 on_progress=self.progress.update)
         self.exchange: ExpertExchange | None = None  # this epoch's side of the exchange, set by enter_epoch
         self.completed = -1  # the last step that completed here
 
@@ -66,13 +119,20 @@ class ExpertWorker(ServesSteps):
 
         return ray.get_runtime_context().get_node_id()
 
+    @property
+    def experts(self) -> dict[int, RoutedExperts]:
+        return self.shard.experts
+
+    @property
+    def gemm_threads(self):
+        return self.shard.gemm_threads
+
     def held(self) -> dict[int, tuple[int, ...]]:
         """MoE layer → the logical experts in this actor's physical slots."""
-        return {layer: ex.expert_ids for layer, ex in self.experts.items()}
+        return self.shard.held()
 
     def weight_bytes(self) -> int:
-        """Bytes of the expert weights held: checkpoint bytes (+ scales) when they stay quantised."""
-        return sum(ex.weight_bytes() for ex in self.experts.values())
+        return self.shard.weight_bytes()
 
     param_bytes = weight_bytes
 
@@ -93,33 +153,15 @@ class ExpertWorker(ServesSteps):
 
     def prepare(self, table: PlacementTable, index: int) -> int:
         """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
-        checkpoint (the rest are reused from what this actor holds). Runs on the control thread,
-        beside the steps."""
+        checkpoint. Runs on the control thread, beside the steps."""
         adopt_torch_threads()
-        want = table.experts_of(index)
-        held = self.held()
-        missing = {layer: [e for e in ids if e not in held.get(layer, ())] for layer, ids in want.items()}
-        missing = {layer: ids for layer, ids in missing.items() if ids}
-        fresh = load_routed_experts(self.path, self.cfg, missing, dtype=self.dtype, device=self.device,
-                                    dequantize=self.dequantize, threads=self.read_threads)
-        staged = {}
-        for layer, ids in want.items():
-            old, new = self.experts.get(layer), fresh.get(layer)
-            parts = [(old, old.expert_ids.index(e)) if e in held.get(layer, ()) else (new, new.expert_ids.index(e))
-                     for e in ids]
-            staged[layer] = gather_experts(parts)
-        self.staged = (table.epoch, index, staged)
-        return sum(len(ids) for ids in missing.values())
+        return self.shard.prepare(table, index)
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group, hold the new slots, join the epoch's group."""
         with self.busy:  # never beside a step (a step runs on the step channel's thread)
             leave_group()
-            if table.experts_of(index) != self.held():
-                if self.staged is None or self.staged[:2] != (table.epoch, index):
-                    self.prepare(table, index)
-                self.experts = self._run_on_threads(self.staged[2])
-            self.staged = None
+            self.shard.enter(table, index)
             self.index, self.name, self.table = index, f"expert[{index}]", table
             join_group(info, table.num_attention + index, table.world_size, num_attention=table.num_attention)
             self.exchange = ExpertExchange(self.name, index, table, self.cfg.num_experts_per_tok,
@@ -128,11 +170,6 @@ class ExpertWorker(ServesSteps):
     def shutdown(self) -> None:
         self.close_channel()
         leave_group()
-
-    def _run_on_threads(self, experts: dict[int, RoutedExperts]) -> dict[int, RoutedExperts]:
-        """``experts`` with this actor's GEMM threads attached (:func:`~model.moe.attach_threads`)."""
-        attach_threads(experts.values(), self.gemm_threads)
-        return experts
 
     # ---- data plane -----------------------------------------------------------------------
     @torch.no_grad()

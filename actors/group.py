@@ -33,11 +33,12 @@ _mesh: SocketMesh | None = None  # the current epoch's exchange sockets (gloo gr
 
 
 def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None, *,
-               num_attention: int) -> None:
+               num_attention: int, colocated: bool = False) -> None:
     """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
     where given, else through the store at the group's address (opened there by rank 0 if it has none).
     On gloo with transport ``auto`` also the epoch's exchange sockets (:mod:`actors.wire`) between its
-    ``num_attention`` attention ranks and the expert actors after them, keyed by the group's token."""
+    ``num_attention`` attention ranks and the expert actors after them (``colocated``: between every two
+    workers), keyed by the group's token."""
     global _mesh
     if info.transport not in TRANSPORTS:
         raise ValueError(f"exchange transport must be one of {', '.join(TRANSPORTS)}, got {info.transport!r}")
@@ -50,7 +51,7 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     if info.backend == "gloo" and info.transport == "auto":
         try:
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
-                               token=info.token, prefix=f"moeray/wire/{info.epoch}")
+                               token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated)
         except BaseException:
             dist.destroy_process_group()
             raise

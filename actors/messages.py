@@ -23,20 +23,27 @@ class PlacementTable:
 
     ``slots[i][j]`` are the logical experts in expert actor j's physical slots at the i-th MoE layer
     (``moe_layers[i]``), in local-slot order. A logical expert has one or more copies per layer
-    (replicas of hot experts); an actor never holds two copies of one expert in one layer. The
-    process group of the epoch is ``num_attention`` attention ranks, then the expert actors."""
+    (replicas of hot experts); an actor never holds two copies of one expert in one layer.
+
+    Two layouts. Disaggregated: the process group of the epoch is ``num_attention`` attention ranks,
+    then the expert actors. ``colocated``: W workers, each one process holding attention replica i
+    and expert shard i (``num_attention == num_actors == W``); the group is the W workers."""
 
     epoch: int
     num_experts: int
     num_attention: int
     moe_layers: tuple[int, ...]
     slots: tuple[tuple[tuple[int, ...], ...], ...]
+    colocated: bool = False
 
     def __post_init__(self):
         if len(self.slots) != len(self.moe_layers) or not self.slots:
             raise ValueError(f"placement: {len(self.slots)} slot layouts for {len(self.moe_layers)} MoE layers")
         if self.num_attention < 1:
             raise ValueError(f"placement: num_attention must be >= 1, got {self.num_attention}")
+        if self.colocated and self.num_attention != len(self.slots[0]):
+            raise ValueError(f"placement: a colocated table has as many attention replicas as expert shards "
+                             f"(one per worker), got {self.num_attention} and {len(self.slots[0])}")
         for layer, per_actor in zip(self.moe_layers, self.slots):
             if len(per_actor) != len(self.slots[0]) or not per_actor:
                 raise ValueError(f"placement: MoE layer {layer} has {len(per_actor)} expert actors, "
@@ -56,7 +63,11 @@ class PlacementTable:
 
     @property
     def world_size(self) -> int:
-        return self.num_attention + self.num_actors
+        return self.num_actors if self.colocated else self.num_attention + self.num_actors
+
+    def expert_rank(self, actor: int) -> int:
+        """The process-group rank of expert actor ``actor`` (in a colocated table, its worker's)."""
+        return actor if self.colocated else self.num_attention + actor
 
     @property
     def max_local(self) -> int:
@@ -87,6 +98,8 @@ class PlacementTable:
         return max(sum(len(ids) for ids in per_actor) for per_actor in self.slots)
 
     def shape(self) -> str:
+        if self.colocated:
+            return f"{self.num_actors} workers (attention + experts each)"
         return f"{self.num_attention} attention × {self.num_actors} expert actors"
 
 
@@ -133,6 +146,8 @@ class StepRequest:
     # step - 1 sampled here, and an actor where step - 1 did not complete refuses it at once
     ahead: bool = False
     release: tuple[int, ...] = ()  # sequences that left this replica since its last step: forget them
+    # colocated layout: every worker's token count per micro-batch (ExpertStep.tokens), to serve its shard's rows
+    peer_tokens: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +211,15 @@ class ExpertStepResult:
     dispatch_s: float = 0.0
     combine_s: float = 0.0
     cpu_s: float = 0.0  # the actor thread's CPU time in the step
+
+
+@dataclass(frozen=True)
+class WorkerStepResult:
+    """Colocated worker → engine: both halves of its step (the executor hands them on as an attention
+    replica's and an expert actor's results)."""
+
+    attention: StepResult
+    experts: ExpertStepResult
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ DEFAULT_WINDOW_STEPS = 256
 
 # ---- building tables (nobody else does) ---------------------------------------------------
 def even_table(num_experts: int, moe_layers: list[int] | tuple[int, ...], num_attention: int, num_actors: int,
-               epoch: int = 0) -> PlacementTable:
+               epoch: int = 0, colocated: bool = False) -> PlacementTable:
     """Contiguous shards as equal as possible (the first ``num_experts % num_actors`` get one
     more), the same in every MoE layer, no replicas."""
     if isinstance(num_actors, bool) or not 1 <= num_actors <= num_experts:
@@ -40,7 +40,8 @@ def even_table(num_experts: int, moe_layers: list[int] | tuple[int, ...], num_at
         hi = lo + base + (1 if j < extra else 0)
         shards.append(tuple(range(lo, hi)))
         lo = hi
-    return PlacementTable(epoch, num_experts, num_attention, tuple(moe_layers), tuple(tuple(shards) for _ in moe_layers))
+    return PlacementTable(epoch, num_experts, num_attention, tuple(moe_layers), tuple(tuple(shards) for _ in moe_layers),
+                          colocated)
 
 
 def balanced_layer(load: list[float], num_actors: int, redundant: int) -> tuple[tuple[int, ...], ...]:
@@ -133,11 +134,14 @@ class Router:
         self.steps = 0
 
     # ---- the table -------------------------------------------------------------------------
-    def initial(self, num_attention: int, num_actors: int) -> PlacementTable:
-        """Epoch 0: contiguous shards."""
+    def initial(self, num_attention: int, num_actors: int, *, colocated: bool = False) -> PlacementTable:
+        """Epoch 0: contiguous shards (``colocated``: one worker per shard, each an attention replica too)."""
         if self.table is not None:
             raise RuntimeError(f"the router already has a table (epoch {self.table.epoch})")
-        self.table = even_table(self.num_experts, self.moe_layers, num_attention, num_actors)
+        if colocated and num_attention != num_actors:
+            raise ValueError(f"a colocated layout has one attention replica per worker: {num_attention} "
+                             f"attention for {num_actors} workers")
+        self.table = even_table(self.num_experts, self.moe_layers, num_attention, num_actors, colocated=colocated)
         self._last_epoch = 0
         return self.table
 
@@ -153,6 +157,11 @@ class Router:
         cur = self.current()
         if self.pending is not None:
             raise RuntimeError(f"epoch {self.pending.epoch} is still being applied; retry when it is done")
+        if cur.colocated and num_attention is not None and num_actors is not None and num_attention != num_actors:
+            raise ValueError("a colocated layout changes its workers: attention replicas and expert shards together")
+        if cur.colocated:  # a worker is both: one number sets the other
+            num_attention = num_actors if num_attention is None else num_attention
+            num_actors = num_attention if num_actors is None else num_actors
         attention = cur.num_attention if num_attention is None else num_attention
         if isinstance(attention, bool) or not isinstance(attention, int) or attention < 1:
             raise ValueError(f"attention replicas must be an integer >= 1, got {attention!r}")
@@ -164,9 +173,10 @@ class Router:
                 raise ValueError(f"redundant_slots must be an integer >= 0, got {redundant_slots!r}")
             proposal = self.rebalanced(redundant_slots, epoch=nxt, num_attention=attention)
         elif num_actors is not None and num_actors != cur.num_actors:
-            proposal = Proposal(even_table(self.num_experts, self.moe_layers, attention, num_actors, nxt))
+            proposal = Proposal(even_table(self.num_experts, self.moe_layers, attention, num_actors, nxt, cur.colocated))
         else:
-            proposal = Proposal(PlacementTable(nxt, self.num_experts, attention, self.moe_layers, cur.slots))
+            proposal = Proposal(PlacementTable(nxt, self.num_experts, attention, self.moe_layers, cur.slots,
+                                               cur.colocated))
         self.pending, self._last_epoch = proposal.table, nxt
         return proposal
 
@@ -180,7 +190,8 @@ class Router:
         slots = tuple(balanced_layer(load[i].tolist(), cur.num_actors, redundant_slots)
                       for i in range(len(self.moe_layers)))
         table = PlacementTable(cur.epoch + 1 if epoch is None else epoch, self.num_experts,
-                               cur.num_attention if num_attention is None else num_attention, self.moe_layers, slots)
+                               cur.num_attention if num_attention is None else num_attention, self.moe_layers, slots,
+                               cur.colocated)
         return Proposal(table, tuple(actor_imbalance(cur, load)), tuple(actor_imbalance(table, load)))
 
     def commit(self, epoch: int) -> PlacementTable:

@@ -226,41 +226,52 @@ def local_ip(toward: str) -> str:
 
 
 class SocketMesh:
-    """One epoch's links: every attention rank (ranks below ``num_attention``) to every expert actor.
-    Every connection carries the epoch's ``token`` in its hello; an expert actor closes and ignores
-    any other (a stray, a process of another epoch) and goes on waiting for its attention ranks."""
+    """One epoch's links. Disaggregated: every attention rank (ranks below ``num_attention``) to every
+    expert actor. ``colocated``: every worker to every other (each both sends and serves). A rank that
+    accepts listens on its node; every connection carries the epoch's ``token`` in its hello, and any
+    other (a stray, a process of another epoch) is closed and ignored while it waits for its peers."""
 
     def __init__(self, store, rank: int, num_attention: int, world: int, host: str, timeout_s: float, *,
-                 token: bytes, prefix: str = "moeray/wire"):
+                 token: bytes, prefix: str = "moeray/wire", colocated: bool = False):
         check_token(token, "the exchange's token")
         self.rank, self.links = rank, {}
         deadline = time.monotonic() + timeout_s
+        if colocated:  # worker i connects to every lower rank and accepts every higher one
+            connect_to, accept_from = range(rank), set(range(rank + 1, world))
+        elif rank >= num_attention:  # expert actor: accept one connection per attention rank
+            connect_to, accept_from = range(0), set(range(num_attention))
+        else:  # attention rank: connect to each expert actor
+            connect_to, accept_from = range(num_attention, world), set()
         try:
-            if rank >= num_attention:  # expert actor: listen, accept one connection per attention rank
+            if accept_from:
                 with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as srv:
-                    host, port = srv.getsockname()[:2]
-                    store.set(f"{prefix}/{rank}", f"{host}:{port}")
-                    self._accept(Acceptor(srv, _MAGIC, token), num_attention, deadline, timeout_s)
-            else:  # attention rank: connect to each expert actor
-                for peer in range(num_attention, world):
-                    host, port = store.get(f"{prefix}/{peer}").decode().rsplit(":", 1)
-                    sock = connect((host, int(port)), _MAGIC, rank, token, max(deadline - time.monotonic(), 0.001))
-                    self.links[peer] = Link(sock, peer, timeout_s)
+                    port = srv.getsockname()[1]
+                    store.set(f"{prefix}/{rank}", f"{srv.getsockname()[0]}:{port}")
+                    self._connect(store, connect_to, prefix, token, deadline, timeout_s)
+                    self._accept(Acceptor(srv, _MAGIC, token), accept_from, deadline, timeout_s)
+            else:
+                self._connect(store, connect_to, prefix, token, deadline, timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def _accept(self, acceptor: Acceptor, num_attention: int, deadline: float, timeout_s: float) -> None:
-        """One link per attention rank, each from the first connection with the token that announces it."""
+    def _connect(self, store, peers, prefix: str, token: bytes, deadline: float, timeout_s: float) -> None:
+        for peer in peers:
+            host, port = store.get(f"{prefix}/{peer}").decode().rsplit(":", 1)
+            sock = connect((host, int(port)), _MAGIC, self.rank, token, max(deadline - time.monotonic(), 0.001))
+            self.links[peer] = Link(sock, peer, timeout_s)
+
+    def _accept(self, acceptor: Acceptor, peers: set[int], deadline: float, timeout_s: float) -> None:
+        """One link per rank of ``peers``, each from the first connection with the token that announces it."""
         try:
-            while len(self.links) < num_attention:
+            while not peers <= set(self.links):
                 passed = acceptor.accept(deadline)
                 if passed is None:
-                    raise TimeoutError(f"rank {self.rank}: {num_attention - len(self.links)} attention rank(s) "
-                                       f"did not connect within {timeout_s:g} s")
+                    missing = sorted(peers - set(self.links))
+                    raise TimeoutError(f"rank {self.rank}: rank(s) {missing} did not connect within {timeout_s:g} s")
                 sock, peer = passed
-                if not 0 <= peer < num_attention or peer in self.links:
-                    sock.close()  # not one of this epoch's attention ranks: ignored
+                if peer not in peers or peer in self.links:
+                    sock.close()  # not one of this epoch's ranks that connect here: ignored
                     continue
                 self.links[peer] = Link(sock, peer, timeout_s)
         finally:

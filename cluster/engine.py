@@ -96,7 +96,10 @@ class Engine:
         mc = self.model_cfg
         if mc.n_routed_experts == 0:
             raise ValueError(f"{config.model}: the model has no routed experts to place on expert actors")
-        if spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts:
+        if spec.colocated and not 1 <= spec.workers <= mc.n_routed_experts:
+            raise ValueError(f"workers must be in 1..{mc.n_routed_experts} (each holds a shard of the routed "
+                             f"experts), got {spec.workers}")
+        if not spec.colocated and (spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts):
             raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
                              f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
         self.scheduler = Scheduler.for_engine(config, mc, spec.attention, stop_ids)
@@ -123,7 +126,9 @@ class Engine:
     def start(self) -> "Engine":
         if self.executor.started:
             raise RuntimeError("engine already started")
-        table = self.router.table or self.router.initial(self.spec.attention, self.spec.experts)  # a retry keeps it
+        spec = self.spec
+        table = self.router.table or (self.router.initial(spec.workers, spec.workers, colocated=True) if spec.colocated
+                                      else self.router.initial(spec.attention, spec.experts))  # a retry keeps it
         self.executor.start(table)
         return self
 
@@ -273,11 +278,12 @@ class Engine:
                 if req is not None and req.scheduled is None:
                     req.scheduled = now
         micro = self._micro_batches(plan.chunks)
-        reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
-                            self.scheduler.take_released(r))
-                for r, (chunks, groups) in enumerate(zip(plan.chunks, micro))]
         tokens = tuple(tuple(sum(len(c.token_ids) for c in groups[m]) for groups in micro)
                        for m in range(len(micro[0])))
+        peers = tokens if self.executor.table.colocated else ()  # a worker serves every worker's rows
+        reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
+                            self.scheduler.take_released(r), peer_tokens=peers)
+                for r, (chunks, groups) in enumerate(zip(plan.chunks, micro))]
         self.stats.micro_batched_steps += len(tokens) > 1
         t1 = time.perf_counter()
         sent = self.executor.launch(reqs, ExpertStep(self.step_no, epoch, tokens, ahead))
@@ -401,10 +407,24 @@ class Engine:
     # ---- epoch changes (the epoch owner's; these ask it) ----------------------------------------
     def begin_scale_experts(self, n: int) -> Transition:
         """Start moving to ``n`` expert actors; it completes at a later step boundary."""
+        self._disaggregated("experts")
         return self.epochs.begin("experts", num_actors=n)
 
     def begin_scale_attention(self, n: int) -> Transition:
+        self._disaggregated("attention")
         return self.epochs.begin("attention", num_attention=n)
+
+    def _disaggregated(self, kind: str) -> None:
+        if self.table.colocated:
+            raise ValueError(f"scale {kind} is for the disaggregated layout; this engine is colocated: scale "
+                             f"workers (each an attention replica and an expert shard)")
+
+    def begin_scale_workers(self, n: int) -> Transition:
+        """The colocated layout: move to ``n`` workers (attention replicas and expert shards together)."""
+        if not self.table.colocated:
+            raise ValueError("scale workers is for the colocated layout; this engine is disaggregated (scale "
+                             "attention or experts)")
+        return self.epochs.begin("workers", num_attention=n, num_actors=n)
 
     def begin_rebalance(self, redundant_slots: int | None = None) -> Transition:
         """Re-place experts over the same actors from the router's window of token counts, with
@@ -416,6 +436,9 @@ class Engine:
 
     def scale_attention(self, n: int) -> EpochChange:
         return self.wait(self.begin_scale_attention(n))
+
+    def scale_workers(self, n: int) -> EpochChange:
+        return self.wait(self.begin_scale_workers(n))
 
     def rebalance(self, redundant_slots: int | None = None) -> EpochChange:
         return self.wait(self.begin_rebalance(redundant_slots))

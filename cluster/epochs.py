@@ -38,7 +38,7 @@ class EpochChange:
     """What one epoch change did: the report of ``moeray scale`` / ``moeray rebalance``."""
 
     epoch: int
-    kind: str  # "experts" | "attention" | "rebalance" | "recovery"
+    kind: str  # "experts" | "attention" | "workers" | "rebalance" | "recovery"
     old_shape: str
     new_shape: str
     pause_s: float  # no steps ran for this long (the commit at the step boundary)
@@ -131,8 +131,7 @@ class Epochs:
             if shrink:
                 self.scheduler.resize(t.old.num_attention)
             dead = self.executor.failed_members()
-            self.scheduler.rewind([], {i for kind, i in dead if kind == "attention"},
-                                  recompute_state=self.recompute_state)
+            self.scheduler.rewind([], _attention_replicas(dead), recompute_state=self.recompute_state)
             self.unrecovered, self._heal_tries = dead, 0
             self.heal()  # the old shape in a recovery epoch (raises NoCapacity without room)
             return None
@@ -178,8 +177,7 @@ class Epochs:
         suspects = sorted(set(failure.dead) | set(failure.errored))
         dead = sorted(set(failure.dead) | set(self.executor.lost(suspects)))
         self.abort(EngineError(f"the epoch change was interrupted: {failure}"))
-        self.scheduler.rewind(failed, {i for kind, i in dead if kind == "attention"},
-                              recompute_state=self.recompute_state)
+        self.scheduler.rewind(failed, _attention_replicas(dead), recompute_state=self.recompute_state)
         self.unrecovered, self._heal_tries = dead, 0
         return dead
 
@@ -191,8 +189,11 @@ class Epochs:
         old = self.executor.table
         self._heal_tries += 1
         if self._heal_tries > 1:  # a retry, after a wait for room: more may have died with their nodes since
-            everyone = [("attention", i) for i in range(old.num_attention)]
-            everyone += [("expert", j) for j in range(old.num_actors)]
+            if old.colocated:
+                everyone = [("worker", i) for i in range(old.num_actors)]
+            else:
+                everyone = [("attention", i) for i in range(old.num_attention)]
+                everyone += [("expert", j) for j in range(old.num_actors)]
             self.unrecovered = sorted(set(self.unrecovered) | set(self.executor.lost(everyone)))
         table = self.router.propose().table
         try:
@@ -224,3 +225,8 @@ class Epochs:
             self._last_auto = time.monotonic()
             return self.begin("rebalance")
         return None
+
+
+def _attention_replicas(dead: list[MemberId]) -> set[int]:
+    """The attention replicas among dead members (a colocated worker is one, with its cache)."""
+    return {i for kind, i in dead if kind in ("attention", "worker")}

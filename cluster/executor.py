@@ -17,13 +17,13 @@ import time
 from typing import Any, Protocol
 
 from actors.channel import ChannelClosed, StepError
-from actors.messages import ExpertStep, PlacementTable, StepRequest
+from actors.messages import ExpertStep, PlacementTable, StepRequest, WorkerStepResult
 
 from .errors import StepFailed
 from .watchdog import HangWatch
 
 Sent = list[tuple[str, Any]]  # where a step went: (actor name, member) in rank order
-MemberId = tuple[str, int]  # (kind, index): kind "attention" or "expert"
+MemberId = tuple[str, int]  # (kind, index): kind "attention" or "expert" ("worker" in the colocated layout)
 
 
 class Executor(Protocol):
@@ -104,11 +104,11 @@ class RayExecutor:
         """Send one step over every actor's step channel (no Ray call); :meth:`collect` waits for it."""
         fleet = self.fleet
         assert len(reqs) == len(fleet.attention), f"{len(reqs)} step requests for {len(fleet.attention)} attention actors"
-        members = fleet.attention + fleet.experts
+        members = fleet.attention + fleet.experts  # colocated: the workers (their requests carry peer_tokens)
         for m, req in zip(members, list(reqs) + [expert_req] * len(fleet.experts)):
             if m.channel is not None:  # None: an actor retired by a recovery that found no room (collect says so)
                 m.channel.send(expert_req.step, req)
-        return list(zip(member_names(len(fleet.attention), len(fleet.experts)), members))
+        return list(zip(fleet.names(), members))
 
     def collect(self, step_no: int, sent: Sent) -> tuple[list, list]:
         """The results of a launched step. Raises :class:`StepFailed` once every actor has answered
@@ -161,6 +161,8 @@ class RayExecutor:
         if causes:
             raise StepFailed(f"step {step_no} failed: {'; '.join(causes[:4])}", [parse_name(n) for n in dead],
                              [parse_name(n) for n in errored], [parse_name(n) for n in hung])
+        if results and isinstance(results[0], WorkerStepResult):  # colocated: each worker answers for both halves
+            return [r.attention for r in results], [r.experts for r in results]
         num_attention = sum(name.startswith("attention") for name, _ in sent)
         return results[:num_attention], results[num_attention:]
 

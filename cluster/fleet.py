@@ -1,7 +1,8 @@
 """The fleet: the actors of one engine and the Ray resources they sit in.
 
-Owns: the attention and expert actors (in rank order) and their step channels, and the process
-group of the current epoch; through its parts, the placement reservations and the spare bundles
+Owns: the attention and expert actors (in rank order) — in the colocated layout the workers, each
+an attention replica and an expert shard in one process, held as the attention members — and their
+step channels, and the process group of the current epoch; through its parts, the placement reservations and the spare bundles
 in them (:class:`~cluster.homes.Homes`) and the warm standbys (:class:`~cluster.standbys.Standbys`).
 It creates every actor, and carries out what :mod:`cluster.epochs` decides — new actors for a
 shape change (:meth:`Fleet.prepare` … :meth:`Fleet.commit`), replacements after a failure
@@ -22,7 +23,7 @@ import ray
 from actors.channel import TOKEN_BYTES, StepChannel
 from actors.group import NCCL_ENV
 from actors.messages import GroupInfo, PlacementTable
-from actors.remote import RemoteAttention, RemoteExpert
+from actors.remote import RemoteAttention, RemoteExpert, RemoteWorker
 from model.config import ModelConfig
 
 from .config import EngineConfig, snapshot_plan
@@ -44,8 +45,9 @@ class Fleet:
         self.backend = config.data_plane.backend or ("nccl" if spec.gpus else "gloo")
         self.load_timeout_s = config.faults.load_timeout_s or default_load_timeout_s(model_cfg, spec.attention)
         self.table: PlacementTable | None = None
+        self.colocated = spec.colocated  # workers: the attention members, each holding an expert shard too
         self.attention: list[Member] = []
-        self.experts: list[Member] = []
+        self.experts: list[Member] = []  # empty in the colocated layout
         self.homes = Homes(config, spec)  # the reservations and their spare bundles
         self.standbys = Standbys(config, spec, self.homes, self._new_member, self._await_start)  # the warm pool
 
@@ -111,10 +113,15 @@ class Fleet:
         answered = set(ready)
         return [(n, m) for (n, m), ref in zip(members, refs) if ref not in answered]
 
+    def names(self, attention: int | None = None, experts: int | None = None) -> list[str]:
+        """The members' names in rank order (``attention[i]``, ``expert[j]``; colocated: ``worker[i]``)."""
+        attention = len(self.attention) if attention is None else attention
+        experts = len(self.experts) if experts is None else experts
+        return [f"worker[{i}]" for i in range(attention)] if self.colocated else member_names(attention, experts)
+
     def failed_members(self, timeout_s: float) -> list[MemberId]:
         """Members whose actor died or does not answer a heartbeat within ``timeout_s``."""
-        named = list(zip([parse_name(n) for n in member_names(len(self.attention), len(self.experts))],
-                         self.attention + self.experts))
+        named = list(zip([parse_name(n) for n in self.names()], self.attention + self.experts))
         refs = [m.actor.heartbeat.remote() for _, m in named]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         out = []
@@ -142,8 +149,12 @@ class Fleet:
     # ---- operations ------------------------------------------------------------------------
     def kill(self, kind: str, index: int) -> str:
         """Fault injection (``moeray chaos``): ``ray.kill`` one actor; ValueError for no such actor."""
-        members = self.attention if kind == "attention" else self.experts
-        if kind not in ("attention", "expert") or not 0 <= index < len(members):
+        kinds = ("worker",) if self.colocated else ("attention", "expert")
+        if kind not in kinds:
+            raise ValueError(f"there is no {kind} actor in the {'colocated' if self.colocated else 'disaggregated'} "
+                             f"layout: kill one of {', '.join(kinds)}")
+        members = self.experts if kind == "expert" else self.attention
+        if not 0 <= index < len(members):
             raise ValueError(f"there is no {kind}[{index}]: the app has {len(members)}")
         ray.kill(members[index].actor, no_restart=True)
         return f"{kind}[{index}]"
@@ -152,10 +163,12 @@ class Fleet:
         """Where the actors are (node addresses, looked up once per bundle), and each expert actor's
         resident weight bytes as futures (the Ray calls are sent here; whoever reads them waits, with
         its own timeout)."""
-        return {"attention": [{"node": self.node_ip(m)} for m in self.attention],
-                "experts": [{"node": self.node_ip(m)} for m in self.experts],
+        experts = self.attention if self.colocated else self.experts  # a worker holds its shard
+        return {"layout": "colocated" if self.colocated else "disaggregated",
+                "attention": [{"node": self.node_ip(m)} for m in self.attention],
+                "experts": [{"node": self.node_ip(m)} for m in experts],
                 "standby": len(self.standby),
-                "weight_bytes": [m.actor.weight_bytes.remote().future() for m in self.experts]}
+                "weight_bytes": [m.actor.weight_bytes.remote().future() for m in experts]}
 
     # ---- shape changes -----------------------------------------------------------------------
     def prepare(self, kind: str, table: PlacementTable) -> Prepared:
@@ -170,11 +183,13 @@ class Fleet:
         try:
             homes = self.homes.for_change("attention", table.num_attention - len(p.attention), p)
             p.attention += [self._new_attention(h, table, len(p.attention) + i) for i, h in enumerate(homes)]
-            homes = self.homes.for_change("expert", table.num_actors - len(p.experts), p)
-            p.experts += [self._new_expert(h, table, len(p.experts) + i) for i, h in enumerate(homes)]
+            if not self.colocated:
+                homes = self.homes.for_change("expert", table.num_actors - len(p.experts), p)
+                p.experts += [self._new_expert(h, table, len(p.experts) + i) for i, h in enumerate(homes)]
             new = p.attention[old.num_attention:] + p.experts[old.num_actors:]
+            holders = p.attention if self.colocated else p.experts  # the kept members holding shards
             p.staging = [m.actor.prepare.options(concurrency_group="control").remote(table, j)
-                         for j, m in enumerate(p.experts[: old.num_actors])
+                         for j, m in enumerate(holders[: old.num_actors])
                          if table.experts_of(j) != old.experts_of(j)]
             p.pending = [m.actor.node_id.remote() for m in new] + p.staging  # node_id: done once constructed
         except BaseException:
@@ -187,9 +202,10 @@ class Fleet:
         never hold — the whole new shape against its total resources and the planner's bytes — and new
         actors that its free resources cannot place now, unless ``capacity_wait_s`` says to wait for
         room (then False: ask for it without waiting; True: there is room now)."""
-        grown = dataclasses.replace(self.spec, attention=table.num_attention, experts=table.num_actors)
+        experts = 0 if self.colocated else table.num_actors
+        grown = dataclasses.replace(self.spec, attention=table.num_attention, experts=experts)
         preflight(self.model_cfg, grown, self.config.dtype)
-        return self.homes.room(table.num_attention - len(self.attention), table.num_actors - len(self.experts))
+        return self.homes.room(table.num_attention - len(self.attention), experts - len(self.experts))
 
     def ready(self, p: Prepared) -> bool:
         """True once every new actor started and every kept one staged its weights. Raises
@@ -250,8 +266,7 @@ class Fleet:
     def lost(self, suspects: list[MemberId]) -> list[MemberId]:
         """Members on the nodes of ``suspects`` that stopped answering (each such node probed once).
         An actor can answer a failed step with an exchange error just before it dies with its node."""
-        members = {("attention", i): m for i, m in enumerate(self.attention)}
-        members |= {("expert", j): m for j, m in enumerate(self.experts)}
+        members = {parse_name(n): m for n, m in zip(self.names(), self.attention + self.experts)}
         down: dict[str, bool] = {}
         for who in suspects:
             m = members.get(who)
@@ -273,11 +288,12 @@ class Fleet:
         freed: list[Home] = []
         try:
             for kind, i in dead:
-                members = attention if kind == "attention" else experts
+                members = experts if kind == "expert" else attention  # a worker sits in an attention bundle
+                home_kind = "expert" if kind == "expert" else "attention"
                 retire(members[i])
                 freed.append(members[i].home)
-                members[i] = self.standbys.take(kind) or self._replacement(kind, members[i].home, table, i,
-                                                                           reserve_timeout_s)
+                members[i] = self.standbys.take(home_kind) or self._replacement(home_kind, members[i].home, table, i,
+                                                                                reserve_timeout_s)
                 made.append(members[i])
             t1 = time.monotonic()
             self._form_group(table, attention, experts, f"entering recovery epoch {table.epoch}")
@@ -291,7 +307,7 @@ class Fleet:
         self.homes.keep([h for h in freed if id(h) not in in_use and node_reachable(h)])
         self.standbys.refill(table, min(reserve_timeout_s, 2.0))  # off the step path but for a new reservation
         self.homes.release_unused(self.attention + self.experts + self.standby)
-        loaded = sum(len(ids) for kind, j in dead if kind == "expert" for ids in table.experts_of(j).values())
+        loaded = sum(len(ids) for kind, j in dead if kind in ("expert", "worker") for ids in table.experts_of(j).values())
         return t1 - t0, regroup, loaded
 
     def _replacement(self, kind: Kind, home: Home, table: PlacementTable, index: int, timeout_s: float) -> Member:
@@ -342,8 +358,15 @@ class Fleet:
         return new(home, table, index)
 
     def _new_attention(self, home: Home, table: PlacementTable, index: int) -> Member:
+        """An attention replica; in the colocated layout a worker (an attention replica and an expert shard)."""
         c = self.config
         opts = self._options(home.reservation.attention_options(home.index))
+        if self.colocated:
+            return Member(RemoteWorker.options(**opts).remote(
+                self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
+                num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange,
+                threads=c.data_plane.actor_threads, num_snapshots=snapshot_plan(c, self.model_cfg)[1],
+                expert_threads=c.data_plane.expert_threads), home)
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
             num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange, threads=c.data_plane.actor_threads,
@@ -366,7 +389,7 @@ class Fleet:
                          token=secrets.token_bytes(TOKEN_BYTES))
         refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
         refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
-        names = member_names(len(attention), len(experts))
+        names = self.names(len(attention), len(experts))
         self._get(refs, self.load_timeout_s, what, names=names)
         self._open_channels(attention + experts, names, what)
 
@@ -394,8 +417,7 @@ class Fleet:
         except ray.exceptions.GetTimeoutError:
             refs_list = refs if isinstance(refs, list) else [refs]
             _, pending = ray.wait(refs_list, num_returns=len(refs_list), timeout=0)
-            names = names or (member_names(len(self.attention), len(self.experts))
-                              if len(refs_list) == len(self.attention) + len(self.experts) else None)
+            names = names or (self.names() if len(refs_list) == len(self.attention) + len(self.experts) else None)
             who = ([n for n, r in zip(names, refs_list) if r in pending] if names
                    else [f"{len(pending)} of {len(refs_list)} actors"])
             raise EngineError(f"{what}: no answer within {timeout:.0f}s from {', '.join(who)}") from None

@@ -26,10 +26,15 @@ class PreflightError(ValueError):
 
 
 def _actor_bytes(cfg: ModelConfig, spec: ClusterSpec, dtype_bytes: int) -> tuple[int, int]:
-    """Resident weight bytes of one attention replica and of the most loaded expert actor."""
+    """Resident weight bytes of one attention replica and of the most loaded expert actor; in the
+    colocated layout, of one worker (both, and both workspaces) and 0."""
     w = weight_bytes(cfg, dtype_bytes)
-    per_actor = math.ceil(w.n_experts / spec.experts) * w.per_expert
-    return w.attention + ATTENTION_WORKSPACE * spec.gpus, per_actor + EXPERT_WORKSPACE * spec.gpus
+    shards = spec.workers if spec.colocated else spec.experts
+    per_actor = math.ceil(w.n_experts / shards) * w.per_expert
+    attention = w.attention + ATTENTION_WORKSPACE * spec.gpus
+    if spec.colocated:
+        return attention + per_actor + EXPERT_WORKSPACE * spec.gpus, 0
+    return attention, per_actor + EXPERT_WORKSPACE * spec.gpus
 
 
 def _device_memory(node: NodeInfo) -> int | None:
@@ -65,7 +70,8 @@ def problems(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dty
         if gpus and hbm is not None:
             usable = int(gpus * hbm * GPU_UTILIZATION)
             if need > usable:
-                out.append(f"a {kind} actor needs {need / GB:.2f} GB of weights and workspace but {gpus:g} GPU "
+                what = "worker (attention + expert shard)" if spec.colocated else f"{kind} actor"
+                out.append(f"a {what} needs {need / GB:.2f} GB of weights and workspace but {gpus:g} GPU "
                            f"holds {usable / GB:.2f} GB usable")
         elif not gpus:
             load[node_id] = load.get(node_id, 0) + need
@@ -78,7 +84,14 @@ def problems(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dty
 
 
 def suggest(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype_bytes: int) -> ClusterSpec | None:
-    """The largest shape no bigger than ``spec`` (attention first, then experts) that fits."""
+    """The largest shape no bigger than ``spec`` (attention first, then experts) that fits; colocated:
+    the most workers up to ``spec``'s, from the most down (fewer workers each hold more experts)."""
+    if spec.colocated:
+        for workers in range(spec.workers, 0, -1):
+            candidate = ClusterSpec(**{**_fields(spec), "attention": workers})
+            if not problems(cfg, candidate, nodes, dtype_bytes):
+                return candidate
+        return None
     for attention in range(spec.attention, 0, -1):
         for experts in range(spec.experts, 0, -1):
             candidate = ClusterSpec(**{**_fields(spec), "attention": attention, "experts": experts})
@@ -100,12 +113,17 @@ def check(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype:
     attn, expert = _actor_bytes(cfg, spec, dtype_bytes)
     w = weight_bytes(cfg, dtype_bytes)
     better = suggest(cfg, spec, nodes, dtype_bytes)
-    hint = (f"a shape that fits: --attention {better.attention} --experts {better.experts}" if better
-            else "no smaller shape fits either; add nodes or memory (see `moeray plan`)")
+    if better is None:
+        hint = "no smaller shape fits either; add nodes or memory (see `moeray plan`)"
+    elif spec.colocated:
+        hint = f"a shape that fits: --layout colocated --workers {better.workers}"
+    else:
+        hint = f"a shape that fits: --attention {better.attention} --experts {better.experts}"
+    per = (f"{attn:,} B per worker (attention + expert shard)" if spec.colocated
+           else f"{attn:,} B per attention replica, {expert:,} B per expert actor")
     raise PreflightError(
         f"the cluster cannot hold {spec.describe()}: " + "; ".join(found)
-        + f". Planner: {w.total:,} B of weights in the checkpoint; {attn:,} B per attention replica, "
-        f"{expert:,} B per expert actor. {hint}")
+        + f". Planner: {w.total:,} B of weights in the checkpoint; {per}. {hint}")
 
 
 def cluster_nodes() -> list[NodeInfo]:

@@ -43,6 +43,9 @@ class ClusterSpec:
     attention_placement: str = "pack"
     expert_nodes: tuple[str, ...] | None = None
     attention_nodes: tuple[str, ...] | None = None
+    # the colocated layout: `attention` workers, each one process holding an attention replica and an
+    # expert shard, in the attention bundles (`experts` is 0; workers spread like expert actors)
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("attention", "experts"):  # 0 of one kind: a reservation that adds actors to a running shape
@@ -63,6 +66,9 @@ class ClusterSpec:
             if isinstance(nodes, str) or not nodes or not all(isinstance(n, str) and n for n in nodes):
                 raise ValueError(f"{name} must be a non-empty tuple of node IPs or node ids, got {nodes!r}")
             object.__setattr__(self, name, tuple(nodes))
+        if self.colocated and self.experts:
+            raise ValueError(f"a colocated spec has workers only (attention={self.attention}, experts=0), "
+                             f"got experts={self.experts}")
         # Copies: a frozen spec must not change when the caller's dict does.
         object.__setattr__(self, "attention_resources", {k: float(v) for k, v in self.attention_resources.items()})
         object.__setattr__(self, "expert_resources", {k: float(v) for k, v in self.expert_resources.items()})
@@ -90,11 +96,26 @@ class ClusterSpec:
             raise IndexError(f"{kind} index {i} out of range: the spec has {self.count(kind)}")
         return i if kind == "attention" else self.attention + i
 
+    @property
+    def workers(self) -> int:
+        """The colocated layout's workers (0 in the disaggregated one)."""
+        return self.attention if self.colocated else 0
+
+    @classmethod
+    def of_workers(cls, workers: int, resources: dict[str, float] | None = None,
+                   nodes: tuple[str, ...] | None = None) -> "ClusterSpec":
+        """The colocated layout: ``workers`` processes, each attention replica and expert shard, spread."""
+        return cls(attention=workers, experts=0, attention_resources=resources or {"CPU": 1.0},
+                   attention_placement="spread", attention_nodes=nodes, colocated=True)
+
     def describe(self) -> str:
         def part(n: int, what: str, res: dict[str, float], placement: str, nodes: tuple[str, ...] | None) -> str:
             where = f"on nodes {list(nodes)}" if nodes else placement
             return f"{n} {what} × {fmt_resources(res)} ({where})"
 
+        if self.colocated:
+            return part(self.attention, "worker", self.attention_resources, self.attention_placement,
+                        self.attention_nodes) + " (attention + experts each)"
         return (
             part(self.attention, "attention", self.attention_resources, self.attention_placement, self.attention_nodes)
             + " + "

@@ -1,0 +1,218 @@
+"""The exchange of the colocated layout: every worker is both an attention replica and an expert shard.
+
+Per MoE layer and micro-batch, worker r sends its tokens to the workers that hold their experts, serves
+the rows every worker (itself included) sent for its own experts, and gets its tokens' results back.
+Rows for its own experts never leave the process. Two wire formats, as in :mod:`actors.dispatch`:
+
+- ``dense`` (workers ≤ experts per token): every worker's token rows, with their top-k ids and
+  weights, go to every other worker; each computes one weighted partial sum per token for its own
+  experts and sends it back; a worker adds the partials of all workers, its own included, in rank
+  order. The rows each worker sends are known from the step (``tokens``): no counts exchange.
+- ``sparse``: the (token, expert) pairs go only where their expert lives — a counts exchange, the
+  rows, the unweighted rows back.
+
+:meth:`ColocatedExchange.issue` posts what can be posted (the dense dispatch, the sparse counts) and
+returns; :meth:`ColocatedExchange.collect` serves and combines. So a worker computes one
+micro-batch's attention while another's rows are on the wire (two-batch overlap), and every worker
+makes the same exchanges in the same order: layer-major, micro-batch minor.
+
+Owns: one epoch's exchange state of one worker (the step's token counts per micro-batch, the pairs
+counted for the statistics, the rows its experts computed). Never: decides placement (the epoch's
+table does), or waits without the group's timeout (errors name the worker, step, layer and phase).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.moe import RoutedExperts
+
+from .dispatch import _Collectives, _PairCounts, _view
+from .messages import PlacementTable
+
+
+@dataclass
+class _Posted:
+    """One micro-batch's exchange in flight on a worker."""
+
+    layer: int
+    x: torch.Tensor  # [T, hidden]
+    idx: torch.Tensor  # [T, k]
+    w: torch.Tensor  # [T, k]
+    tokens: list[int]  # every worker's tokens in this micro-batch
+    works: list
+    keep: tuple
+    recv: torch.Tensor | None = None  # dense: the other workers' packed rows, in rank order
+    payload: torch.Tensor | None = None  # dense: this worker's packed rows
+    counts_in: torch.Tensor | None = None  # sparse: [workers, local slots] pairs each worker sends here
+    order: torch.Tensor | None = None  # sparse: this worker's pairs sorted by (worker, local slot)
+    send_counts: torch.Tensor | None = None  # sparse: [workers, local slots] pairs this worker sends
+
+
+class ColocatedExchange(_Collectives, _PairCounts):
+    def __init__(self, actor: str, rank: int, table: PlacementTable, experts: dict[int, RoutedExperts], hidden: int,
+                 dtype: torch.dtype, top_k: int, exchange_format: str = "auto", group=None,
+                 device: str | torch.device = "cpu"):
+        if not table.colocated:
+            raise ValueError("ColocatedExchange needs a colocated placement table")
+        _Collectives.__init__(self, actor, table, top_k, exchange_format, group, device)
+        _PairCounts.__init__(self, table, hidden, dtype, top_k, self.device)
+        self.rank, self.experts = rank, experts  # MoE layer → this worker's shard
+        self.tokens: tuple[tuple[int, ...], ...] = ()  # [micro-batch][worker] tokens, this step
+        self._issued = 0  # exchanges posted this step: micro-batch = issued % micro-batches
+        self.rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
+
+    def begin_step(self, step: int, tokens: tuple[tuple[int, ...], ...] = ()) -> None:
+        self.reset_timers(step)
+        self.routed, self.tokens, self._issued = [], tokens, 0
+        self.rows_served = torch.zeros(len(self.table.moe_layers), self.table.max_local, dtype=torch.long)
+
+    # ---- attention side ----------------------------------------------------------------------
+    def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> _Posted:
+        idx = topk_idx.to(self.device)
+        micro = self._issued % max(1, len(self.tokens))
+        self._issued += 1
+        tokens = list(self.tokens[micro]) if self.tokens else [x.shape[0]] * self.world
+        assert tokens[self.rank] == x.shape[0], \
+            f"{self.actor}: {x.shape[0]} tokens in micro-batch {micro}, the step said {tokens[self.rank]}"
+        if self.mode == "dense":
+            slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
+            self.count(layer, idx, slots)
+            return self._issue_dense(layer, x, idx, topk_w, tokens)
+        actor, local = self.routing.assign(layer, idx)
+        self.count(layer, idx, self._slot(actor, local))
+        return self._issue_sparse(layer, x, idx, topk_w, tokens, actor, local)
+
+    def collect(self, p: _Posted) -> torch.Tensor:
+        """Serve the rows sent here for this worker's experts, send their results back, and return this
+        worker's routed rows [T, hidden], weighted and summed per token."""
+        out = self._collect_dense(p) if self.mode == "dense" else self._collect_sparse(p)
+        return out.to(p.x.device, p.x.dtype)
+
+    # ---- dense ---------------------------------------------------------------------------------
+    def _pack(self, x, idx, w) -> torch.Tensor:
+        return torch.cat([x.to(self.device, self.dtype).contiguous().view(torch.uint8),
+                          idx.to(torch.int32).contiguous().view(torch.uint8),
+                          w.to(self.device, torch.float32).contiguous().view(torch.uint8)], 1)  # [T, row bytes]
+
+    def _others(self, counts: list[int]) -> list[int]:
+        return [n if s != self.rank else 0 for s, n in enumerate(counts)]
+
+    def _issue_dense(self, layer, x, idx, w, tokens) -> _Posted:
+        T, W = x.shape[0], self.world
+        payload = self._pack(x, idx, w)
+        send = payload.repeat(W - 1, 1) if W > 2 else payload  # the same rows to every other worker
+        recv = torch.empty(sum(self._others(tokens)), payload.shape[1], dtype=torch.uint8, device=self.device)
+        work = self.a2a(recv, send, self._others(tokens), self._others([T] * W), layer, "dispatch", async_op=True)
+        return _Posted(layer, x, idx, w, tokens, [work], (send,), recv=recv, payload=payload)
+
+    def _collect_dense(self, p: _Posted) -> torch.Tensor:
+        for work in p.works:
+            self.wait(work, p.layer, "dispatch")
+        tokens, r, k = p.tokens, self.rank, self.top_k
+        parts, start = [], 0
+        for s, n in enumerate(tokens):  # every worker's rows in rank order, this worker's own in place
+            if s == r:
+                parts.append(p.payload)
+            else:
+                parts.append(p.recv[start: start + n])
+                start += n
+        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        hb = self.hidden * self.dtype.itemsize
+        x, idx, w = _view(rows[:, :hb], self.dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
+            _view(rows[:, hb + 4 * k:], torch.float32)
+        N = rows.shape[0]
+        flat = idx.long().reshape(-1)
+        if self.routing.replicated(p.layer):
+            sender = torch.repeat_interleave(torch.arange(self.world, device=self.device),
+                                             torch.tensor(tokens, device=self.device) * k)
+            actor, local = self.routing.assign(p.layer, flat, sender, self.world)
+        else:
+            actor, local = self.routing.assign(p.layer, flat)
+        mine = (actor == r).nonzero().squeeze(1)
+        tok, local, wm = mine // k, local[mine], w.reshape(-1)[mine]
+        experts = self.experts[p.layer]
+        y = experts.grouped(x[tok].to(experts.device), local.to(experts.device)).to(self.device, torch.float32)
+        partial = torch.zeros(N, self.hidden, dtype=torch.float32, device=self.device)
+        partial = partial.index_add_(0, tok, y * wm[:, None]).to(self.dtype)
+        self.rows_served[self.table.layer_index(p.layer)] += torch.bincount(local, minlength=self.table.max_local).cpu()
+        # send each worker the partials of its tokens; get this worker's from each
+        bounds = [sum(tokens[:s]) for s in range(len(tokens) + 1)]
+        mine_rows = partial[bounds[r]: bounds[r + 1]]
+        others = torch.cat([partial[bounds[s]: bounds[s + 1]] for s in range(len(tokens)) if s != r]) \
+            if len(tokens) > 1 else partial[:0]
+        T = tokens[r]
+        back = torch.empty((len(tokens) - 1) * T, self.hidden, dtype=self.dtype, device=self.device)
+        self.a2a(back, others.contiguous(), self._others([T] * self.world), self._others(tokens), p.layer, "combine")
+        stacked, at = [], 0
+        for s in range(len(tokens)):  # added in rank order, as the disaggregated dense format adds actors
+            if s == r:
+                stacked.append(mine_rows)
+            else:
+                stacked.append(back[at: at + T])
+                at += T
+        return torch.stack(stacked).float().sum(0) if len(stacked) > 1 else stacked[0]
+
+    # ---- sparse --------------------------------------------------------------------------------
+    def _issue_sparse(self, layer, x, idx, w, tokens, actor, local) -> _Posted:
+        n_local = self.table.max_local
+        order = torch.argsort(actor * n_local + local, stable=True)
+        send = torch.zeros(self.world, n_local, dtype=torch.long, device=self.device)  # [workers, local slots]
+        send.index_put_((actor, local), torch.ones_like(actor), accumulate=True)
+        recv = torch.empty(self.world, n_local, dtype=torch.long, device=self.device)
+        recv[self.rank] = send[self.rank]
+        splits = self._others([n_local] * self.world)
+        out = torch.cat([recv[s] for s in range(self.world) if s != self.rank]) if self.world > 1 else recv[:0, 0]
+        inp = torch.cat([send[s] for s in range(self.world) if s != self.rank]) if self.world > 1 else send[:0, 0]
+        work = self.a2a(out, inp.contiguous(), splits, splits, layer, "counts", async_op=True)
+        p = _Posted(layer, x, idx, w, tokens, [work], (inp,), counts_in=recv, order=order, send_counts=send)
+        p.recv = out  # the counts from the others, flat, in rank order
+        return p
+
+    def _collect_sparse(self, p: _Posted) -> torch.Tensor:
+        for work in p.works:
+            self.wait(work, p.layer, "counts")
+        r, n_local, W = self.rank, self.table.max_local, self.world
+        others = [s for s in range(W) if s != r]
+        for i, s in enumerate(others):
+            p.counts_in[s] = p.recv[i * n_local: (i + 1) * n_local]
+        T, k = p.idx.shape
+        tok = torch.arange(T, device=self.device).repeat_interleave(k)[p.order]
+        rows_out = p.x.to(self.device, self.dtype)[tok]  # this worker's pairs, sorted by (worker, local slot)
+        to = p.send_counts.sum(1).tolist()  # pairs to each worker
+        frm = p.counts_in.sum(1).tolist()  # pairs from each worker
+        starts = [sum(to[:s]) for s in range(W + 1)]
+        own = rows_out[starts[r]: starts[r + 1]]
+        send = torch.cat([rows_out[starts[s]: starts[s + 1]] for s in others]) if others else rows_out[:0]
+        recv = torch.empty(sum(frm[s] for s in others), self.hidden, dtype=self.dtype, device=self.device)
+        self.a2a(recv, send.contiguous(), self._others(frm), self._others(to), p.layer, "dispatch")
+        parts, at = [], 0
+        for s in range(W):  # every worker's rows for this worker's experts, in rank order
+            if s == r:
+                parts.append(own)
+            else:
+                parts.append(recv[at: at + frm[s]])
+                at += frm[s]
+        x_in = torch.cat(parts)
+        local = torch.arange(n_local, device=self.device).repeat(W).repeat_interleave(p.counts_in.reshape(-1))
+        experts = self.experts[p.layer]
+        y = experts.grouped(x_in.to(experts.device), local.to(experts.device)).to(self.device, self.dtype)
+        self.rows_served[self.table.layer_index(p.layer)] += p.counts_in.sum(0).cpu()
+        fstarts = [sum(frm[:s]) for s in range(W + 1)]
+        own_y = y[fstarts[r]: fstarts[r + 1]]
+        back_send = torch.cat([y[fstarts[s]: fstarts[s + 1]] for s in others]) if others else y[:0]
+        back = torch.empty(sum(to[s] for s in others), self.hidden, dtype=self.dtype, device=self.device)
+        self.a2a(back, back_send.contiguous(), self._others(to), self._others(frm), p.layer, "combine")
+        results, at = [], 0
+        for s in range(W):  # this worker's pairs' results, in the sorted order they were sent in
+            if s == r:
+                results.append(own_y)
+            else:
+                results.append(back[at: at + to[s]])
+                at += to[s]
+        rows = torch.cat(results)
+        weights = p.w.reshape(-1).to(self.device)[p.order]
+        out = torch.zeros(T, self.hidden, dtype=torch.float32, device=self.device)
+        return out.index_add_(0, tok, rows.float() * weights[:, None]).to(self.dtype)
