@@ -130,6 +130,7 @@ class Plan:
     decode: dict
     fits: bool
     problems: tuple[str, ...]
+    layout: str = "disaggregated"  # or "colocated": `attention` = `experts` = the workers, one per device
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +182,51 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
         fits=not problems, problems=tuple(problems))
 
 
+def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, workers: int,
+                   context: int, dtype_bytes: int = 2, utilization: float = 0.9, link_gbps: float = 400.0,
+                   max_num_seqs: int = 256, snapshot_bytes: int = 0) -> Plan:
+    """The colocated layout: ``workers`` devices, each holding an attention replica (its weights, its
+    sequences' caches) and 1/workers of the routed experts. Per device: attention weights + the expert
+    shard + both workspaces (+ KDA snapshots); what is left holds the latent cache. ``problems`` says
+    why it does not fit (a shard that does not fit a device, more workers than devices, no room for
+    one sequence)."""
+    for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("workers", workers), ("context", context)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    w = weight_bytes(cfg, dtype_bytes)
+    devices, usable = nodes * gpus_per_node, int(device.memory_bytes * utilization)
+    problems = []
+    if workers > devices:
+        problems.append(f"{workers} workers need {workers} devices; the cluster has {devices}")
+    if workers > max(w.n_experts, 1):
+        problems.append(f"{workers} workers for {w.n_experts} routed experts: a worker would hold none")
+    shard = math.ceil(w.n_experts / workers) * w.per_expert
+    snapshots = snapshot_bytes if cfg.kda_layers else 0
+    resident = w.attention + shard + ATTENTION_WORKSPACE + EXPERT_WORKSPACE
+    if resident > usable:
+        problems.append(f"a worker device would hold {w.attention / GB:.1f} GB of attention weights + "
+                        f"{shard / GB:.1f} GB of experts (its 1/{workers} shard) + workspace = {resident / GB:.1f} GB "
+                        f"> {usable / GB:.1f} GB usable: use more workers")
+    cache = usable - resident - snapshots
+    seq = sequence_bytes(cfg, context, dtype_bytes)
+    concurrent = max(cache, 0) // seq["total"]
+    if concurrent < 1 and resident <= usable:
+        problems.append(f"a worker device has {max(cache, 0) / GB:.1f} GB for caches after its weights: not one "
+                        f"sequence of {context:,} tokens ({seq['total'] / GB:.2f} GB)")
+    batch = max(1, min(concurrent, max_num_seqs))
+    return Plan(
+        model=model, quant=cfg.quant.method if cfg.quant else "none", device=device.name, nodes=nodes,
+        gpus_per_node=gpus_per_node, attention=workers, experts=workers, experts_per_device=1,
+        gpus_per_expert_actor=1.0, context=context, total_weight_bytes=w.total, routed_expert_bytes=w.routed_experts,
+        attention_weight_bytes=w.attention, expert_actor_weight_bytes=shard, expert_device_bytes=resident,
+        usable_device_bytes=usable, cache_bytes=max(cache, 0), snapshot_bytes=snapshots, sequence_bytes=seq,
+        concurrent_sequences=int(concurrent),
+        decode=decode_roofline(cfg, w, device, workers, workers, batch, context, dtype_bytes, link_gbps),
+        fits=not problems, problems=tuple(problems), layout="colocated")
+
+
 def decode_roofline(cfg: ModelConfig, w: WeightBytes, device: Device, attention: int, expert_devices: int,
                     batch: int, context: int, dtype_bytes: int, link_gbps: float) -> dict:
     """One decode step with ``batch`` sequences per attention replica at ``context`` tokens: bytes each
@@ -215,6 +261,8 @@ def propose(cfg: ModelConfig, *, nodes: int, gpus_per_node: int, **kw) -> Plan |
 
 
 def format_plan(plan: Plan, proposal: Plan | None) -> str:
+    if plan.layout == "colocated":
+        return _format_colocated(plan)
     d = plan.decode
     lines = [
         f"{plan.model} ({plan.quant}) on {plan.nodes} × {plan.gpus_per_node} {plan.device}: "
@@ -238,3 +286,21 @@ def format_plan(plan: Plan, proposal: Plan | None) -> str:
     elif not plan.fits:
         lines.append("  no shape fits these devices")
     return "\n".join(lines)
+
+
+def _format_colocated(plan: Plan) -> str:
+    d = plan.decode
+    return "\n".join([
+        f"{plan.model} ({plan.quant}) on {plan.nodes} × {plan.gpus_per_node} {plan.device}: colocated, "
+        f"{plan.attention} workers (one per device, each an attention replica and 1/{plan.attention} of the experts)",
+        f"  weights: {plan.total_weight_bytes:,} B in the checkpoint, routed experts {plan.routed_expert_bytes:,} B",
+        f"  per device: {plan.attention_weight_bytes / GB:.1f} GB attention + {plan.expert_actor_weight_bytes / GB:.1f} GB "
+        f"experts + workspace = {plan.expert_device_bytes / GB:.1f} of {plan.usable_device_bytes / GB:.1f} GB usable; "
+        f"{plan.cache_bytes / GB:.1f} GB for sequences"
+        f"{f' (after {plan.snapshot_bytes / GB:.1f} GB of KDA snapshots)' if plan.snapshot_bytes else ''}; "
+        f"{plan.sequence_bytes['total'] / 2**20:,.1f} MiB per sequence at {plan.context:,} tokens → "
+        f"{plan.concurrent_sequences:,} concurrent sequences per worker",
+        f"  decode roofline (batch {d['batch_per_replica']} per worker): HBM {d['hbm_s'] * 1e3:.2f} ms + "
+        f"all-to-all {d['link_s'] * 1e3:.2f} ms at {d['link_gbps']:g} Gb/s → ~{d['tokens_per_s']:,.0f} tok/s",
+        "  fits: yes" if plan.fits else "  fits: NO — " + "; ".join(plan.problems),
+    ])

@@ -33,7 +33,7 @@ class ChaosRequest(BaseModel):
     """Body of POST /admin/chaos: which actor to kill."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["expert", "attention"]
+    kind: Literal["expert", "attention", "worker"]
     index: int = Field(..., ge=0, le=65535)
 
 

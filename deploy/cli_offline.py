@@ -91,8 +91,11 @@ def plan(
     gpu: str = typer.Option("h200", help="Device kind (a file in cluster/gpus: a100, b200, h100, h200, h800) or cpu."),
     nodes: int = typer.Option(1, help="Nodes."),
     gpus_per_node: int = typer.Option(8, help="Devices per node."),
+    layout: str = typer.Option("disaggregated", help="disaggregated (attention and expert actors apart) or "
+                                                     "colocated (a worker per device: attention + expert shard)."),
     attention: Optional[int] = typer.Option(None, help="Attention replicas (with --experts; default: propose)."),
     experts: Optional[int] = typer.Option(None, help="Expert actors (with --attention; default: propose)."),
+    workers: Optional[int] = typer.Option(None, help="Colocated workers (default: one per device)."),
     context: Optional[int] = typer.Option(None, help="Tokens per sequence (default: the model's context, "
                                                      "at most 131072)."),
     dtype: str = typer.Option("bfloat16", help="Serving dtype of unquantised weights and caches."),
@@ -103,13 +106,19 @@ def plan(
                                                      "snapshot_bytes; 0 without prefix caching)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
-    """Will the model fit this cluster? Weight and cache bytes per actor kind, concurrent sequences,
-    expert actors per device, a decode roofline, and the smallest shape that fits."""
-    from cluster.planner import DEVICES, format_plan, plan_shape, propose
+    """Will the model fit this cluster? Weight and cache bytes per actor kind (or per colocated worker),
+    concurrent sequences, expert actors per device, a decode roofline, and the smallest shape that fits."""
+    from cluster.planner import DEVICES, format_plan, plan_colocated, plan_shape, propose
     from model.presets import PRESETS
 
     if gpu not in DEVICES:
         raise ValueError(f"--gpu must be one of {', '.join(DEVICES)}, got {gpu!r}")
+    if layout not in ("disaggregated", "colocated"):
+        raise ValueError(f"--layout must be disaggregated or colocated, got {layout!r}")
+    if layout == "colocated" and (attention is not None or experts is not None):
+        raise ValueError("--layout colocated takes --workers, not --attention/--experts")
+    if layout == "disaggregated" and workers is not None:
+        raise ValueError("--workers is for --layout colocated")
     if (attention is None) != (experts is None):
         raise ValueError("give both --attention and --experts, or neither (then a shape is proposed)")
     if dtype not in ("bfloat16", "float32", "float16"):
@@ -118,6 +127,16 @@ def plan(
     kw = dict(model=Path(model).name if model not in PRESETS else model, device=DEVICES[gpu],
               context=context or min(model_cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
               utilization=utilization, link_gbps=link_gbps, snapshot_bytes=snapshot_bytes)
+    if layout == "colocated":
+        shown = plan_colocated(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node,
+                               workers=workers or nodes * gpus_per_node, **kw)
+        if as_json:
+            print(json.dumps(shown.to_dict() | {"workers": shown.attention, "proposal": None}, indent=2))
+        else:
+            print(format_plan(shown, None))
+        if not shown.fits:
+            raise typer.Exit(1)
+        return
     proposal = propose(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, **kw)
     if attention is None:
         shown = proposal or plan_shape(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=1,

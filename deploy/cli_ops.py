@@ -1,6 +1,6 @@
-"""The operations ``moeray`` commands, against a running app: ``scale experts|attention`` and
-``rebalance`` (live changes of shape and placement), ``chaos kill-expert|kill-attention`` (fault
-injection), ``experts`` (routed tokens per expert) and ``bench serve`` (a load test of any
+"""The operations ``moeray`` commands, against a running app: ``scale experts|attention|workers`` and
+``rebalance`` (live changes of shape and placement), ``chaos kill-expert|kill-attention|kill-worker``
+(fault injection), ``experts`` (routed tokens per expert) and ``bench serve`` (a load test of any
 OpenAI-compatible server)."""
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
 
 
-scale_app = typer.Typer(help="Change the number of expert actors or attention replicas of the running app, "
-                             "live: in-flight requests keep streaming.", no_args_is_help=True)
+scale_app = typer.Typer(help="Change the number of expert actors or attention replicas (or, in the colocated "
+                             "layout, workers) of the running app, live: in-flight requests keep streaming.",
+                        no_args_is_help=True)
 
 
 def _print_change(c: dict) -> None:
@@ -77,6 +78,19 @@ def scale_attention(
     _change("/admin/scale/attention", {"n": n}, url, admin_key, as_json)
 
 
+@scale_app.command("workers")
+@user_errors
+def scale_workers(
+    n: int = typer.Argument(..., help="Workers after the change (the colocated layout)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Colocated layout: move to N workers, each an attention replica and an expert shard (a removed
+    worker's sequences are re-prefilled on the others, its experts move to the rest)."""
+    _change("/admin/scale/workers", {"n": n}, url, admin_key, as_json)
+
+
 chaos_app = typer.Typer(help="Fault injection against your own running app: a real `ray.kill` of one actor. "
                              "The app recovers by itself; watch `moeray status` and /metrics.", no_args_is_help=True)
 
@@ -110,6 +124,17 @@ def chaos_kill_attention(
 ):
     """Kill attention replica INDEX."""
     _kill("attention", index, url, admin_key)
+
+
+@chaos_app.command("kill-worker")
+@user_errors
+def chaos_kill_worker(
+    index: int = typer.Argument(..., help="Which worker (as `moeray status` numbers them)."),
+    url: Optional[str] = typer.Option(None, help=URL_HELP),
+    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
+):
+    """Colocated layout: kill worker INDEX (its attention replica and expert shard)."""
+    _kill("worker", index, url, admin_key)
 
 
 @user_errors

@@ -25,8 +25,12 @@ def register(app: typer.Typer) -> None:
 @user_errors
 def up(
     model: Optional[str] = typer.Option(None, help=MODEL_HELP + " [default: kimi-k2-tiny]"),
+    layout: Optional[str] = typer.Option(None, help="disaggregated (default: attention and expert actors apart) "
+                                                    "or colocated (workers, each an attention replica and an "
+                                                    "expert shard)."),
     attention: Optional[int] = typer.Option(None, help="Attention data-parallel replicas. [default: 1]"),
     experts: Optional[int] = typer.Option(None, help="Expert actors. [default: 1]"),
+    workers: Optional[int] = typer.Option(None, help="Workers of the colocated layout. [default: 2]"),
     gpus_per_actor: Optional[float] = typer.Option(None, help="GPUs each attention and expert actor reserves; "
                                                               "fractions let expert actors share a GPU (NCCL then)."),
     nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine (default: 1)."),
@@ -58,7 +62,8 @@ def up(
     from .server import serve_foreground, start_detached
     from .settings import cache_root
 
-    given = dict(model=model, attention=attention, experts=experts, host=host, port=port, api_key=api_key,
+    given = dict(model=model, layout=layout, attention=attention, experts=experts, workers=workers, host=host,
+                 port=port, api_key=api_key,
                  admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
                  gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
@@ -136,6 +141,15 @@ def _actors_table(st: dict):
     from rich.table import Table
 
     t = Table("actor", "node", "placement / cache")
+    if st.get("workers"):  # colocated: one row per worker, both halves
+        for w in st["workers"]:
+            a, e = w["attention"], w["experts"]
+            weights = e.get("weight_bytes")
+            held = f"{weights / 2**20:,.1f} MiB of experts" if weights is not None else "experts unknown (no answer)"
+            t.add_row(f"worker[{w['index']}]", w["node"],
+                      f"attention: cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks held; experts: "
+                      f"{_slots_text(e['slots'], e['replicas'])}; {e['tokens']:,} tokens; {held}")
+        return t
     for a in st["attention"]:
         pc = a.get("prefix_cache") or {}
         cached = (f", {pc['blocks_cached']} cached" + (f", {pc['snapshots_cached'] + pc['snapshots_held']}/"

@@ -22,8 +22,15 @@ class _Deployment(BaseModel):
 
     model: str = Field("kimi-k2-tiny", description="Checkpoint directory or preset name.")
     served_model_name: str | None = Field(None, description="Name clients use; default: the preset or directory name.")
-    attention: int = Field(1, ge=1, description="Attention data-parallel replicas.")
-    experts: int = Field(1, ge=1, description="Expert actors.")
+    layout: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: attention actors on some devices, expert actors on others "
+                                     "(`attention`, `experts`); colocated: `workers`, each one process on one "
+                                     "device holding an attention replica and an expert shard (DP attention + "
+                                     "expert parallelism). docs/operations.md says when each is the better choice.")
+    attention: int = Field(1, ge=1, description="Attention data-parallel replicas (disaggregated layout).")
+    experts: int = Field(1, ge=1, description="Expert actors (disaggregated layout).")
+    workers: int = Field(2, ge=1, description="Workers of the colocated layout, each an attention replica and a "
+                                              "shard of the routed experts.")
     gpus_per_actor: float = Field(0, ge=0, description="GPUs each attention and expert actor reserves (NCCL then); "
                                                        "a fraction lets several actors share one GPU.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype of the actors' weights "
@@ -55,7 +62,8 @@ class _Deployment(BaseModel):
                                                              "each ingress replica when it starts, on its node "
                                                              "(instead of admin_api_key).")
     max_expert_actors: int | None = Field(None, ge=1, description="The most expert actors `moeray scale experts` "
-                                                                  "(POST /admin/scale/experts) may ask for: a "
+                                                                  "(POST /admin/scale/experts) may ask for (in the "
+                                                                  "colocated layout, the most workers): a "
                                                                   "larger count is refused with 400 before "
                                                                   "anything changes. Default: no limit but the "
                                                                   "model's routed experts and the cluster's room.")
@@ -95,6 +103,15 @@ class _Deployment(BaseModel):
             raise ValueError(f"experts ({self.experts}) is over max_expert_actors ({self.max_expert_actors})")
         if self.max_attention is not None and self.attention > self.max_attention:
             raise ValueError(f"attention ({self.attention}) is over max_attention ({self.max_attention})")
+        if self.layout == "colocated":
+            if self.attention != 1 or self.experts != 1:
+                raise ValueError("layout colocated: give workers (each an attention replica and an expert shard), "
+                                 f"not attention ({self.attention}) and experts ({self.experts})")
+            if self.standby_experts:
+                raise ValueError("layout colocated: its standbys are workers: give standby_attention, not "
+                                 "standby_experts")
+            if self.max_expert_actors is not None and self.workers > self.max_expert_actors:
+                raise ValueError(f"workers ({self.workers}) is over max_expert_actors ({self.max_expert_actors})")
         return self
 
     def inference_keys(self) -> list[str]:
@@ -151,6 +168,9 @@ class _Deployment(BaseModel):
         from cluster.spec import ClusterSpec
 
         res = {"CPU": 1, **({"GPU": self.gpus_per_actor} if self.gpus_per_actor else {})}
+        if self.layout == "colocated":
+            nodes = self.attention_nodes or self.expert_nodes
+            return ClusterSpec.of_workers(self.workers, res, tuple(nodes) if nodes else None)
         return ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,
                            expert_resources=dict(res),
                            expert_nodes=tuple(self.expert_nodes) if self.expert_nodes else None,

@@ -130,6 +130,7 @@ class EngineServer:
         ``{"ok": False, "status", "error"}`` (a shape the router refuses is the caller's error)."""
         begin = {"experts": lambda e: e.begin_scale_experts(value),
                  "attention": lambda e: e.begin_scale_attention(value),
+                 "workers": lambda e: e.begin_scale_workers(value),
                  "rebalance": lambda e: e.begin_rebalance(value)}[kind]
         try:
             change = await self.aengine.change(begin, ADMIN_TIMEOUT_S)
@@ -149,8 +150,10 @@ class EngineServer:
             if not pending and not any(f.exception() for f in futs):  # else an expert actor is down
                 weights = [f.result() for f in futs]
         replicated = [set(table.replicated(i)) for i in range(len(table.moe_layers))]
-        return {
+        layout = "colocated" if table.colocated else "disaggregated"
+        out = {
             "model": self.name, "healthy": self.aengine.healthy, "shape": table.shape(), "pid": os.getpid(),
+            "layout": layout,
             "failures": snap["failures"], "recoveries_s": snap["recoveries_s"], "hangs": snap["hangs"],
             "last_hang": snap["last_hang"],
             "running": snap["running"], "waiting": snap["waiting"], "steps": snap["steps"],
@@ -172,6 +175,10 @@ class EngineServer:
                          "weight_bytes": weights[j] if j < len(weights) else None}
                         for j, x in enumerate(actors["experts"])],
         }
+        # colocated: worker i is attention replica i and expert shard i, shown together
+        out["workers"] = ([{"index": i, "node": a["node"], "attention": a, "experts": x}
+                           for i, (a, x) in enumerate(zip(out["attention"], out["experts"]))] if table.colocated else [])
+        return out
 
     def shutdown(self) -> None:
         """Stop the engine thread and the actors (once)."""

@@ -68,7 +68,7 @@ class Ingress:
     # ---- plumbing ---------------------------------------------------------------------------
     def _check_max(self, kind: str, n: int) -> None:
         """A scale beyond the serving config's maximum is refused here, before the engine is asked."""
-        key = {"experts": "max_expert_actors", "attention": "max_attention"}[kind]
+        key = {"experts": "max_expert_actors", "workers": "max_expert_actors", "attention": "max_attention"}[kind]
         most = getattr(self.serve_cfg, key)
         if most is not None and n > most:
             raise oa.APIError(400, f"n={n} is over the serving config's {key} ({most}); raise {key} to allow more",
@@ -177,6 +177,12 @@ class Ingress:
         body = await self._parse(request, ScaleRequest)
         self._check_max("attention", body.n)
         return await self._admin("attention", body.n)
+
+    async def scale_workers(self, request: Request):
+        self.access.check_admin(request)
+        body = await self._parse(request, ScaleRequest)
+        self._check_max("workers", body.n)
+        return await self._admin("workers", body.n)
 
     async def rebalance(self, request: Request):
         self.access.check_admin(request)
@@ -439,6 +445,7 @@ ROUTES = (
     Route("GET", "/status", "status", {**ok(schemas.ClusterStatus), **errors(401, 503)}),
     Route("POST", "/admin/scale/experts", "scale_experts", ADMIN_DOC, (ScaleRequest,)),
     Route("POST", "/admin/scale/attention", "scale_attention", ADMIN_DOC, (ScaleRequest,)),
+    Route("POST", "/admin/scale/workers", "scale_workers", ADMIN_DOC, (ScaleRequest,)),
     Route("POST", "/admin/rebalance", "rebalance", ADMIN_DOC, (RebalanceRequest,)),
     Route("POST", "/admin/chaos", "chaos", {**errors(400, 401, 413, 503), **FORBIDDEN}, (ChaosRequest,)),
     Route("GET", "/admin/experts", "experts", {**errors(401, 503), **FORBIDDEN}),

@@ -158,6 +158,8 @@ class ClusterStatus(BaseModel):
     epoch: int
     attention: list[dict[str, Any]]
     experts: list[dict[str, Any]]
+    layout: str = "disaggregated"  # or "colocated"
+    workers: list[dict[str, Any]] = []  # colocated: each worker's attention replica and expert shard
 
 
 class EpochChangeReport(BaseModel):
