@@ -149,15 +149,16 @@ def served_rate(app: "Served", streams: int, prompt_len: int, new: int, parts: l
 
 
 class Served:
-    """``moeray up --detach`` on the checkpoint (1 attention × 1 expert), stopped on exit."""
+    """``moeray up --detach`` on the checkpoint (1 attention × 1 expert, or ``shape``), stopped on exit."""
 
     def __init__(self, path: Path, port: int, ping_pong: bool, env: dict, tree: str | None = None, threads: int = 1,
-                 expert_threads: int = 1, ingress: str | None = None):
+                 expert_threads: int = 1, ingress: str | None = None, shape: dict | None = None):
         self.url = f"http://127.0.0.1:{port}"
         # another checkout's code: first on the path, and the working directory (Ray's workers import from it)
         self.env, self.cwd = (env | {"PYTHONPATH": tree}, tree) if tree else (env, None)
         self.cfg = Path(env["MOERAY_CACHE_DIR"]) / f"serve-{port}.yaml"
-        cfg = {"model": str(path), "port": port, "attention": 1, "experts": 1, "max_num_seqs": 64}
+        # shape: the layout's keys (default 1 attention × 1 expert actor; e.g. {"layout": "colocated", "workers": 2})
+        cfg = {"model": str(path), "port": port, "max_num_seqs": 64} | (shape or {"attention": 1, "experts": 1})
         cfg |= ({"ping_pong": True} if ping_pong else {}) | ({"actor_threads": threads} if threads > 1 else {})
         cfg |= {"expert_threads": expert_threads} if expert_threads > 1 else {}
         cfg |= {"ingress": ingress} if ingress else {}  # None: the checkout's default (a "before" tree has none)

@@ -222,7 +222,7 @@ class EngineMetrics:
         self.actor_failures = counter("actor_failures_total", "Actors found dead or stuck, by kind.", ("kind",))
         self.actor_hangs = counter("actor_hangs_total", "Actors found hung by the watchdog (silent past their "
                                    "step budget, no heartbeat) and killed, by kind.", ("kind",))
-        for kind in ("attention", "expert"):
+        for kind in ("attention", "expert", "worker"):  # worker: the colocated layout's
             self.actor_failures.labels(model_name=self.model_name, kind=kind)
             self.actor_hangs.labels(model_name=self.model_name, kind=kind)
         for reason in FINISHED_REASONS:  # so rate() works before the first request of each kind

@@ -10,7 +10,8 @@ from cli_runner import in_process
 from ray.util.placement_group import placement_group_table
 
 from cluster.engine import Engine, EngineConfig
-from cluster.planner import DEVICES, format_plan, plan_shape, propose, sequence_bytes, weight_bytes
+from cluster.planner import (ATTENTION_WORKSPACE, DEVICES, EXPERT_WORKSPACE, format_plan, plan_colocated, plan_shape,
+                             propose, sequence_bytes, weight_bytes)
 from cluster.preflight import PreflightError, check
 from cluster.spec import ClusterSpec, NodeInfo
 from model.config import load_config
@@ -113,3 +114,35 @@ def test_preflight_refuses_before_reserving_on_the_local_cluster(ray_cluster, tm
     assert "cannot be placed" in msg and "CPU 14" in msg and "CPU 12" in msg
     assert "a shape that fits: --attention 6 --experts 6" in msg
     assert placement_group_table() == before and not eng.executor.fleet.reservations and not eng.executor.fleet.started
+
+
+def test_colocated_k2_fp8_on_2x8_h200_per_gpu_bytes_and_sequences_at_4k():
+    """Issue 33, Must show 5: 16 workers, each the attention weights + 1/16 of the routed experts (24 of
+    384, by hand) + workspace; the rest of 90 % of an H200 holds 4k sequences of 61 layers × 576 latent
+    values in bf16. `moeray plan --layout colocated` prints the same numbers."""
+    plan = plan_colocated(K2, model="k2", device=H200, nodes=2, gpus_per_node=8, workers=16, context=4096)
+    assert plan.fits and plan.layout == "colocated" and plan.attention == plan.experts == 16
+    assert plan.expert_actor_weight_bytes == 24 * (1_014_933_749_760 // 384) == 63_433_359_360
+    w = weight_bytes(K2)
+    assert plan.attention_weight_bytes == w.attention
+    per_gpu = w.attention + 63_433_359_360 + ATTENTION_WORKSPACE + EXPERT_WORKSPACE
+    assert plan.expert_device_bytes == per_gpu and plan.usable_device_bytes == int(H200.memory_bytes * 0.9)
+    assert plan.sequence_bytes["total"] == 4096 * 61 * 576 * 2 == 287_834_112  # the latent cache alone: no KDA state
+    assert plan.concurrent_sequences == (plan.usable_device_bytes - per_gpu) // plan.sequence_bytes["total"] == 150
+    run = in_process("plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--nodes", "2",
+                     "--gpus-per-node", "8", "--layout", "colocated", "--context", "4096")
+    assert run.returncode == 0, run.stderr
+    assert "16 workers" in run.stdout and "63.4 GB experts" in run.stdout and "150 concurrent sequences" in run.stdout
+
+
+def test_colocated_refuses_a_shard_that_does_not_fit():
+    """K2 FP8 on one 8 × H200 node: a worker's 1/8 shard (126.9 GB) and the attention weights exceed a GPU;
+    refused with the numbers and what to do, exit 1."""
+    plan = plan_colocated(K2, model="k2", device=H200, nodes=1, gpus_per_node=8, workers=8, context=4096)
+    assert not plan.fits and "use more workers" in plan.problems[0] and "1/8 shard" in plan.problems[0]
+    run = in_process("plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--nodes", "1",
+                     "--gpus-per-node", "8", "--layout", "colocated", "--context", "4096")
+    assert run.returncode == 1 and "use more workers" in run.stdout + run.stderr
+    more = in_process("plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--nodes", "2",
+                      "--gpus-per-node", "8", "--layout", "colocated", "--workers", "17")
+    assert more.returncode == 1 and "17 workers need 17 devices" in more.stdout + more.stderr

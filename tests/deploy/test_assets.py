@@ -115,7 +115,10 @@ def _check_serve_config(cfg: dict) -> dict:
     params = builder.args
     # Serve calls an application builder with exactly one argument, the args dict (anything more fails `serve deploy`)
     assert len(params.args) == 1 and not (params.kwonlyargs or params.vararg or params.kwarg), ast.dump(params)
-    assert REQUIRED_ARGS <= set(app["args"]) <= set(ServeConfig.model_fields), set(app["args"])
+    # the layout's shape keys: attention and experts, or (colocated) workers
+    shape = {"workers"} if app["args"].get("layout") == "colocated" else {"attention", "experts"}
+    assert (REQUIRED_ARGS - {"attention", "experts"}) | shape <= set(app["args"]) <= set(ServeConfig.model_fields), \
+        set(app["args"])
     ServeConfig.parse(app["args"])  # the args build_app will parse (extra="forbid")
     assert cfg["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert "working_dir" not in json.dumps(app.get("runtime_env", {}))  # installed package, see comments
@@ -416,3 +419,24 @@ def test_gcp_cluster_yaml_is_a_gpu_template():
     workers = {k: v for k, v in cfg["available_node_types"].items() if k != cfg["head_node_type"]}
     assert any(v["node_config"]["machineType"].startswith(("a3-", "a4-")) and v.get("min_workers", 0) >= 1
                for v in workers.values())
+
+
+def test_colocated_gpu_serve_config_is_k2_fp8_on_2x8_h200_one_worker_per_gpu_and_fits_the_plan():
+    """deploy/serve_config.colocated.gpu.yaml (issue 33): a valid `serve deploy` config of the colocated
+    layout, one worker per GPU of 2 × 8, whose cache fits what `moeray plan --layout colocated` leaves
+    for sequences on an H200."""
+    from cluster.planner import DEVICES, plan_colocated
+    from model.config import load_config
+
+    args = _check_serve_config(load_yaml("serve_config.colocated.gpu.yaml"))["args"]
+    cfg = ServeConfig.parse(args)
+    assert cfg.layout == "colocated" and cfg.workers == 16 and cfg.gpus_per_actor == 1 and cfg.dtype == "bfloat16"
+    assert cfg.max_expert_actors == cfg.workers
+    spec = cfg.cluster_spec()
+    assert spec.colocated and spec.workers == 16 and spec.attention_resources.get("GPU") == 1
+    k2 = load_config(ROOT / "tests" / "fixtures" / "configs" / "kimi-k2-instruct.json")
+    plan = plan_colocated(k2, model="k2", device=DEVICES["h200"], nodes=2, gpus_per_node=8, workers=cfg.workers,
+                          context=4096)
+    assert plan.fits
+    assert cfg.num_blocks * cfg.block_size * plan.sequence_bytes["latent_per_token"] <= plan.cache_bytes
+    assert cfg.num_blocks * cfg.block_size >= 4096 * plan.concurrent_sequences

@@ -727,3 +727,155 @@ class TestK3:
         assert answers == _reference(k3.path, asked)
         out, _ = k3.cli("scale", "attention", "2")  # as found
         assert f"1 attention × 2 expert actors → {SHAPE}" in out, out
+
+
+# ==== the colocated layout (issue 33) ==================================================================
+# Each app: 2 workers, each an attention replica and half the routed experts. Small on purpose: prefills
+# chunked (32 tokens a step; K3 128), and 32 blocks of 16 per worker (K3 24) hold fewer of the parity
+# prompts than are sent at once, so sequences are preempted and recomputed.
+WORKERS = "2 workers (attention + experts each)"
+COLOCATED = dict(layout="colocated", workers=2, max_tokens_per_step=32, num_blocks=32, hang_floor_s=2.0,
+                 heartbeat_timeout_s=1.5)
+PARITY_TOKENS = 80
+PARITY_PROMPTS = [[(i * 41 + j * 13) % 700 + 11 for j in range(10 + 9 * i)] for i in range(10)]  # 10 to 91 tokens
+STREAM_TOKENS = 360  # outlives the changes made while it runs (asserted)
+STREAM_PROMPTS = [[(i * 29 + j * 3) % 700 + 13 for j in range(8 + 5 * i)] for i in range(4)]
+
+
+def _preemptions(url) -> float:
+    return metrics(url)["moeray:num_preemptions_total"]
+
+
+def _equal_at_2_and_3_workers(app: App) -> None:
+    """The parity prompts, all at once, equal the single process with 2 workers and, after `moeray scale
+    workers 3`, with 3 (preemptions counted: the small cache did preempt); then back to 2 (as found)."""
+    url = app.url
+    before = _preemptions(url)
+    assert finish(start_streams(url, app.name, PARITY_PROMPTS, PARITY_TOKENS)) == app.expected["parity"]
+    assert _preemptions(url) > before, "the cache was not small enough to preempt"
+    st = _status(url)
+    assert st["layout"] == "colocated" and [w["index"] for w in st["workers"]] == [0, 1]
+    assert len({w["node"] for w in st["workers"]}) == 2  # spread over the nodes
+    out, _ = app.cli("scale", "workers", "3")
+    assert f"{WORKERS} → 3 workers (attention + experts each)" in out, out
+    st = _status(url)
+    assert len({w["node"] for w in st["workers"]}) == 3 and st["shape"] == "3 workers (attention + experts each)"
+    assert finish(start_streams(url, app.name, PARITY_PROMPTS, PARITY_TOKENS)) == app.expected["parity"]
+    out, _ = app.cli("scale", "workers", "2")  # as found
+    assert f"3 workers (attention + experts each) → {WORKERS}" in out, out
+
+
+def _worker_pids() -> list[int]:
+    return [a["Pid"] for a in _alive("ColocatedWorker")]
+
+
+@pytest.fixture(scope="class")
+def ck2(serve_port, tmp_path_factory):
+    """kimi-k2-tiny in the colocated layout, 2 workers."""
+    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("ck2") / "k2", seed=8, progress=False)
+    oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS),
+               "streams": oracle_soon(path, STREAM_PROMPTS, STREAM_TOKENS)}
+    url = deploy(serve_port, path, "ck2", **COLOCATED)
+    try:
+        yield App("ck2", url, path, ADMIN, {k: o.result() for k, o in oracles.items()})
+    finally:
+        serve.delete("ck2")
+
+
+class TestColocatedK2:
+    @pytest.fixture(autouse=True)
+    def as_found(self, ck2):
+        _as_found(ck2, WORKERS)
+        yield
+        _as_found(ck2, WORKERS)
+
+    def test_two_and_three_workers_equal_the_single_process(self, ck2):
+        _equal_at_2_and_3_workers(ck2)
+
+    def test_scale_2_3_2_a_killed_and_a_stopped_worker_while_5_streams_run(self, ck2):
+        """4 greedy streams and a grammar-constrained chat stream run while, one after another: `moeray
+        scale workers 3`, `moeray chaos kill-worker 1` (recovered: its sequences re-prefilled elsewhere,
+        its shard reloaded), a worker SIGSTOPped (found hung by the watchdog, killed, replaced), `moeray
+        scale workers 2`. Every stream outlives every change and equals the single process's (the
+        constrained one its fault-free answer); the failure and hang counters move by one each."""
+        url = ck2.url
+        before = _status(url)
+        constrained = chat_reference(url, "ck2", STREAM_TOKENS, CONSTRAINED)
+        streams = start_streams(url, "ck2", STREAM_PROMPTS, STREAM_TOKENS,
+                                [Stream(url, "ck2", None, STREAM_TOKENS, CONSTRAINED)])
+        out, _ = ck2.cli("scale", "workers", "3")
+        assert f"{WORKERS} → 3 workers (attention + experts each)" in out, out
+        _kill(ck2, "worker", 1)
+        epoch = _status(url)["epoch"]
+        pid = _worker_pids()[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while (st := _status(url))["epoch"] == epoch:  # found hung, killed, replaced
+                assert time.monotonic() < deadline, "the stopped worker was never replaced"
+                time.sleep(0.2)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)  # a process Ray has not killed yet would stay stopped
+            except ProcessLookupError:
+                pass
+        assert st["last_change"]["kind"] == "recovery" and pid not in _worker_pids()
+        out, last = ck2.cli("scale", "workers", "2")  # as found
+        assert f"3 workers (attention + experts each) → {WORKERS}" in out and "sequences moved" in out, out
+        assert all(s.ended is None or s.ended > last for s in streams), "a stream ended before the last change"
+        assert finish(streams) == [*ck2.expected["streams"], constrained]
+        assert all(s.finish == "length" and len(s.pieces) == STREAM_TOKENS for s in streams[:-1])
+        assert constrained.startswith("[")
+        after = _status(url)
+        assert _delta(after["failures"], before["failures"]) == {"worker": 2}, (after["failures"], before["failures"])
+        assert _delta(after["hangs"], before["hangs"]) == {"worker": 1}, (after["hangs"], before["hangs"])
+        assert after["epoch"] == before["epoch"] + 4
+        bad = moeray("chaos", "kill-worker", "7", "--url", url, "--admin-key", ADMIN)
+        assert bad.returncode == 2 and "there is no worker[7]" in bad.stderr, bad.stderr
+        refused = moeray("scale", "experts", "3", "--url", url, "--admin-key", ADMIN)
+        assert refused.returncode != 0 and "colocated" in refused.stderr, refused.stderr
+
+
+@pytest.fixture(scope="class")
+def ck3(serve_port, tmp_path_factory):
+    """kimi-k3-tiny (hybrid: KDA state re-prefilled) in the colocated layout, 2 workers, the router's
+    rebalance window 16 steps."""
+    path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("ck3") / "k3", seed=9, progress=False)
+    oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS), "skewed": oracle_soon(path, SKEWED, 12)}
+    # a step budget of 128 (prompts sent together still prefill in chunks): one under K3's snapshot grid
+    # (64) would take no KDA snapshot, so nothing to hit; 24 blocks a worker, so that its sequences are preempted
+    url = deploy(serve_port, path, "ck3", rebalance_window_steps=16,
+                 **(COLOCATED | {"max_tokens_per_step": 128, "num_blocks": 24}))
+    try:
+        yield App("ck3", url, path, ADMIN, {k: o.result() for k, o in oracles.items()})
+    finally:
+        serve.delete("ck3")
+
+
+class TestColocatedK3:
+    @pytest.fixture(autouse=True)
+    def as_found(self, ck3):
+        _as_found(ck3, WORKERS)
+        yield
+        _as_found(ck3, WORKERS)
+
+    def test_two_and_three_workers_equal_the_single_process(self, ck3):
+        _equal_at_2_and_3_workers(ck3)
+
+    def test_rebalance_with_redundant_slots_lowers_the_imbalance_and_keeps_the_tokens(self, ck3):
+        url = ck3.url
+        epoch = _status(url)["epoch"]
+        out, _ = ck3.cli("scale", "workers", "3")  # a new epoch, so the gauge below sees this mix alone
+        assert finish(start_streams(url, "ck3", SKEWED, 12)) == ck3.expected["skewed"]
+        before = _imbalance(url)
+        out, _ = ck3.cli("rebalance", "--redundant-slots", "2")
+        assert "imbalance (max/mean tokens per expert actor" in out and "→" in out, out
+        st = _status(url)
+        assert st["epoch"] == epoch + 2 and any(r for e in st["experts"] for r in e["replicas"].values())
+        assert finish(start_streams(url, "ck3", SKEWED, 12)) == ck3.expected["skewed"]  # re-placed experts
+        assert 0 < _imbalance(url) < before
+        out, _ = ck3.cli("scale", "workers", "2")  # as found: contiguous shards, the replicas gone
+        assert f"3 workers (attention + experts each) → {WORKERS}" in out, out
+
+    def test_prefix_caching_equals_a_cluster_without_it(self, ck3):
+        _five_turns(ck3, grid=64)  # K3's cache grid: its KDA snapshots'
