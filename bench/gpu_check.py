@@ -4,10 +4,12 @@
 
 1. Parity: each tiny preset (K2, K3) in bf16 on the GPU against the same checkpoint in fp32 on the
    CPU — full-sequence logits within bf16 tolerance, and the share of positions whose top token agrees.
-2. The served path: the cluster engine on this machine's GPUs — one attention and two expert actors,
-   each on its own GPU with NCCL when there are three or more, else sharing GPU 0 (fractional
-   reservations) over gloo, since NCCL refuses two ranks on one device — generates greedily; its tokens
-   are compared with the single-process GPU model's, ping-pong off and on.
+2. The served path: the cluster engine on this machine's GPUs in both layouts — disaggregated, one
+   attention and two expert actors, each on its own GPU with NCCL when there are three or more; and
+   colocated, two workers (each an attention replica and half the experts) with NCCL when there are
+   two or more; else sharing GPU 0 (fractional reservations) over gloo, since NCCL refuses two ranks on
+   one device — generates greedily; its tokens are compared with the single-process GPU model's,
+   ping-pong off and on.
 3. Speed: decode tokens/s of the single-process GPU model and of the cluster at ``--streams``, and
    the cluster's per-step breakdown (the same parts as ``GET /status``).
 Exits 1 when a parity check fails; prints one JSON line with everything at the end."""
@@ -72,10 +74,13 @@ def single_rate(path: Path, streams: int, new: int) -> tuple[float, list[list[in
     return streams * new / (time.perf_counter() - t0), out
 
 
-def cluster_run(path: Path, streams: int, new: int, gpus: int) -> dict:
-    nccl = gpus >= 3
+def cluster_run(path: Path, streams: int, new: int, gpus: int, colocated: bool = False) -> dict:
+    """Disaggregated: 1 attention + 2 expert actors (NCCL with 3+ GPUs). Colocated: 2 workers, each an
+    attention replica and half the experts (NCCL with 2+ GPUs). Else gloo on a shared GPU 0."""
+    nccl = gpus >= (2 if colocated else 3)
     res = {"CPU": 1, "GPU": 1.0 if nccl else 0.3} if gpus else {"CPU": 1}
-    spec = ClusterSpec(attention=1, experts=2, attention_resources=res, expert_resources=dict(res))
+    spec = (ClusterSpec.of_workers(2, res) if colocated else
+            ClusterSpec(attention=1, experts=2, attention_resources=res, expert_resources=dict(res)))
     config = EngineConfig.of(model=str(path), dtype="bfloat16", backend="nccl" if nccl else "gloo",
                           num_blocks=streams * 8 + 8, num_slots=streams + 1, max_tokens_per_step=2048)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -120,13 +125,15 @@ def main() -> None:
             try:
                 for name, path in paths.items():
                     rate, ref = single_rate(path, args.streams, args.new_tokens)
-                    run = cluster_run(path, args.streams, args.new_tokens, gpus)
-                    r = report[name] | {"single_process_tok_s": round(rate, 1), "backend": run["backend"]}
-                    for mode in ("ping_pong_off", "ping_pong_on"):
-                        toks = run[mode].pop("tokens")
-                        same = sum(a == b for x, y in zip(toks, ref) for a, b in zip(x, y)) / sum(map(len, ref))
-                        r[mode] = run[mode] | {"token_agreement_with_single_gpu": round(same, 4)}
-                        ok &= same >= 0.9  # bf16: a near tie may flip a token and the rest of its stream
+                    r = report[name] | {"single_process_tok_s": round(rate, 1)}
+                    for layout in ("disaggregated", "colocated"):
+                        run = cluster_run(path, args.streams, args.new_tokens, gpus, layout == "colocated")
+                        r[layout] = {"backend": run["backend"]}
+                        for mode in ("ping_pong_off", "ping_pong_on"):
+                            toks = run[mode].pop("tokens")
+                            same = sum(a == b for x, y in zip(toks, ref) for a, b in zip(x, y)) / sum(map(len, ref))
+                            r[layout][mode] = run[mode] | {"token_agreement_with_single_gpu": round(same, 4)}
+                            ok &= same >= 0.9  # bf16: a near tie may flip a token and the rest of its stream
                     report[name] = r
                     print(name, json.dumps(r), flush=True)
             finally:

@@ -149,6 +149,11 @@ class FakeExecutor:
     def started(self) -> bool:
         return self.table is not None
 
+    @property
+    def kind(self) -> str:
+        """The member kind that holds an attention replica: a worker in the colocated layout."""
+        return "worker" if self.table is not None and self.table.colocated else "attention"
+
     def start(self, table: PlacementTable) -> None:
         self.table = table
         self.replicas = [self._replica() for _ in range(table.num_attention)]
@@ -174,9 +179,16 @@ class FakeExecutor:
         for r in reqs:
             assert r.epoch == self.table.epoch, f"step {r.step} carries epoch {r.epoch}, the actors run {self.table.epoch}"
         assert expert_req.epoch == self.table.epoch and expert_req.step == reqs[0].step
+        if self.table.colocated:  # every worker is told every worker's tokens per micro-batch, as the chunks say
+            for r in reqs:
+                assert r.peer_tokens == expert_req.tokens, (r.peer_tokens, expert_req.tokens)
+            assert [sum(m[i] for m in expert_req.tokens) for i in range(len(reqs))] == \
+                [sum(len(c.token_ids) for c in r.chunks) for r in reqs], "peer tokens that are not the chunks'"
+        else:
+            assert all(r.peer_tokens == () for r in reqs)
         self.pending[expert_req.step] = list(reqs)
         self.log.append(("launch", expert_req.step, expert_req.epoch, expert_req.ahead))
-        return [(f"attention[{i}]", i) for i in range(len(reqs))]
+        return [(f"{self.kind}[{i}]", i) for i in range(len(reqs))]
 
     def collect(self, step_no: int, sent: list) -> tuple[list, list]:
         reqs = self.pending.pop(step_no)
@@ -186,10 +198,10 @@ class FakeExecutor:
         if step_no in self.faults:
             dead = self.faults.pop(step_no)
             for i, (replica, req) in enumerate(zip(self.replicas, reqs)):
-                if ("attention", i) not in dead:
+                if (self.kind, i) not in dead:
                     replica.run(req, self.vocab)  # it got as far as its caches and state: half a step
             self.pending.clear()  # a step sent ahead is refused by actors whose previous step failed
-            others = [("attention", i) for i in range(len(reqs)) if ("attention", i) not in dead]
+            others = [(self.kind, i) for i in range(len(reqs)) if (self.kind, i) not in dead]
             hung = dead if step_no in self.hangs else []
             raise StepFailed(f"step {step_no} failed: {dead} {'hung' if hung else 'died'}", dead, others, hung)
         attn = []
@@ -245,7 +257,7 @@ class FakeExecutor:
             self.log.append(("no capacity", tuple(dead)))
             raise NoCapacity(f"no room for a replacement of {dead}")
         for kind, i in dead:
-            if kind == "attention":
+            if kind in ("attention", "worker"):
                 self.replicas[i] = self._replica()  # its cache and state are gone
         self.table = table
         self.pending.clear()

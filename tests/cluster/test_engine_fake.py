@@ -28,12 +28,14 @@ def model_dir(request, tmp_path_factory):
     return d
 
 
-def make(model_dir, *, attention=2, experts=2, **config) -> tuple[Engine, FakeExecutor]:
+def make(model_dir, *, attention=2, experts=2, spec: ClusterSpec | None = None, **config) -> tuple[Engine, FakeExecutor]:
+    """``spec``: another shape (e.g. the colocated layout's ``ClusterSpec.of_workers``)."""
     cfg = EngineConfig.of(model=str(model_dir), **{"num_blocks": 64, "block_size": 4, **config})
     mc = load_config(model_dir)
     fake = FakeExecutor(num_blocks=cfg.cache.num_blocks, block_size=cfg.cache.block_size, hybrid=bool(mc.kda_layers),
                         vocab=mc.vocab_size, num_experts=mc.n_routed_experts)
-    return Engine(cfg, ClusterSpec(attention=attention, experts=experts), executor=fake).start(), fake
+    spec = spec or ClusterSpec(attention=attention, experts=experts)
+    return Engine(cfg, spec, executor=fake).start(), fake
 
 
 def oracle(eng: Engine, prompts, params) -> list[list[int]]:
@@ -275,6 +277,69 @@ def test_an_actor_lost_while_the_group_re_forms_abandons_the_change_and_recovers
     assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
     assert len(eng.scheduler.cache.blocks) == 2 and eng.router.pending is None
     assert ("replace", 2, (dead,)) in fake.log  # epoch 1 was the abandoned change's
+    assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
+
+
+# ---- the colocated layout: W workers, each an attention replica and an expert shard ----------------------
+def workers(model_dir, n=2, **config) -> tuple[Engine, FakeExecutor]:
+    return make(model_dir, spec=ClusterSpec.of_workers(n), **config)
+
+
+@pytest.mark.parametrize("ping_pong", [False, True])
+def test_colocated_steps_equal_the_oracle_with_chunked_prefill_and_preemption(model_dir, ping_pong):
+    """Each worker is sent its own chunks and every worker's tokens per micro-batch (the fake checks
+    them against the chunks); 12 blocks of 4 a worker hold fewer sequences than are sent."""
+    eng, fake = workers(model_dir, max_tokens_per_step=16, num_blocks=12, ping_pong=ping_pong)
+    assert eng.table.colocated and eng.table.num_actors == eng.table.num_attention == 2
+    ps = prompts(8, seed=30)
+    assert [s.output_ids for s in run(eng, ps, LONG)] == oracle(eng, ps, LONG)
+    assert eng.stats.preemptions > 0 and _all_free(eng)
+    assert (eng.stats.micro_batched_steps > 0) == ping_pong
+
+
+@pytest.mark.parametrize("at_step", [2, 6])
+def test_colocated_a_dead_worker_is_replaced_and_every_stream_is_exact(model_dir, at_step):
+    """A worker is both halves: its death loses its sequences' caches (re-prefilled elsewhere or on the
+    replacement) and its shard (reloaded); one failure of kind "worker", one recovery."""
+    eng, fake = workers(model_dir, max_tokens_per_step=32)
+    fake.fail_step(at_step, ("worker", 1))
+    ps = prompts(5, seed=31)
+    assert [s.output_ids for s in run(eng, ps, LONG)] == oracle(eng, ps, LONG)
+    assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.colocated
+    assert eng.stats.actor_failures == {"worker": 1} and ("replace", 1, (("worker", 1),)) in fake.log
+    assert _all_free(eng)
+
+
+def test_colocated_scale_workers_down_and_up_while_streaming(model_dir):
+    """Both halves in one change: 2 → 1 (the removed worker's sequences re-prefilled on the other,
+    every expert on it) → 3; attention and experts alone cannot change in this layout."""
+    eng, fake = workers(model_dir)
+    ps = prompts(6, seed=32)
+    ids = started(eng, ps, LONG, turns=4)
+    down = eng.wait(eng.begin_scale_workers(1))
+    assert down.kind == "workers" and down.moved_sequences > 0 and len(eng.scheduler.cache.blocks) == 1
+    assert eng.table.num_actors == 1 and len(eng.table.experts_of(0)[eng.table.moe_layers[0]]) == eng.table.num_experts
+    up = eng.wait(eng.begin_scale_workers(3))
+    drain(eng)
+    assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
+    assert (up.kind, up.new_shape) == ("workers", "3 workers (attention + experts each)")
+    assert eng.table.colocated and len(eng.scheduler.cache.blocks) == 3
+    for refused in (lambda: eng.begin_scale_attention(2), lambda: eng.begin_scale_experts(2)):
+        with pytest.raises(ValueError, match="colocated"):
+            refused()
+
+
+def test_colocated_a_failure_during_a_change_abandons_it_and_recovers(model_dir):
+    eng, fake = workers(model_dir)
+    fake.ready_after = 10 ** 6  # still preparing when the step fails
+    fake.fail_step(3, ("worker", 0))
+    ps = prompts(3, seed=33)
+    ids = [eng.add_request(p, LONG) for p in ps]
+    t = eng.begin_scale_workers(3)
+    drain(eng)
+    assert "interrupted" in str(t.done.exception())
+    assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
+    assert ("abort", 1) in fake.log and ("replace", 2, (("worker", 0),)) in fake.log
     assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
 
 
