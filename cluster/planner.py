@@ -136,20 +136,27 @@ class Plan:
         return asdict(self)
 
 
+def _plan_inputs(cfg: ModelConfig, device: Device, dtype_bytes: int, utilization: float,
+                 **counts: int) -> tuple[WeightBytes, int, int]:
+    """Both layouts' plans: every count >= 1 and the utilization in (0, 1] (else ValueError naming it);
+    the weight bytes, the devices (nodes × GPUs per node) and each device's usable bytes."""
+    for name, v in counts.items():
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    return (weight_bytes(cfg, dtype_bytes), counts["nodes"] * counts["gpus_per_node"],
+            int(device.memory_bytes * utilization))
+
+
 def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, attention: int,
                experts: int, context: int, dtype_bytes: int = 2, utilization: float = 0.9,
                link_gbps: float = 400.0, max_num_seqs: int = 256, snapshot_bytes: int = 0) -> Plan:
     """The arithmetic of one shape; ``problems`` says why it does not fit (empty when it does).
     ``snapshot_bytes``: KDA state snapshots per attention replica (prefix caching on a hybrid
     model; ignored without KDA layers), taken from the room for sequences."""
-    for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("attention", attention),
-                    ("experts", experts), ("context", context)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if not 0 < utilization <= 1:
-        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
-    w = weight_bytes(cfg, dtype_bytes)
-    devices, usable = nodes * gpus_per_node, int(device.memory_bytes * utilization)
+    w, devices, usable = _plan_inputs(cfg, device, dtype_bytes, utilization, nodes=nodes, gpus_per_node=gpus_per_node,
+                                      attention=attention, experts=experts, context=context)
     problems = []
     expert_devices = devices - attention
     if expert_devices < 1:
@@ -190,13 +197,8 @@ def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, 
     shard + both workspaces (+ KDA snapshots); what is left holds the latent cache. ``problems`` says
     why it does not fit (a shard that does not fit a device, more workers than devices, no room for
     one sequence)."""
-    for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("workers", workers), ("context", context)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if not 0 < utilization <= 1:
-        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
-    w = weight_bytes(cfg, dtype_bytes)
-    devices, usable = nodes * gpus_per_node, int(device.memory_bytes * utilization)
+    w, devices, usable = _plan_inputs(cfg, device, dtype_bytes, utilization, nodes=nodes, gpus_per_node=gpus_per_node,
+                                      workers=workers, context=context)
     problems = []
     if workers > devices:
         problems.append(f"{workers} workers need {workers} devices; the cluster has {devices}")

@@ -249,17 +249,22 @@ def test_a_change_whose_actors_never_start_is_off_and_serving_goes_on(model_dir)
     assert [c for c in fake.log if c[0] == "abort"] == [("abort", 1)]
 
 
-def test_a_failure_during_a_change_abandons_it_and_recovers(model_dir):
-    eng, fake = make(model_dir)
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_a_failure_during_a_change_abandons_it_and_recovers(model_dir, layout):
+    """Disaggregated: scale attention 2 → 1 while an expert actor dies; colocated: scale workers 2 → 3
+    while a worker dies."""
+    colocated = layout == "colocated"
+    eng, fake = make(model_dir, spec=ClusterSpec.of_workers(2) if colocated else None)
     fake.ready_after = 10 ** 6  # still preparing when the step fails
-    fake.fail_step(3, ("expert", 1))
+    dead = ("worker", 0) if colocated else ("expert", 1)
+    fake.fail_step(3, dead)
     ps = prompts(3, seed=13)
     ids = [eng.add_request(p, LONG) for p in ps]
-    t = eng.begin_scale_attention(1)
+    t = eng.begin_scale_workers(3) if colocated else eng.begin_scale_attention(1)
     drain(eng)
     assert "interrupted" in str(t.done.exception())
     assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
-    assert ("abort", 1) in fake.log and ("replace", 2, (("expert", 1),)) in fake.log  # epochs are never reused
+    assert ("abort", 1) in fake.log and ("replace", 2, (dead,)) in fake.log  # epochs are never reused
     assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
 
 
@@ -327,20 +332,6 @@ def test_colocated_scale_workers_down_and_up_while_streaming(model_dir):
     for refused in (lambda: eng.begin_scale_attention(2), lambda: eng.begin_scale_experts(2)):
         with pytest.raises(ValueError, match="colocated"):
             refused()
-
-
-def test_colocated_a_failure_during_a_change_abandons_it_and_recovers(model_dir):
-    eng, fake = workers(model_dir)
-    fake.ready_after = 10 ** 6  # still preparing when the step fails
-    fake.fail_step(3, ("worker", 0))
-    ps = prompts(3, seed=33)
-    ids = [eng.add_request(p, LONG) for p in ps]
-    t = eng.begin_scale_workers(3)
-    drain(eng)
-    assert "interrupted" in str(t.done.exception())
-    assert [c.kind for c in eng.epochs.changes] == ["recovery"] and eng.table.num_attention == 2
-    assert ("abort", 1) in fake.log and ("replace", 2, (("worker", 0),)) in fake.log
-    assert [eng.release(i).seq.output_ids for i in ids] == oracle(eng, ps, LONG)
 
 
 def test_the_automatic_policy_rebalances_a_skewed_load(model_dir):
