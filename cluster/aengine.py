@@ -270,10 +270,16 @@ class AsyncEngine:
         if isinstance(item, _Add):
             self._add(item.requests, item.ready)
         elif isinstance(item, _Call):
-            try:
-                item.future.set_result(item.fn(self.engine))
-            except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
-                item.future.set_exception(e)
+            # a call whose caller stopped waiting (a control route that answered 503 at its timeout
+            # cancels it) is not run: the caller was told it did not happen. Once running it cannot be
+            # cancelled, so answering it cannot raise (an InvalidStateError here ended the thread)
+            if item.future.set_running_or_notify_cancel():
+                try:
+                    result = item.fn(self.engine)
+                except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
+                    item.future.set_exception(e)
+                else:
+                    item.future.set_result(result)
         elif isinstance(item, _Abort):
             stream = self._streams.pop(item.seq_id, None)
             self.engine.abort(item.seq_id)

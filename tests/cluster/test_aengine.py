@@ -262,3 +262,30 @@ def test_one_sequence_of_a_request_is_aborted_alone():
     assert aborted not in eng.requests and eng.requests == {}
     steps_with_it = [e for e in eng.log if e[0] == "step" and aborted in e[1]]
     assert len(steps_with_it) < 6  # it stopped decoding, not ran on beside the other to its 40 tokens
+
+
+class IdleEngine(FakeEngine):
+    has_work = False
+
+
+def test_a_control_call_its_caller_gave_up_on_is_not_run_and_the_thread_lives_on():
+    """A control route (/status, chaos, a change) waits its timeout, answers 503 and cancels its call
+    (asyncio.wait_for on the wrapped future). The engine thread, busy meanwhile (a recovery), must skip
+    the call when it gets to it: answering a cancelled future raised InvalidStateError and ended the
+    thread, so the replica failed its health check and Serve replaced it, cutting every stream."""
+    aeng = AsyncEngine(IdleEngine()).start()
+    release, ran = threading.Event(), []
+    try:
+        busy = aeng.control(lambda e: release.wait(30))  # the engine thread is inside this one
+
+        async def give_up():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(aeng.control(lambda e: ran.append(1))), 0.2)
+
+        asyncio.run(give_up())
+        release.set()
+        assert busy.result(10) is True
+        assert aeng.control(lambda e: "still here").result(10) == "still here"
+        assert ran == [] and aeng.healthy
+    finally:
+        aeng.stop()

@@ -765,6 +765,18 @@ def _equal_at_2_and_3_workers(app: App) -> None:
     assert f"3 workers (attention + experts each) → {WORKERS}" in out, out
 
 
+def _status_between_steps(url, deadline: float) -> dict:
+    """/status, asked again while it answers 503: it is read on the engine thread between steps, and
+    while the engine finds a hung worker, has it killed and starts its replacement, no step ends for
+    longer than the route waits (it says so with a 503)."""
+    while True:
+        r = httpx.get(f"{url}/status", headers=AUTH, timeout=30)
+        if r.status_code == 200:
+            return r.json()
+        assert r.status_code == 503 and time.monotonic() < deadline, (r.status_code, r.text)
+        time.sleep(0.2)
+
+
 def _worker_pids() -> list[int]:
     return [a["Pid"] for a in _alive("ColocatedWorker")]
 
@@ -810,8 +822,8 @@ class TestColocatedK2:
         pid = _worker_pids()[0]
         os.kill(pid, signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 60
-            while (st := _status(url))["epoch"] == epoch:  # found hung, killed, replaced
+            deadline = time.monotonic() + 90
+            while (st := _status_between_steps(url, deadline))["epoch"] == epoch:  # found hung, killed, replaced
                 assert time.monotonic() < deadline, "the stopped worker was never replaced"
                 time.sleep(0.2)
         finally:
