@@ -486,5 +486,6 @@ class Engine:
                 "last_hang": dataclasses.asdict(stats.last_hang) if stats.last_hang else None,
                 "breakdown": dict(stats.breakdown), "actor_tokens": self.router.actor_totals(),
                 "cache": [(a.num_held, a.num_blocks) for a in sched.cache.blocks],
+                "sequences": [sched.load(r) for r in range(len(sched.cache.blocks))],
                 "prefix_cache": sched.cache_status(),
                 "actors": self.executor.describe()}

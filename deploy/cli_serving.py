@@ -147,7 +147,8 @@ def _actors_table(st: dict):
             weights = e.get("weight_bytes")
             held = f"{weights / 2**20:,.1f} MiB of experts" if weights is not None else "experts unknown (no answer)"
             t.add_row(f"worker[{w['index']}]", w["node"],
-                      f"attention: cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks held; experts: "
+                      f"attention: {a['sequences']} sequences, cache {a['cache_blocks_used']}/{a['cache_blocks']} "
+                      f"blocks held; experts: "
                       f"{_slots_text(e['slots'], e['replicas'])}; {e['tokens']:,} tokens; {held}")
         return t
     for a in st["attention"]:
@@ -156,7 +157,7 @@ def _actors_table(st: dict):
                   f"{pc['snapshots']} KDA snapshots" if pc["snapshots"] else "") +
                   f"; prefix hits {pc['hit_tokens']:,}/{pc['queries_tokens']:,} prompt tokens") if pc else ""
         t.add_row(f"attention[{a['index']}]", a["node"],
-                  f"cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks held{cached}")
+                  f"{a['sequences']} sequences, cache {a['cache_blocks_used']}/{a['cache_blocks']} blocks held{cached}")
     for e in st["experts"]:
         weights = e.get("weight_bytes")  # None: the actor did not answer (down until the next step recovers it)
         held = f"{weights / 2**20:,.1f} MiB of weights" if weights is not None else "weights unknown (no answer)"

@@ -163,10 +163,10 @@ class EngineServer:
             "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "prefix_caching": self.engine.config.cache.prefix_caching,
-            "attention": [{"index": i, "node": a["node"], "cache_blocks_used": used, "cache_blocks": total,
-                           "prefix_cache": pc}
-                          for i, (a, (used, total), pc) in enumerate(zip(actors["attention"], snap["cache"],
-                                                                         snap["prefix_cache"]))],
+            "attention": [{"index": i, "node": a["node"], "sequences": seqs, "cache_blocks_used": used,
+                           "cache_blocks": total, "prefix_cache": pc}
+                          for i, (a, seqs, (used, total), pc) in enumerate(zip(actors["attention"], snap["sequences"],
+                                                                               snap["cache"], snap["prefix_cache"]))],
             "experts": [{"index": j, "node": x["node"],
                          "slots": {str(layer): list(ids) for layer, ids in table.experts_of(j).items()},
                          "replicas": {str(layer): [e for e in ids if e in replicated[i]]

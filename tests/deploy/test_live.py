@@ -756,6 +756,11 @@ def _equal_at_2_and_3_workers(app: App) -> None:
     st = _status(url)
     assert st["layout"] == "colocated" and [w["index"] for w in st["workers"]] == [0, 1]
     assert len({w["node"] for w in st["workers"]}) == 2  # spread over the nodes
+    shown = moeray("status", "--url", url, "--api-key", KEY)  # a row per worker, both halves
+    assert shown.returncode == 0 and WORKERS in shown.stdout, shown.stderr
+    for i in (0, 1):
+        row = next(line for line in shown.stdout.splitlines() if f"worker[{i}]" in line)
+        assert "attention: 0 sequences, cache" in row and "experts: experts" in row and "tokens" in row, row
     out, _ = app.cli("scale", "workers", "3")
     assert f"{WORKERS} → 3 workers (attention + experts each)" in out, out
     st = _status(url)
@@ -815,6 +820,7 @@ class TestColocatedK2:
         constrained = chat_reference(url, "ck2", STREAM_TOKENS, CONSTRAINED)
         streams = start_streams(url, "ck2", STREAM_PROMPTS, STREAM_TOKENS,
                                 [Stream(url, "ck2", None, STREAM_TOKENS, CONSTRAINED)])
+        assert sum(w["attention"]["sequences"] for w in _status(url)["workers"]) == 5  # each stream on a worker
         out, _ = ck2.cli("scale", "workers", "3")
         assert f"{WORKERS} → 3 workers (attention + experts each)" in out, out
         _kill(ck2, "worker", 1)
