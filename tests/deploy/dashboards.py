@@ -78,7 +78,7 @@ def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
 def prometheus(config: dict, workdir: Path) -> Iterator[str]:
     """A real Prometheus (the `prometheus` on PATH) run from ``config``, written to
     workdir/prometheus.yml, its TSDB and log (prometheus.log) in workdir, listening on a free loopback
-    port; yields its base URL once that port answers. On exit it is stopped by its Popen handle
+    port; yields its base URL once it is ready (/-/ready). On exit it is stopped by its Popen handle
     (terminate, 20 s, kill); it also gets SIGTERM if the test process dies (die_with_parent)."""
     exe = shutil.which("prometheus")
     assert exe, "prometheus is not installed (Debian: prometheus; .ci/run installs it)"
@@ -90,11 +90,19 @@ def prometheus(config: dict, workdir: Path) -> Iterator[str]:
                                  f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                                 stderr=err, preexec_fn=die_with_parent)
     try:
-        def up() -> bool:
+        def ready() -> bool:
+            # Listening is not ready: until its TSDB is open Prometheus answers 503 "Service
+            # Unavailable" (plain text) to every query; /-/ready says 200 once it serves them.
             assert proc.poll() is None, f"prometheus exited with {proc.returncode}: {tail(log)}"
-            return listening("127.0.0.1", port)
+            if not listening("127.0.0.1", port):
+                return False
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5) as r:
+                    return r.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
 
-        wait_for(f"prometheus to listen on 127.0.0.1:{port}", up, 30, every_s=0.2)
+        wait_for(f"prometheus on 127.0.0.1:{port} to be ready", ready, 60, every_s=0.2)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
