@@ -4,6 +4,11 @@ blocked (:func:`pytest_ignore_collect`)."""
 
 import fnmatch
 import os
+
+# One OpenMP thread in this process (the driver runs the engine and the in-process apps), set before
+# anything imports torch: on 2 cores beside Ray's actors, a second thread only spins. Every actor and
+# Serve replica runs with its own count already (Ray: its num_cpus; actors: set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import socket
 import time
 from pathlib import Path
