@@ -86,6 +86,19 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at the request's admission
 
 
+def check_shape(mc: ModelConfig, spec: ClusterSpec, model: str) -> None:
+    """ValueError naming the count when ``spec`` cannot hold the model's routed experts: checked
+    before anything starts (the engine, and `moeray generate` before it starts Ray nodes)."""
+    if mc.n_routed_experts == 0:
+        raise ValueError(f"{model}: the model has no routed experts to place on expert actors")
+    if spec.colocated and not 1 <= spec.workers <= mc.n_routed_experts:
+        raise ValueError(f"workers must be in 1..{mc.n_routed_experts} (each holds a shard of the routed "
+                         f"experts), got {spec.workers}")
+    if not spec.colocated and (spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts):
+        raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
+                         f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, spec: ClusterSpec, *, stop_ids: frozenset[int] = frozenset(),
                  executor: Executor | None = None):
@@ -94,14 +107,7 @@ class Engine:
         self.config, self.spec = config, spec
         self.model_cfg: ModelConfig = load_config(config.model)
         mc = self.model_cfg
-        if mc.n_routed_experts == 0:
-            raise ValueError(f"{config.model}: the model has no routed experts to place on expert actors")
-        if spec.colocated and not 1 <= spec.workers <= mc.n_routed_experts:
-            raise ValueError(f"workers must be in 1..{mc.n_routed_experts} (each holds a shard of the routed "
-                             f"experts), got {spec.workers}")
-        if not spec.colocated and (spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts):
-            raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
-                             f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
+        check_shape(mc, spec, config.model)
         self.scheduler = Scheduler.for_engine(config, mc, spec.attention, stop_ids)
         self.router = Router(mc.n_routed_experts, mc.moe_layers, window_steps=config.elastic.rebalance_window_steps)
         if executor is None:

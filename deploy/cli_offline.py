@@ -278,7 +278,8 @@ def generate(
     ids = _prompt_ids(tok, model_cfg, prompt, prompt_ids, chat, max_tokens)
     stop_ids = tok.stop_token_ids | set(model_cfg.eos_token_ids)
     if any(v is not None for v in (attention, experts, nodes, address)):
-        output_ids = _cluster_generate(path, ids, sp, stop_ids, dtype, attention or 1, experts or 1, nodes, address)
+        output_ids = _cluster_generate(path, model_cfg, ids, sp, stop_ids, dtype, attention or 1, experts or 1, nodes,
+                                       address)
     else:
         output_ids = _local_generate(path, model_cfg, ids, sp, stop_ids, dtype)
     text = tok.decode(output_ids, skip_special_tokens=True)  # as the server decodes by default
@@ -319,12 +320,13 @@ def _local_generate(path, model_cfg, ids, sp, stop_ids, dtype) -> list[int]:
     return run_generate(runner, [ids], sp, stop_ids=stop_ids)[0].output_ids
 
 
-def _cluster_generate(path, ids, sp, stop_ids, dtype, attention, experts, nodes, address) -> list[int]:
-    from cluster.engine import Engine, EngineConfig
+def _cluster_generate(path, model_cfg, ids, sp, stop_ids, dtype, attention, experts, nodes, address) -> list[int]:
+    from cluster.engine import Engine, EngineConfig, check_shape
     from cluster.launch import connected
     from cluster.spec import ClusterSpec
 
     spec = ClusterSpec(attention=attention, experts=experts)
+    check_shape(model_cfg, spec, str(path))  # before any Ray node starts
     blocks = -(-(len(ids) + sp.max_tokens) // 16) + 1
     with err.status(f"starting {spec.describe()}") as status, connected(spec, nodes=nodes, address=address):
         status.update(f"loading {path.name} onto {spec.describe()}")

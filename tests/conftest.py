@@ -83,7 +83,6 @@ CLUSTER_TESTS = frozenset({
     "tests/deploy/test_ray_up.py",  # a private sshd, `ray up`, `serve deploy`, a real Prometheus
     "tests/deploy/test_fuzz_inproc.py::test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard",  # Prometheus
     "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",  # --nodes 3
-    "tests/deploy/test_cli.py::test_cluster_flag_errors_are_clear",  # --nodes 1 starts a Ray node first
     "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",
     "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
     "tests/cluster/test_simulator.py::test_cpu_profile_then_simulate_on_cpu",  # its own one-node cluster
