@@ -19,6 +19,8 @@ import ray
 from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
 from ray.cluster_utils import Cluster
 
+from .config import RAY_NODE_ENV
+
 log = logging.getLogger(__name__)
 
 MiB = 2**20
@@ -52,7 +54,8 @@ class LocalCluster:
         wait_s: float = 60,
     ) -> None:
         """`num_cpus`, `num_gpus`, `memory_mb` are logical, per node. `env` is added to each
-        raylet's environment and so reaches every worker process (not the GCS or this driver)."""
+        raylet's environment, after :data:`~cluster.config.RAY_NODE_ENV`, and so reaches every worker
+        process (not the GCS or this driver)."""
         if nodes < 1 or nodes > 250:
             raise ValueError(f"nodes must be in [1, 250] (one loopback IP each), got {nodes}")
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("memory_mb", memory_mb)):
@@ -70,7 +73,7 @@ class LocalCluster:
             num_gpus=num_gpus,
             object_store_memory=object_store_mb * MiB,
             memory=memory_mb * MiB,
-            env_vars=dict(env) if env else None,
+            env_vars=RAY_NODE_ENV | dict(env or {}),
         )
         self._wait_s = wait_s
         self._cluster: Cluster | None = None

@@ -154,6 +154,13 @@ with LocalCluster(nodes=2, num_cpus=1) as c:
     ips = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
     assert ips == c.node_ips, ips
     assert ray.cluster_resources()["moeray_node_1"] == 1
+    # every raylet (and so every worker it starts) runs with the node environment
+    from cluster.config import RAY_NODE_ENV
+    raylets = [p for p in pids if open(f"/proc/{p}/cmdline", "rb").read().split(b"\\0")[0].endswith(b"/raylet")]
+    assert len(raylets) == 2, pids
+    for p in raylets:
+        env = open(f"/proc/{p}/environ", "rb").read().split(b"\\0")
+        assert all(f"{k}={v}".encode() in env for k, v in RAY_NODE_ENV.items()), p
 assert not ray.is_initialized()
 assert ray._private.utils.read_ray_address() != address
 alive = []

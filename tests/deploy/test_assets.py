@@ -27,6 +27,7 @@ from dashboards import dashboard, panels, queries
 from deploy.config import ServeConfig
 from deploy.metrics import EngineMetrics
 from cluster.block_pool import BlockPool
+from cluster.config import RAY_NODE_ENV
 from cluster.scheduler import SchedulerSnapshot
 from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_env
 
@@ -190,6 +191,8 @@ def _check_commands(cfg: dict) -> tuple[dict, dict]:
         env = HAPROXY_INGRESS_ENV | haproxy_files_env("$H")
         assert all(f"{k}={v}" in cfg[key][-1].split() for k, v in env.items()), key
         assert "; H=/tmp/haproxy-serve-$(id -u); " in cfg[key][-1], key
+        # the node environment every node moeray starts has (a hung actor SIGKILLed soon after its kill)
+        assert all(f"{k}={v}" in cfg[key][-1].split() for k, v in RAY_NODE_ENV.items()), key
         # the admin key on every node, from the file file_mounts copies (the ray up test uses it for real)
         assert f" {ADMIN_KEY_ENV}=$(cat ~/.moeray/admin_key) " in f" {' '.join(cfg[key][-1].split())} ", key
     assert cfg["file_mounts"]["~/.moeray/admin_key"] == "~/.moeray/admin_key"
@@ -314,7 +317,7 @@ def test_gpu_and_cpu_serve_configs_are_apart():
     assert spec.attention_resources.get("GPU") == spec.expert_resources.get("GPU") == gpu.gpus_per_actor
 
 
-def test_kuberay_sets_the_admin_key_from_a_secret_in_every_ray_container():
+def test_kuberay_sets_the_admin_key_from_a_secret_and_the_node_environment_in_every_ray_container():
     cluster = load_yaml("kuberay-rayservice.yaml")["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]["template"]] + [w["template"] for w in cluster["workerGroupSpecs"]]
     for pod in pods:
@@ -322,6 +325,7 @@ def test_kuberay_sets_the_admin_key_from_a_secret_in_every_ray_container():
             env = {e["name"]: e for e in container.get("env", [])}
             ref = env[ADMIN_KEY_ENV]["valueFrom"]["secretKeyRef"]
             assert ref == {"name": "moeray-admin-key", "key": "admin-key"} and "value" not in env[ADMIN_KEY_ENV]
+            assert all(env[k]["value"] == v for k, v in RAY_NODE_ENV.items()), container["name"]
 
 
 def test_kuberay_mounts_the_model_on_every_pod_and_asks_for_gpus():
