@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from hostprocs import die_with_parent, listening, tail
+from hostprocs import die_with_parent, tail
 from rayup import free_port
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
@@ -94,9 +94,7 @@ def prometheus(config: dict, workdir: Path) -> Iterator[str]:
             # Listening is not ready: until its TSDB is open Prometheus answers 503 "Service
             # Unavailable" (plain text) to every query; /-/ready says 200 once it serves them.
             assert proc.poll() is None, f"prometheus exited with {proc.returncode}: {tail(log)}"
-            if not listening("127.0.0.1", port):
-                return False
-            try:
+            try:  # a port not yet listening refuses: URLError too
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5) as r:
                     return r.status == 200
             except (urllib.error.URLError, OSError):
