@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout  # public in spirit: no other way to shorten a group's timeout
 
 from .messages import GroupInfo
 from .wire import SocketMesh, local_ip
@@ -42,19 +43,25 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     global _mesh
     if info.transport not in TRANSPORTS:
         raise ValueError(f"exchange transport must be one of {', '.join(TRANSPORTS)}, got {info.transport!r}")
-    timeout = timedelta(seconds=info.timeout_s)
+    # the rendezvous waits the join timeout for every member; the group's collectives and exchange
+    # sockets then wait the collective timeout
+    joining, collective = timedelta(seconds=info.rendezvous_timeout_s), timedelta(seconds=info.timeout_s)
     if store is None:
-        store = dist.TCPStore(info.address, info.port, world_size, is_master=rank == 0, timeout=timeout)
+        store = dist.TCPStore(info.address, info.port, world_size, is_master=rank == 0, timeout=joining)
     else:
-        store.set_timeout(timeout)
-    dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    if info.backend == "gloo" and info.transport == "auto":
-        try:
+        store.set_timeout(joining)
+    dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=joining)
+    try:
+        if joining != collective:
+            _set_pg_timeout(collective)
+        if info.backend == "gloo" and info.transport == "auto":
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
-                               token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated)
-        except BaseException:
-            dist.destroy_process_group()
-            raise
+                               token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated,
+                               connect_timeout_s=info.rendezvous_timeout_s)
+        store.set_timeout(collective)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
 
 
 def current_mesh() -> SocketMesh | None:

@@ -234,8 +234,15 @@ class GroupInfo:
     port: int
     token: bytes = field(repr=False)
     backend: str = "gloo"
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # each collective and exchange wait
     transport: str = "auto"  # the exchange on gloo: "auto" direct sockets (actors/wire.py), "group" gloo's own
+    # the rendezvous (None: timeout_s): a member may still be finishing the last step, which waits up to
+    # timeout_s on a dead peer, or starting on a loaded node, while the others wait for it
+    join_timeout_s: float | None = None
+
+    @property
+    def rendezvous_timeout_s(self) -> float:
+        return self.timeout_s if self.join_timeout_s is None else max(self.join_timeout_s, self.timeout_s)
 
     def __post_init__(self):
         check_token(self.token, "group: token")

@@ -232,10 +232,13 @@ class SocketMesh:
     other (a stray, a process of another epoch) is closed and ignored while it waits for its peers."""
 
     def __init__(self, store, rank: int, num_attention: int, world: int, host: str, timeout_s: float, *,
-                 token: bytes, prefix: str = "moeray/wire", colocated: bool = False):
+                 token: bytes, prefix: str = "moeray/wire", colocated: bool = False,
+                 connect_timeout_s: float | None = None):
+        """``timeout_s``: each link's reads and writes; ``connect_timeout_s`` (default ``timeout_s``):
+        finding and connecting every peer."""
         check_token(token, "the exchange's token")
         self.rank, self.links = rank, {}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if connect_timeout_s is None else connect_timeout_s)
         if colocated:  # worker i connects to every lower rank and accepts every higher one
             connect_to, accept_from = range(rank), set(range(rank + 1, world))
         elif rank >= num_attention:  # expert actor: accept one connection per attention rank

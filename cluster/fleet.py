@@ -37,6 +37,10 @@ from .standbys import Standbys
 from .startup import default_load_timeout_s
 from .topology import ClusterSpec, Kind, Reservation, remove_orphans
 
+# How much longer than one collective a new group's rendezvous waits for its last member: a survivor
+# may still be in the last step, which waits up to the collective timeout on a dead peer, and a new
+# actor may be starting on a loaded node (a 5 s collective timeout alone was seen to time out there).
+JOIN_SLACK_S = 30.0
 
 class Fleet:
     def __init__(self, config: EngineConfig, spec: ClusterSpec, model_cfg: ModelConfig):
@@ -386,7 +390,8 @@ class Fleet:
         addr, port = self._get(attention[0].actor.rendezvous.remote(), self.load_timeout_s, f"{what}: rendezvous")
         info = GroupInfo(epoch=table.epoch, address=addr, port=port, backend=self.backend,
                          timeout_s=c.faults.collective_timeout_s, transport=c.data_plane.transport,
-                         token=secrets.token_bytes(TOKEN_BYTES))
+                         token=secrets.token_bytes(TOKEN_BYTES),
+                         join_timeout_s=c.faults.collective_timeout_s + JOIN_SLACK_S)
         refs = [m.actor.enter_epoch.remote(info, table, i) for i, m in enumerate(attention)]
         refs += [m.actor.enter_epoch.remote(info, table, j) for j, m in enumerate(experts)]
         names = self.names(len(attention), len(experts))

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: importing it compiles nothing but loads torch.compile (~3 s of CPU per process)
 import torch
 
 from model.tokenizer import Tokenizer
@@ -78,10 +78,15 @@ def check(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> None
 
 def _bitmask_row(token_ids: Sequence[int], n_vocab: int) -> torch.Tensor:
     """An int32 ``[ceil(n_vocab/32)]`` bitmask with only ``token_ids`` set (bit i%32 of word i//32)."""
-    allowed = torch.zeros(llguidance.torch.get_bitmask_shape(1, n_vocab)[1] * 32, dtype=torch.int64)
+    allowed = torch.zeros(llguidance.numpy.get_bitmask_shape(1, n_vocab)[1] * 32, dtype=torch.int64)
     allowed[list(token_ids)] = 1
     words = (allowed.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _allocate_bitmask(rows: int, n_vocab: int) -> torch.Tensor:
+    """A host int32 ``[rows, ceil(n_vocab/32)]`` bitmask, every id allowed."""
+    return torch.from_numpy(llguidance.numpy.allocate_token_bitmask(rows, n_vocab))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -119,7 +124,7 @@ class Grammars:
         self._pool = concurrent.futures.ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
         self._executor = llguidance.LLExecutor(mask_threads)
         self._stop_row = _bitmask_row(self.stop_ids, self.n_vocab)
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, self.n_vocab)  # grown to the widest batch
+        self._bitmask = _allocate_bitmask(1, self.n_vocab)  # grown to the widest batch
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher | str:
         """The start-state matcher, or llguidance's error message. Its first mask is computed here
@@ -174,7 +179,7 @@ class Grammars:
         bitmask.fill_(-1)
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if rows:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask.numpy())  # a view: same memory
         errors = [i for m, i in rows if m.is_error()]
         for i in errors:
             bitmask[i] = self._stop_row
@@ -192,7 +197,7 @@ class Grammars:
         if not constrained:
             return []
         if self._bitmask.shape[0] < len(constrained):
-            self._bitmask = llguidance.torch.allocate_token_bitmask(len(constrained), self.n_vocab)
+            self._bitmask = _allocate_bitmask(len(constrained), self.n_vocab)
         bitmask = self._bitmask[:len(constrained)]
         errors = [constrained[i] for i in self.fill([matchers[i] for i in constrained], bitmask)]
         if len(constrained) == rows:
@@ -209,7 +214,7 @@ class Grammars:
         Returns the rows whose id was refused: their matcher is now in error state."""
         pairs = [(m, int(t)) for m, t in zip(matchers, token_ids, strict=True) if m is not None]
         rows = [i for i, m in enumerate(matchers) if m is not None]
-        accepted = llguidance.torch.consume_token_par(self._executor, pairs) if pairs else []
+        accepted = llguidance.numpy.consume_token_par(self._executor, pairs) if pairs else []
         return [i for i, ok in zip(rows, accepted) if not ok]
 
     def close(self) -> None:

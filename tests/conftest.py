@@ -3,7 +3,10 @@
 blocked (:func:`pytest_ignore_collect`)."""
 
 import fnmatch
+import json
 import os
+import shutil
+import tempfile
 
 # One OpenMP thread in this process (the driver runs the engine and the in-process apps), set before
 # anything imports torch: on 2 cores beside Ray's actors, a second thread only spins. Every actor and
@@ -110,9 +113,70 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# ---- xdist groups (``-n 2 --dist loadgroup``, as CI runs the suite) -----------------------------------
+# Every test that starts Ray or a server runs on one worker, in file order, first (one session cluster,
+# one Serve proxy, operator tests that start their own nodes never beside another); the other worker
+# runs the rest meanwhile, a module at a time (its module fixtures built once). The in-process tier's
+# runner starts no Ray: it runs beside the Ray tests too. pytest-xdist's own loadgroup renames test ids
+# to carry the group, which pytest 9.2's structured node ids ignore; so the workers write each test's
+# group to a file (collection ends before scheduling starts) and :class:`_GroupScheduling` reads it.
+RAY_GROUP = "ray"
+NOT_RAY = frozenset({"tests/test_owners.py::test_inprocess_tests_need_no_ray"})
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         path = Path(os.path.relpath(item.path, config.rootpath)).as_posix()
         name = getattr(item, "originalname", item.name)
-        if CLUSTER_FIXTURES & set(item.fixturenames) or path in CLUSTER_TESTS or f"{path}::{name}" in CLUSTER_TESTS:
+        cluster = (CLUSTER_FIXTURES & set(item.fixturenames) or path in CLUSTER_TESTS
+                   or f"{path}::{name}" in CLUSTER_TESTS)
+        if cluster:
             item.add_marker(pytest.mark.cluster)
+        groups[item.nodeid] = RAY_GROUP if cluster and f"{path}::{name}" not in NOT_RAY else path
+    out = getattr(config, "workerinput", {}).get("moeray_groups")
+    if out:  # an xdist worker: tell the controller's scheduler (every worker writes the same)
+        tmp = f"{out}.{os.getpid()}"
+        Path(tmp).write_text(json.dumps(groups))
+        os.replace(tmp, out)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config._moeray_groups = tempfile.mkdtemp(prefix="moeray-xdist-") + "/groups.json"
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_moeray_groups", None):
+        shutil.rmtree(os.path.dirname(config._moeray_groups), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["moeray_groups"] = node.config._moeray_groups
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _GroupScheduling(LoadScopeScheduling):
+        """Tests of one group on one worker, in collection order; the Ray group goes out first."""
+
+        _groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                self._groups = json.loads(Path(config._moeray_groups).read_text())
+            return self._groups.get(nodeid) or nodeid.split("::")[0]
+
+        def _assign_work_unit(self, node) -> None:
+            if RAY_GROUP in self.workqueue and not self.assigned_work.get(node):
+                self.workqueue.move_to_end(RAY_GROUP, last=False)
+            super()._assign_work_unit(node)
+
+    config.option.loadscopereorder = False
+    return _GroupScheduling(config, log)
