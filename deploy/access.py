@@ -69,7 +69,7 @@ class Access:
     def check(self, request: Request) -> None:
         """A route behind the inference keys: 401 without one of them."""
         if self._inference and not _matches(_bearer(request), self._inference):
-            raise oa.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            raise oa.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                               code="invalid_api_key")
 
     def check_admin(self, request: Request) -> None:
@@ -82,9 +82,13 @@ class Access:
 
 
 def _bearer(request: Request) -> bytes | None:
-    """The token of an ``Authorization: Bearer <token>`` header (the scheme in any case), as bytes."""
+    """The token of an ``Authorization: Bearer <token>`` header (the scheme in any case), else of an
+    ``x-api-key`` header (Anthropic's clients send that), as bytes."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip().encode("latin-1") if scheme.lower() == "bearer" else None  # Starlette decodes latin-1
+    if scheme.lower() == "bearer":
+        return token.strip().encode("latin-1")  # Starlette decodes latin-1
+    key = request.headers.get("x-api-key")
+    return key.strip().encode("latin-1") if key is not None else None
 
 
 def _matches(token: bytes | None, keys: tuple[bytes, ...]) -> bool:

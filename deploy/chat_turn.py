@@ -48,7 +48,7 @@ def _dump(x):
     return x.model_dump(exclude_none=True, by_alias=True) if hasattr(x, "model_dump") else x
 
 
-def plan_chat(req, tok: Tokenizer) -> ChatPlan:
+def plan_chat(req, tok: Tokenizer, whitespace: str = "none") -> ChatPlan:
     """The request's prompt ids, grammar and output parsing; a 400 naming the field for what the
     request gets wrong (an unknown named function, a schema the grammar library refuses, …)."""
     prompt_ids = chat_prompt_ids(req, tok)  # 400s for the messages and chat_template_kwargs come first
@@ -77,11 +77,11 @@ def plan_chat(req, tok: Tokenizer) -> ChatPlan:
             if tools_enabled:
                 raise APIError(400, "response_format: cannot be combined with tools unless tool_choice is 'none'",
                                param="response_format")
-            grammar = response_format_grammar(rf, markers=markers, think=think)
+            grammar = response_format_grammar(rf, markers=markers, think=think, whitespace=whitespace)
         elif tools_enabled:
             first = sum(len(m.tool_calls or ()) for m in req.messages if m.role == "assistant")
             grammar = tool_call_grammar(tools, choice, req.parallel_tool_calls is not False, first, markers,
-                                        think=think)
+                                        think=think, whitespace=whitespace)
         if grammar is not None:
             _check_grammar(grammar)  # what the attention actors will compile: refused here, not there
     except ValueError as e:  # SchemaError included: the message names the path and the keyword

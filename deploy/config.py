@@ -73,6 +73,10 @@ class _Deployment(BaseModel):
     expert_nodes: list[str] | None = Field(None, description="Pin expert actors to these Ray nodes (IPs or node "
                                                              "ids), round-robin; default: spread over nodes with room.")
     attention_nodes: list[str] | None = Field(None, description="Pin attention replicas to these Ray nodes.")
+    json_whitespace: Literal["none", "flexible"] = Field(
+        "none", description="Whitespace between the JSON tokens of tool-call arguments and structured output: "
+                            "none (json.dumps's ', ' and ': ' only, so a weak model cannot spend its max_tokens "
+                            "on blanks) or flexible (up to 12 blank characters in each gap, newlines included).")
     ingress: Literal["haproxy", "proxy"] = Field(
         "haproxy", description="HTTP in front of the Ingress replicas on a cluster `moeray up` starts: haproxy "
                                "(Serve's direct ingress behind one HAProxy per node: no Python proxy and no Ray "

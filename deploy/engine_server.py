@@ -27,6 +27,7 @@ from model.tokenizer import Tokenizer
 from .config import ServeConfig
 from .metrics import EngineMetrics
 from .mux import EngineStreams
+from .responses_api import ResponseStore
 from .settings import serve_ingress
 
 CONTROL_TIMEOUT_S = 15.0
@@ -58,6 +59,7 @@ class EngineServer:
         executor = executor_factory(config, spec, load_config(model_path)) if executor_factory else None
         self.engine = Engine(config, spec, stop_ids=tok.stop_token_ids, executor=executor).start()
         self._closed = False
+        self.responses = ResponseStore()  # /v1/responses with store: one per app, so any Ingress replica finds them
         self.aengine = AsyncEngine(self.engine).start()
         self.streams = EngineStreams(self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=serve_cfg.metrics_prefix,
@@ -91,6 +93,13 @@ class EngineServer:
 
     def stop_choice(self, sink: str, key: int, index: int) -> None:
         self.streams.stop_choice(sink, key, index)
+
+    def store_response(self, response_id: str, messages: list[dict]) -> None:
+        """Keep a Responses API conversation for ``previous_response_id`` (bounded, expiring)."""
+        self.responses.put(response_id, messages)
+
+    def recall_response(self, response_id: str) -> list[dict] | None:
+        return self.responses.get(response_id)
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()

@@ -30,6 +30,7 @@ from cluster.progress import load_progress, still_loading
 from model.config import load_config
 from model.tokenizer import Tokenizer
 
+from . import anthropic_api, responses_api
 from . import openai_api as oa
 from . import openai_responses as schemas
 from .access import Access, ChaosRequest, RebalanceRequest, ScaleRequest
@@ -38,7 +39,7 @@ from .config import ServeConfig
 from .engine_server import ADMIN_TIMEOUT_S, CONTROL_TIMEOUT_S, Reject
 from .fanout import Fanout
 from .mux import StreamMux
-from .openapi_doc import OpenAPIDoc, errors, ok, ok_text
+from .openapi_doc import OpenAPIDoc, anthropic_errors, errors, ok, ok_text
 from .output import ChoiceOutput, OutputOptions, Piece
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request asks whether its client is still there
@@ -61,6 +62,7 @@ class Ingress:
         self.cache_tokens = self.serve_cfg.num_blocks * self.serve_cfg.block_size  # one replica's cache
         self.name = self.serve_cfg.name_for(Path(model_path))
         self.created = int(time.time())
+        self._stored: list = []  # Responses to store, asked of the engine server and not yet answered
 
     def __del__(self):  # Serve calls it at shutdown, on the replica's event loop
         self.mux.close()
@@ -219,14 +221,115 @@ class Ingress:
         self.access.check(request)
         req = await self._parse(request, oa.ChatCompletionRequest)
         oa.resolve_model(req.model, [self.name])
-        plan = await asyncio.to_thread(plan_chat, req, self.tok)  # a new grammar is checked off the loop
+        return await self._respond(request, await self._chat_turn(req))
+
+    async def _chat_turn(self, req: oa.ChatCompletionRequest) -> "_Turn":
+        """A chat request planned (template, grammar, parser) and made into engine requests: what every
+        front door (chat, Messages, Responses) serves."""
+        plan = await asyncio.to_thread(plan_chat, req, self.tok, self.serve_cfg.json_whitespace)  # off the loop
         ids = plan.prompt_ids
         params = oa.sampling_params(req, prompt_len=len(ids), max_model_len=self.context,
                                     cache_tokens=self.cache_tokens, vocab_size=self.tok.vocab_size)
         params = replace(params, grammar=plan.grammar)
         turn = _Turn(req, chat=True, prompts=[ids], plan=plan)
         turn.requests = [EngineRequest(tuple(ids), sp, req.cache_salt) for sp in oa.choice_params(params, req.n)]
-        return await self._respond(request, turn)
+        return turn
+
+    # ---- routes: the Anthropic and Responses front doors ----------------------------------------
+    async def messages(self, request: Request):
+        """Anthropic's Messages API over the chat pipeline (deploy/anthropic_api.py)."""
+        self.access.check(request)
+        req = anthropic_api.parse(await self._body(request), self.serve_cfg.max_body_bytes)
+        oa.resolve_model(req.model, [self.name])
+        turn = await self._chat_turn(anthropic_api.chat_request(req, self.name))
+        render = anthropic_api.MessageStream(self.name, turn.prompt_tokens)
+        return await self._render(request, turn, render, anthropic_api.sse, req.stream,
+                                  lambda out: render.finish(out.finish_reason, out.stop_string, len(out.token_ids)),
+                                  lambda: render.message(), lambda e: ("error", anthropic_api.error_body(
+                                      503, stream_error(e)["error"]["message"])))
+
+    async def count_tokens(self, request: Request):
+        """Anthropic's token count: the prompt /v1/messages would give the model."""
+        self.access.check(request)
+        req = anthropic_api.parse(await self._body(request), self.serve_cfg.max_body_bytes, count=True)
+        oa.resolve_model(req.model, [self.name])
+        chat = anthropic_api.chat_request(req, self.name)
+        return {"input_tokens": len(await asyncio.to_thread(oa.chat_prompt_ids, chat, self.tok))}
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API over the chat pipeline (deploy/responses_api.py)."""
+        self.access.check(request)
+        req = responses_api.parse(await self._body(request), self.serve_cfg.max_body_bytes)
+        oa.resolve_model(req.model, [self.name])
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            history = await self._ask_engine(self.engine.recall_response, "the stored response",
+                                             req.previous_response_id)
+            if history is None:
+                raise oa.APIError(400, f"previous_response_id: no stored response {req.previous_response_id!r} "
+                                       "(never stored, expired or evicted)", param="previous_response_id")
+        chat, conversation = responses_api.chat_request(req, self.name, history)
+        turn = await self._chat_turn(chat)
+        render = responses_api.ResponseStream(req, self.name, turn.prompt_tokens)
+
+        def finish(out):
+            events = render.finish(out.finish_reason, len(out.token_ids), out.cached_tokens)
+            if req.store:
+                self._stored.append(self.engine.store_response.remote(render.id,
+                                                                      conversation + render.conversation_tail()))
+            return events
+
+        return await self._render(request, turn, render, responses_api.sse, req.stream, finish,
+                                  lambda: render.response(), lambda e: ("error", {
+                                      "type": "error", "sequence_number": 0, "code": "engine_failed",
+                                      "message": stream_error(e)["error"]["message"], "param": None}))
+
+    async def _render(self, request: Request, turn: "_Turn", render, sse, stream: bool, finish, whole, failed):
+        """One choice through a front door's renderer: ``render.feed`` the output processor's deltas
+        into events, ``finish(output)`` the closing events, ``whole()`` the non-streamed body (the
+        same events assembled), ``failed(error)`` the event that ends a stream whose engine failed."""
+        fan, firsts = await self._open(turn.requests)
+        choice = _Choice(ChoiceOutput(self.tok, 0, turn.options, chat=True, plan=turn.plan), fan.stream(0), firsts[0])
+        start = render.start(firsts[0].cached_tokens)
+
+        async def events():
+            try:
+                for e in start:
+                    yield e
+                async for piece in choice.pieces():
+                    for e in render.feed(piece.deltas):
+                        yield e
+                    if piece.finish_reason is not None:
+                        for e in finish(choice.out):
+                            yield e
+                        await self._flush_stored()
+            finally:
+                fan.close()
+
+        if stream:
+            async def body():
+                try:
+                    async for name, data in events():
+                        yield sse(name, data)
+                except Exception as e:  # noqa: BLE001 — the engine failed mid-stream: an error event, not a hang
+                    yield sse(*failed(e))
+            return StreamingResponse(body(), media_type="text/event-stream")
+        try:
+            gen = events()
+            drain = asyncio.ensure_future(_consume(gen))
+            if not await _wait_while_connected(request, drain):
+                return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 — the engine failed mid-request
+            raise oa.APIError(503, stream_error(e)["error"]["message"], retry_after_s=1) from None
+        finally:
+            fan.close()
+        return whole()
+
+    async def _flush_stored(self) -> None:
+        """Wait for the responses this replica asked the engine server to store (bounded)."""
+        stored, self._stored = self._stored, []
+        if stored:
+            await asyncio.wait_for(asyncio.gather(*stored), timeout=CONTROL_TIMEOUT_S)
 
     async def _respond(self, request: Request, turn: "_Turn"):
         fan, firsts = await self._open(turn.requests)
@@ -386,20 +489,29 @@ async def _events(choices: list[_Choice]):
             t.cancel()
 
 
+async def _consume(gen) -> None:
+    async for _ in gen:
+        pass
+
+
+async def _wait_while_connected(request: Request, task: asyncio.Future) -> bool:
+    """Wait for ``task``; False as soon as the client is found gone (the task is then cancelled)."""
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                return False
+        task.result()
+        return True
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _drain_while_connected(request: Request, choices: list[_Choice]) -> bool:
     """Read every choice to its end; False as soon as the client is found gone (the caller frees the
     sequences). Serve cancels a handler whose client went away; the poll covers servers that do not."""
-    drain = asyncio.ensure_future(asyncio.gather(*(c.drain() for c in choices)))
-    try:
-        while not drain.done():
-            await asyncio.wait({drain}, timeout=DISCONNECT_POLL_S)
-            if not drain.done() and await request.is_disconnected():
-                return False
-        drain.result()
-        return True
-    finally:
-        if not drain.done():
-            drain.cancel()
+    return await _wait_while_connected(request, asyncio.ensure_future(asyncio.gather(*(c.drain() for c in choices))))
 
 
 def _raise_reject(first: Reject):
@@ -454,7 +566,16 @@ ROUTES = (
     Route("POST", "/v1/chat/completions", "chat",
           {**ok(schemas.ChatCompletionResponse, stream=True), **errors(400, 401, 404, 413, 503)},
           (oa.ChatCompletionRequest,)),
+    Route("POST", "/v1/responses", "responses", {**ok(schemas.ResponseObject, stream=True),
+                                                  **errors(400, 401, 404, 413, 503)}, (responses_api.ResponsesRequest,)),
+    Route("POST", "/v1/messages", "messages", {**ok(schemas.AnthropicMessage, stream=True),
+                                               **anthropic_errors(400, 401, 404, 413, 503)},
+          (anthropic_api.MessagesRequest,)),
+    Route("POST", "/v1/messages/count_tokens", "count_tokens", {**ok(schemas.AnthropicTokenCount),
+                                                                **anthropic_errors(400, 401, 404, 413)},
+          (anthropic_api.CountTokensRequest,)),
 )
+API_ROUTES = tuple(f"{r.method} {r.path}" for r in ROUTES if not r.path.startswith("/admin"))
 
 
 def make_api(endpoint: Callable[[str], Callable]) -> tuple[FastAPI, OpenAPIDoc]:
@@ -481,23 +602,33 @@ def specialize(doc: OpenAPIDoc, serve_cfg: ServeConfig, model_path: str) -> None
                    api_key=bool(serve_cfg.api_key or serve_cfg.api_keys or serve_cfg.api_keys_file))
 
 
+def _anthropic(request: Request) -> bool:
+    """A Messages API route: its errors leave in Anthropic's envelope."""
+    return "/v1/messages" in request.url.path
+
+
+def _error(request: Request, err: oa.APIError) -> JSONResponse:
+    body = anthropic_api.error_body(err.status, err.message) if _anthropic(request) else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
 def _install_error_handlers(api: FastAPI) -> None:
     @api.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, err: StarletteHTTPException):  # unknown route, wrong method
-        return JSONResponse(oa.error_body(err.status_code, str(err.detail)), status_code=err.status_code,
-                            headers=getattr(err, "headers", None))
+    async def _http_error(request: Request, err: StarletteHTTPException):  # unknown route, wrong method
+        message = str(err.detail)
+        if err.status_code == 404 and "endpoint" not in request.scope:
+            message = f"no route {request.method} {request.url.path}; this server serves {', '.join(API_ROUTES)}"
+        return _error(request, oa.APIError(err.status_code, message))
 
     @api.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, err: RequestValidationError):  # never FastAPI's 422
+    async def _validation_error(request: Request, err: RequestValidationError):  # never FastAPI's 422
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        return JSONResponse(oa.error_body(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}"),
-                            status_code=400)
+        return _error(request, oa.APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}"))
 
     @api.exception_handler(oa.APIError)
-    async def _api_error(_request: Request, err: oa.APIError):
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    async def _api_error(request: Request, err: oa.APIError):
+        return _error(request, err)
 
     @api.exception_handler(Exception)
-    async def _server_error(_request: Request, err: Exception):
-        return JSONResponse(oa.error_body(500, f"internal error: {type(err).__name__}: {err}", "server_error"),
-                            status_code=500)
+    async def _server_error(request: Request, err: Exception):
+        return _error(request, oa.APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))

@@ -281,6 +281,7 @@ class StopStrings:
         self.stops, self.include = list(stops), include
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text
 
     def push(self, delta: str) -> tuple[str, bool]:
         """New text → (text safe to emit now, whether a stop string was reached)."""
@@ -289,10 +290,10 @@ class StopStrings:
         if not self.stops:
             return delta, False
         text = self.held + delta
-        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s)) >= 0]
+        hits = [(i, i + len(s), s) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            start, end = min(hits)
+            start, end, self.matched = min(hits)
             return text[:end if self.include else start], True
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)

@@ -166,3 +166,46 @@ class EpochChangeReport(BaseModel):
     """POST /admin/*: the committed epoch change (kind, epochs, pause, imbalance before and after)."""
 
     model_config = ConfigDict(extra="allow")
+
+
+# ---- the other front doors (deploy/anthropic_api.py, deploy/responses_api.py) ------------------------
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+class AnthropicErrorDetail(_Out):
+    type: str = Field(description="invalid_request_error, authentication_error, permission_error, not_found_error, "
+                                  "request_too_large, overloaded_error or api_error.")
+    message: str
+
+
+class AnthropicError(_Out):
+    """Every error of /v1/messages*: Anthropic's envelope."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessage(_Open):
+    """POST /v1/messages: Anthropic's message (content blocks text, thinking, tool_use)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, Any]
+
+
+class AnthropicTokenCount(_Out):
+    input_tokens: int
+
+
+class ResponseObject(_Open):
+    """POST /v1/responses: OpenAI's response object (output items reasoning, message, function_call)."""
+
+    id: str
+    object: Literal["response"]
+    status: str
+    output: list[dict[str, Any]]

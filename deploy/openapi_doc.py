@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from .openai_responses import ErrorResponse
+from .openai_responses import AnthropicError, ErrorResponse
 
 REF = "#/components/schemas/{model}"
 ERRORS = {400: "Invalid request: a malformed body or a field out of its bounds.",
@@ -34,6 +34,11 @@ NAMED = (*GENERATION, "TokenizeCompletionRequest", "TokenizeChatRequest", "Detok
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` entries: OpenAI's error envelope for each status."""
     return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in statuses}
+
+
+def anthropic_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries of the /v1/messages routes: Anthropic's error envelope for each status."""
+    return {s: {"model": AnthropicError, "description": ERRORS[s]} for s in statuses}
 
 
 def ok(model: type[BaseModel], *, stream: bool = False) -> dict[int | str, dict[str, Any]]:

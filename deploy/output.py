@@ -186,6 +186,11 @@ class ChoiceOutput:
         self._text_offset += sum(text_lengths(sampled, self.tok, skip_special_tokens=skip))
         return lp
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the choice, if one did."""
+        return self.stops.matched
+
     # ---- the whole answer ------------------------------------------------------------------------
     def result(self) -> ChoiceResult:
         return ChoiceResult(self.index, self.text, self.token_ids, self.finish_reason,

@@ -18,8 +18,15 @@ Policies:
   ``if``/``then``, ...) are ignored, everything else holds. A schema that is wrong in itself (an
   unknown type, a bad regex, a dangling ``$ref``) is a :class:`SchemaError` either way. A schema's
   own ``x-guidance`` options are replaced by ours (:data:`JSON_OPTIONS`).
-- JSON whitespace: allowed between tokens, at most :data:`JSON_WHITESPACE` (12 characters) per gap, so a model cannot
+- JSON whitespace (the serving config's ``json_whitespace``): ``"none"`` (the default) — exactly
+  ``json.dumps``'s separators, ``", "`` and ``": "``, so a weak model cannot spend its ``max_tokens`` on
+  blanks; ``"flexible"`` — at most :data:`JSON_WHITESPACE` (12 characters) per gap, so a model cannot
   loop on whitespace inside a forced structure.
+- Closed objects: an object schema with ``properties`` and no ``additionalProperties`` (nor
+  ``patternProperties`` / ``unevaluatedProperties``) gets ``additionalProperties: false``, in tool
+  arguments and ``response_format`` alike, so an agent's ``fn(**args)`` never meets a key its tool
+  does not take; a schema that says ``additionalProperties`` keeps what it says. Members of an
+  ``allOf`` are left open (closing each would refuse the others' keys).
 - Tool choice: ``"required"`` — the tool-call section is the whole answer; a named function —
   exactly one call to it; ``"auto"`` — any text, then optionally the section, and once the model
   opens the section the grammar holds it to well-formed calls of the declared functions, each with its
@@ -48,7 +55,8 @@ import llguidance
 from deploy.tool_parser import K2Markers
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,12}"  # a newline and 3 levels of 2-space, or 2 of 4-space, indent + 3
-JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+JSON_OPTIONS = {"none": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+                "flexible": {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}}
 MAX_PARALLEL_CALLS = 16
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _FREE_TEXT = r"/(?s:.)+/"  # any UTF-8 text; special tokens never match a regex
@@ -67,8 +75,36 @@ class SchemaError(ValueError):
 
 # ---- JSON Schema → %json -------------------------------------------------------------------------
 
-def _with_options(schema: dict, strict: bool) -> dict:
-    return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}
+def _with_options(schema: dict, strict: bool, whitespace: str = "none") -> dict:
+    return {**schema, "x-guidance": {**JSON_OPTIONS[whitespace], "lenient": not strict}}
+
+
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: Any, *, close: bool = True) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists ``properties`` and says
+    nothing of other keys (module docstring); ``close=False`` leaves this level open (an ``allOf``
+    member). A new value, the argument untouched."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties") and isinstance(value, dict):
+            out[key] = {k: close_objects(v) for k, v in value.items()}
+        elif key == "allOf" and isinstance(value, list):  # each member's keys are the others' too
+            out[key] = [close_objects(m, close=False) for m in value]
+        elif key in ("items", "additionalItems", "contains", "anyOf", "oneOf", "prefixItems", "then", "else",
+                     "additionalProperties", "unevaluatedItems"):
+            out[key] = close_objects(value)
+        else:
+            out[key] = value
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS) \
+            and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _schema_problem(schema: dict, strict: bool) -> str:
@@ -138,16 +174,16 @@ def _readable(message: str) -> str:
     return f"unsupported keyword{'s' if len(keys) > 1 else ''} {listed} (llguidance cannot enforce it)"
 
 
-def check_schema(schema: Any, path: str, *, strict: bool) -> dict:
-    """The schema as it will be embedded (our ``x-guidance`` options set), or a :class:`SchemaError`
-    naming the deepest subschema at fault and the keyword."""
+def check_schema(schema: Any, path: str, *, strict: bool, whitespace: str = "none") -> dict:
+    """The schema as it will be embedded (its objects closed, our ``x-guidance`` options set), or a
+    :class:`SchemaError` naming the deepest subschema at fault and the keyword."""
     if not isinstance(schema, dict):
         raise SchemaError(f"must be a JSON Schema object, got {type(schema).__name__}", path)
     problem = _schema_problem(schema, strict)
     if problem:
         message, where = _locate(schema, problem, path, strict, [_MAX_LOCATE_CHECKS])
         raise SchemaError(_readable(message), where)
-    return _with_options(schema, strict)
+    return _with_options(close_objects(schema), strict, whitespace)
 
 
 def _json_rule(schema: dict) -> str:
@@ -176,7 +212,7 @@ def _grammar(start: str, rules: list[str], think_rules: list[str]) -> str:
 # ---- response_format -----------------------------------------------------------------------------
 
 def response_format_grammar(response_format: dict, *, markers: K2Markers | None = None,
-                            think: bool = False) -> str | None:
+                            think: bool = False, whitespace: str = "none") -> str | None:
     """The grammar for OpenAI's ``response_format``: ``{"type": "text"}`` → None (unconstrained);
     ``{"type": "json_object"}`` → any JSON object; ``{"type": "json_schema", "json_schema": {"name",
     "schema", "strict"}}`` → JSON following the schema (no ``schema``: any JSON value). ``think``
@@ -187,13 +223,14 @@ def response_format_grammar(response_format: dict, *, markers: K2Markers | None 
     if kind == "text":
         return None
     if kind == "json_object":
-        schema = check_schema({"type": "object"}, "response_format", strict=True)
+        schema = check_schema({"type": "object"}, "response_format", strict=True, whitespace=whitespace)
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
             raise ValueError("response_format.json_schema must be an object with 'name' and 'schema'")
         strict = spec.get("strict") is True
-        schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema", strict=strict)
+        schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema", strict=strict,
+                              whitespace=whitespace)
     else:
         raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
     return _grammar("answer", [f"answer: {_json_rule(schema)}"], _think_rules(markers, think))
@@ -201,7 +238,7 @@ def response_format_grammar(response_format: dict, *, markers: K2Markers | None 
 
 # ---- tool calls ----------------------------------------------------------------------------------
 
-def _functions(tools: list[dict]) -> list[tuple[str, dict, bool]]:
+def _functions(tools: list[dict], whitespace: str = "none") -> list[tuple[str, dict, bool]]:
     """(name, checked parameters schema, strict) per tool; ValueError names the tool and field."""
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a list, got {type(tools).__name__}")
@@ -224,7 +261,7 @@ def _functions(tools: list[dict]) -> list[tuple[str, dict, bool]]:
         if isinstance(params, dict) and params["type"] != "object":
             raise SchemaError(f"must describe a JSON object (type 'object'), got type {params['type']!r}",
                               path + ".type")
-        out.append((name, check_schema(params, path, strict=strict), strict))
+        out.append((name, check_schema(params, path, strict=strict, whitespace=whitespace), strict))
     return out
 
 
@@ -261,7 +298,7 @@ def _section_rules(functions: list[tuple[str, dict, bool]], max_calls: int, firs
 
 
 def tool_call_grammar(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool, first_index: int,
-                      markers: K2Markers, *, think: bool = False) -> str | None:
+                      markers: K2Markers, *, think: bool = False, whitespace: str = "none") -> str | None:
     """The grammar for a chat turn with ``tools``, in K2's wire format (module docstring for the
     policies); None when the output is not constrained. ``first_index``: the number of tool calls
     already in the conversation (the first new call's IDX)."""
@@ -273,7 +310,7 @@ def tool_call_grammar(tools: list[dict] | None, tool_choice: Any, parallel_tool_
         if _chosen(tool_choice, [])[0] != "auto":
             raise ValueError(f"tool_choice {tool_choice!r} needs tools")
         return None
-    functions = _functions(tools)
+    functions = _functions(tools, whitespace)
     kind, name = _chosen(tool_choice, [f[0] for f in functions])
     if kind == "function":
         functions = [f for f in functions if f[0] == name]

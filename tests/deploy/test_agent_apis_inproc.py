@@ -1,0 +1,421 @@
+"""The agent clients' other two APIs (issue 37): OpenAI's Responses (`/v1/responses`) and Anthropic's
+Messages (`/v1/messages`, `/v1/messages/count_tokens`), through the official `openai` and `anthropic`
+SDKs against the in-process app (no Ray; tests/deploy/inproc.py). The weights are random, so every
+check is one a nonsense-writing model passes only through the grammar, the parser and the protocol
+code: tool arguments validate against their schemas, streams obey each protocol's event rules (checked
+here by hand, event by event, and by the SDKs' own stream accumulators), and a streamed answer
+assembles to the non-streamed one of the same seed.
+"""
+
+import asyncio
+import copy
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from inproc import post, preset, serve
+
+KEY = "apis-key"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+EVENT = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 16},
+    "when": {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 31}},
+             "required": ["day"]}},  # no additionalProperties: closed by default (issue 37)
+    "required": ["title", "when"]}
+SCHEMAS = {"get_weather": WEATHER, "create_event": EVENT}
+A_TOOLS = [{"name": n, "description": f"the {n} tool", "input_schema": s} for n, s in SCHEMAS.items()]
+R_TOOLS = [{"type": "function", "name": n, "description": f"the {n} tool", "parameters": s} for n, s in SCHEMAS.items()]
+USER = "What is the weather in Paris, and book lunch with Ana."
+SEEDS = range(6)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    settings = dict(attention=1, experts=1, api_key=KEY, max_num_seqs=32, max_tokens_per_step=512, num_blocks=1024)
+    with serve(preset("kimi-k2-tiny", seed=6), served_model_name="k2", **settings) as k2, \
+            serve(preset("kimi-k2-thinking-tiny", seed=6), served_model_name="k2t", **settings) as k2t:
+        yield {"k2": k2, "k2t": k2t}
+
+
+def _anthropic(server, cls=anthropic.Anthropic):
+    return cls(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+
+
+def _openai(server, cls=openai.OpenAI):
+    return cls(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _sse_events(server, route: str, body: dict) -> list[dict]:
+    """The raw stream of a route as (event name, data) pairs, read off the wire."""
+    events, name = [], None
+    with httpx.stream("POST", f"{server.url}{route}", json={**body, "stream": True},
+                      headers={"x-api-key": KEY}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: "):])
+                assert data["type"] == name, (name, data)
+                events.append(data)
+    return events
+
+
+# ---- the protocols' event rules, checked by hand -------------------------------------------------
+
+_A_DELTAS = {"text": {"text_delta"}, "thinking": {"thinking_delta", "signature_delta"}, "tool_use": {"input_json_delta"}}
+
+
+def check_anthropic_events(events: list[dict]) -> dict:
+    """Anthropic's stream rules: message_start first, message_stop last; content blocks opened in
+    index order 0, 1, ..., one open at a time, each delta for the open block and of its kind, each
+    block stopped before the next starts and before message_delta. Returns the message assembled."""
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", [e["type"] for e in events]
+    message = copy.deepcopy(events[0]["message"])
+    assert message["content"] == []
+    open_index, partial, delta_seen = None, {}, False
+    for e in events[1:-1]:
+        kind = e["type"]
+        assert not delta_seen or kind == "ping", f"{kind} after message_delta"
+        if kind == "ping":
+            continue
+        if kind == "content_block_start":
+            assert open_index is None, f"block {e['index']} started while {open_index} is open"
+            assert e["index"] == len(message["content"]), f"block index {e['index']}, expected {len(message['content'])}"
+            open_index = e["index"]
+            message["content"].append(copy.deepcopy(e["content_block"]))
+            partial[open_index] = ""
+        elif kind == "content_block_delta":
+            assert e["index"] == open_index, f"a delta for block {e['index']} while {open_index} is open"
+            block, d = message["content"][open_index], e["delta"]
+            assert d["type"] in _A_DELTAS[block["type"]], f"{d['type']} in a {block['type']} block"
+            if d["type"] == "text_delta":
+                block["text"] += d["text"]
+            elif d["type"] == "thinking_delta":
+                block["thinking"] += d["thinking"]
+            elif d["type"] == "signature_delta":
+                block["signature"] = d["signature"]
+            else:
+                partial[open_index] += d["partial_json"]
+        elif kind == "content_block_stop":
+            assert e["index"] == open_index, f"stop of block {e['index']} while {open_index} is open"
+            block = message["content"][open_index]
+            if block["type"] == "tool_use":
+                block["input"] = json.loads(partial[open_index]) if partial[open_index] else {}
+            open_index = None
+        elif kind == "message_delta":
+            assert open_index is None, f"message_delta while block {open_index} is open"
+            message.update(e["delta"])
+            message["usage"]["output_tokens"] = e["usage"]["output_tokens"]
+            delta_seen = True
+        else:
+            raise AssertionError(f"unknown event {kind}")
+    assert delta_seen, "no message_delta"
+    return message
+
+
+def check_responses_events(events: list[dict]) -> dict:
+    """The Responses stream rules: sequence numbers 0, 1, ...; response.created then .in_progress
+    first and response.completed / .incomplete last (carrying the whole response); items added in
+    output_index order, one open at a time, every delta for the open item (by output_index and
+    item_id) and of its kind, its .done events before its output_item.done, whose item is what the
+    deltas built. Returns the final response."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    items, open_index, text = [], None, {}
+    for e in events[2:-1]:
+        kind = e["type"]
+        if kind == "response.output_item.added":
+            assert open_index is None and e["output_index"] == len(items), (e, open_index, len(items))
+            items.append(copy.deepcopy(e["item"]))
+            open_index, text = e["output_index"], {"text": "", "args": "", "parts": 0, "done": set()}
+            continue
+        assert open_index is not None and e["output_index"] == open_index, (kind, e["output_index"], open_index)
+        item = items[open_index]
+        assert e.get("item_id", item["id"]) == item["id"]
+        if kind == "response.content_part.added":
+            assert item["type"] == "message" and e["content_index"] == text["parts"] == 0
+            item["content"].append(copy.deepcopy(e["part"]))
+            text["parts"] += 1
+        elif kind == "response.output_text.delta":
+            assert item["type"] == "message" and e["content_index"] < text["parts"] and not text["done"]
+            item["content"][e["content_index"]]["text"] += e["delta"]
+        elif kind == "response.reasoning_text.delta":
+            assert item["type"] == "reasoning" and not text["done"]
+            text["text"] += e["delta"]
+        elif kind == "response.function_call_arguments.delta":
+            assert item["type"] == "function_call" and not text["done"]
+            item["arguments"] += e["delta"]
+        elif kind in ("response.output_text.done", "response.content_part.done", "response.reasoning_text.done",
+                      "response.function_call_arguments.done"):
+            text["done"].add(kind)
+            if kind == "response.output_text.done":
+                assert e["text"] == item["content"][e["content_index"]]["text"]
+            elif kind == "response.reasoning_text.done":
+                assert e["text"] == text["text"]
+            elif kind == "response.function_call_arguments.done":
+                assert e["arguments"] == item["arguments"]
+        elif kind == "response.output_item.done":
+            done = e["item"]
+            if item["type"] == "message":
+                assert text["done"] == {"response.output_text.done", "response.content_part.done"}
+                assert done["content"] == item["content"]
+            elif item["type"] == "reasoning":
+                assert text["done"] == {"response.reasoning_text.done"}
+                assert done["content"][0]["text"] == text["text"]
+            else:
+                assert text["done"] == {"response.function_call_arguments.done"}
+                assert done["arguments"] == item["arguments"] and done["call_id"] == item["call_id"]
+            items[open_index] = done
+            open_index = None
+        else:
+            raise AssertionError(f"unknown event {kind}")
+    assert open_index is None, "an item was never done"
+    final = events[-1]["response"]
+    assert final["output"] == items
+    return final
+
+
+def _strip(obj):
+    """An answer without what differs between two requests: ids, times, and how much of the prompt the
+    prefix cache held (the second of two equal requests finds the first's blocks); the prompt's and the
+    output's token counts stay."""
+    if isinstance(obj, dict):
+        out = {k: _strip(v) for k, v in obj.items() if k not in ("id", "created_at", "item_id")}
+        if "cache_read_input_tokens" in out:  # Anthropic's usage: input_tokens is what the cache did not hold
+            out["input_tokens"] += out.pop("cache_read_input_tokens")
+        out.pop("input_tokens_details", None)
+        return out
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+# ---- Anthropic Messages --------------------------------------------------------------------------
+
+def _check_tool_uses(message, names=SCHEMAS) -> list:
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses, message
+    for b in uses:
+        assert b.name in names
+        jsonschema.validate(b.input, SCHEMAS[b.name])
+    return uses
+
+
+def _samples(client, resource: str, stream: bool, **kw) -> list:
+    """len(SEEDS) requests at once through an async SDK's ``client.<resource>`` (messages, responses):
+    ``create``, or ``stream`` and its final answer."""
+    async def one():
+        api = getattr(client, resource)
+        if not stream:
+            return await api.create(**kw)
+        async with api.stream(**kw) as s:
+            return await (s.get_final_message() if resource == "messages" else s.get_final_response())
+
+    async def run():
+        async with client:
+            return await asyncio.gather(*(one() for _ in SEEDS))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_anthropic_sdk_any_tool_gives_valid_tool_use_blocks(servers, stream):
+    # Anthropic's API has no seed, and newer SDKs send no temperature (1 here): six samples
+    for message in _samples(_anthropic(servers["k2"], anthropic.AsyncAnthropic), "messages", stream, model="k2",
+                            max_tokens=400, messages=[{"role": "user", "content": USER}], tools=A_TOOLS,
+                            tool_choice={"type": "any", "disable_parallel_tool_use": True}):
+        assert len(_check_tool_uses(message)) == 1
+
+
+def test_anthropic_tool_result_turn_count_tokens_and_the_prefix_cache(servers):
+    client = _anthropic(servers["k2"])
+    history = [{"role": "user", "content": USER}]
+    first = client.messages.create(model="k2", max_tokens=400, messages=history, tools=A_TOOLS,
+                                   tool_choice={"type": "any"})
+    counted = client.messages.count_tokens(model="k2", messages=history, tools=A_TOOLS).input_tokens
+    assert counted == first.usage.input_tokens + first.usage.cache_read_input_tokens
+    uses = _check_tool_uses(first)
+    history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "done",
+                                              "is_error": i == 1} for i, b in enumerate(uses)]}]
+    second = client.messages.create(model="k2", max_tokens=400, messages=history, tools=A_TOOLS,
+                                    tool_choice={"type": "any"})
+    ids = [b.id for b in _check_tool_uses(second)]
+    assert ids[0] == f"functions.{second.content[0].name}:{len(uses)}"  # ids go on counting over the conversation
+    assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt, found in the prefix cache
+    assert client.messages.count_tokens(model="k2", messages=history, tools=A_TOOLS).input_tokens == \
+        second.usage.input_tokens + second.usage.cache_read_input_tokens
+    free = client.messages.create(model="k2", max_tokens=8, messages=history, tools=A_TOOLS,
+                                  stop_sequences=["e"])  # auto: text or a call; a stop sequence or the limit
+    assert free.stop_reason in ("end_turn", "max_tokens", "tool_use", "stop_sequence")
+    assert (free.stop_sequence == "e") == (free.stop_reason == "stop_sequence")
+
+
+def test_anthropic_thinking_block_comes_back_and_is_accepted_in_history(servers):
+    client = _anthropic(servers["k2t"])
+    history = [{"role": "user", "content": USER}]
+    first = client.messages.create(model="k2t", max_tokens=24, messages=history)
+    thinking = [b for b in first.content if b.type == "thinking"]
+    assert thinking and thinking[0].thinking and thinking[0].signature  # a random model rarely closes </think>
+    history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {"role": "user", "content": "go on"}]
+    second = client.messages.create(model="k2t", max_tokens=8, messages=history)
+    assert second.stop_reason in ("end_turn", "max_tokens") and second.usage.output_tokens > 0
+    off = client.messages.create(model="k2t", max_tokens=8, messages=history[:1], thinking={"type": "disabled"})
+    assert not any(b.type == "thinking" for b in off.content)
+
+
+@pytest.mark.parametrize("body", [
+    dict(max_tokens=300, tools=A_TOOLS, tool_choice={"type": "any"}, temperature=1.0, top_k=50),
+    dict(max_tokens=40, temperature=1.0),
+], ids=["tools", "text"])
+def test_anthropic_stream_obeys_the_event_rules_and_assembles_to_the_whole_answer(servers, body):
+    body = {"model": "k2", "messages": [{"role": "user", "content": USER}], **body}
+    for seed_server in ("k2", "k2t"):
+        server = servers[seed_server]
+        b = {**body, "model": seed_server, "metadata": {"user_id": "u1"}}
+        streamed = check_anthropic_events(_sse_events(server, "/v1/messages", {**b, "top_k": 1}))
+        whole = post(server, "/v1/messages", {**b, "top_k": 1}, KEY).json()
+        assert _strip(streamed) == _strip(whole)
+
+
+def test_the_anthropic_checker_fails_on_one_misplaced_event(servers):
+    body = {"model": "k2t", "max_tokens": 300, "messages": [{"role": "user", "content": USER}], "tools": A_TOOLS,
+            "tool_choice": {"type": "any"}}
+    events = _sse_events(servers["k2t"], "/v1/messages", body)
+    check_anthropic_events(events)
+    kinds = [e["type"] for e in events]
+    stop = kinds.index("content_block_stop")
+    for broken in (events[:stop] + events[stop + 1:stop + 2] + [events[stop]] + events[stop + 2:],  # stop moved
+                   events[1:],  # no message_start
+                   [e if e["type"] != "content_block_start" else {**e, "index": e["index"] + 1} for e in events]):
+        with pytest.raises(AssertionError):
+            check_anthropic_events(broken)
+
+
+def test_anthropic_errors_use_its_envelope(servers):
+    s = servers["k2"]
+    r = httpx.post(f"{s.url}/v1/messages", json={"model": "k2", "max_tokens": 5, "messages": []},
+                   headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{s.url}/v1/messages", json={"model": "k2", "max_tokens": 5, "messages": []},
+                   headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError, match="web_search"):
+        _anthropic(s).messages.create(model="k2", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                                      tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    with pytest.raises(anthropic.NotFoundError):
+        _anthropic(s).messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+
+
+# ---- OpenAI Responses ----------------------------------------------------------------------------
+
+def _check_calls(response, names=SCHEMAS) -> list:
+    calls = [i for i in response.output if i.type == "function_call"]
+    assert response.status == "completed" and calls, response
+    for c in calls:
+        assert c.name in names
+        jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+    return calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_openai_responses_required_tool_gives_valid_calls(servers, stream):
+    for response in _samples(_openai(servers["k2"], openai.AsyncOpenAI), "responses", stream, model="k2", input=USER,
+                             tools=R_TOOLS, tool_choice="required", max_output_tokens=400, temperature=1.0):
+        _check_calls(response)
+
+
+def test_openai_responses_second_turn_by_items_and_by_previous_response_id(servers):
+    client = _openai(servers["k2"])
+    first = client.responses.create(model="k2", input=USER, tools=R_TOOLS, tool_choice="required",
+                                    max_output_tokens=400, instructions="You are terse.")
+    calls = _check_calls(first)
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "done"} for c in calls]
+    by_items = client.responses.create(model="k2", tools=R_TOOLS, tool_choice="required", max_output_tokens=400,
+                                       input=[{"role": "user", "content": USER},
+                                              *[i.model_dump(exclude_none=True) for i in first.output], *outputs])
+    assert _check_calls(by_items)[0].call_id.endswith(f":{len(calls)}")  # ids go on counting
+    by_id = client.responses.create(model="k2", tools=R_TOOLS, tool_choice="required", max_output_tokens=400,
+                                    previous_response_id=first.id, input=outputs)
+    assert _check_calls(by_id)[0].call_id.endswith(f":{len(calls)}")  # the stored conversation was continued
+    assert by_id.usage.input_tokens_details.cached_tokens > 0 and by_id.previous_response_id == first.id
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="k2", input="hi", previous_response_id="resp_nope", max_output_tokens=4)
+    unstored = client.responses.create(model="k2", input="hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="k2", input="hi", previous_response_id=unstored.id, max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="file_search"):
+        client.responses.create(model="k2", input="hi", tools=[{"type": "file_search", "vector_store_ids": ["v"]}])
+
+
+@pytest.mark.parametrize("body", [
+    dict(tools=R_TOOLS, tool_choice="required", max_output_tokens=300),
+    dict(max_output_tokens=40),
+    dict(text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}},
+         max_output_tokens=300),
+], ids=["tools", "text", "json_schema"])
+def test_responses_stream_obeys_the_event_rules_and_assembles_to_the_whole_response(servers, body):
+    for name in ("k2", "k2t"):
+        b = {"model": name, "input": USER, "temperature": 0.0, **body}
+        streamed = check_responses_events(_sse_events(servers[name], "/v1/responses", b))
+        whole = post(servers[name], "/v1/responses", b, KEY).json()
+        assert _strip(streamed) == _strip(whole)
+        if "text" in body and whole["status"] == "completed":
+            message = [i for i in whole["output"] if i["type"] == "message"][0]
+            jsonschema.validate(json.loads(message["content"][0]["text"]), WEATHER)
+
+
+def test_the_responses_checker_fails_on_one_misplaced_event(servers):
+    b = {"model": "k2t", "input": USER, "tools": R_TOOLS, "tool_choice": "required", "max_output_tokens": 300}
+    events = _sse_events(servers["k2t"], "/v1/responses", b)
+    check_responses_events(events)
+    kinds = [e["type"] for e in events]
+    done = kinds.index("response.output_item.done")
+    swapped = events[:done - 1] + [events[done], events[done - 1]] + events[done + 1:]
+    renumbered = [{**e, "sequence_number": i} for i, e in enumerate(swapped)]
+    for broken in (swapped, renumbered, events[1:],
+                   [e if e["type"] != "response.output_item.added" else {**e, "output_index": e["output_index"] + 1}
+                    for e in events]):
+        with pytest.raises(AssertionError):
+            check_responses_events(broken)
+
+
+# ---- grammar defaults and routes -----------------------------------------------------------------
+
+def test_a_tool_schema_without_additional_properties_gets_only_its_properties(servers):
+    """EVENT and its nested `when` say nothing of other keys: over 20 seeds, only their properties."""
+    tools = [{"type": "function", "function": {"name": "create_event", "parameters": EVENT}}]
+    closed = {**EVENT, "additionalProperties": False,
+              "properties": {**EVENT["properties"], "when": {**EVENT["properties"]["when"], "additionalProperties": False}}}
+
+    async def run():
+        async with _openai(servers["k2"], openai.AsyncOpenAI) as client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model="k2", messages=[{"role": "user", "content": USER}], tools=tools, tool_choice="required",
+                temperature=1.0, seed=s, max_tokens=300, parallel_tool_calls=False) for s in range(20)))
+
+    for r in asyncio.run(run()):
+        call = r.choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, closed)
+        assert call.function.arguments == json.dumps(args, ensure_ascii=False)  # no free whitespace by default
+
+
+def test_unknown_routes_list_the_api(servers):
+    r = httpx.get(f"{servers['k2'].url}/v1/chat", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    for route in ("POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "GET /v1/models"):
+        assert route in message
+    r = httpx.post(f"{servers['k2'].url}/v1/messages/nope", headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json()["type"] == "error"  # Anthropic's envelope under its prefix
