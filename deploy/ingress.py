@@ -62,7 +62,6 @@ class Ingress:
         self.cache_tokens = self.serve_cfg.num_blocks * self.serve_cfg.block_size  # one replica's cache
         self.name = self.serve_cfg.name_for(Path(model_path))
         self.created = int(time.time())
-        self._stored: list = []  # Responses to store, asked of the engine server and not yet answered
 
     def __del__(self):  # Serve calls it at shutdown, on the replica's event loop
         self.mux.close()
@@ -272,22 +271,23 @@ class Ingress:
         turn = await self._chat_turn(chat)
         render = responses_api.ResponseStream(req, self.name, turn.prompt_tokens)
 
-        def finish(out):
-            events = render.finish(out.finish_reason, len(out.token_ids), out.cached_tokens)
+        async def store():  # before the answer ends, so that the client's next turn finds it
             if req.store:
-                self._stored.append(self.engine.store_response.remote(render.id,
-                                                                      conversation + render.conversation_tail()))
-            return events
+                await self._ask_engine(self.engine.store_response, "storing the response", render.id,
+                                       conversation + render.conversation_tail())
 
-        return await self._render(request, turn, render, responses_api.sse, req.stream, finish,
+        return await self._render(request, turn, render, responses_api.sse, req.stream,
+                                  lambda out: render.finish(out.finish_reason, len(out.token_ids), out.cached_tokens),
                                   lambda: render.response(), lambda e: ("error", {
                                       "type": "error", "sequence_number": 0, "code": "engine_failed",
-                                      "message": stream_error(e)["error"]["message"], "param": None}))
+                                      "message": stream_error(e)["error"]["message"], "param": None}), store)
 
-    async def _render(self, request: Request, turn: "_Turn", render, sse, stream: bool, finish, whole, failed):
+    async def _render(self, request: Request, turn: "_Turn", render, sse, stream: bool, finish, whole, failed,
+                      before_end=None):
         """One choice through a front door's renderer: ``render.feed`` the output processor's deltas
-        into events, ``finish(output)`` the closing events, ``whole()`` the non-streamed body (the
-        same events assembled), ``failed(error)`` the event that ends a stream whose engine failed."""
+        into events, ``finish(output)`` the closing events (after ``await before_end()``, if given),
+        ``whole()`` the non-streamed body (the same events assembled), ``failed(error)`` the event that
+        ends a stream whose engine failed."""
         fan, firsts = await self._open(turn.requests)
         choice = _Choice(ChoiceOutput(self.tok, 0, turn.options, chat=True, plan=turn.plan), fan.stream(0), firsts[0])
         start = render.start(firsts[0].cached_tokens)
@@ -300,9 +300,11 @@ class Ingress:
                     for e in render.feed(piece.deltas):
                         yield e
                     if piece.finish_reason is not None:
-                        for e in finish(choice.out):
+                        closing = finish(choice.out)
+                        if before_end is not None:
+                            await before_end()
+                        for e in closing:
                             yield e
-                        await self._flush_stored()
             finally:
                 fan.close()
 
@@ -325,11 +327,6 @@ class Ingress:
             fan.close()
         return whole()
 
-    async def _flush_stored(self) -> None:
-        """Wait for the responses this replica asked the engine server to store (bounded)."""
-        stored, self._stored = self._stored, []
-        if stored:
-            await asyncio.wait_for(asyncio.gather(*stored), timeout=CONTROL_TIMEOUT_S)
 
     async def _respond(self, request: Request, turn: "_Turn"):
         fan, firsts = await self._open(turn.requests)

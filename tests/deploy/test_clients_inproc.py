@@ -17,6 +17,8 @@ from inproc import preset, serve
 
 KEY = "clients-key"
 USER = "What is the weather in Paris?"
+City = Literal["Paris", "Berlin", "Tokyo"]  # a tool's string argument, closed: a library's schema bounds no
+# string, and a random model's string can run to max_tokens (then there is no call to check)
 
 
 class Weather(BaseModel):
@@ -56,8 +58,8 @@ def test_openai_agents_sdk_default_responses_model_calls_a_tool_and_returns_stru
     set_tracing_disabled(True)  # no trace export (it would go to OpenAI)
     calls = []
 
-    @function_tool  # closed arguments: the SDK's schema bounds no string, and a random one can be any length
-    def get_weather(city: Literal["Paris", "Berlin", "Tokyo"], unit: Literal["celsius", "fahrenheit"]) -> str:
+    @function_tool
+    def get_weather(city: City, unit: Literal["celsius", "fahrenheit"]) -> str:
         """The weather in a city."""
         calls.append((city, unit))  # the SDK validated the arguments against its own schema first
         return "sunny"
@@ -85,17 +87,17 @@ def test_pydantic_ai_calls_a_tool_and_returns_structured_output(k2):
 
     model = OpenAIChatModel("k2", provider=OpenAIProvider(openai_client=_async_openai(k2)))
     calls = []
-    agent = Agent(model, output_type=Sky, model_settings={"max_tokens": 300})  # the output as a tool call
+    agent = Agent(model, output_type=Sky, model_settings={"max_tokens": 300, "seed": 1})  # the output as a tool call
 
     @agent.tool_plain
-    def get_weather(city: str) -> str:
+    def get_weather(city: City) -> str:
         """The weather in a city."""
         calls.append(city)
         return "sunny"
 
     async def run():
         as_tool = await agent.run(USER)
-        native = await Agent(model, output_type=NativeOutput(Sky), model_settings={"max_tokens": 300}).run(USER)
+        native = await Agent(model, output_type=NativeOutput(Sky), model_settings={"max_tokens": 300, "seed": 2}).run(USER)
         return as_tool, native
 
     as_tool, native = asyncio.run(run())
@@ -109,11 +111,12 @@ def test_langchain_openai_binds_a_tool_and_returns_structured_output(k2):
     from langchain_openai import ChatOpenAI
 
     @tool
-    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    def get_weather(city: City, unit: Literal["celsius", "fahrenheit"]) -> str:
         """The weather in a city."""
         return "sunny"
 
-    llm = ChatOpenAI(model="k2", base_url=f"{k2.url}/v1", api_key=KEY, max_tokens=300, max_retries=0, timeout=300)
+    llm = ChatOpenAI(model="k2", base_url=f"{k2.url}/v1", api_key=KEY, max_tokens=300, max_retries=0, timeout=300,
+                     seed=3)
     msg = llm.bind_tools([get_weather], tool_choice="required").invoke(USER)
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(msg.tool_calls[0]["args"], get_weather.tool_call_schema.model_json_schema())
@@ -126,7 +129,7 @@ def test_litellm_calls_a_tool_and_returns_structured_output(k2, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
     import litellm
 
-    common = dict(model="openai/k2", api_base=f"{k2.url}/v1", api_key=KEY, max_tokens=300, num_retries=0,
+    common = dict(model="openai/k2", api_base=f"{k2.url}/v1", api_key=KEY, max_tokens=300, num_retries=0, seed=4,
                   messages=[{"role": "user", "content": USER}])
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
     r = litellm.completion(**common, tools=tools, tool_choice="required")
