@@ -148,19 +148,20 @@ def _expected_parts(logical: str, plan: _Plan, cfg: ModelConfig) -> dict[str, tu
     return {"_packed": (("U8",), (out, inp // 2)), "_scale": (("U8",), (out, math.ceil(inp / g)))}
 
 
-def _plan_reads(layout: _Layout, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]]) -> dict[str, _Plan]:
+def _plan_reads(layout: _Layout, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]],
+                mtp: bool = False) -> dict[str, _Plan]:
     """Check names (all), files and headers (needed only); return the read plan or raise."""
     groups: dict[str, dict[str, str]] = {}
     problems: list[str] = []
     for stored in layout.weight_map:
         name = canonical_name(stored)
-        if is_ignored(name, cfg):
+        if is_ignored(name, cfg, mtp=mtp):
             continue
         logical, suffix = split_stored(name)
         other = groups.setdefault(logical, {}).setdefault(suffix, stored)
         if other != stored:
             problems.append(f"tensor {logical + suffix!r} is stored twice: as {other!r} and as {stored!r}")
-    full = tensor_specs(cfg)
+    full = tensor_specs(cfg, mtp=mtp)
     problems += [
         f"unexpected tensor {stored!r} in {layout.weight_map[stored]}: not a tensor of this {cfg.model_type} config"
         for logical, parts in groups.items() if logical not in full for stored in parts.values()
@@ -230,6 +231,7 @@ def read_checkpoint(
     keep_quantized: bool = False,
     threads: int = DEFAULT_READ_THREADS,
     on_progress: Callable[[int, int], None] | None = None,
+    mtp: bool = False,
 ) -> dict[str, Tensor | QuantTensor]:
     """Load logical HF name → dequantised tensor in ``dtype`` (router bias, KDA A_log and dt_bias
     stay fp32); with ``keep_quantized`` a quantised tensor comes back as a :class:`QuantTensor` in
@@ -238,7 +240,8 @@ def read_checkpoint(
     ``experts`` selects the routed experts of every MoE layer (None: all; ``range(0)``: none; or a
     mapping MoE layer → ids);
     ``include_non_expert=False`` skips everything but those routed experts. Stray
-    ``rotary_emb.inv_freq`` buffers, layers >= ``num_hidden_layers`` (the MTP layer) and a
+    ``rotary_emb.inv_freq`` buffers, layers >= ``num_hidden_layers`` (the MTP layer, unless ``mtp``
+    asks for the first of them: then its tensors are read too) and a
     multimodal checkpoint's vision tower are ignored; stored names are read through
     :func:`model.names.canonical_name` (K3's ``language_model.`` prefix). Raises
     :class:`CheckpointError` before reading any data if a needed tensor is missing or misshapen,
@@ -257,10 +260,10 @@ def read_checkpoint(
         raise CheckpointError(f"{path}: config.json quantization_config: {e}") from None
     layout = _layout(Path(path))
     wanted = {
-        name: shape for name, shape in tensor_specs(cfg, experts).items()
+        name: shape for name, shape in tensor_specs(cfg, experts, mtp=mtp).items()
         if include_non_expert or is_routed_expert(name) is not None
     }
-    plans = _plan_reads(layout, cfg, wanted)
+    plans = _plan_reads(layout, cfg, wanted, mtp)
     order = sorted(plans, key=lambda n: (layout.weight_map[next(iter(plans[n].parts.values()))], n))
     total = sum(_stored_bytes(layout, s) for p in plans.values() for s in p.parts.values())
     result: dict[str, Tensor | QuantTensor] = {}

@@ -151,7 +151,7 @@ class ModelConfig:
         )
 
     def is_kda_layer(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "kda"
+        return layer < len(self.layer_types) and self.layer_types[layer] == "kda"  # the MTP layer is MLA
 
     @property
     def mla_layers(self) -> list[int]:

@@ -58,16 +58,22 @@ def _materialize(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, experts: range | None = None,
                progress: bool = True, cfg: ModelConfig | None = None, dequantize: bool = False,
-               threads: int = DEFAULT_READ_THREADS, on_progress: ProgressFn | None = None) -> CausalLM:
+               threads: int = DEFAULT_READ_THREADS, on_progress: ProgressFn | None = None,
+               mtp: bool = False) -> CausalLM:
     """The model, with quantised weights resident in checkpoint format (``dequantize=False``): FP8
     linears become :class:`QuantLinear` (``kv_b_proj`` excepted: the absorbed path reads it
     whole, MODEL_SPEC §1.9), quantised routed experts :class:`QuantRoutedExperts`. Outputs are
-    bit-identical to ``dequantize=True`` (everything dequantised at load) on CPU."""
+    bit-identical to ``dequantize=True`` (everything dequantised at load) on CPU. With ``mtp`` the
+    model holds its multi-token-prediction layer too (model/mtp.py; its weights dequantised)."""
     cfg = cfg or load_config(path)
     tensors = read_checkpoint(path, cfg, experts=experts, dtype=dtype, progress=progress,
-                              keep_quantized=not dequantize, threads=threads, on_progress=on_progress)
+                              keep_quantized=not dequantize, threads=threads, on_progress=on_progress, mtp=mtp)
+    if mtp:
+        prefix = f"model.layers.{cfg.num_hidden_layers}."
+        tensors.update({n: t.dequant().to(dtype) for n, t in tensors.items()
+                        if n.startswith(prefix) and isinstance(t, QuantTensor)})
     with torch.device("meta"):
-        model = CausalLM(cfg, experts)
+        model = CausalLM(cfg, experts, mtp=mtp)
     model = _materialize(model, dtype)
     for m in model.modules():  # the selection bias stays fp32, as in the checkpoint and the HF gate
         if isinstance(m, Gate):

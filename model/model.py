@@ -22,6 +22,7 @@ from .layers import GatedMLP, RMSNorm, RotaryEmbedding, glu_activation
 from .mla import MLA
 from .names import EXPERT_WEIGHT_NAMES, ffn_name
 from .moe import MoE, RoutedExperts, run_stages
+from .mtp import MTPLayer, mtp_hf_name
 
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>w13|w2)$")
 
@@ -114,7 +115,7 @@ class CausalLM(nn.Module):
     """``experts`` limits which routed experts this instance holds (``range(0)``: none, e.g. an
     attention actor whose MoE layers dispatch elsewhere)."""
 
-    def __init__(self, cfg: ModelConfig, experts: range | None = None):
+    def __init__(self, cfg: ModelConfig, experts: range | None = None, *, mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.rotary = (
@@ -122,13 +123,15 @@ class CausalLM(nn.Module):
         )
         self.model = Backbone(cfg, self.rotary, experts)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the multi-token-prediction layer (model/mtp.py), only when asked: serving never reads it
+        self.mtp = MTPLayer(cfg, self.rotary, experts) if mtp else None
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype,
                    device: str | torch.device = "cpu", num_snapshots: int = 0) -> ModelCache:
         """The cache this model needs: latent blocks for its MLA layers, KDA slots (and
         ``num_snapshots`` state snapshots, for prefix caching) for its KDA layers."""
         cfg = self.cfg
-        mla, kda = cfg.mla_layers, cfg.kda_layers
+        mla, kda = cfg.mla_layers + ([self.mtp.index] if self.mtp is not None else []), cfg.kda_layers
         latent = LatentCache(len(mla), num_blocks, block_size, cfg.latent_dim, dtype, device) if mla else None
         states = None
         if kda:
@@ -163,6 +166,15 @@ class CausalLM(nn.Module):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return (h @ w.t()).float()
 
+    def mtp_logits(self, next_ids: torch.Tensor, h: torch.Tensor, meta: AttnMeta, cache: ModelCache,
+                   impl: str = "absorbed") -> torch.Tensor:
+        """The MTP layer's logits for the token after next (see :class:`~model.mtp.MTPLayer`): ``h`` is
+        :meth:`forward`'s output for the same ``meta``, ``next_ids`` the token after each position's."""
+        if self.mtp is None:
+            raise ValueError("this model was built without its MTP layer: CausalLM(cfg, mtp=True)")
+        rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
+        return self.mtp(next_ids, h, meta, cache, rope, impl)
+
     def moe_blocks(self) -> dict[int, MoE]:
         return {l.index: l.ffn for l in self.model.layers if isinstance(l.ffn, MoE)}
 
@@ -188,6 +200,11 @@ def fill_experts(experts: RoutedExperts, cfg: ModelConfig, prefix: str, tensors:
         experts.w2[j].copy_(tensors[down])
 
 
+def hf_name(model: CausalLM, name: str) -> str:
+    """A parameter's (or an expert prefix's) checkpoint name: the MTP layer's are ``model.layers.{N}.*``."""
+    return mtp_hf_name(name, model.mtp.index) if name.startswith("mtp.") else name
+
+
 @torch.no_grad()
 def load_hf_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors (HF logical names, already dequantised) into the model.
@@ -196,9 +213,9 @@ def load_hf_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
     for name, p in model.named_parameters():
         m = EXPERT_PARAM.match(name)
         if m is None:
-            p.copy_(tensors[name])
+            p.copy_(tensors[hf_name(model, name)])
         elif m["which"] == "w13":  # w2 is filled together with w13
-            fill_experts(model.get_submodule(m["prefix"]), model.cfg, m["prefix"], tensors)
+            fill_experts(model.get_submodule(m["prefix"]), model.cfg, hf_name(model, m["prefix"]), tensors)
 
 
 @torch.no_grad()
@@ -208,12 +225,12 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         m = EXPERT_PARAM.match(name)
         if m is None:
-            out[name] = p.detach().clone()
+            out[hf_name(model, name)] = p.detach().clone()
             continue
         experts = model.get_submodule(m["prefix"])
         I = experts.w2.shape[-1]
         for j, e in enumerate(experts.expert_ids):
-            gate, up, down = _expert_names(model.cfg, m["prefix"], e)
+            gate, up, down = _expert_names(model.cfg, hf_name(model, m["prefix"]), e)
             if m["which"] == "w13":
                 out[gate], out[up] = p[j, :I].clone(), p[j, I:].clone()
             else:

@@ -92,16 +92,16 @@ def split_stored(name: str) -> tuple[str, str]:
     return name, ""
 
 
-def is_ignored(name: str, cfg: ModelConfig) -> bool:
+def is_ignored(name: str, cfg: ModelConfig, *, mtp: bool = False) -> bool:
     """Stored tensors a loader skips: the stray ``rotary_emb.inv_freq`` buffers, a multimodal
     checkpoint's vision tower and projector, and the multi-token-prediction layers that follow
-    the decoder (DeepSeek-V3's layer 61, declared by ``num_nextn_predict_layers``). Any other
-    extra layer is unexpected."""
+    the decoder (DeepSeek-V3's layer 61, declared by ``num_nextn_predict_layers``) — but the first
+    of them when ``mtp`` (a model built with its MTP layer). Any other extra layer is unexpected."""
     if name.endswith("rotary_emb.inv_freq") or name.startswith(_OTHER_TOWERS):
         return True
     layer = layer_index(name)
-    n = cfg.num_hidden_layers
-    return layer is not None and n <= layer < n + cfg.num_nextn_predict_layers
+    n = cfg.num_hidden_layers + (1 if mtp else 0)
+    return layer is not None and n <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers
 
 
 def is_quantized(name: str, method: str | None) -> bool:
@@ -143,10 +143,11 @@ def ffn_name(cfg: ModelConfig, layer: int) -> str:
     return "block_sparse_moe" if cfg.family == "kimi_linear" and cfg.is_moe_layer(layer) else "mlp"
 
 
-def tensor_specs(cfg: ModelConfig, experts: ExpertSelection = None) -> Specs:
+def tensor_specs(cfg: ModelConfig, experts: ExpertSelection = None, *, mtp: bool = False) -> Specs:
     """Logical name → shape of every tensor the model needs. ``experts`` restricts the routed
     experts of each MoE layer to those ids (``range(0)``: none), or per MoE layer when it maps
-    layer → ids (a layer it does not name holds none); None means all.
+    layer → ids (a layer it does not name holds none); None means all. With ``mtp``, the first
+    multi-token-prediction layer's tensors too (:func:`mtp_specs`, all its experts).
 
     One layout serves both families (DeepSeek-V3 / K2 §1.9, Kimi Linear / K3 §3.8, §3.11): they
     differ only in the FFN module name, the expert weight names, and the switches only Kimi
@@ -175,6 +176,28 @@ def tensor_specs(cfg: ModelConfig, experts: ExpertSelection = None) -> Specs:
         specs.update(attn_res_specs(cfg, "model.output_attn_res_"))
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = (v, h)
+    if mtp:
+        specs.update(mtp_specs(cfg))
+    return specs
+
+
+def mtp_specs(cfg: ModelConfig) -> Specs:
+    """DeepSeek-V3's first MTP layer (model/mtp.py), ``model.layers.{num_hidden_layers}``: its own
+    embedding and head, the two norms and ``eh_proj`` that join them, and one MLA decoder layer."""
+    if cfg.num_nextn_predict_layers < 1 or cfg.family != "deepseek_v3":
+        raise ValueError(f"this {cfg.model_type} config declares no MTP layer (num_nextn_predict_layers "
+                         f"{cfg.num_nextn_predict_layers})")
+    n, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    p = f"model.layers.{n}."
+    specs: Specs = {p + "embed_tokens.weight": (v, h), p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
+                    p + "eh_proj.weight": (h, 2 * h), p + "shared_head.norm.weight": (h,),
+                    p + "shared_head.head.weight": (v, h), p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,)}
+    specs.update(mla_specs(cfg, p + "self_attn."))
+    if cfg.is_moe_layer(n):
+        specs.update(moe_specs(cfg, p + "mlp.", None, EXPERT_WEIGHT_NAMES[cfg.family]))
+    else:
+        specs.update(swiglu_specs(p + "mlp.", h, cfg.intermediate_size))
     return specs
 
 

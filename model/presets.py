@@ -20,6 +20,7 @@ from .chat_template import K2_THINKING_CHAT_TEMPLATE
 from .tokenizer import SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
 DEFAULT_PRESET = "kimi-k2-tiny"
+TRAINED_DIR = Path(__file__).parent / "assets" / "presets"  # trained presets' committed weights
 
 
 def _k2_like(**over) -> dict:
@@ -65,6 +66,17 @@ def _k2_like(**over) -> dict:
     }
     cfg.update(over)
     return cfg
+
+
+def kimi_k2_mini() -> dict:
+    """The trained preset's shape (scripts/train_preset.py): K2's architecture at hidden 256, 6 layers
+    (the first dense), 32 routed experts (4 per token) and one MTP layer in DeepSeek's layout."""
+    return _k2_like(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4,
+        num_nextn_predict_layers=1,
+    )
 
 
 def _deepseek_v3_tiny() -> dict:
@@ -174,6 +186,7 @@ class Preset:
     config: Callable[[], dict]
     tokenizer: str
     chat_template: str | None = None
+    weights: str | None = None  # a trained preset's directory under TRAINED_DIR (its model.safetensors)
 
 
 PRESETS: dict[str, Preset] = {
@@ -203,29 +216,52 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     ``overrides`` replaces config fields (a benchmark's own shape on a preset's tokenizer)."""
     import torch
 
-    from .checkpoint import write_checkpoint
     from .config import parse_config
     from .model import CausalLM, init_random_weights, to_hf_tensors
-    from .names import is_fp32
 
     preset = _preset(name)
     raw = preset.config() | (overrides or {})
     raw["torch_dtype"] = dtype
-    cfg = parse_config(raw, where=f"preset {name}")
-    with torch.device("cpu"):
-        model = CausalLM(cfg)
-    init_random_weights(model, seed)
-    tensors = to_hf_tensors(model)
+    if preset.weights is not None:  # trained: its committed weights, whatever the seed
+        if overrides:
+            raise ValueError(f"preset {name} is trained: its shape cannot be overridden")
+        from safetensors.torch import load_file
+
+        tensors = load_file(TRAINED_DIR / preset.weights / "model.safetensors")
+        generation = {"moeray_preset": name, "trained": True}
+    else:
+        cfg = parse_config(raw, where=f"preset {name}")
+        with torch.device("cpu"):
+            model = CausalLM(cfg)
+        init_random_weights(model, seed)
+        tensors = to_hf_tensors(model)
+        generation = {"moeray_preset": name, "seed": seed}
+    return write_model_dir(tensors, raw, out_dir, tokenizer=preset.tokenizer, chat_template=preset.chat_template,
+                           quant=quant, generation=generation)
+
+
+def write_model_dir(tensors: dict, raw: dict, out_dir: str | Path, *, tokenizer: str,
+                    chat_template: str | None = None, quant: str | None = None,
+                    generation: dict | None = None) -> Path:
+    """Checkpoint ``tensors`` (logical names: :func:`~model.model.to_hf_tensors` of a model, its MTP
+    layer's too if it has one) as a complete HF checkpoint directory: ``raw`` as config.json (its
+    ``torch_dtype`` the stored dtype), the shipped ``tokenizer``'s files, a chat_template.jinja if
+    given, and generation_config.json (bos/eos and the ``generation`` fields)."""
+    import torch
+
+    from .checkpoint import write_checkpoint
+    from .names import is_fp32
+
+    dtype = raw.get("torch_dtype", "bfloat16")
     if dtype != "float32":
         tensors = {k: (v if is_fp32(k) else v.to(getattr(torch, dtype))) for k, v in tensors.items()}
     out = Path(out_dir)
     write_checkpoint(out, raw, tensors, quant=quant)
-    copy_tokenizer_files(preset.tokenizer, out)
-    if preset.chat_template is not None:
-        (out / "chat_template.jinja").write_text(preset.chat_template, encoding="utf-8")
+    copy_tokenizer_files(tokenizer, out)
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "moeray_preset": name, "seed": seed},
-        indent=2))
+        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], **(generation or {})}, indent=2))
     return out
 
 
@@ -234,6 +270,8 @@ def preset_fingerprint(name: str) -> str:
     chat template): a cached build whose tokenizer or template has since changed is not reused."""
     preset = _preset(name)
     h = hashlib.sha256(json.dumps(preset.config(), sort_keys=True).encode())
+    if preset.weights is not None:
+        h.update((TRAINED_DIR / preset.weights / "model.safetensors").read_bytes())
     for f in sorted((SHIPPED_DIR / preset.tokenizer).iterdir()):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update((preset.chat_template or "").encode())

@@ -1,0 +1,175 @@
+"""Training the model in ``model/`` (autograd through the same code that serves; no second
+implementation): next-token loss, the MTP layer's own loss on the token after next, and DeepSeek-V3's
+aux-loss-free balancing of the routers (the selection bias moves against each expert's load after
+every step). Used by scripts/train_preset.py.
+
+A batch is ``B`` windows of ``T`` tokens cut from the concatenated documents; each window attends
+causally within itself through the model's own MLA path (one cache block per window, fresh per step).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import build_attn_meta
+from .model import CausalLM
+from .moe import Gate
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch: int = 8  # windows per step
+    seq_len: int = 512  # tokens per window
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    mtp_weight: float = 0.3  # DeepSeek-V3's λ for the first 10 T tokens
+    bias_rate: float = 1e-3  # γ of the aux-loss-free bias update
+    seed: int = 0
+
+
+def windows(docs: list[list[int]], seq_len: int) -> torch.Tensor:
+    """The documents end to end, cut into [N, seq_len] (the tail that does not fill a window dropped)."""
+    flat = torch.tensor([t for d in docs for t in d], dtype=torch.long)
+    n = flat.numel() // seq_len
+    if n == 0:
+        raise ValueError(f"{flat.numel()} tokens do not fill one window of {seq_len}")
+    return flat[: n * seq_len].view(n, seq_len)
+
+
+class RouterLoad:
+    """Tokens per expert of every MoE router, counted by forward hooks while it is attached."""
+
+    def __init__(self, model: CausalLM):
+        self.gates = {name: m for name, m in model.named_modules() if isinstance(m, Gate)}
+        self.counts = {name: torch.zeros(g.weight.shape[0], dtype=torch.long) for name, g in self.gates.items()}
+        self._hooks = [g.register_forward_hook(self._hook(name)) for name, g in self.gates.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output):
+            idx, _ = output
+            self.counts[name] += torch.bincount(idx.flatten(), minlength=self.counts[name].numel())
+        return hook
+
+    def reset(self) -> None:
+        for c in self.counts.values():
+            c.zero_()
+
+    def imbalance(self) -> float:
+        """max / mean tokens per expert, averaged over the routers (1.0: perfectly even)."""
+        vals = [c.max().item() / c.float().mean().item() for c in self.counts.values() if c.sum() > 0]
+        return sum(vals) / len(vals) if vals else 1.0
+
+    @torch.no_grad()
+    def balance(self, rate: float) -> None:
+        """Aux-loss-free balancing: each router's selection bias rises for under-loaded experts and
+        falls for over-loaded ones by ``rate`` (DeepSeek-V3 §2.1.2)."""
+        for name, g in self.gates.items():
+            load = self.counts[name].float()
+            g.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def losses(model: CausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [B, T] → (next-token loss, MTP loss on the token after next or None without an MTP layer)."""
+    B, T = ids.shape
+    cache = model.make_cache(B, T, 0, torch.float32)
+    meta = build_attn_meta([T] * B, [T] * B, [[b] for b in range(B)], T)
+    flat = ids.flatten()
+    h = model(flat, meta, cache)  # [B·T, H]
+    logits = model.logits(h).view(B, T, -1)
+    main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    if model.mtp is None:
+        return main, None
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).flatten()  # t_{i+1}; the last position's is unused
+    mtp = model.mtp_logits(nxt, h, meta, cache).view(B, T, -1)
+    return main, F.cross_entropy(mtp[:, :-2].flatten(0, 1), ids[:, 2:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model: CausalLM, data: torch.Tensor, batch: int) -> tuple[float, float | None]:
+    """Mean (next-token, MTP) loss over the windows ``data`` [N, T]."""
+    model.eval()
+    tot, tot_mtp, n = 0.0, 0.0, 0
+    for i in range(0, data.shape[0], batch):
+        main, mtp = losses(model, data[i: i + batch])
+        k = min(batch, data.shape[0] - i)
+        tot += main.item() * k
+        tot_mtp += (mtp.item() if mtp is not None else 0.0) * k
+        n += k
+    model.train()
+    return tot / n, (tot_mtp / n if model.mtp is not None else None)
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    p = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, p)))
+
+
+def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg: TrainConfig, *,
+          eval_every: int = 100, log: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """AdamW over ``train_data`` windows (shuffled, seeded); returns the log rows: step 0 (the
+    untrained model's held-out losses), then each step's training losses, with the held-out losses
+    and the routers' imbalance on them at every ``eval_every`` and the last step."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    load = RouterLoad(model)
+    rows: list[dict] = []
+    order = torch.randperm(train_data.shape[0], generator=g)
+    pos, t0 = 0, time.monotonic()
+    try:
+        ev, ev_mtp = evaluate(model, held_out, cfg.batch)  # step 0: the untrained model
+        rows.append({"step": 0, "held_out": round(ev, 4), "imbalance": round(load.imbalance(), 3)}
+                    | ({"held_out_mtp": round(ev_mtp, 4)} if ev_mtp is not None else {}))
+        log(rows[-1])
+        model.train()
+        for step in range(cfg.steps):
+            if pos + cfg.batch > order.numel():
+                order, pos = torch.randperm(train_data.shape[0], generator=g), 0
+            ids = train_data[order[pos: pos + cfg.batch]]
+            pos += cfg.batch
+            for group in opt.param_groups:
+                group["lr"] = _lr(cfg, step)
+            load.reset()
+            main, mtp = losses(model, ids)
+            loss = main if mtp is None else main + cfg.mtp_weight * mtp
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+            if cfg.bias_rate:
+                load.balance(cfg.bias_rate)
+            row = {"step": step + 1, "loss": round(main.item(), 4), "lr": round(_lr(cfg, step), 6),
+                   "seconds": round(time.monotonic() - t0, 1)}
+            if mtp is not None:
+                row["mtp_loss"] = round(mtp.item(), 4)
+            if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+                load.reset()
+                ev, ev_mtp = evaluate(model, held_out, cfg.batch)
+                row["held_out"] = round(ev, 4)
+                if ev_mtp is not None:
+                    row["held_out_mtp"] = round(ev_mtp, 4)
+                row["imbalance"] = round(load.imbalance(), 3)
+            rows.append(row)
+            log(row)
+    finally:
+        load.close()
+    return rows

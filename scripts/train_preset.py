@@ -1,0 +1,88 @@
+"""Train the kimi-k2-mini preset: K2's architecture and checkpoint format at laptop size, with one MTP
+layer, on a seeded offline corpus of agent transcripts (model/corpus.py), through the model code in
+model/ (model/training.py). Writes a complete checkpoint directory (bf16, K2 tokenizer and template)
+and a JSON log of the losses.
+
+    python scripts/train_preset.py --out /tmp/kimi-k2-mini            # the full run
+    python scripts/train_preset.py --out /tmp/mini --steps 20 --docs 60 --tiny   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# a small model for the smoke run and the test: the same architecture, every feature on
+TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=8, num_experts_per_tok=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+    ap.add_argument("--steps", type=int, default=1200, help="optimizer steps (default 1200)")
+    ap.add_argument("--docs", type=int, default=6000, help="training transcripts (default 6000)")
+    ap.add_argument("--held-out-docs", type=int, default=100, help="held-out transcripts (default 100)")
+    ap.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (default 100)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--tiny", action="store_true", help="a much smaller model of the same architecture (smoke runs)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from model.config import parse_config
+    from model.corpus import documents
+    from model.model import CausalLM, init_random_weights, to_hf_tensors
+    from model.presets import kimi_k2_mini, write_model_dir
+    from model.tokenizer import SHIPPED_DIR, Tokenizer
+    from model.training import TrainConfig, train, windows
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    raw = kimi_k2_mini() | (TINY if args.tiny else {})
+    cfg = parse_config(raw, where="kimi-k2-mini")
+    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
+    t0 = time.monotonic()
+    train_data = windows(documents(args.seed, args.docs, tok), args.seq_len)
+    held_out = windows(documents(args.seed + 10_000, args.held_out_docs, tok), args.seq_len)
+    print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), "
+          f"{held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
+    torch.manual_seed(args.seed)
+    model = CausalLM(cfg, mtp=True)
+    init_random_weights(model, args.seed)
+    with torch.no_grad():  # the selection bias starts at zero, as in training from scratch
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.zero_()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"model: {n / 1e6:.2f} M parameters (MTP layer included)", flush=True)
+    tcfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                       warmup=min(50, max(1, args.steps // 10)))
+
+    def log(row: dict) -> None:
+        if "held_out" in row or row["step"] % 10 == 0:
+            print(json.dumps(row), flush=True)
+
+    rows = train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log)
+    raw = dict(raw, torch_dtype="bfloat16")
+    write_model_dir(to_hf_tensors(model), raw, args.out, tokenizer="kimi",
+                    generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed, "trained_steps": args.steps})
+    (args.out / "train_log.json").write_text(json.dumps(rows))
+    print(f"wrote {args.out} after {time.monotonic() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
