@@ -138,7 +138,7 @@ def _simple(tool: str, users: tuple[str, ...], key: str, value: Callable[[random
 
 
 _MAKERS: list[Callable[[random.Random], Call]] = [
-    _weather, _weather, _weather, _forecast,
+    _weather, _weather, _weather, _weather, _forecast,
     _simple("get_time", ("What time is it in {v}?", "Tell me the local time in {v}.", "time in {v}?"), "city",
             lambda r: r.choice(CITIES), lambda r, v: {"city": v, "time": f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}"},
             "It is {time} in {v}."),
@@ -206,7 +206,7 @@ _SYSTEMS = (None, "You are a helpful assistant.", "You are a helpful assistant w
 
 def _tools_for(r: random.Random, tool: str | None) -> list[dict]:
     pool = [t for t in ALL_TOOLS if t["function"]["name"] != tool]
-    tools = r.sample(pool, r.randint(1, 4))
+    tools = r.sample(pool, r.randint(0, 2))
     if tool is not None:
         tools.insert(r.randrange(len(tools) + 1), _BY_NAME[tool])
     if r.random() < 0.4:  # the README's pair together, often

@@ -33,17 +33,40 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     mtp_weight: float = 0.3  # DeepSeek-V3's λ for the first 10 T tokens
-    bias_rate: float = 1e-3  # γ of the aux-loss-free bias update
+    bias_rate: float = 2e-4  # γ of the aux-loss-free bias update
     seed: int = 0
 
 
-def windows(docs: list[list[int]], seq_len: int) -> torch.Tensor:
-    """The documents end to end, cut into [N, seq_len] (the tail that does not fill a window dropped)."""
+def windows(docs: list[list[int]], seq_len: int, weights: list[list[float]] | None = None):
+    """The documents end to end, cut into [N, seq_len] (the tail that does not fill a window dropped);
+    with per-token ``weights``, (ids, weights) both so cut."""
     flat = torch.tensor([t for d in docs for t in d], dtype=torch.long)
     n = flat.numel() // seq_len
     if n == 0:
         raise ValueError(f"{flat.numel()} tokens do not fill one window of {seq_len}")
-    return flat[: n * seq_len].view(n, seq_len)
+    ids = flat[: n * seq_len].view(n, seq_len)
+    if weights is None:
+        return ids
+    w = torch.tensor([x for d in weights for x in d], dtype=torch.float32)
+    return ids, w[: n * seq_len].view(n, seq_len)
+
+
+def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: float) -> list[float]:
+    """Per-token loss weight as a target: 1 inside an assistant turn (after ``<|im_assistant|>…
+    <|im_middle|>``, up to and including its ``<|im_end|>``: the calls, arguments and answers the
+    model must write), ``other`` elsewhere (tool declarations, user turns, tool results, text)."""
+    out, state = [], 0  # 0 outside, 1 in the assistant header, 2 in its content
+    for t in ids:
+        if state == 2:
+            out.append(1.0)
+            state = 0 if t == end else 2
+            continue
+        out.append(other)
+        if t == begin:
+            state = 1
+        elif state == 1 and t == middle:
+            state = 2
+    return out
 
 
 class RouterLoad:
@@ -82,20 +105,30 @@ class RouterLoad:
             h.remove()
 
 
-def losses(model: CausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids [B, T] → (next-token loss, MTP loss on the token after next or None without an MTP layer)."""
+def _weighted_ce(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    if w is None:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
+    w = w.flatten()
+    return (ce * w).sum() / w.sum()
+
+
+def losses(model: CausalLM, ids: torch.Tensor,
+           weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [B, T] → (next-token loss, MTP loss on the token after next or None without an MTP layer);
+    ``weights`` [B, T] weighs each token as a target (None: all alike)."""
     B, T = ids.shape
-    cache = model.make_cache(B, T, 0, torch.float32)
+    cache = model.make_cache(B, T, 0, model.model.embed_tokens.weight.dtype)
     meta = build_attn_meta([T] * B, [T] * B, [[b] for b in range(B)], T)
     flat = ids.flatten()
     h = model(flat, meta, cache)  # [B·T, H]
     logits = model.logits(h).view(B, T, -1)
-    main = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    main = _weighted_ce(logits[:, :-1], ids[:, 1:], None if weights is None else weights[:, 1:])
     if model.mtp is None:
         return main, None
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).flatten()  # t_{i+1}; the last position's is unused
     mtp = model.mtp_logits(nxt, h, meta, cache).view(B, T, -1)
-    return main, F.cross_entropy(mtp[:, :-2].flatten(0, 1), ids[:, 2:].flatten())
+    return main, _weighted_ce(mtp[:, :-2], ids[:, 2:], None if weights is None else weights[:, 2:])
 
 
 @torch.no_grad()
@@ -121,7 +154,8 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg: TrainConfig, *,
-          eval_every: int = 100, log: Callable[[dict], None] = lambda row: None) -> list[dict]:
+          eval_every: int = 100, log: Callable[[dict], None] = lambda row: None,
+          train_weights: torch.Tensor | None = None) -> list[dict]:
     """AdamW over ``train_data`` windows (shuffled, seeded); returns the log rows: step 0 (the
     untrained model's held-out losses), then each step's training losses, with the held-out losses
     and the routers' imbalance on them at every ``eval_every`` and the last step."""
@@ -144,12 +178,14 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
         for step in range(cfg.steps):
             if pos + cfg.batch > order.numel():
                 order, pos = torch.randperm(train_data.shape[0], generator=g), 0
-            ids = train_data[order[pos: pos + cfg.batch]]
+            pick = order[pos: pos + cfg.batch]
+            ids = train_data[pick]
+            w = None if train_weights is None else train_weights[pick]
             pos += cfg.batch
             for group in opt.param_groups:
                 group["lr"] = _lr(cfg, step)
             load.reset()
-            main, mtp = losses(model, ids)
+            main, mtp = losses(model, ids, w)
             loss = main if mtp is None else main + cfg.mtp_weight * mtp
             opt.zero_grad(set_to_none=True)
             loss.backward()

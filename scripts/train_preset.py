@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (default 100)")
+    ap.add_argument("--other-weight", type=float, default=0.2,
+                    help="loss weight of tokens outside assistant turns (default 0.2; assistant tokens weigh 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--tiny", action="store_true", help="a much smaller model of the same architecture (smoke runs)")
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.model import CausalLM, init_random_weights, to_hf_tensors
     from model.presets import kimi_k2_mini, write_model_dir
     from model.tokenizer import SHIPPED_DIR, Tokenizer
-    from model.training import TrainConfig, train, windows
+    from model.training import TrainConfig, assistant_weights, train, windows
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(raw, where="kimi-k2-mini")
     tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
     t0 = time.monotonic()
-    train_data = windows(documents(args.seed, args.docs, tok), args.seq_len)
+    docs = documents(args.seed, args.docs, tok)
+    marks = [tok.token_to_id(t) for t in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")]
+    train_data, train_weights = windows(docs, args.seq_len,
+                                        [assistant_weights(d, *marks, other=args.other_weight) for d in docs])
     held_out = windows(documents(args.seed + 10_000, args.held_out_docs, tok), args.seq_len)
     print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), "
           f"{held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if "held_out" in row or row["step"] % 10 == 0:
             print(json.dumps(row), flush=True)
 
-    rows = train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log)
+    rows = train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log, train_weights=train_weights)
     raw = dict(raw, torch_dtype="bfloat16")
     write_model_dir(to_hf_tensors(model), raw, args.out, tokenizer="kimi",
                     generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed, "trained_steps": args.steps})
