@@ -135,35 +135,11 @@ def pytest_collection_modifyitems(config, items):
         if cluster:
             item.add_marker(pytest.mark.cluster)
         groups[item.nodeid] = RAY_GROUP if cluster and f"{path}::{name}" not in NOT_RAY else path
-    config._moeray_test_groups = groups
     out = getattr(config, "workerinput", {}).get("moeray_groups")
     if out:  # an xdist worker: tell the controller's scheduler (every worker writes the same)
         tmp = f"{out}.{os.getpid()}"
         Path(tmp).write_text(json.dumps(groups))
         os.replace(tmp, out)
-
-
-# Under xdist, a worker runs the tests outside the Ray group at a lower CPU priority (nice 10): the Ray
-# tests are chains of processes (driver, attention and expert actors, Serve replicas) that each wait
-# for the one before, so a CPU-bound test beside them stretches every hop of every step (a recovery
-# test took 4x as long beside it); niced, that test takes the cores the Ray group leaves idle (~20 %)
-# instead. Ray's processes are not the worker's children, so they keep nice 0 whatever it runs; a
-# worker's own children (the in-process tier's runner) inherit its value.
-NICE_BESIDE_RAY = 10
-
-
-def _nice(value: int) -> None:
-    if os.getpriority(os.PRIO_PROCESS, 0) != value:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, value)
-        except PermissionError:  # raising it back needs root (CI runs as root); stay lower otherwise
-            pass
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    if hasattr(item.config, "workerinput"):
-        _nice(0 if item.config._moeray_test_groups.get(item.nodeid) == RAY_GROUP else NICE_BESIDE_RAY)
 
 
 def pytest_configure(config):
