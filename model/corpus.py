@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -156,7 +157,7 @@ _MAKERS: list[Callable[[random.Random], Call]] = [
             "{v} trades at {price} USD."),
     _simple("calculate", ("What is {v}?", "Compute {v}.", "Calculate {v} for me."), "expression",
             lambda r: f"{r.randint(2, 999)} * {r.randint(2, 99)}",
-            lambda r, v: {"expression": v, "value": eval(v)},  # noqa: S307 (two integers and a '*')
+            lambda r, v: {"expression": v, "value": math.prod(int(x) for x in v.split(" * "))},
             "{v} = {value}."),
     _simple("lookup_user", ("Who is the user {v}?", "Look up {v}'s profile.", "Find the account {v}."), "username",
             lambda r: f"{r.choice(_PEOPLE)}{r.randint(1, 99)}",
@@ -251,20 +252,16 @@ def transcript(r: random.Random) -> tuple[list[dict], list[dict], bool]:
     return messages, _tools_for(r, first), think
 
 
-def stdlib_text(limit_chars: int) -> Iterator[str]:
+def stdlib_text() -> Iterator[str]:
     """Docstrings of the standard library's modules, classes and functions: free English text."""
     import collections, functools, itertools, json as json_mod, os, pathlib, re, statistics, string, textwrap  # noqa: E401
 
-    seen = 0
     for mod in (collections, functools, itertools, json_mod, os, pathlib, re, statistics, string, textwrap, random,
                 inspect):
         for _, obj in [("", mod), *inspect.getmembers(mod)]:
             doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
             if doc and len(doc) > 80:
                 yield doc
-                seen += len(doc)
-                if seen >= limit_chars:
-                    return
 
 
 def documents(seed: int, n: int, tokenizer: Tokenizer, *, text_share: float = 0.1) -> list[list[int]]:
@@ -282,7 +279,7 @@ def documents(seed: int, n: int, tokenizer: Tokenizer, *, text_share: float = 0.
             text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
         docs.append(tokenizer.encode(text))
     tokens = sum(map(len, docs))
-    text_docs = list(stdlib_text(10**9))
+    text_docs = list(stdlib_text())
     r.shuffle(text_docs)
     budget = int(tokens * text_share)
     for doc in text_docs:

@@ -20,7 +20,6 @@ from .chat_template import K2_THINKING_CHAT_TEMPLATE
 from .tokenizer import SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
 DEFAULT_PRESET = "kimi-k2-tiny"
-TRAINED_DIR = Path(__file__).parent / "assets" / "presets"  # trained presets' committed weights
 
 
 def _k2_like(**over) -> dict:
@@ -77,6 +76,12 @@ def kimi_k2_mini() -> dict:
         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4,
         num_nextn_predict_layers=1,
     )
+
+
+# the same architecture much smaller, every feature on: the training script's smoke runs and the tests
+KIMI_K2_MINI_SMOKE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                          q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                          n_routed_experts=8, num_experts_per_tok=2)
 
 
 def _deepseek_v3_tiny() -> dict:
@@ -186,7 +191,6 @@ class Preset:
     config: Callable[[], dict]
     tokenizer: str
     chat_template: str | None = None
-    weights: str | None = None  # a trained preset's directory under TRAINED_DIR (its model.safetensors)
 
 
 PRESETS: dict[str, Preset] = {
@@ -222,22 +226,13 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     preset = _preset(name)
     raw = preset.config() | (overrides or {})
     raw["torch_dtype"] = dtype
-    if preset.weights is not None:  # trained: its committed weights, whatever the seed
-        if overrides:
-            raise ValueError(f"preset {name} is trained: its shape cannot be overridden")
-        from safetensors.torch import load_file
-
-        tensors = load_file(TRAINED_DIR / preset.weights / "model.safetensors")
-        generation = {"moeray_preset": name, "trained": True}
-    else:
-        cfg = parse_config(raw, where=f"preset {name}")
-        with torch.device("cpu"):
-            model = CausalLM(cfg)
-        init_random_weights(model, seed)
-        tensors = to_hf_tensors(model)
-        generation = {"moeray_preset": name, "seed": seed}
-    return write_model_dir(tensors, raw, out_dir, tokenizer=preset.tokenizer, chat_template=preset.chat_template,
-                           quant=quant, generation=generation)
+    cfg = parse_config(raw, where=f"preset {name}")
+    with torch.device("cpu"):
+        model = CausalLM(cfg)
+    init_random_weights(model, seed)
+    return write_model_dir(to_hf_tensors(model), raw, out_dir, tokenizer=preset.tokenizer,
+                           chat_template=preset.chat_template, quant=quant,
+                           generation={"moeray_preset": name, "seed": seed})
 
 
 def write_model_dir(tensors: dict, raw: dict, out_dir: str | Path, *, tokenizer: str,
@@ -270,8 +265,6 @@ def preset_fingerprint(name: str) -> str:
     chat template): a cached build whose tokenizer or template has since changed is not reused."""
     preset = _preset(name)
     h = hashlib.sha256(json.dumps(preset.config(), sort_keys=True).encode())
-    if preset.weights is not None:
-        h.update((TRAINED_DIR / preset.weights / "model.safetensors").read_bytes())
     for f in sorted((SHIPPED_DIR / preset.tokenizer).iterdir()):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update((preset.chat_template or "").encode())

@@ -19,11 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# a small model for the smoke run and the test: the same architecture, every feature on
-TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-            n_routed_experts=8, num_experts_per_tok=2)
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import parse_config
     from model.corpus import documents
     from model.model import CausalLM, init_random_weights, to_hf_tensors
-    from model.presets import kimi_k2_mini, write_model_dir
+    from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, write_model_dir
     from model.tokenizer import SHIPPED_DIR, Tokenizer
     from model.training import TrainConfig, assistant_weights, train, windows
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    raw = kimi_k2_mini() | (TINY if args.tiny else {})
+    raw = kimi_k2_mini() | (KIMI_K2_MINI_SMOKE if args.tiny else {})
     cfg = parse_config(raw, where="kimi-k2-mini")
     tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
     t0 = time.monotonic()

@@ -8,12 +8,10 @@ from model.cache import build_attn_meta
 from model.config import parse_config
 from model.loader import load_model
 from model.model import CausalLM, init_random_weights, load_hf_weights, to_hf_tensors
+from model.presets import KIMI_K2_MINI_SMOKE as SMALL
 from model.presets import kimi_k2_mini, write_model_dir
 from model.training import losses
 
-SMALL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, q_lora_rank=32,
-             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-             num_experts_per_tok=2)
 
 
 def _model(seed=0, raw=None):
