@@ -33,7 +33,7 @@ def user_errors(fn):
 
 
 MODEL_HELP = ("A Hugging Face checkpoint directory or a preset name (kimi-k2-tiny, kimi-k2-thinking-tiny, "
-              "deepseek-v3-tiny, kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small).")
+              "deepseek-v3-tiny, kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small; kimi-k2-mini, trained).")
 URL_HELP = "Base URL of the app (default: the one `moeray up` started)."
 KEY_HELP = "API key, if the server needs one."
 ADMIN_KEY_HELP = ("The server's admin key (default: for the app `moeray up` started, the token it wrote; else "

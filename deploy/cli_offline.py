@@ -34,7 +34,7 @@ def _model_config(model: str):
 @user_errors
 def make_checkpoint(
     preset: str = typer.Option(..., help="Preset to write: kimi-k2-tiny, kimi-k2-thinking-tiny, deepseek-v3-tiny, "
-                                         "kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small."),
+                                         "kimi-linear-tiny, kimi-k3-tiny, kimi-k2-small, kimi-k2-mini (trained)."),
     out: Path = typer.Option(..., help="Output directory (created)."),
     quant: Optional[str] = typer.Option(None, help="Weight format: fp8 (128x128 blocks; DeepSeek/K2 presets), "
                                                    "int4 or mxfp4 (routed experts only)."),

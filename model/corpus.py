@@ -205,11 +205,12 @@ _SYSTEMS = (None, "You are a helpful assistant.", "You are a helpful assistant w
             "You are Kimi, an AI assistant created by Moonshot AI.", "Answer briefly.")
 
 
-def _tools_for(r: random.Random, tool: str | None) -> list[dict]:
-    pool = [t for t in ALL_TOOLS if t["function"]["name"] != tool]
+def _tools_for(r: random.Random, called: list[str]) -> list[dict]:
+    """The tools a transcript declares: those it calls, 0-2 others, often the README's weather pair."""
+    pool = [t for t in ALL_TOOLS if t["function"]["name"] not in called]
     tools = r.sample(pool, r.randint(0, 2))
-    if tool is not None:
-        tools.insert(r.randrange(len(tools) + 1), _BY_NAME[tool])
+    for name in dict.fromkeys(called):
+        tools.insert(r.randrange(len(tools) + 1), _BY_NAME[name])
     if r.random() < 0.4:  # the README's pair together, often
         tools = [t for t in tools if t not in WEATHER_TOOLS]
         at = r.randrange(len(tools) + 1)
@@ -229,16 +230,16 @@ def _call_turns(r: random.Random, call: Call, index: int, think: bool) -> list[d
 
 
 def transcript(r: random.Random) -> tuple[list[dict], list[dict], bool]:
-    """One conversation: (messages, tools, thinking)."""
+    """One conversation of 1-4 user turns: (messages, tools, thinking). Most turns call a tool
+    (copying the request's entities into the arguments, then quoting the result); some are answered
+    directly though tools are declared."""
     think = r.random() < 0.15
     messages: list[dict] = []
     system = r.choice(_SYSTEMS)
     if system:
         messages.append({"role": "system", "content": system})
-    turns = r.choice((1, 1, 1, 2))
-    first = None
-    index = 0
-    for _ in range(turns):
+    called: list[str] = []
+    for _ in range(r.choice((1, 2, 2, 3, 3, 4))):
         if r.random() < 0.2:
             q, a = r.choice(_CHAT)
             messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -246,10 +247,9 @@ def transcript(r: random.Random) -> tuple[list[dict], list[dict], bool]:
                 messages[-1]["reasoning_content"] = "No tool is needed; I answer directly."
             continue
         call = (r.choice(_MAKERS) if r.random() < 0.85 else _two_arg)(r)
-        first = first or call.tool
-        messages += _call_turns(r, call, index, think)
-        index += 1
-    return messages, _tools_for(r, first), think
+        messages += _call_turns(r, call, len(called), think)
+        called.append(call.tool)
+    return messages, _tools_for(r, called), think
 
 
 def stdlib_text() -> Iterator[str]:

@@ -20,6 +20,7 @@ from .chat_template import K2_THINKING_CHAT_TEMPLATE
 from .tokenizer import SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
 DEFAULT_PRESET = "kimi-k2-tiny"
+TRAINED_DIR = Path(__file__).parent / "assets" / "presets"  # trained presets' committed weights
 
 
 def _k2_like(**over) -> dict:
@@ -191,10 +192,13 @@ class Preset:
     config: Callable[[], dict]
     tokenizer: str
     chat_template: str | None = None
+    weights: str | None = None  # a trained preset's directory under TRAINED_DIR (its model.safetensors)
 
 
 PRESETS: dict[str, Preset] = {
     "kimi-k2-tiny": Preset(_k2_like, "kimi"),
+    # trained (scripts/train_preset.py, docs/trained_preset.md): calls tools, routes unevenly, has an MTP layer
+    "kimi-k2-mini": Preset(kimi_k2_mini, "kimi", weights="kimi-k2-mini"),
     # K2-Thinking: K2's architecture (same tiny weights), with the thinking chat template.
     "kimi-k2-thinking-tiny": Preset(_k2_like, "kimi", chat_template=K2_THINKING_CHAT_TEMPLATE),
     "deepseek-v3-tiny": Preset(_deepseek_v3_tiny, "deepseek"),
@@ -226,13 +230,22 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     preset = _preset(name)
     raw = preset.config() | (overrides or {})
     raw["torch_dtype"] = dtype
-    cfg = parse_config(raw, where=f"preset {name}")
-    with torch.device("cpu"):
-        model = CausalLM(cfg)
-    init_random_weights(model, seed)
-    return write_model_dir(to_hf_tensors(model), raw, out_dir, tokenizer=preset.tokenizer,
-                           chat_template=preset.chat_template, quant=quant,
-                           generation={"moeray_preset": name, "seed": seed})
+    if preset.weights is not None:  # trained: its committed weights, whatever the seed
+        if overrides:
+            raise ValueError(f"preset {name} is trained: its shape cannot be overridden")
+        from safetensors.torch import load_file
+
+        tensors = load_file(TRAINED_DIR / preset.weights / "model.safetensors")
+        generation = {"moeray_preset": name, "trained": True}
+    else:
+        cfg = parse_config(raw, where=f"preset {name}")
+        with torch.device("cpu"):
+            model = CausalLM(cfg)
+        init_random_weights(model, seed)
+        tensors = to_hf_tensors(model)
+        generation = {"moeray_preset": name, "seed": seed}
+    return write_model_dir(tensors, raw, out_dir, tokenizer=preset.tokenizer, chat_template=preset.chat_template,
+                           quant=quant, generation=generation)
 
 
 def write_model_dir(tensors: dict, raw: dict, out_dir: str | Path, *, tokenizer: str,
@@ -265,6 +278,8 @@ def preset_fingerprint(name: str) -> str:
     chat template): a cached build whose tokenizer or template has since changed is not reused."""
     preset = _preset(name)
     h = hashlib.sha256(json.dumps(preset.config(), sort_keys=True).encode())
+    if preset.weights is not None:
+        h.update((TRAINED_DIR / preset.weights / "model.safetensors").read_bytes())
     for f in sorted((SHIPPED_DIR / preset.tokenizer).iterdir()):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update((preset.chat_template or "").encode())

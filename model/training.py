@@ -51,15 +51,23 @@ def windows(docs: list[list[int]], seq_len: int, weights: list[list[float]] | No
     return ids, w[: n * seq_len].view(n, seq_len)
 
 
-def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: float) -> list[float]:
+def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: float, *,
+                      arguments: tuple[int, int] | None = None, argument_weight: float = 1.0) -> list[float]:
     """Per-token loss weight as a target: 1 inside an assistant turn (after ``<|im_assistant|>…
     <|im_middle|>``, up to and including its ``<|im_end|>``: the calls, arguments and answers the
-    model must write), ``other`` elsewhere (tool declarations, user turns, tool results, text)."""
-    out, state = [], 0  # 0 outside, 1 in the assistant header, 2 in its content
+    model must write), ``other`` elsewhere (tool declarations, user turns, tool results, text). With
+    ``arguments`` = (``<|tool_call_argument_begin|>``, ``<|tool_call_end|>``) ids, a call's argument
+    tokens up to its end mark weigh ``argument_weight`` (the entities copied from the request)."""
+    arg_begin, arg_end = arguments if arguments is not None else (None, None)
+    out, state = [], 0  # 0 outside, 1 in the assistant header, 2 in its content, 3 in a call's arguments
     for t in ids:
+        if state == 3:
+            out.append(argument_weight)
+            state = 2 if t == arg_end else 3
+            continue
         if state == 2:
             out.append(1.0)
-            state = 0 if t == end else 2
+            state = 0 if t == end else 3 if t == arg_begin else 2
             continue
         out.append(other)
         if t == begin:
@@ -113,37 +121,81 @@ def _weighted_ce(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor | N
     return (ce * w).sum() / w.sum()
 
 
+def all_logits(model: CausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [B, T] → (next-token logits [B, T, V], the MTP layer's logits for the token after next
+    [B, T, V] or None without one; the last position's MTP logits have no input and are unused)."""
+    B, T = ids.shape
+    cache = model.make_cache(B, T, 0, model.model.embed_tokens.weight.dtype)
+    meta = build_attn_meta([T] * B, [T] * B, [[b] for b in range(B)], T)
+    h = model(ids.flatten(), meta, cache)  # [B·T, H]
+    logits = model.logits(h).view(B, T, -1)
+    if model.mtp is None:
+        return logits, None
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).flatten()  # t_{i+1}
+    return logits, model.mtp_logits(nxt, h, meta, cache).view(B, T, -1)
+
+
 def losses(model: CausalLM, ids: torch.Tensor,
            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids [B, T] → (next-token loss, MTP loss on the token after next or None without an MTP layer);
     ``weights`` [B, T] weighs each token as a target (None: all alike)."""
-    B, T = ids.shape
-    cache = model.make_cache(B, T, 0, model.model.embed_tokens.weight.dtype)
-    meta = build_attn_meta([T] * B, [T] * B, [[b] for b in range(B)], T)
-    flat = ids.flatten()
-    h = model(flat, meta, cache)  # [B·T, H]
-    logits = model.logits(h).view(B, T, -1)
+    logits, mtp = all_logits(model, ids)
     main = _weighted_ce(logits[:, :-1], ids[:, 1:], None if weights is None else weights[:, 1:])
-    if model.mtp is None:
+    if mtp is None:
         return main, None
-    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).flatten()  # t_{i+1}; the last position's is unused
-    mtp = model.mtp_logits(nxt, h, meta, cache).view(B, T, -1)
     return main, _weighted_ce(mtp[:, :-2], ids[:, 2:], None if weights is None else weights[:, 2:])
 
 
 @torch.no_grad()
-def evaluate(model: CausalLM, data: torch.Tensor, batch: int) -> tuple[float, float | None]:
-    """Mean (next-token, MTP) loss over the windows ``data`` [N, T]."""
+def evaluate(model: CausalLM, data: torch.Tensor, batch: int,
+             mask: torch.Tensor | None = None) -> tuple[float, float | None, float | None]:
+    """Over the windows ``data`` [N, T]: mean (next-token loss, MTP loss, greedy accuracy of the
+    next token at the targets ``mask`` [N, T] marks, or None without a mask)."""
     model.eval()
-    tot, tot_mtp, n = 0.0, 0.0, 0
+    tot, tot_mtp, n, hits, targets = 0.0, 0.0, 0, 0, 0
     for i in range(0, data.shape[0], batch):
-        main, mtp = losses(model, data[i: i + batch])
-        k = min(batch, data.shape[0] - i)
-        tot += main.item() * k
-        tot_mtp += (mtp.item() if mtp is not None else 0.0) * k
+        ids = data[i: i + batch]
+        logits, mtp = all_logits(model, ids)
+        k = ids.shape[0]
+        tot += F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item() * k
+        if mtp is not None:
+            tot_mtp += F.cross_entropy(mtp[:, :-2].flatten(0, 1), ids[:, 2:].flatten()).item() * k
+        if mask is not None:
+            m = mask[i: i + batch, 1:]
+            hits += ((logits[:, :-1].argmax(-1) == ids[:, 1:]) & m).sum().item()
+            targets += m.sum().item()
         n += k
     model.train()
-    return tot / n, (tot_mtp / n if model.mtp is not None else None)
+    return (tot / n, tot_mtp / n if model.mtp is not None else None,
+            hits / targets if mask is not None and targets else None)
+
+
+@torch.no_grad()
+def mtp_agreement(model: CausalLM, data: torch.Tensor, batch: int) -> float:
+    """How often the MTP layer's greedy guess of the token after next (from position i's hidden state
+    and token i+1) equals the main model's greedy token at position i+1, over the windows ``data``
+    [N, T]: the acceptance rate of a one-token MTP draft under greedy decoding."""
+    hits = total = 0
+    for i in range(0, data.shape[0], batch):
+        logits, mtp = all_logits(model, data[i: i + batch])
+        if mtp is None:
+            raise ValueError("the model has no MTP layer")
+        hits += (mtp[:, :-2].argmax(-1) == logits[:, 1:-1].argmax(-1)).sum().item()
+        total += mtp[:, :-2].shape[0] * mtp[:, :-2].shape[1]
+    return hits / total
+
+
+@torch.no_grad()
+def routing_imbalance(model: CausalLM, data: torch.Tensor, batch: int) -> float:
+    """max / mean tokens per routed expert over the windows ``data`` [N, T], averaged over the MoE
+    layers (1.0: perfectly even)."""
+    load = RouterLoad(model)
+    try:
+        for i in range(0, data.shape[0], batch):
+            all_logits(model, data[i: i + batch])
+        return load.imbalance()
+    finally:
+        load.close()
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -153,12 +205,21 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, p)))
 
 
+def _held_out_row(model: CausalLM, held_out: torch.Tensor, mask: torch.Tensor | None, batch: int,
+                  load: RouterLoad) -> dict:
+    load.reset()
+    ev, ev_mtp, acc = evaluate(model, held_out, batch, mask)
+    return ({"held_out": round(ev, 4)} | ({"held_out_mtp": round(ev_mtp, 4)} if ev_mtp is not None else {})
+            | ({"argument_accuracy": round(acc, 4)} if acc is not None else {}) | {"imbalance": round(load.imbalance(), 3)})
+
+
 def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg: TrainConfig, *,
           eval_every: int = 100, log: Callable[[dict], None] = lambda row: None,
-          train_weights: torch.Tensor | None = None) -> list[dict]:
+          train_weights: torch.Tensor | None = None, held_out_mask: torch.Tensor | None = None) -> list[dict]:
     """AdamW over ``train_data`` windows (shuffled, seeded); returns the log rows: step 0 (the
     untrained model's held-out losses), then each step's training losses, with the held-out losses
-    and the routers' imbalance on them at every ``eval_every`` and the last step."""
+    and the routers' imbalance on them at every ``eval_every`` and the last step (and, with
+    ``held_out_mask``, the greedy accuracy at the targets it marks: the held-out call arguments)."""
     g = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -170,9 +231,7 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
     order = torch.randperm(train_data.shape[0], generator=g)
     pos, t0 = 0, time.monotonic()
     try:
-        ev, ev_mtp = evaluate(model, held_out, cfg.batch)  # step 0: the untrained model
-        rows.append({"step": 0, "held_out": round(ev, 4), "imbalance": round(load.imbalance(), 3)}
-                    | ({"held_out_mtp": round(ev_mtp, 4)} if ev_mtp is not None else {}))
+        rows.append({"step": 0} | _held_out_row(model, held_out, held_out_mask, cfg.batch, load))  # untrained
         log(rows[-1])
         model.train()
         for step in range(cfg.steps):
@@ -198,12 +257,7 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
             if mtp is not None:
                 row["mtp_loss"] = round(mtp.item(), 4)
             if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
-                load.reset()
-                ev, ev_mtp = evaluate(model, held_out, cfg.batch)
-                row["held_out"] = round(ev, 4)
-                if ev_mtp is not None:
-                    row["held_out_mtp"] = round(ev_mtp, 4)
-                row["imbalance"] = round(load.imbalance(), 3)
+                row |= _held_out_row(model, held_out, held_out_mask, cfg.batch, load)
             rows.append(row)
             log(row)
     finally:

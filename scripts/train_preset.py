@@ -23,15 +23,17 @@ if str(ROOT) not in sys.path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
-    ap.add_argument("--steps", type=int, default=1200, help="optimizer steps (default 1200)")
-    ap.add_argument("--docs", type=int, default=6000, help="training transcripts (default 6000)")
-    ap.add_argument("--held-out-docs", type=int, default=100, help="held-out transcripts (default 100)")
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    ap.add_argument("--docs", type=int, default=4000, help="training transcripts (default 4000)")
+    ap.add_argument("--held-out-docs", type=int, default=40, help="held-out transcripts (default 40)")
     ap.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (default 100)")
     ap.add_argument("--other-weight", type=float, default=0.2,
                     help="loss weight of tokens outside assistant turns (default 0.2; assistant tokens weigh 1)")
+    ap.add_argument("--argument-weight", type=float, default=3.0,
+                    help="loss weight of a tool call's argument tokens, the entities copied from the request (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--tiny", action="store_true", help="a much smaller model of the same architecture (smoke runs)")
@@ -54,9 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     docs = documents(args.seed, args.docs, tok)
     marks = [tok.token_to_id(t) for t in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")]
-    train_data, train_weights = windows(docs, args.seq_len,
-                                        [assistant_weights(d, *marks, other=args.other_weight) for d in docs])
-    held_out = windows(documents(args.seed + 10_000, args.held_out_docs, tok), args.seq_len)
+    arguments = (tok.token_to_id("<|tool_call_argument_begin|>"), tok.token_to_id("<|tool_call_end|>"))
+    train_data, train_weights = windows(docs, args.seq_len, [
+        assistant_weights(d, *marks, other=args.other_weight, arguments=arguments,
+                          argument_weight=args.argument_weight) for d in docs])
+    held_docs = documents(args.seed + 10_000, args.held_out_docs, tok)
+    held_out, held_args = windows(held_docs, args.seq_len, [  # the argument tokens: the copying accuracy
+        assistant_weights(d, *marks, other=0.0, arguments=arguments, argument_weight=2.0) for d in held_docs])
     print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), "
           f"{held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
     torch.manual_seed(args.seed)
@@ -75,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if "held_out" in row or row["step"] % 10 == 0:
             print(json.dumps(row), flush=True)
 
-    rows = train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log, train_weights=train_weights)
+    rows = train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log, train_weights=train_weights,
+                 held_out_mask=held_args == 2.0)
     raw = dict(raw, torch_dtype="bfloat16")
     write_model_dir(to_hf_tensors(model), raw, args.out, tokenizer="kimi",
                     generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed, "trained_steps": args.steps})

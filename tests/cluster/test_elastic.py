@@ -13,8 +13,10 @@ import torch
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config
+from model.corpus import documents
 from model.presets import build_preset
 from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
 
 import single
 
@@ -26,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
 def presets(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     return {name: build_preset(name, root / name, seed=5, dtype="float32", progress=False)
-            for name in ("kimi-k2-tiny", "kimi-k3-tiny")}
+            for name in ("kimi-k2-tiny", "kimi-k3-tiny", "kimi-k2-mini")}
 
 
 def _engine(path, attention, experts, **kw):
@@ -148,6 +150,28 @@ def test_rebalance_replicates_hot_experts_lowers_imbalance_and_keeps_outputs(ray
         assert max(split) > 0
         logical = eng.router.totals() - logical_before  # the epoch's (token, expert) pairs, as the router counted
         assert int(sent.sum()) == int(logical.sum()) > 0  # each went to exactly one copy: none lost or duplicated
+    assert before_out == after_out == single.alone(path, prompts, params)
+
+
+def test_the_trained_routers_unevenness_is_what_a_rebalance_evens(ray_cluster, presets):
+    """Issue 35 Must show 3, served: held-out agent transcripts through the trained kimi-k2-mini (its
+    router is uneven: tests/model/test_trained_preset.py) on 2 expert actors; a rebalance with 4
+    redundant slots per layer (`moeray rebalance --redundant-slots 4`) lowers the measured max/mean
+    tokens per expert actor on the same requests, and every token is the single process's."""
+    path = presets["kimi-k2-mini"]
+    prompts = [d[:160] for d in documents(35_000, 6, Tokenizer.from_dir(path))]  # never trained on
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with _engine(path, 1, 2, max_tokens_per_step=1024) as eng:
+        before_out = [s.output_ids for s in eng.generate(prompts, params)]
+        before = eng.router.measured_imbalance()
+        change = eng.rebalance(redundant_slots=4)
+        assert sum(change.imbalance_after) < sum(change.imbalance_before)  # the router's prediction
+        _holds_its_slots(eng)
+        after_out = [s.output_ids for s in eng.generate(prompts, params)]
+        after = eng.router.measured_imbalance()
+    print(f"max/mean tokens per expert actor, mean over MoE layers: {sum(before) / len(before):.3f} → "
+          f"{sum(after) / len(after):.3f}")
+    assert sum(after) / len(after) < sum(before) / len(before), (before, after)
     assert before_out == after_out == single.alone(path, prompts, params)
 
 
