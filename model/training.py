@@ -157,9 +157,9 @@ def evaluate(model: CausalLM, data: torch.Tensor, batch: int,
         ids = data[i: i + batch]
         logits, mtp = all_logits(model, ids)
         k = ids.shape[0]
-        tot += F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item() * k
+        tot += _weighted_ce(logits[:, :-1], ids[:, 1:], None).item() * k
         if mtp is not None:
-            tot_mtp += F.cross_entropy(mtp[:, :-2].flatten(0, 1), ids[:, 2:].flatten()).item() * k
+            tot_mtp += _weighted_ce(mtp[:, :-2], ids[:, 2:], None).item() * k
         if mask is not None:
             m = mask[i: i + batch, 1:]
             hits += ((logits[:, :-1].argmax(-1) == ids[:, 1:]) & m).sum().item()
@@ -180,8 +180,8 @@ def mtp_agreement(model: CausalLM, data: torch.Tensor, batch: int) -> float:
         logits, mtp = all_logits(model, data[i: i + batch])
         if mtp is None:
             raise ValueError("the model has no MTP layer")
-        hits += (mtp[:, :-2].argmax(-1) == logits[:, 1:-1].argmax(-1)).sum().item()
-        total += mtp[:, :-2].shape[0] * mtp[:, :-2].shape[1]
+        same = mtp[:, :-2].argmax(-1) == logits[:, 1:-1].argmax(-1)
+        hits, total = hits + same.sum().item(), total + same.numel()
     return hits / total
 
 
