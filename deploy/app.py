@@ -18,7 +18,9 @@ from .engine_server import EngineServer
 from .ingress import Ingress, make_api, specialize
 from .settings import admin_key
 
-SERVE_OPTIONS = {"max_ongoing_requests": 4096}
+# A replica being removed (`moeray down`, a redeploy, a scale-in) checks every 0.5 s, not Serve's default 2 s,
+# whether its requests have drained: an idle app goes away 1.5 s sooner per replica in the chain.
+SERVE_OPTIONS = {"max_ongoing_requests": 4096, "graceful_shutdown_wait_loop_s": 0.5}
 
 api, doc = make_api(lambda name: getattr(Ingress, name))
 

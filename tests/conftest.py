@@ -114,14 +114,31 @@ def pytest_ignore_collect(collection_path, config):
 
 
 # ---- xdist groups (``-n 2 --dist loadgroup``, as CI runs the suite) -----------------------------------
-# Every test that starts Ray or a server runs on one worker, in file order, first (one session cluster,
-# one Serve proxy, operator tests that start their own nodes never beside another); the other worker
-# runs the rest meanwhile, a module at a time (its module fixtures built once). The in-process tier's
-# runner starts no Ray: it runs beside the Ray tests too. pytest-xdist's own loadgroup renames test ids
+# Every test of the session's Ray cluster and Serve proxy runs on one worker, in file order, first; the
+# other worker runs the rest meanwhile, a module at a time (its module fixtures built once), and last the
+# tests with a cluster or processes of their own (OWN, one after another, never two beside each other).
+# The in-process tier's runner starts no Ray: it runs beside the Ray tests too. pytest-xdist's own loadgroup renames test ids
 # to carry the group, which pytest 9.2's structured node ids ignore; so the workers write each test's
 # group to a file (collection ends before scheduling starts) and :class:`_GroupScheduling` reads it.
 RAY_GROUP = "ray"
 NOT_RAY = frozenset({"tests/test_owners.py::test_inprocess_tests_need_no_ray"})
+# Tests that start processes, a Ray cluster or `moeray up` of their own (in a subprocess, on their own ports
+# and cache directories) and use nothing of the session's: one group, handed out last, so the worker that is
+# not running the session cluster's tests takes it once its own queue is done (it idles for most of the run
+# otherwise). They ran beside the session cluster before too, one after the other; they still do.
+OWN_GROUP = "own"
+OWN = frozenset({
+    "tests/deploy/test_ray_up.py",
+    "tests/deploy/test_down.py",
+    "tests/test_readme.py::test_readme_quick_start_serves_and_stops",
+    "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",
+    "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
+    "tests/actors/test_dispatch.py::test_gloo_exchange_equals_local_dispatch",
+    "tests/actors/test_dispatch.py::test_peer_gone_or_stuck_raises_clear_error",
+    "tests/actors/test_colocated_exchange.py",
+    "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",
+    "tests/cluster/test_simulator.py::test_cpu_profile_then_simulate_on_cpu",
+})
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -134,7 +151,10 @@ def pytest_collection_modifyitems(config, items):
                    or f"{path}::{name}" in CLUSTER_TESTS)
         if cluster:
             item.add_marker(pytest.mark.cluster)
-        groups[item.nodeid] = RAY_GROUP if cluster and f"{path}::{name}" not in NOT_RAY else path
+        if f"{path}::{name}" in OWN or path in OWN:
+            groups[item.nodeid] = OWN_GROUP
+        else:
+            groups[item.nodeid] = RAY_GROUP if cluster and f"{path}::{name}" not in NOT_RAY else path
     out = getattr(config, "workerinput", {}).get("moeray_groups")
     if out:  # an xdist worker: tell the controller's scheduler (every worker writes the same)
         tmp = f"{out}.{os.getpid()}"
@@ -174,6 +194,8 @@ def pytest_xdist_make_scheduler(config, log):
             return self._groups.get(nodeid) or nodeid.split("::")[0]
 
         def _assign_work_unit(self, node) -> None:
+            if OWN_GROUP in self.workqueue and len(self.workqueue) > 1:
+                self.workqueue.move_to_end(OWN_GROUP)
             if RAY_GROUP in self.workqueue and not self.assigned_work.get(node):
                 self.workqueue.move_to_end(RAY_GROUP, last=False)
             super()._assign_work_unit(node)

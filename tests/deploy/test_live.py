@@ -29,7 +29,7 @@ What they show:
   the change completes or is abandoned, the recovery runs, every stream is exact, `/health` is 200, and
   no actor or placement group of the app is left without a place in its shape;
 - prefix caching (issue 26, Must show 1, 4, 5, 6) through the official `openai` client: five-turn
-  conversations on both apps answer exactly what a cluster without prefix caching answers, with
+  conversations on both apps answer exactly what the single process (no prefix cache) answers, with
   `cached_tokens` equal to the grid-rounded shared length from turn 2 on; later turns go where their
   conversation's cache is unless load outweighs it; a K3 conversation survives `moeray scale attention
   2 → 1` and `moeray chaos kill-attention` exactly; salts separate tenants; /metrics and /status show
@@ -64,11 +64,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
-from cluster.config import EngineConfig
-from cluster.engine import Engine
-from cluster.spec import ClusterSpec
 from deploy.server import admin_token_file, with_loopback_admin_token
+from model.loader import load_model
 from model.presets import build_preset
+from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 
 MOERAY = str(Path(sys.executable).parent / "moeray")
@@ -215,12 +214,13 @@ def _where(url, before: list[int]) -> int:
 
 
 def _reference(path, prompts_and_sampling) -> list[list[int]]:
-    """The same requests, one by one, on a cluster without prefix caching (1 × 1, this process's engine)."""
-    with Engine(EngineConfig.of(model=str(path), prefix_caching=False, num_blocks=512, max_tokens_per_step=128),
-                ClusterSpec(attention=1, experts=1)) as eng:
-        return [eng.generate([p], SamplingParams(max_tokens=ANSWER, ignore_eos=True,
-                                                 temperature=s["temperature"], seed=s.get("seed")))[0].output_ids
-                for p, s in prompts_and_sampling]
+    """The same requests, one by one, on the single process (model.runner: each its own cache, no prefix
+    caching), in this process; the cluster without prefix caching equals it (tests/cluster/)."""
+    net = load_model(path, progress=False)
+    return [generate(ModelRunner(net, num_blocks=64, block_size=16, num_slots=1), [p],
+                     [SamplingParams(max_tokens=ANSWER, ignore_eos=True, temperature=s["temperature"],
+                                     seed=s.get("seed"))])[0].output_ids
+            for p, s in prompts_and_sampling]
 
 
 def _first_turns_together(url, name, prompts, sampling):
