@@ -153,16 +153,27 @@ class Shape:
     experts: int
     redundant_slots: int = 0
     standbys: int = 0  # warm standby actors (each takes a device)
-    ping_pong: bool = False
+    ping_pong: bool = False  # the engine's ping-pong: micro_batches 2 unless more are asked for
     rebalanced: bool = False  # experts placed by load (`moeray rebalance`); implied by redundant slots
-    # attention replica i and expert actor i share device i (fractional GPUs per actor; SGLang's and
-    # DeepSeek's "DP attention + EP" layout): their compute adds up on the device
+    # worker i holds attention replica i and expert shard i on one device (`moeray up --layout colocated`;
+    # SGLang's and DeepSeek's "DP attention + EP"): their compute adds up on the device
     colocated: bool = False
+    micro_batches: int = 1  # a step's batch in this many micro-batches, pipelined (cluster/pipeline.py)
 
     def __post_init__(self):
         if self.colocated and self.attention != self.experts:
             raise ValueError(f"a colocated shape puts one attention replica and one expert actor on each device: "
                              f"attention ({self.attention}) must equal experts ({self.experts})")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.ping_pong and self.micro_batches == 1:
+            object.__setattr__(self, "micro_batches", 2)
+        elif self.micro_batches > 1 and not self.ping_pong:
+            object.__setattr__(self, "ping_pong", True)
+
+    @property
+    def layout(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
 
     @property
     def devices(self) -> int:
@@ -184,6 +195,14 @@ class StepCost:
     actor computes in each MoE layer, and how many of its slots have any."""
 
     overhead_s: float = 0.0
+    # step_parts() prices each micro-batch's stages and pipelines them (GpuCost); otherwise step() on the
+    # whole batch (CpuCost: a profile of this machine's whole steps)
+    pipelined: bool = False
+
+    def step_parts(self, chunks: list[list[tuple[int, int]]],
+                   parts: list[tuple[list[list[tuple[int, int]]], np.ndarray, np.ndarray]], shape: Shape,
+                   num_moe_layers: int) -> StepTime:
+        raise NotImplementedError
 
     def attention_s(self, chunks: list[tuple[int, int]]) -> float:  # one replica, every layer
         raise NotImplementedError
@@ -274,7 +293,8 @@ class SimResult:
         tps = self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
         return {"attention": self.shape.attention, "experts": self.shape.experts,
                 "redundant_slots": self.shape.redundant_slots, "standbys": self.shape.standbys,
-                "colocated": self.shape.colocated,
+                "colocated": self.shape.colocated, "layout": self.shape.layout,
+                "micro_batches": self.shape.micro_batches,
                 "gpus": self.devices, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.devices,
                 "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
                 "itl_p50_s": pct(self.itl_s, 0.5), "itl_p99_s": pct(self.itl_s, 0.99),
@@ -399,6 +419,15 @@ class Simulator:
 
     def _step_time(self, plan: Plan, rng: np.random.Generator) -> StepTime:
         chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids)) for c in per] for per in plan.chunks]
+        if self.cost.pipelined:
+            # each replica's sequences dealt into the micro-batches; each micro-batch routed on its own
+            # (its experts' weights are read once per micro-batch)
+            m = self.shape.micro_batches
+            parts = []
+            for k in range(m):
+                part = [per[k::m] for per in chunks]
+                parts.append((part, *self._rows(sum(n for per in part for n, _ in per), rng)))
+            return self.cost.step_parts(chunks, parts, self.shape, len(self.cfg.moe_layers))
         rows, touched = self._rows(plan.num_tokens, rng)
         return self.cost.step(chunks, rows, touched, self.shape, len(self.cfg.moe_layers))
 

@@ -16,6 +16,7 @@ import numpy as np
 from model.config import ModelConfig
 
 from .costmodel import EFFICIENCY, FORMATS, GPU, attention_cost, exchange_cost, expert_bytes, matrix_bytes
+from .pipeline import Stages, makespan_s
 from .simulator import Shape, StepCost, StepTime
 
 # The engine's own per-step work on a GPU deployment (scheduling, the step messages, the results
@@ -37,26 +38,42 @@ def weight_format(cfg: ModelConfig) -> str:
     return "int4"  # compressed-tensors pack-quantized (K2-Thinking)
 
 
+EXCHANGES = {
+    "moeray": "what the engine sends today: bf16 rows, one copy per (token, expert), counts first "
+              "(cluster/costmodel.py exchange_cost), every byte on the NIC once the shape spans nodes",
+    "fp8-dedup": "what DeepEP/StepMesh-class transports send (not moeray): FP8 dispatch with its scales, one copy "
+                 "per destination node, NVLink inside a node (not charged), one bf16 partial sum per node back",
+}
+
+
 class GpuCost(StepCost):
     """Roofline step cost on one kind of GPU, one actor per GPU. Attention per replica: every
     layer's :func:`~cluster.costmodel.attention_cost` (KDA layers costed as MLA ones: left out of
     the model) and the lm_head; experts: :func:`~cluster.costmodel.experts_cost` of the rows each
-    actor's slots get; the exchange over NVLink when the shape fits one node, else the NIC."""
+    actor's slots get; the exchange (``exchange``, one of :data:`EXCHANGES`) over NVLink when the
+    shape fits one node, else the NIC. A step's MoE layers are a pipeline of the shape's
+    micro-batches (:mod:`cluster.pipeline`): each micro-batch priced on its own (its experts' weights
+    read again), the stages overlapping on their resources."""
+
+    pipelined = True
 
     def __init__(self, cfg: ModelConfig, gpu: GPU, shape: Shape, *, overhead_s: float = GPU_OVERHEAD_S,
-                 cache_bytes: int = 2, exchange_dtype_bytes: int = 2):
-        """``exchange_dtype_bytes``: bytes per hidden value on the wire (moeray: 2, bf16; DeepEP's
-        FP8 dispatch is about 1, which the published anchors use)."""
+                 cache_bytes: int = 2, exchange_dtype_bytes: int = 2, exchange: str = "moeray"):
+        """``exchange_dtype_bytes``: bytes per hidden value on the wire of the ``moeray`` exchange (2,
+        bf16; about 1 for an FP8 dispatch, which the published anchors use)."""
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {sorted(EXCHANGES)}, got {exchange!r}")
         self.cfg, self.gpu, self.overhead_s, self.cache_bytes = cfg, gpu, overhead_s, cache_bytes
-        self.exchange_dtype_bytes = exchange_dtype_bytes
+        self.exchange_dtype_bytes, self.exchange = exchange_dtype_bytes, exchange
         self.fmt = weight_format(cfg)
         self.across_nodes = shape.devices > gpu.gpus_per_node
         self.num_moe = len(cfg.moe_layers)
         self.num_dense = cfg.num_hidden_layers - self.num_moe
 
-    def attention_s(self, chunks: list[tuple[int, int]]) -> float:
+    def attention_parts(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
+        """(one MoE layer's attention, the dense layers' and the lm_head's) on one replica."""
         if not chunks:
-            return 0.0
+            return 0.0, 0.0
         cfg, gpu = self.cfg, self.gpu
         moe = attention_cost(cfg, gpu, chunks=chunks, weights=self.fmt, cache_bytes=self.cache_bytes).seconds
         dense = attention_cost(cfg, gpu, chunks=chunks, weights=self.fmt, cache_bytes=self.cache_bytes,
@@ -66,7 +83,11 @@ class GpuCost(StepCost):
                                                                                           cfg.hidden_size, "bf16")
         head_s = max(flops / (gpu.bf16_flops_per_s * EFFICIENCY["gemm"]),
                      nbytes / (gpu.hbm_bytes_per_s * EFFICIENCY["hbm"]))
-        return self.num_moe * moe + self.num_dense * dense + head_s
+        return moe, self.num_dense * dense + head_s
+
+    def attention_s(self, chunks: list[tuple[int, int]]) -> float:
+        moe, rest = self.attention_parts(chunks)
+        return self.num_moe * moe + rest
 
     def experts_s(self, rows: np.ndarray, touched: np.ndarray) -> np.ndarray:
         """:func:`~cluster.costmodel.experts_cost`'s roofline, over every (layer, actor) at once
@@ -78,9 +99,69 @@ class GpuCost(StepCost):
                           touched * expert_bytes(cfg, self.fmt) / (gpu.hbm_bytes_per_s * EFFICIENCY["hbm"]))
 
     def exchange_s(self, tokens: int, attention: int, experts: int) -> float:
-        wire = "dense" if experts <= self.cfg.num_experts_per_tok else "sparse"
-        return exchange_cost(self.cfg, self.gpu, tokens=tokens, attention_ranks=attention, expert_ranks=experts,
-                             across_nodes=self.across_nodes, wire=wire, dtype_bytes=self.exchange_dtype_bytes).seconds
+        return sum(self.exchange_phases(tokens, attention, experts, colocated=False))
+
+    def exchange_phases(self, tokens: int, attention: int, experts: int, *, colocated: bool) -> tuple[float, float]:
+        """(dispatch, combine) of one MoE layer, ``tokens`` per attention replica.
+
+        ``moeray``: :func:`~cluster.costmodel.exchange_cost`'s counts and dispatch, then its combine.
+        ``fp8-dedup``, with n = the nodes a token's k experts may be on and p(n) = 1 − (1 − 1/n)^k the
+        chance that a node holds one of them: colocated on N workers (n = N / 8 nodes), a token goes to
+        the (n − 1)·p(n) other nodes it needs, FP8 with a 4-byte scale per 128 values out, one bf16
+        partial sum back; disaggregated, the busier of an attention NIC (its tokens to ⌈X/8⌉ expert nodes)
+        and an expert NIC (every attention replica's tokens, shared by a node's min(8, X) GPUs)."""
+        cfg, gpu = self.cfg, self.gpu
+        if tokens <= 0:
+            return 0.0, 0.0
+        if self.exchange == "moeray":
+            wire = "dense" if experts <= cfg.num_experts_per_tok else "sparse"
+            cost = exchange_cost(cfg, gpu, tokens=tokens, attention_ranks=attention, expert_ranks=experts,
+                                 across_nodes=self.across_nodes, wire=wire, dtype_bytes=self.exchange_dtype_bytes)
+            combine = sum(p.seconds for p in cost.parts if p.name == "combine")
+            return cost.seconds - combine, combine
+        k, H = cfg.num_experts_per_tok, cfg.expert_hidden_size
+        out_row, back_row = H + H // 128 * 4, H * 2
+        if not self.across_nodes:
+            return 0.0, 0.0  # one node: NVLink, not charged
+        bw, lat = gpu.nic_bytes_per_s * EFFICIENCY["all_to_all"], gpu.nic_latency_s
+
+        def link(nbytes: float) -> float:
+            return lat + nbytes / bw if nbytes > 0 else 0.0
+
+        def p_node(n: int) -> float:
+            return 1 - (1 - 1 / n) ** k
+
+        per_node = gpu.gpus_per_node
+        if colocated:
+            n = max(1, attention // per_node)
+            copies = (n - 1) * p_node(n) if n > 1 else 0.0
+            return link(tokens * copies * out_row), link(tokens * copies * back_row)
+        nx, g = max(1, -(-experts // per_node)), min(per_node, experts)
+        p = p_node(nx)
+        return (link(max(tokens * nx * p * out_row, attention * tokens * p * out_row / g)),
+                link(max(tokens * nx * p * back_row, attention * tokens * p * back_row / g)))
+
+    def step(self, chunks, rows, touched, shape: Shape, num_moe_layers: int) -> StepTime:
+        return self.step_parts(chunks, [(chunks, rows, touched)], shape, num_moe_layers)
+
+    def step_parts(self, chunks, parts, shape: Shape, num_moe_layers: int) -> StepTime:
+        """The whole batch's dense layers and lm_head, then the MoE layers as a pipeline of the
+        micro-batches in ``parts`` ((chunks per replica, rows, touched) each): each stage the
+        slowest micro-batch's on its busiest device, the experts' the mean over MoE layers of the
+        busiest actor's."""
+        stages, attn_total, exp_total, xch_total = [], 0.0, 0.0, 0.0
+        for part_chunks, rows, touched in parts:
+            ta = max((self.attention_parts(c)[0] for c in part_chunks), default=0.0)
+            tokens = max((sum(n for n, _ in c) for c in part_chunks), default=0)
+            d, c = self.exchange_phases(tokens, shape.attention, shape.experts, colocated=shape.colocated)
+            te = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
+            stages.append((ta, d, te / max(num_moe_layers, 1), c))
+            attn_total, exp_total, xch_total = attn_total + ta, exp_total + te, xch_total + d + c
+        st = Stages(*(max(s[i] for s in stages) for i in range(4)))
+        rest = max((self.attention_parts(c)[1] for c in chunks), default=0.0)
+        moe = makespan_s(st, len(parts), num_moe_layers, shape.colocated)
+        return StepTime(self.overhead_s + rest + moe, num_moe_layers * attn_total + rest, exp_total,
+                        num_moe_layers * xch_total)
 
 
 class CpuCost(StepCost):

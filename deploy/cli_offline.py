@@ -161,9 +161,15 @@ def simulate(
     experts: Optional[int] = typer.Option(None, help="Expert actors of the shape to simulate."),
     redundant_slots: str = typer.Option("0", help="Redundant expert slots per MoE layer; a comma list tries each."),
     standbys: int = typer.Option(0, help="Warm standby actors (each takes a device)."),
-    ping_pong: bool = typer.Option(False, help="Overlap attention and experts in two micro-batches."),
-    colocated: bool = typer.Option(False, help="Put one attention replica and one expert actor on every device "
-                                               "(fractional gpus_per_actor; --attention = --experts)."),
+    ping_pong: bool = typer.Option(False, help="The engine's ping-pong: two micro-batches (--micro-batches 2)."),
+    micro_batches: int = typer.Option(1, help="A step's batch in this many micro-batches, pipelined through "
+                                              "attention, dispatch, experts and combine (GPU costs)."),
+    exchange: str = typer.Option("moeray", help="The exchange priced on GPUs: moeray (what the engine sends: bf16, "
+                                                "a copy per token and expert) or fp8-dedup (DeepEP/StepMesh-class "
+                                                "transports: FP8, a copy per node; not what moeray sends)."),
+    colocated: bool = typer.Option(False, help="The colocated layout (`moeray up --layout colocated --workers N`): "
+                                               "N workers, each an attention replica and an expert shard on one "
+                                               "device (--attention = --experts = N)."),
     search: bool = typer.Option(False, help="Try every attention/expert split of --gpus devices."),
     tpot_ms: Optional[float] = typer.Option(None, help="Target ITL p50 (ms) a searched shape must meet."),
     ttft_ms: Optional[float] = typer.Option(None, help="Target TTFT p50 (ms) a searched shape must meet."),
@@ -206,10 +212,16 @@ def simulate(
         slots = tuple(int(x) for x in redundant_slots.split(","))
     except ValueError:
         raise ValueError(f"--redundant-slots must be integers separated by commas, got {redundant_slots!r}") from None
+    from cluster.stepcost import EXCHANGES
+
+    if exchange not in EXCHANGES:
+        raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
+    if micro_batches < 1:
+        raise ValueError(f"--micro-batches must be >= 1, got {micro_batches}")
     model_cfg = _model_config(model)
     args = sim.SimArgs(
         gpu=gpu, gpus=gpus, attention=attention, experts=experts, redundant_slots=slots, standbys=standbys,
-        ping_pong=ping_pong, colocated=colocated, search=search, tpot_ms=tpot_ms, ttft_ms=ttft_ms, rate=rate,
+        ping_pong=ping_pong, micro_batches=micro_batches, exchange=exchange, colocated=colocated, search=search, tpot_ms=tpot_ms, ttft_ms=ttft_ms, rate=rate,
         requests=requests, prompt_tokens=sim.lengths(prompt_tokens, "--prompt-tokens"),
         output_tokens=sim.lengths(output_tokens, "--output-tokens"), trace=trace, routing=routing, skew=skew,
         seed=seed, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step, block_size=block_size,

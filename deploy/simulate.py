@@ -39,6 +39,8 @@ class SimArgs:
     block_size: int
     cpu_profile: Path
     failures_per_hour: float = 0.0
+    micro_batches: int = 1
+    exchange: str = "moeray"
 
 
 def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
@@ -105,7 +107,7 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
         cost_for = lambda shape: cost  # noqa: E731
     else:
         gpu = load_gpu(a.gpu)
-        cost_for = lambda shape: GpuCost(model_cfg, gpu, shape)  # noqa: E731
+        cost_for = lambda shape: GpuCost(model_cfg, gpu, shape, exchange=a.exchange)  # noqa: E731
     workload = (trace_workload(a.trace) if a.trace else
                 poisson_workload(a.rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
     span = max(r.arrival_s for r in workload)  # failures drawn over the arrivals' span
@@ -125,12 +127,13 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
         raise ValueError("give a shape (--attention and --experts), or --search with --gpus")
     out = []
     for r in a.redundant_slots:
-        shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong, colocated=a.colocated)
+        shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong, colocated=a.colocated,
+                      micro_batches=a.micro_batches)
         config = engine_config(model_cfg, a, cpu, shape.devices)
         failures = poisson_failures(a.failures_per_hour, span, shape, seed=a.seed)
         out.append(Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=a.seed,
                              failures=failures, weight_bytes_per_actor=expert_actor_bytes(model_cfg, shape)
-                             ).run(workload).summary())
+                             ).run(workload).summary() | {"exchange": "profiled" if cpu else a.exchange})
     return out
 
 

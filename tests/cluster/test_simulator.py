@@ -176,6 +176,16 @@ def test_moeray_simulate_json_search_and_plot(tmp_path):
     assert row["failures"] > 0 and row["paused_s"] == pytest.approx(row["failures"] * 3.5)  # warm: 1 + 0.5 + 2 s
     wrong = in_process(*base[:5], "--prompt-tokens", "a:b", "--attention", "1", "--experts", "1")
     assert wrong.returncode == 2 and "--prompt-tokens must be N or LO:HI" in wrong.stderr
+    # the pipeline's micro-batches and the exchange model, named in each result
+    piped = in_process(*base, "--attention", "16", "--experts", "16", "--colocated", "--micro-batches", "2",
+                       "--exchange", "fp8-dedup", "--json")
+    assert piped.returncode == 0, piped.stderr
+    (row,) = json.loads(piped.stdout)
+    assert (row["layout"], row["micro_batches"], row["exchange"]) == ("colocated", 2, "fp8-dedup")
+    for flag, value, says in (("--exchange", "nvlink", "--exchange must be one of moeray, fp8-dedup"),
+                              ("--micro-batches", "0", "--micro-batches must be >= 1")):
+        bad = in_process(*base, "--attention", "2", "--experts", "2", flag, value)
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr
 
 
 def test_gpu_expert_cost_over_every_actor_at_once_is_the_cost_models():
