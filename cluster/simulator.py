@@ -283,6 +283,7 @@ class SimResult:
     decode_tokens: int = 0  # tokens those steps produced
     decode_steps: int = 0
     failures: int = 0  # failures that happened (and were recovered) while work remained
+    batches: list[int] = field(default_factory=list)  # per step and attention replica: sequences that sampled
 
     def summary(self) -> dict:
         def pct(xs, q):
@@ -301,7 +302,10 @@ class SimResult:
                 "imbalance": self.imbalance, "paused_s": self.paused_s, "failures": self.failures,
                 # a decode node's figure (prefill elsewhere): output tokens/s over the decode-only steps
                 "decode_tokens_per_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
-                "decode_step_s": self.decode_s / self.decode_steps if self.decode_steps else 0.0}
+                "decode_step_s": self.decode_s / self.decode_steps if self.decode_steps else 0.0,
+                # the batch actually decoded: sequences that sampled a token, per attention replica per step
+                "batch_mean": float(np.mean(self.batches)) if self.batches else 0.0,
+                "batch_p50": pct(self.batches, 0.5)}
 
 
 class Simulator:
@@ -357,7 +361,7 @@ class Simulator:
         gen = np.random.default_rng(self.seed)
         pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival_s, i))
         arrival, first, last = {}, {}, {}
-        ttft, itl, steps = [], [], []
+        ttft, itl, steps, batches = [], [], [], []
         decode_s, decode_tokens, decode_steps, n_failures = 0.0, 0, 0, 0
         t, out_tokens, paused, nxt, n_steps = 0.0, 0, 0.0, 0, 0
         failures = list(self.failures)
@@ -394,6 +398,7 @@ class Simulator:
             step = self._step_time(plan, gen)
             t += step.seconds
             n_steps += 1
+            batches.extend(sum(c.sample for c in per) for per in plan.chunks)
             if all(len(c.token_ids) == 1 for chunks in plan.chunks for c in chunks):
                 decode_s += step.seconds
                 decode_tokens += sum(map(len, plan.chunks))
@@ -415,10 +420,66 @@ class Simulator:
                 raise RuntimeError(f"no end after {max_steps} steps")
         start = min((r.arrival_s for r in workload), default=0.0)
         return SimResult(self.shape, self.shape.devices, t - start, out_tokens, ttft, itl, steps,
-                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps, n_failures)
+                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps, n_failures, batches)
 
-    def _step_time(self, plan: Plan, rng: np.random.Generator) -> StepTime:
-        chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids)) for c in per] for per in plan.chunks]
+    def run_steady(self, batch: int, *, context: int, output_tokens: int, steps: int = 200,
+                   warmup: int = 50) -> SimResult:
+        """A decode node held at ``batch`` sequences per attention replica (a closed loop): each
+        sequence arrives prefilled (its prompt made elsewhere; its attention spans ``context`` tokens
+        from its first step on), decodes ``output_tokens`` and is replaced at once by a new one; the
+        first ones' lengths are staggered (1 to ``output_tokens``) so that replacements spread over the
+        steps. Measured over ``steps`` steps after ``warmup``: tokens/s, ITL, and the batch actually
+        decoded per replica (``batch_mean``, ``batch_p50``). The engine config's ``max_num_seqs``
+        and cache must admit the batch (the caller sizes them; the room for sequences is the
+        planner's)."""
+        if batch < 1 or context < 1 or output_tokens < 1 or steps < 1 or warmup < 0:
+            raise ValueError(f"need batch, context, output_tokens, steps >= 1 and warmup >= 0; got {batch}, "
+                             f"{context}, {output_tokens}, {steps}, {warmup}")
+        cfg, A = self.cfg, self.shape.attention
+        sched = Scheduler.for_engine(self.config, cfg, A)
+        gen = np.random.default_rng(self.seed)
+        n, next_id = batch * A, 0
+
+        def arrive(out: int) -> None:
+            nonlocal next_id
+            ids = array("i", [next_id * 7919 % max(cfg.vocab_size - 1, 1) + 1])
+            sched.add(Seq(next_id, ids, 1, SamplingParams(max_tokens=out, ignore_eos=True)))
+            next_id += 1
+
+        for i in range(n):
+            arrive(1 + i * output_tokens // n)
+        t, t0, last, itl, batches, tokens = 0.0, 0.0, {}, [], [], 0
+        for k in range(warmup + steps):
+            if k == warmup:
+                t0 = t
+            plan = sched.schedule()
+            if plan.empty:
+                raise RuntimeError("the scheduler placed none of the sequences: is max_num_seqs or the cache too small?")
+            t += self._step_time(plan, gen, context_offset=context - 1).seconds
+            sched.completed(plan)
+            sampled = [SampledToken(c.seq_id, 0) for chunks in plan.chunks for c in chunks if c.sample]
+            done = 0
+            for seq, _tok, reason in sched.apply(sampled):
+                sid = seq.seq_id
+                if k >= warmup:
+                    tokens += 1
+                    if sid in last:
+                        itl.append(t - last[sid])
+                last[sid] = t
+                if reason is not None:
+                    done += 1
+                    last.pop(sid, None)
+            for _ in range(done):
+                arrive(output_tokens)
+            if k >= warmup:
+                batches.extend(sum(c.sample for c in per) for per in plan.chunks)
+        return SimResult(self.shape, self.shape.devices, t - t0, tokens, [], itl, [], self.imbalance(),
+                         batches=batches)
+
+    def _step_time(self, plan: Plan, rng: np.random.Generator, context_offset: int = 0) -> StepTime:
+        """``context_offset``: tokens every sequence attends beyond its own (a prompt made elsewhere)."""
+        chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids) + context_offset) for c in per]
+                  for per in plan.chunks]
         if self.cost.pipelined:
             # each replica's sequences dealt into the micro-batches; each micro-batch routed on its own
             # (its experts' weights are read once per micro-batch)
@@ -446,15 +507,16 @@ class Simulator:
         return rc.detect_s + start + rc.regroup_s
 
 
-def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimRequest], *, config: EngineConfig,
+def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimRequest], *, config,
            routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,), seed: int = 0,
            tpot_s: float | None = None, ttft_s: float | None = None, fits=None,
            colocated: bool = True) -> list[dict]:
     """Every split of ``devices`` into attention replicas and expert actors (with each redundant-slot
     count), simulated; each summary says whether it meets the targets (``ok``) and whether it is on
     the Pareto front of tokens/s per GPU against ITL p50 (``pareto``). ``cost_for(shape)`` builds
-    the step cost of a shape (its links depend on it); ``fits(shape)``, if given, skips the shapes
-    whose weights do not fit the devices. ``colocated`` adds the layout with an attention replica
+    the step cost of a shape (its links depend on it); ``config``, the engine config, or a function
+    of the shape giving it (the room for sequences depends on the layout); ``fits(shape)``, if given,
+    skips the shapes whose weights do not fit the devices. ``colocated`` adds the layout with an attention replica
     and an expert actor on every device."""
     splits = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
     if colocated and devices <= model_cfg.n_routed_experts:
@@ -467,7 +529,8 @@ def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimReq
             shape = Shape(attention, experts, r, colocated=together)
             if fits is not None and not fits(shape):
                 continue
-            res = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed).run(workload)
+            conf = config(shape) if callable(config) else config
+            res = Simulator(model_cfg, shape, cost_for(shape), config=conf, routing=routing, seed=seed).run(workload)
             s = res.summary()
             s["ok"] = (tpot_s is None or s["itl_p50_s"] <= tpot_s) and (ttft_s is None or s["ttft_p50_s"] <= ttft_s)
             out.append(s)

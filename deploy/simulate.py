@@ -43,35 +43,39 @@ class SimArgs:
     exchange: str = "moeray"
 
 
-def engine_config(model_cfg, a: SimArgs, cpu: bool, devices: int, gpu=None):
-    """The engine settings a deployment of this model would run with: on GPUs the cache blocks
-    that fit one attention device after its weights (the planner's arithmetic)."""
+def plan_for(model_cfg, gpu: str, shape, context: int):
+    """The planner's arithmetic for ``shape`` in its own layout, on exactly its devices: colocated,
+    ``plan_colocated`` (each device an attention replica and its expert shard); disaggregated,
+    ``plan_shape`` (attention devices, and the expert actors and standbys on the rest)."""
+    from cluster.planner import DEVICES, plan_colocated, plan_shape
+
+    device = DEVICES[gpu]
+    if shape.colocated:
+        return plan_colocated(model_cfg, model="simulated", device=device, nodes=1, gpus_per_node=shape.devices,
+                              workers=shape.attention, context=context)
+    return plan_shape(model_cfg, model="simulated", device=device, nodes=1, gpus_per_node=shape.devices,
+                      attention=shape.attention, experts=shape.experts + shape.standbys, context=context)
+
+
+def engine_config(model_cfg, a: SimArgs, cpu: bool, shape=None):
+    """The engine settings a deployment of this model would run with: on GPUs the cache blocks that
+    fit one attention device of ``shape``'s layout after what it holds (the planner's arithmetic:
+    a colocated device also holds its expert shard)."""
     from cluster.config import EngineConfig
-    from cluster.planner import DEVICES, plan_shape
     from model.params import cache_bytes_per_token
 
     if cpu:
         return EngineConfig.of(model="simulated", max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
-    plan = plan_shape(model_cfg, model="simulated", device=DEVICES[a.gpu], nodes=1, gpus_per_node=max(devices, 2),
-                      attention=1, experts=max(devices - 1, 1), context=_top(a.prompt_tokens) + _top(a.output_tokens))
+    plan = plan_for(model_cfg, a.gpu, shape, _top(a.prompt_tokens) + _top(a.output_tokens))
     per_block = cache_bytes_per_token(model_cfg)["latent"] * a.block_size
     blocks = max(1, plan.cache_bytes // max(per_block, 1))
     return EngineConfig.of(model="simulated", block_size=a.block_size, num_blocks=int(min(blocks, 10_000_000)),
-                        max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
+                           max_num_seqs=a.max_num_seqs, max_tokens_per_step=a.max_tokens_per_step)
 
 
-def fits(model_cfg, gpu: str, shape) -> bool:
-    """The planner's verdict on the shape's weights, 8 devices per node (colocated: one attention
-    replica's weights plus one expert actor's share on each device, with room for caches)."""
-    from cluster.planner import ATTENTION_WORKSPACE, DEVICES, EXPERT_WORKSPACE, plan_shape, weight_bytes
-
-    if shape.colocated:
-        w = weight_bytes(model_cfg)
-        per_device = w.attention + -(-w.n_experts // shape.experts) * w.per_expert + ATTENTION_WORKSPACE + EXPERT_WORKSPACE
-        return per_device < DEVICES[gpu].memory_bytes * 0.9
-    nodes = -(-shape.devices // 8)
-    return plan_shape(model_cfg, model="simulated", device=DEVICES[gpu], nodes=nodes, gpus_per_node=8,
-                      attention=shape.attention, experts=shape.experts + shape.standbys, context=4096).fits
+def fits(model_cfg, gpu: str, shape, context: int = 4096) -> bool:
+    """The planner's verdict on the shape in its layout (weights, workspace, one sequence of ``context``)."""
+    return plan_for(model_cfg, gpu, shape, context).fits
 
 
 def _top(n: int | tuple[int, int]) -> int:
@@ -114,22 +118,24 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
     k, E, L = model_cfg.num_experts_per_tok, model_cfg.n_routed_experts, len(model_cfg.moe_layers)
     routing = (Routing.from_json(a.routing, k) if a.routing else
                Routing.power_law(L, E, k, a.skew, seed=a.seed) if a.skew else Routing.uniform(L, E, k))
+    context = _top(a.prompt_tokens) + _top(a.output_tokens)
     if a.search:
         if not a.gpus or a.gpus < 2:
             raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
-        config = engine_config(model_cfg, a, cpu, a.gpus)
+        config = (lambda shape: engine_config(model_cfg, a, cpu)) if cpu else (
+            lambda shape: engine_config(model_cfg, a, cpu, shape))
         return search(model_cfg, a.gpus, cost_for, workload, config=config, routing=routing,
                       redundant_slots=a.redundant_slots, seed=a.seed,
                       tpot_s=None if a.tpot_ms is None else a.tpot_ms / 1e3,
                       ttft_s=None if a.ttft_ms is None else a.ttft_ms / 1e3,
-                      fits=None if cpu else lambda shape: fits(model_cfg, a.gpu, shape))
+                      fits=None if cpu else lambda shape: fits(model_cfg, a.gpu, shape, context))
     if a.attention is None or a.experts is None:
         raise ValueError("give a shape (--attention and --experts), or --search with --gpus")
     out = []
     for r in a.redundant_slots:
         shape = Shape(a.attention, a.experts, r, a.standbys, a.ping_pong, colocated=a.colocated,
                       micro_batches=a.micro_batches)
-        config = engine_config(model_cfg, a, cpu, shape.devices)
+        config = engine_config(model_cfg, a, cpu, shape)
         failures = poisson_failures(a.failures_per_hour, span, shape, seed=a.seed)
         out.append(Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=a.seed,
                              failures=failures, weight_bytes_per_actor=expert_actor_bytes(model_cfg, shape)

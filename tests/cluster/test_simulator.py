@@ -231,3 +231,49 @@ def test_cpu_profile_then_simulate_on_cpu(tmp_path):
                               str(tmp_path / "none.json"), "--attention", "1", "--experts", "1"],
                              capture_output=True, text=True, timeout=120, env=env)
     assert missing.returncode == 2 and "moeray simulate --profile" in missing.stderr
+
+
+@pytest.mark.parametrize("shape", [Shape(8, 8, colocated=True), Shape(3, 5, micro_batches=3)],
+                         ids=["colocated-8", "3+5-m3"])
+def test_the_steady_state_runner_decodes_the_target_batch(shape):
+    """Issue 34, Must show 4: a closed loop keeps every attention replica at the batch tried (each
+    finished sequence replaced at once, the first ones' lengths staggered): after the warm-up, the
+    sequences decoded per replica per step are the target within 5 %, every one of them a token."""
+    batch, steps, warmup = 40, 60, 20
+    config = EngineConfig.of(model="simulated", block_size=64, num_blocks=100_000, max_num_seqs=batch * shape.attention,
+                             max_tokens_per_step=65_536)
+    sim = Simulator(K2, shape, GpuCost(K2, H200, shape, exchange="fp8-dedup"), config=config)
+    res = sim.run_steady(batch, context=4096 + 64, output_tokens=16, steps=steps, warmup=warmup)
+    s = res.summary()
+    assert abs(s["batch_mean"] - batch) <= 0.05 * batch and s["batch_p50"] == batch, s
+    assert len(res.batches) == steps * shape.attention
+    assert res.output_tokens == sum(res.batches)  # each decoded sequence made one token per step
+    assert s["tokens_per_s"] == pytest.approx(sum(res.batches) / res.duration_s)
+    # the drain tail an open-loop run measures instead: every request sent at once, of uneven lengths,
+    # none replaced
+    drained = sim.run(poisson_workload(0, batch * shape.attention, 1, (1, 32), seed=0)).summary()
+    assert drained["batch_mean"] < 0.75 * batch
+    with pytest.raises(ValueError, match="need batch"):
+        sim.run_steady(0, context=10, output_tokens=4)
+
+
+def test_every_shape_the_search_proposes_is_one_moeray_plan_accepts_in_its_layout():
+    """Issue 34, Must show 5: `moeray simulate --search` on 16 H200 proposes only shapes that `moeray plan`
+    accepts for the same layout and context (colocated is `moeray up --layout colocated`); the splits whose
+    expert devices cannot hold the experts are left out."""
+    context = 1000 + 30
+    base = ["simulate", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--requests", "32",
+            "--prompt-tokens", "1000", "--output-tokens", "30", "--rate", "0"]
+    found = in_process(*base, "--gpus", "16", "--search", "--json")
+    assert found.returncode == 0, found.stderr
+    rows = json.loads(found.stdout)
+    assert {r["layout"] for r in rows} == {"colocated", "disaggregated"}
+    assert min(r["experts"] for r in rows if r["layout"] == "disaggregated") == 9  # K2 FP8's experts need 9 H200
+    for r in rows:
+        shape = (["--layout", "colocated", "--workers", str(r["gpus"])] if r["layout"] == "colocated" else
+                 ["--attention", str(r["attention"]), "--experts", str(r["experts"])])
+        plan = in_process("plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--nodes", "2",
+                          "--gpus-per-node", "8", "--context", str(context), *shape, "--json")
+        assert plan.returncode == 0, plan.stderr
+        verdict = json.loads(plan.stdout)
+        assert verdict["fits"] and not verdict["problems"], (r["layout"], r["attention"], r["experts"], verdict["problems"])
