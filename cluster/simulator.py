@@ -480,6 +480,28 @@ class Simulator:
         """``context_offset``: tokens every sequence attends beyond its own (a prompt made elsewhere)."""
         chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids) + context_offset) for c in per]
                   for per in plan.chunks]
+        return self._chunks_time(chunks, plan.num_tokens, rng)
+
+    def decode_step(self, batch: int, context: int, seed: int = 0) -> StepTime:
+        """One decode step with ``batch`` sequences on every attention replica, each attending
+        ``context`` tokens (the closed form a capacity search bisects on before confirming at steady
+        state)."""
+        chunks = [[(1, context)] * batch for _ in range(self.shape.attention)]
+        return self._chunks_time(chunks, batch * self.shape.attention, np.random.default_rng(seed))
+
+    def capacity(self, tpot_s: float, context: int, cap: int) -> int:
+        """The largest batch per attention replica, 1..``cap``, whose decode step takes at most
+        ``tpot_s`` (0 when even one sequence is slower)."""
+        lo, hi = 0, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.decode_step(mid, context).seconds <= tpot_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _chunks_time(self, chunks: list[list[tuple[int, int]]], num_tokens: int, rng: np.random.Generator) -> StepTime:
         if self.cost.pipelined:
             # each replica's sequences dealt into the micro-batches; each micro-batch routed on its own
             # (its experts' weights are read once per micro-batch)
@@ -489,7 +511,7 @@ class Simulator:
                 part = [per[k::m] for per in chunks]
                 parts.append((part, *self._rows(sum(n for per in part for n, _ in per), rng)))
             return self.cost.step_parts(chunks, parts, self.shape, len(self.cfg.moe_layers))
-        rows, touched = self._rows(plan.num_tokens, rng)
+        rows, touched = self._rows(num_tokens, rng)
         return self.cost.step(chunks, rows, touched, self.shape, len(self.cfg.moe_layers))
 
     def _recover(self, sched: Scheduler, f: Failure) -> float:
@@ -541,4 +563,69 @@ def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimReq
                               and o["itl_p50_s"] <= s["itl_p50_s"]
                               and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
                               for o in out)
+    return out
+
+
+def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for, tpot_s: float, context: int,
+                    output_tokens: int, routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,),
+                    micro_batches: tuple[int, ...] = (1, 2, 3), seed: int = 0, steps: int = 40,
+                    warmup: int = 8) -> list[dict]:
+    """Capacity at the latency target, for every deployable shape of ``devices`` (``context``: the
+    prompt, made elsewhere; ``output_tokens`` decoded after it): every attention:
+    expert split whose experts fit (``plan_for(shape)``, the planner in the shape's layout) and the
+    colocated layout, each with every micro-batch count (colocated: 1 and 2) and redundant-slot
+    count. Per shape, the largest batch per attention replica within its room for sequences whose
+    decode step meets ``tpot_s`` (bisected on :meth:`Simulator.decode_step`), then run at steady
+    state (:meth:`Simulator.run_steady`) at that batch, 5 % less if its tail misses; ``meets``: ITL
+    p50 and p99 within the target.
+    The best of each split over micro-batches is marked ``best_m``; ``pareto`` as :func:`search`."""
+    shapes = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
+    if devices <= model_cfg.n_routed_experts:
+        shapes.append((devices, devices, True))
+    out = []
+    for attention, experts, together in shapes:
+        for r in redundant_slots:
+            if r and r > experts * model_cfg.n_routed_experts:
+                continue
+            for m in micro_batches:
+                if together and m > 2:
+                    continue
+                shape = Shape(attention, experts, r, colocated=together, micro_batches=m)
+                plan = plan_for(shape)
+                if not plan.fits:
+                    continue
+                cap = plan.concurrent_sequences
+                # the scheduler holds each sequence's own tokens only (its prompt is priced, not stored)
+                config = EngineConfig.of(model="simulated", block_size=64,
+                                         num_blocks=max(1, cap) * attention * (output_tokens // 64 + 2),
+                                         max_num_seqs=max(1, cap) * attention, max_tokens_per_step=1 << 20)
+                sim = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed)
+                batch = sim.capacity(tpot_s, context + output_tokens // 2, cap)  # at the mean context
+                for attempt in range(2):  # the steady run's routing draws may make the tail a little slower
+                    s = sim.run_steady(max(batch, 1), context=context, output_tokens=output_tokens, steps=steps,
+                                       warmup=warmup).summary()
+                    s["meets"] = s["ok"] = batch > 0 and s["itl_p50_s"] <= tpot_s and s["itl_p99_s"] <= tpot_s
+                    if s["meets"] or batch <= 1 or attempt:
+                        break
+                    batch = max(1, int(batch * 0.95))
+                s["kv_sequences"], s["capacity_batch"] = cap, batch
+                if not s["meets"]:
+                    s["tokens_per_s_per_gpu_at_slo"] = 0.0
+                else:
+                    s["tokens_per_s_per_gpu_at_slo"] = s["tokens_per_s_per_gpu"]
+                out.append(s)
+    if not out:
+        raise ValueError(f"no shape of {devices} devices fits this model")
+    best: dict[tuple, dict] = {}
+    for s in out:
+        key = (s["attention"], s["experts"], s["colocated"], s["redundant_slots"])
+        if key not in best or s["tokens_per_s_per_gpu_at_slo"] > best[key]["tokens_per_s_per_gpu_at_slo"]:
+            best[key] = s
+    for s in out:
+        s["best_m"] = s is best[(s["attention"], s["experts"], s["colocated"], s["redundant_slots"])]
+        s["pareto"] = s["meets"] and not any(
+            o is not s and o["meets"] and o["tokens_per_s_per_gpu"] >= s["tokens_per_s_per_gpu"]
+            and o["itl_p50_s"] <= s["itl_p50_s"]
+            and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
+            for o in out)
     return out

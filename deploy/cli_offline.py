@@ -173,7 +173,10 @@ def simulate(
     search: bool = typer.Option(False, help="Try every attention/expert split of --gpus devices."),
     tpot_ms: Optional[float] = typer.Option(None, help="Target ITL p50 (ms) a searched shape must meet."),
     ttft_ms: Optional[float] = typer.Option(None, help="Target TTFT p50 (ms) a searched shape must meet."),
-    rate: float = typer.Option(4.0, help="Poisson arrivals, requests/s (0: all at once)."),
+    rate: Optional[float] = typer.Option(None, help="An offered load instead: Poisson arrivals, requests/s (0: all "
+                                                     "at once). Default: with --search on GPUs, the capacity at "
+                                                     "--tpot-ms (each shape at steady state at the largest batch "
+                                                     "that meets it); otherwise 4."),
     requests: int = typer.Option(200, help="Requests simulated."),
     prompt_tokens: str = typer.Option("2000", help="Prompt tokens per request: N, or LO:HI drawn uniformly."),
     output_tokens: str = typer.Option("200", help="Output tokens per request: N, or LO:HI drawn uniformly."),

@@ -26,7 +26,7 @@ class SimArgs:
     search: bool
     tpot_ms: float | None
     ttft_ms: float | None
-    rate: float
+    rate: float | None  # None: capacity at --tpot-ms on a search, 4 requests/s otherwise
     requests: int
     prompt_tokens: int | tuple[int, int]
     output_tokens: int | tuple[int, int]
@@ -101,8 +101,8 @@ def lengths(text: str, flag: str) -> int | tuple[int, int]:
 def run(model_cfg, a: SimArgs) -> list[dict]:
     """Simulate what the arguments ask; one summary per shape (with ``ok`` and ``pareto`` on a search)."""
     from cluster.costmodel import load_gpu
-    from cluster.simulator import (Routing, Shape, Simulator, poisson_failures, poisson_workload, search,
-                                   trace_workload)
+    from cluster.simulator import (Routing, Shape, Simulator, capacity_search, poisson_failures, poisson_workload,
+                                   search, trace_workload)
     from cluster.stepcost import CpuCost, GpuCost
 
     cpu = a.gpu == "cpu"
@@ -112,13 +112,24 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
     else:
         gpu = load_gpu(a.gpu)
         cost_for = lambda shape: GpuCost(model_cfg, gpu, shape, exchange=a.exchange)  # noqa: E731
-    workload = (trace_workload(a.trace) if a.trace else
-                poisson_workload(a.rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
-    span = max(r.arrival_s for r in workload)  # failures drawn over the arrivals' span
+    context = _top(a.prompt_tokens) + _top(a.output_tokens)
     k, E, L = model_cfg.num_experts_per_tok, model_cfg.n_routed_experts, len(model_cfg.moe_layers)
     routing = (Routing.from_json(a.routing, k) if a.routing else
                Routing.power_law(L, E, k, a.skew, seed=a.seed) if a.skew else Routing.uniform(L, E, k))
-    context = _top(a.prompt_tokens) + _top(a.output_tokens)
+    if a.search and a.rate is None and a.trace is None and not cpu:
+        if a.tpot_ms is None:
+            raise ValueError("--search measures capacity at a latency target: give --tpot-ms (or --rate for an "
+                             "offered load instead)")
+        if not a.gpus or a.gpus < 2:
+            raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
+        rows = capacity_search(model_cfg, a.gpus, cost_for, plan_for=lambda shape: plan_for(model_cfg, a.gpu, shape, context),
+                               tpot_s=a.tpot_ms / 1e3, context=_top(a.prompt_tokens), output_tokens=_top(a.output_tokens),
+                               routing=routing, redundant_slots=a.redundant_slots, seed=a.seed)
+        return [r | {"exchange": a.exchange} for r in rows]
+    rate = 4.0 if a.rate is None else a.rate
+    workload = (trace_workload(a.trace) if a.trace else
+                poisson_workload(rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
+    span = max(r.arrival_s for r in workload)  # failures drawn over the arrivals' span
     if a.search:
         if not a.gpus or a.gpus < 2:
             raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
@@ -146,11 +157,13 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
 def table(rows: list[dict]) -> "object":
     from rich.table import Table
 
-    t = Table("attention", "experts", "colocated", "redundant", "standbys", "GPUs", "tok/s", "tok/s/GPU", "TTFT p50",
-              "TTFT p99", "ITL p50", "ITL p99", "imbalance", *(("meets", "Pareto") if "ok" in rows[0] else ()))
+    t = Table("attention", "experts", "colocated", "micro-batches", "redundant", "standbys", "GPUs", "batch", "tok/s",
+              "tok/s/GPU", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "imbalance",
+              *(("meets", "Pareto") if "ok" in rows[0] else ()))
     for r in rows:
-        t.add_row(str(r["attention"]), str(r["experts"]), "yes" if r["colocated"] else "", str(r["redundant_slots"]),
-                  str(r["standbys"]), str(r["gpus"]),
+        batch = f"{r['batch_mean']:,.1f}" + (f" / {r['kv_sequences']:,}" if "kv_sequences" in r else "")
+        t.add_row(str(r["attention"]), str(r["experts"]), "yes" if r["colocated"] else "", str(r["micro_batches"]),
+                  str(r["redundant_slots"]), str(r["standbys"]), str(r["gpus"]), batch,
                   f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.1f}", f"{r['ttft_p50_s'] * 1e3:,.1f} ms",
                   f"{r['ttft_p99_s'] * 1e3:,.1f} ms", f"{r['itl_p50_s'] * 1e3:,.2f} ms", f"{r['itl_p99_s'] * 1e3:,.2f} ms",
                   f"{r['imbalance']:.3f}", *(("yes" if r["ok"] else "no", "★" if r["pareto"] else "")

@@ -264,7 +264,7 @@ def test_every_shape_the_search_proposes_is_one_moeray_plan_accepts_in_its_layou
     context = 1000 + 30
     base = ["simulate", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--requests", "32",
             "--prompt-tokens", "1000", "--output-tokens", "30", "--rate", "0"]
-    found = in_process(*base, "--gpus", "16", "--search", "--json")
+    found = in_process(*base, "--gpus", "16", "--search", "--rate", "0", "--json")
     assert found.returncode == 0, found.stderr
     rows = json.loads(found.stdout)
     assert {r["layout"] for r in rows} == {"colocated", "disaggregated"}
@@ -277,3 +277,30 @@ def test_every_shape_the_search_proposes_is_one_moeray_plan_accepts_in_its_layou
         assert plan.returncode == 0, plan.stderr
         verdict = json.loads(plan.stdout)
         assert verdict["fits"] and not verdict["problems"], (r["layout"], r["attention"], r["experts"], verdict["problems"])
+
+
+def test_capacity_at_the_latency_target_is_the_default_search():
+    """`moeray simulate --search --tpot-ms` without --rate: every deployable shape (the colocated layout with 1
+    and 2 micro-batches, each split with 1-3) at the largest batch within its room for sequences whose
+    steady-state ITL p50 and p99 meet the target; the batch decoded is the batch reported; one more
+    sequence per replica would miss the target."""
+    base = ["simulate", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--prompt-tokens", "1000",
+            "--output-tokens", "16", "--gpus", "16", "--search", "--exchange", "fp8-dedup", "--json"]
+    found = in_process(*base, "--tpot-ms", "25")
+    assert found.returncode == 0, found.stderr
+    rows = json.loads(found.stdout)
+    assert sorted(r["micro_batches"] for r in rows if r["colocated"]) == [1, 2]
+    assert {r["micro_batches"] for r in rows if not r["colocated"]} == {1, 2, 3}
+    met = [r for r in rows if r["meets"]]
+    assert met and all(r["itl_p50_s"] <= 0.025 and r["itl_p99_s"] <= 0.025 for r in met)
+    assert all(r["capacity_batch"] <= r["kv_sequences"] and r["batch_mean"] == pytest.approx(r["capacity_batch"], rel=0.05)
+               for r in met)
+    best = max(met, key=lambda r: r["tokens_per_s_per_gpu"])
+    assert best["pareto"] and best["colocated"]  # at 16 H200 the colocated layout wins (the experts' memory floor)
+    # one more sequence per replica misses the target (where the room for sequences allowed it)
+    shape = Shape(best["attention"], best["experts"], colocated=True, micro_batches=best["micro_batches"])
+    sim = Simulator(K2, shape, GpuCost(K2, H200, shape, exchange="fp8-dedup"), config=EngineConfig.of(model="simulated"))
+    if best["capacity_batch"] < best["kv_sequences"]:
+        assert sim.decode_step(best["capacity_batch"] + 1, 1000 + 8).seconds > 0.025
+    missing = in_process(*base)
+    assert missing.returncode == 2 and "give --tpot-ms" in missing.stderr
