@@ -529,6 +529,33 @@ class Simulator:
         return rc.detect_s + start + rc.regroup_s
 
 
+def _shapes(model_cfg: ModelConfig, devices: int, redundant_slots: tuple[int, ...], colocated: bool,
+            micro_batches: tuple[int, ...] = (1,)):
+    """Every split of ``devices`` into attention replicas and expert actors (and, ``colocated``, the
+    layout with a worker per device), with each redundant-slot count and micro-batch count (the
+    colocated layout's at most 2)."""
+    splits = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
+    if colocated and devices <= model_cfg.n_routed_experts:
+        splits.append((devices, devices, True))
+    for attention, experts, together in splits:
+        for r in redundant_slots:
+            if r and r > experts * model_cfg.n_routed_experts:
+                continue
+            for m in micro_batches:
+                if not (together and m > 2):
+                    yield Shape(attention, experts, r, colocated=together, micro_batches=m)
+
+
+def _mark_pareto(out: list[dict], eligible=lambda s: True) -> None:
+    """``pareto``: no other eligible result has at least the tokens/s per GPU at no more ITL p50."""
+    for s in out:
+        s["pareto"] = eligible(s) and not any(
+            o is not s and eligible(o) and o["tokens_per_s_per_gpu"] >= s["tokens_per_s_per_gpu"]
+            and o["itl_p50_s"] <= s["itl_p50_s"]
+            and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
+            for o in out)
+
+
 def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimRequest], *, config,
            routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,), seed: int = 0,
            tpot_s: float | None = None, ttft_s: float | None = None, fits=None,
@@ -540,29 +567,17 @@ def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimReq
     of the shape giving it (the room for sequences depends on the layout); ``fits(shape)``, if given,
     skips the shapes whose weights do not fit the devices. ``colocated`` adds the layout with an attention replica
     and an expert actor on every device."""
-    splits = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
-    if colocated and devices <= model_cfg.n_routed_experts:
-        splits.append((devices, devices, True))
     out = []
-    for attention, experts, together in splits:
-        for r in redundant_slots:
-            if r and r > experts * model_cfg.n_routed_experts:
-                continue
-            shape = Shape(attention, experts, r, colocated=together)
-            if fits is not None and not fits(shape):
-                continue
-            conf = config(shape) if callable(config) else config
-            res = Simulator(model_cfg, shape, cost_for(shape), config=conf, routing=routing, seed=seed).run(workload)
-            s = res.summary()
-            s["ok"] = (tpot_s is None or s["itl_p50_s"] <= tpot_s) and (ttft_s is None or s["ttft_p50_s"] <= ttft_s)
-            out.append(s)
+    for shape in _shapes(model_cfg, devices, redundant_slots, colocated):
+        if fits is not None and not fits(shape):
+            continue
+        conf = config(shape) if callable(config) else config
+        s = Simulator(model_cfg, shape, cost_for(shape), config=conf, routing=routing, seed=seed).run(workload).summary()
+        s["ok"] = (tpot_s is None or s["itl_p50_s"] <= tpot_s) and (ttft_s is None or s["ttft_p50_s"] <= ttft_s)
+        out.append(s)
     if not out:
         raise ValueError(f"no split of {devices} devices fits this model")
-    for s in out:
-        s["pareto"] = not any(o is not s and o["tokens_per_s_per_gpu"] >= s["tokens_per_s_per_gpu"]
-                              and o["itl_p50_s"] <= s["itl_p50_s"]
-                              and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
-                              for o in out)
+    _mark_pareto(out)
     return out
 
 
@@ -579,41 +594,28 @@ def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for,
     state (:meth:`Simulator.run_steady`) at that batch, 5 % less if its tail misses; ``meets``: ITL
     p50 and p99 within the target.
     The best of each split over micro-batches is marked ``best_m``; ``pareto`` as :func:`search`."""
-    shapes = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
-    if devices <= model_cfg.n_routed_experts:
-        shapes.append((devices, devices, True))
     out = []
-    for attention, experts, together in shapes:
-        for r in redundant_slots:
-            if r and r > experts * model_cfg.n_routed_experts:
-                continue
-            for m in micro_batches:
-                if together and m > 2:
-                    continue
-                shape = Shape(attention, experts, r, colocated=together, micro_batches=m)
-                plan = plan_for(shape)
-                if not plan.fits:
-                    continue
-                cap = plan.concurrent_sequences
-                # the scheduler holds each sequence's own tokens only (its prompt is priced, not stored)
-                config = EngineConfig.of(model="simulated", block_size=64,
-                                         num_blocks=max(1, cap) * attention * (output_tokens // 64 + 2),
-                                         max_num_seqs=max(1, cap) * attention, max_tokens_per_step=1 << 20)
-                sim = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed)
-                batch = sim.capacity(tpot_s, context + output_tokens // 2, cap)  # at the mean context
-                for attempt in range(2):  # the steady run's routing draws may make the tail a little slower
-                    s = sim.run_steady(max(batch, 1), context=context, output_tokens=output_tokens, steps=steps,
-                                       warmup=warmup).summary()
-                    s["meets"] = s["ok"] = batch > 0 and s["itl_p50_s"] <= tpot_s and s["itl_p99_s"] <= tpot_s
-                    if s["meets"] or batch <= 1 or attempt:
-                        break
-                    batch = max(1, int(batch * 0.95))
-                s["kv_sequences"], s["capacity_batch"] = cap, batch
-                if not s["meets"]:
-                    s["tokens_per_s_per_gpu_at_slo"] = 0.0
-                else:
-                    s["tokens_per_s_per_gpu_at_slo"] = s["tokens_per_s_per_gpu"]
-                out.append(s)
+    for shape in _shapes(model_cfg, devices, redundant_slots, True, micro_batches):
+        plan = plan_for(shape)
+        if not plan.fits:
+            continue
+        cap = plan.concurrent_sequences
+        # the scheduler holds each sequence's own tokens only (its prompt is priced, not stored)
+        config = EngineConfig.of(model="simulated", block_size=64,
+                                 num_blocks=max(1, cap) * shape.attention * (output_tokens // 64 + 2),
+                                 max_num_seqs=max(1, cap) * shape.attention, max_tokens_per_step=1 << 20)
+        sim = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed)
+        batch = sim.capacity(tpot_s, context + output_tokens // 2, cap)  # at the mean context
+        for attempt in range(2):  # the steady run's routing draws may make the tail a little slower
+            s = sim.run_steady(max(batch, 1), context=context, output_tokens=output_tokens, steps=steps,
+                               warmup=warmup).summary()
+            s["meets"] = s["ok"] = batch > 0 and s["itl_p50_s"] <= tpot_s and s["itl_p99_s"] <= tpot_s
+            if s["meets"] or batch <= 1 or attempt:
+                break
+            batch = max(1, int(batch * 0.95))
+        s["kv_sequences"], s["capacity_batch"] = cap, batch
+        s["tokens_per_s_per_gpu_at_slo"] = s["tokens_per_s_per_gpu"] if s["meets"] else 0.0
+        out.append(s)
     if not out:
         raise ValueError(f"no shape of {devices} devices fits this model")
     best: dict[tuple, dict] = {}
@@ -623,9 +625,5 @@ def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for,
             best[key] = s
     for s in out:
         s["best_m"] = s is best[(s["attention"], s["experts"], s["colocated"], s["redundant_slots"])]
-        s["pareto"] = s["meets"] and not any(
-            o is not s and o["meets"] and o["tokens_per_s_per_gpu"] >= s["tokens_per_s_per_gpu"]
-            and o["itl_p50_s"] <= s["itl_p50_s"]
-            and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
-            for o in out)
+    _mark_pareto(out, lambda s: s["meets"])
     return out
