@@ -75,11 +75,13 @@ _A_DELTAS = {"text": {"text_delta"}, "thinking": {"thinking_delta", "signature_d
 def check_anthropic_events(events: list[dict]) -> dict:
     """Anthropic's stream rules: message_start first, message_stop last; content blocks opened in
     index order 0, 1, ..., one open at a time, each delta for the open block and of its kind, each
-    block stopped before the next starts and before message_delta. Returns the message assembled."""
+    block stopped before the next starts and before message_delta; a tool's input deltas assemble to
+    JSON unless the token limit cut the last block (stop_reason max_tokens). Returns the message
+    assembled."""
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", [e["type"] for e in events]
     message = copy.deepcopy(events[0]["message"])
     assert message["content"] == []
-    open_index, partial, delta_seen = None, {}, False
+    open_index, partial, delta_seen, cut = None, {}, False, None
     for e in events[1:-1]:
         kind = e["type"]
         assert not delta_seen or kind == "ping", f"{kind} after message_delta"
@@ -107,7 +109,10 @@ def check_anthropic_events(events: list[dict]) -> dict:
             assert e["index"] == open_index, f"stop of block {e['index']} while {open_index} is open"
             block = message["content"][open_index]
             if block["type"] == "tool_use":
-                block["input"] = json.loads(partial[open_index]) if partial[open_index] else {}
+                try:
+                    block["input"] = json.loads(partial[open_index]) if partial[open_index] else {}
+                except json.JSONDecodeError:  # allowed only where max_tokens cut the last block (checked below)
+                    block["input"], cut = partial[open_index], open_index
             open_index = None
         elif kind == "message_delta":
             assert open_index is None, f"message_delta while block {open_index} is open"
@@ -117,6 +122,9 @@ def check_anthropic_events(events: list[dict]) -> dict:
         else:
             raise AssertionError(f"unknown event {kind}")
     assert delta_seen, "no message_delta"
+    if cut is not None:  # a tool's input JSON left unfinished: only when the token limit ended the message there
+        assert message["stop_reason"] == "max_tokens" and cut == len(message["content"]) - 1, \
+            f"block {cut}'s input is not JSON and the message ended with {message['stop_reason']!r}"
     return message
 
 
@@ -299,6 +307,26 @@ def test_the_anthropic_checker_fails_on_one_misplaced_event(servers):
                    events[1:],  # no message_start
                    [e if e["type"] != "content_block_start" else {**e, "index": e["index"] + 1} for e in events]):
         with pytest.raises(AssertionError):
+            check_anthropic_events(broken)
+
+
+def test_the_anthropic_checker_allows_a_tool_input_cut_only_by_the_token_limit():
+    """A sampled tool call may run into max_tokens mid-arguments: its input deltas are not JSON, which the
+    checker accepts for the last block of a message that stopped on max_tokens, and nowhere else."""
+    def stream(stop_reason, inputs=('{"city": "Oslo"}', '{"city": "Par')):
+        events = [{"type": "message_start", "message": {"content": [], "usage": {"output_tokens": 0}}}]
+        for k, text in enumerate(inputs):
+            events += [{"type": "content_block_start", "index": k,
+                        "content_block": {"type": "tool_use", "id": f"t{k}", "name": "get_weather", "input": {}}},
+                       {"type": "content_block_delta", "index": k, "delta": {"type": "input_json_delta", "partial_json": text}},
+                       {"type": "content_block_stop", "index": k}]
+        return events + [{"type": "message_delta", "delta": {"stop_reason": stop_reason}, "usage": {"output_tokens": 9}},
+                         {"type": "message_stop"}]
+
+    message = check_anthropic_events(stream("max_tokens"))
+    assert message["content"][0]["input"] == {"city": "Oslo"} and message["content"][1]["input"] == '{"city": "Par'
+    for broken in (stream("tool_use"), stream("max_tokens", ('{"city": "Par', '{"city": "Oslo"}'))):
+        with pytest.raises(AssertionError, match="is not JSON"):
             check_anthropic_events(broken)
 
 
