@@ -70,12 +70,17 @@ class GpuCost(StepCost):
         self.num_moe = len(cfg.moe_layers)
         self.num_dense = cfg.num_hidden_layers - self.num_moe
 
-    def attention_parts(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
-        """(one MoE layer's attention, the dense layers' and the lm_head's) on one replica."""
+    def moe_attention_s(self, chunks: list[tuple[int, int]]) -> float:
+        """One MoE layer's attention (norms, MLA, gate and shared expert) on one replica."""
         if not chunks:
-            return 0.0, 0.0
+            return 0.0
+        return attention_cost(self.cfg, self.gpu, chunks=chunks, weights=self.fmt, cache_bytes=self.cache_bytes).seconds
+
+    def rest_s(self, chunks: list[tuple[int, int]]) -> float:
+        """The dense layers and the lm_head on one replica."""
+        if not chunks:
+            return 0.0
         cfg, gpu = self.cfg, self.gpu
-        moe = attention_cost(cfg, gpu, chunks=chunks, weights=self.fmt, cache_bytes=self.cache_bytes).seconds
         dense = attention_cost(cfg, gpu, chunks=chunks, weights=self.fmt, cache_bytes=self.cache_bytes,
                                moe=False).seconds if self.num_dense else 0.0
         # the lm_head over each sequence's last token (bf16), as a dense GEMM
@@ -83,11 +88,10 @@ class GpuCost(StepCost):
                                                                                           cfg.hidden_size, "bf16")
         head_s = max(flops / (gpu.bf16_flops_per_s * EFFICIENCY["gemm"]),
                      nbytes / (gpu.hbm_bytes_per_s * EFFICIENCY["hbm"]))
-        return moe, self.num_dense * dense + head_s
+        return self.num_dense * dense + head_s
 
     def attention_s(self, chunks: list[tuple[int, int]]) -> float:
-        moe, rest = self.attention_parts(chunks)
-        return self.num_moe * moe + rest
+        return self.num_moe * self.moe_attention_s(chunks) + self.rest_s(chunks)
 
     def experts_s(self, rows: np.ndarray, touched: np.ndarray) -> np.ndarray:
         """:func:`~cluster.costmodel.experts_cost`'s roofline, over every (layer, actor) at once
@@ -151,14 +155,14 @@ class GpuCost(StepCost):
         busiest actor's."""
         stages, attn_total, exp_total, xch_total = [], 0.0, 0.0, 0.0
         for part_chunks, rows, touched in parts:
-            ta = max((self.attention_parts(c)[0] for c in part_chunks), default=0.0)
+            ta = max((self.moe_attention_s(c) for c in part_chunks), default=0.0)
             tokens = max((sum(n for n, _ in c) for c in part_chunks), default=0)
             d, c = self.exchange_phases(tokens, shape.attention, shape.experts, colocated=shape.colocated)
             te = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
             stages.append((ta, d, te / max(num_moe_layers, 1), c))
             attn_total, exp_total, xch_total = attn_total + ta, exp_total + te, xch_total + d + c
         st = Stages(*(max(s[i] for s in stages) for i in range(4)))
-        rest = max((self.attention_parts(c)[1] for c in chunks), default=0.0)
+        rest = max((self.rest_s(c) for c in chunks), default=0.0)  # on the whole batch
         moe = makespan_s(st, len(parts), num_moe_layers, shape.colocated)
         return StepTime(self.overhead_s + rest + moe, num_moe_layers * attn_total + rest, exp_total,
                         num_moe_layers * xch_total)

@@ -116,12 +116,12 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
     k, E, L = model_cfg.num_experts_per_tok, model_cfg.n_routed_experts, len(model_cfg.moe_layers)
     routing = (Routing.from_json(a.routing, k) if a.routing else
                Routing.power_law(L, E, k, a.skew, seed=a.seed) if a.skew else Routing.uniform(L, E, k))
+    if a.search and (not a.gpus or a.gpus < 2):
+        raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
     if a.search and a.rate is None and a.trace is None and not cpu:
         if a.tpot_ms is None:
             raise ValueError("--search measures capacity at a latency target: give --tpot-ms (or --rate for an "
                              "offered load instead)")
-        if not a.gpus or a.gpus < 2:
-            raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
         rows = capacity_search(model_cfg, a.gpus, cost_for, plan_for=lambda shape: plan_for(model_cfg, a.gpu, shape, context),
                                tpot_s=a.tpot_ms / 1e3, context=_top(a.prompt_tokens), output_tokens=_top(a.output_tokens),
                                routing=routing, redundant_slots=a.redundant_slots, seed=a.seed)
@@ -131,12 +131,8 @@ def run(model_cfg, a: SimArgs) -> list[dict]:
                 poisson_workload(rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
     span = max(r.arrival_s for r in workload)  # failures drawn over the arrivals' span
     if a.search:
-        if not a.gpus or a.gpus < 2:
-            raise ValueError("--search needs --gpus N (at least 2): it tries every split of N devices")
-        config = (lambda shape: engine_config(model_cfg, a, cpu)) if cpu else (
-            lambda shape: engine_config(model_cfg, a, cpu, shape))
-        return search(model_cfg, a.gpus, cost_for, workload, config=config, routing=routing,
-                      redundant_slots=a.redundant_slots, seed=a.seed,
+        return search(model_cfg, a.gpus, cost_for, workload, config=lambda shape: engine_config(model_cfg, a, cpu, shape),
+                      routing=routing, redundant_slots=a.redundant_slots, seed=a.seed,
                       tpot_s=None if a.tpot_ms is None else a.tpot_ms / 1e3,
                       ttft_s=None if a.ttft_ms is None else a.ttft_ms / 1e3,
                       fits=None if cpu else lambda shape: fits(model_cfg, a.gpu, shape, context))

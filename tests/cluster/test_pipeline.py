@@ -133,7 +133,7 @@ def test_a_full_batch_step_equals_hand_arithmetic(k2, layout, batch, m, exchange
     st, rest = _hand_stages(k2, gpu, batch=batch, attention=A, experts=X, m=m, colocated=colocated,
                             exchange=exchange, across_nodes=True)
     for name, a, b in zip(("attention", "dispatch", "experts", "combine"), st.times(),
-                          (cost.attention_parts([(1, CTX)] * mb)[0],
+                          (cost.moe_attention_s([(1, CTX)] * mb),
                            *cost.exchange_phases(mb, A, X, colocated=colocated)[:1],
                            float(cost.experts_s(parts[0][1], parts[0][2]).max(1).mean()),
                            cost.exchange_phases(mb, A, X, colocated=colocated)[1])):
