@@ -10,6 +10,9 @@ are fitted (least squares) into a table:
 - exchange (one MoE layer): ``per_peer_s·max(A, X) + per_token_s·T``, the attention actor's wait for
   the combine beyond the expert compute;
 - ``overhead_s``: the rest of a step (sampling, the engine's own work, the messages);
+- ``exchange.per_process_s``, ``per_process_token_s`` and ``colocated`` (from a 2 × 2 engine and 2
+  colocated workers, after the rest): the cost of more processes than a 1 × 1 engine's sharing the
+  cores, and the colocated exchange's own, per MoE layer;
 - ``cores``: this machine's, which every actor shares.
 
 Owns: running those batches and the fits. Never: guesses a number it did not measure.
@@ -44,17 +47,19 @@ PROFILE_IP = 240
 
 def _run(Engine, ClusterSpec, model_path: str, attention: int, experts: int, batches, prefill_chunks, tokens: int,
          progress) -> tuple[list, int]:
-    """(plan (T, S), step record) of every step after a warm-up, on an ``attention × experts`` engine."""
+    """(plan (T, S, sequences), step record) of every step after a warm-up, on an ``attention × experts`` engine
+    (``experts`` 0: ``attention`` colocated workers)."""
     samples: list = []
     plans: list[tuple[int, int]] = []
     config = EngineConfig.of(model=model_path, max_tokens_per_step=max(prefill_chunks, default=0) + 32, num_blocks=512)
-    with Engine(config, ClusterSpec(attention=attention, experts=experts)) as eng:
+    spec = ClusterSpec(attention=attention, experts=experts) if experts else ClusterSpec.of_workers(attention)
+    with Engine(config, spec) as eng:
         send = eng._send
 
         def recording(plan, **kw):
             chunks = [c for per in plan.chunks for c in per]
             n = [len(c.token_ids) for c in chunks]
-            plans.append((sum(n), sum(k * (c.num_cached + k) - k * (k - 1) // 2 for k, c in zip(n, chunks))))
+            plans.append((sum(n), sum(k * (c.num_cached + k) - k * (k - 1) // 2 for k, c in zip(n, chunks)), len(n)))
             return send(plan, **kw)
 
         eng._send = recording
@@ -65,10 +70,10 @@ def _run(Engine, ClusterSpec, model_path: str, attention: int, experts: int, bat
         eng.generate([[1, 2, 3]], params)  # warm-up, dropped below
         warm = len(samples)
         for b in batches:
-            progress(f"profile: {attention}×{experts}, {b} sequence(s) decoding")
+            progress(f"profile: {spec.describe()}, {b} sequence(s) decoding")
             eng.generate([rng.integers(1, vocab, 24).tolist() for _ in range(b)], params)
         for t in prefill_chunks:
-            progress(f"profile: {attention}×{experts}, prefill chunks of {t} tokens")
+            progress(f"profile: {spec.describe()}, prefill chunks of {t} tokens")
             eng.generate([rng.integers(1, vocab, t).tolist() for _ in range(2)], SamplingParams(max_tokens=2, ignore_eos=True))
         num_moe = len(eng.model_cfg.moe_layers)
     return list(zip(plans, samples))[warm:], num_moe
@@ -78,7 +83,10 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
             tokens: int = 24, progress=print, first_ip: int = PROFILE_IP) -> dict:
     """Run the batches on a local 1 × 1 cluster and fit the table (the module docstring); then a
     2 × 2 one, whose steps beyond the 1 × 1 fits give the cost of each more actor process sharing
-    the cores (``exchange.per_process_s``, per MoE layer)."""
+    the cores (``exchange.per_process_s + per_process_token_s·T``, per MoE layer, T a replica's
+    tokens); then 2 colocated workers, whose steps beyond those give the colocated exchange's own
+    cost (``colocated.base_s + per_token_s·T`` per MoE layer: each worker also serves the other's
+    rows)."""
     import ray
 
     from .engine import Engine
@@ -89,13 +97,14 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
         ray.init(address=cluster.address, logging_level="ERROR")
         try:
             steps, num_moe = _run(Engine, ClusterSpec, model_path, 1, 1, decode_batches, prefill_chunks, tokens, progress)
-            wide, _ = _run(Engine, ClusterSpec, model_path, 2, 2, (1, 16), (), tokens, progress)
+            wide, _ = _run(Engine, ClusterSpec, model_path, 2, 2, (1, 4, 16), (), tokens, progress)
+            together, _ = _run(Engine, ClusterSpec, model_path, 2, 0, (1, 4, 16), (), tokens, progress)
         finally:
             ray.shutdown()
     if len(steps) < 8:
         raise RuntimeError(f"the profile ran only {len(steps)} steps")
     attn_x, attn_y, exp_x, exp_y, xch_x, xch_y, over = [], [], [], [], [], [], []
-    for (T, S), rec in steps:
+    for (T, S, _), rec in steps:
         parts = dict(rec.parts)
         attn_x.append([1.0, T, S])
         attn_y.append(parts["attention_compute"])
@@ -116,18 +125,29 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
         "exchange": _fit(xch_x, xch_y, ("per_peer_s", "per_token_s")) | {"per_process_s": 0.0},
         "overhead_s": statistics.median(over),
     }
-    # the 2 × 2 steps: what the 1 × 1 fits leave unexplained, per MoE layer and per process beyond two
+    # the 2 × 2 steps: what the 1 × 1 fits leave unexplained, per MoE layer and per process beyond two;
+    # then the colocated workers' steps: what that leaves unexplained, per MoE layer
     from .simulator import Shape
     from .stepcost import CpuCost
 
-    cost = CpuCost(table)
-    residual = []
-    for (T, S), rec in wide:
-        per = T / 2  # the two replicas' tokens, about evenly
-        decode = [(1, max(1, int(S / max(T, 1))))] * max(1, int(per))
-        rows = rec.slot_rows.sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
-        touched = (rec.slot_rows > 0).sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
-        predicted = cost.step([decode, decode], rows, touched, Shape(2, 2), num_moe).seconds
-        residual.append(dict(rec.parts)["step"] - predicted)
-    table["exchange"]["per_process_s"] = max(0.0, statistics.median(residual)) / (num_moe * 2) if residual else 0.0
+    def residuals(records, shape):
+        cost = CpuCost(table)
+        x, y = [], []
+        for (T, S, n), rec in records:
+            if T != n:
+                continue  # a prefill step (the fits above price those); decode steps only
+            per = max(1, int(T / 2))  # the two replicas' sequences, about evenly
+            decode = [(1, max(1, int(S / max(T, 1))))] * per
+            rows = rec.slot_rows.sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
+            touched = (rec.slot_rows > 0).sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
+            predicted = cost.step([decode, decode], rows, touched, shape, num_moe).seconds
+            x.append([num_moe, num_moe * per])
+            y.append(dict(rec.parts)["step"] - predicted)
+        return x, y
+
+    x, y = residuals(wide, Shape(2, 2))
+    fit = _fit([[2 * a, 2 * b] for a, b in x], y, ("per_process_s", "per_process_token_s"))
+    table["exchange"] |= fit
+    table["colocated"] = {"base_s": 0.0, "per_token_s": 0.0}
+    table["colocated"] = _fit(*residuals(together, Shape(2, 2, colocated=True)), ("base_s", "per_token_s"))
     return table

@@ -20,6 +20,7 @@ import random
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -217,7 +218,8 @@ class StepCost:
              num_moe_layers: int) -> StepTime:
         attn = max((self.attention_s(c) for c in chunks), default=0.0)
         tokens = max((sum(n for n, _ in c) for c in chunks), default=0)
-        xch = self.exchange_s(tokens, shape.attention, shape.experts) * num_moe_layers
+        # colocated, the expert shards live in the attention replicas' processes: no processes of their own
+        xch = self.exchange_s(tokens, shape.attention, 0 if shape.colocated else shape.experts) * num_moe_layers
         exp = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
         if shape.ping_pong:
             # two micro-batches: one's exchange runs while the other computes, so compute C and
@@ -423,7 +425,7 @@ class Simulator:
                          self.imbalance(), paused, decode_s, decode_tokens, decode_steps, n_failures, batches)
 
     def run_steady(self, batch: int, *, context: int, output_tokens: int, steps: int = 200,
-                   warmup: int = 50) -> SimResult:
+                   warmup: int = 50, one_replica: bool = False) -> SimResult:
         """A decode node held at ``batch`` sequences per attention replica (a closed loop): each
         sequence arrives prefilled (its prompt made elsewhere; its attention spans ``context`` tokens
         from its first step on), decodes ``output_tokens`` and is replaced at once by a new one; the
@@ -431,14 +433,18 @@ class Simulator:
         steps. Measured over ``steps`` steps after ``warmup``: tokens/s, ITL, and the batch actually
         decoded per replica (``batch_mean``, ``batch_p50``). The engine config's ``max_num_seqs``
         and cache must admit the batch (the caller sizes them; the room for sequences is the
-        planner's)."""
+        planner's). ``one_replica``: the scheduler holds one replica's sequences and every replica
+        decodes what it plans (the replicas of a closed-loop decode node are alike; a search at
+        hundreds of replicas would otherwise schedule them all every step): the same batch, ITL and
+        tokens/s up to the replicas' staggering."""
         if batch < 1 or context < 1 or output_tokens < 1 or steps < 1 or warmup < 0:
             raise ValueError(f"need batch, context, output_tokens, steps >= 1 and warmup >= 0; got {batch}, "
                              f"{context}, {output_tokens}, {steps}, {warmup}")
         cfg, A = self.cfg, self.shape.attention
-        sched = Scheduler.for_engine(self.config, cfg, A)
+        held = 1 if one_replica else A  # replicas the scheduler holds; each priced ``A // held`` times
+        sched = Scheduler.for_engine(self.config, cfg, held)
         gen = np.random.default_rng(self.seed)
-        n, next_id = batch * A, 0
+        n, next_id = batch * held, 0
 
         def arrive(out: int) -> None:
             nonlocal next_id
@@ -455,14 +461,14 @@ class Simulator:
             plan = sched.schedule()
             if plan.empty:
                 raise RuntimeError("the scheduler placed none of the sequences: is max_num_seqs or the cache too small?")
-            t += self._step_time(plan, gen, context_offset=context - 1).seconds
+            t += self._step_time(plan, gen, context_offset=context - 1, copies=A // held).seconds
             sched.completed(plan)
             sampled = [SampledToken(c.seq_id, 0) for chunks in plan.chunks for c in chunks if c.sample]
             done = 0
             for seq, _tok, reason in sched.apply(sampled):
                 sid = seq.seq_id
                 if k >= warmup:
-                    tokens += 1
+                    tokens += A // held
                     if sid in last:
                         itl.append(t - last[sid])
                 last[sid] = t
@@ -476,11 +482,13 @@ class Simulator:
         return SimResult(self.shape, self.shape.devices, t - t0, tokens, [], itl, [], self.imbalance(),
                          batches=batches)
 
-    def _step_time(self, plan: Plan, rng: np.random.Generator, context_offset: int = 0) -> StepTime:
-        """``context_offset``: tokens every sequence attends beyond its own (a prompt made elsewhere)."""
+    def _step_time(self, plan: Plan, rng: np.random.Generator, context_offset: int = 0,
+                   copies: int = 1) -> StepTime:
+        """``context_offset``: tokens every sequence attends beyond its own (a prompt made elsewhere);
+        ``copies``: the plan's replicas stand for this many each."""
         chunks = [[(len(c.token_ids), c.num_cached + len(c.token_ids) + context_offset) for c in per]
-                  for per in plan.chunks]
-        return self._chunks_time(chunks, plan.num_tokens, rng)
+                  for per in plan.chunks] * copies
+        return self._chunks_time(chunks, plan.num_tokens * copies, rng)
 
     def decode_step(self, batch: int, context: int, seed: int = 0) -> StepTime:
         """One decode step with ``batch`` sequences on every attention replica, each attending
@@ -530,20 +538,29 @@ class Simulator:
 
 
 def _shapes(model_cfg: ModelConfig, devices: int, redundant_slots: tuple[int, ...], colocated: bool,
-            micro_batches: tuple[int, ...] = (1,)):
-    """Every split of ``devices`` into attention replicas and expert actors (and, ``colocated``, the
-    layout with a worker per device), with each redundant-slot count and micro-batch count (the
-    colocated layout's at most 2)."""
-    splits = [(a, devices - a, False) for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts]
+            micro_batches: tuple[int, ...] = (1,), attention: Iterable[int] | None = None):
+    """Every split of ``devices`` into attention replicas and expert actors (those with
+    ``attention`` replicas when given; and, ``colocated``, the layout with a worker per device), with
+    each redundant-slot count and micro-batch count (the colocated layout's at most 2)."""
+    counts = range(1, devices) if attention is None else sorted(a for a in set(attention) if 1 <= a < devices)
+    splits = [(a, devices - a, False) for a in counts if devices - a <= model_cfg.n_routed_experts]
     if colocated and devices <= model_cfg.n_routed_experts:
         splits.append((devices, devices, True))
-    for attention, experts, together in splits:
+    for attention_, experts, together in splits:
         for r in redundant_slots:
             if r and r > experts * model_cfg.n_routed_experts:
                 continue
             for m in micro_batches:
                 if not (together and m > 2):
-                    yield Shape(attention, experts, r, colocated=together, micro_batches=m)
+                    yield Shape(attention_, experts, r, colocated=together, micro_batches=m)
+
+
+def split_grid(devices: int, max_splits: int) -> list[int]:
+    """``max_splits`` attention counts spread evenly over 1..devices-1 (all of them when that many
+    or fewer)."""
+    if devices - 1 <= max_splits:
+        return list(range(1, devices))
+    return sorted({round(1 + i * (devices - 2) / (max_splits - 1)) for i in range(max_splits)})
 
 
 def _mark_pareto(out: list[dict], eligible=lambda s: True) -> None:
@@ -581,41 +598,63 @@ def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimReq
     return out
 
 
+def shape_capacity(model_cfg: ModelConfig, shape: Shape, cost: StepCost, *, room: int, tpot_s: float | None,
+                   context: int, output_tokens: int, routing: Routing | None = None, seed: int = 0, steps: int = 40,
+                   warmup: int = 8) -> dict:
+    """One shape's capacity: the largest batch per attention replica, 1..``room`` (its room for
+    sequences), whose decode step meets ``tpot_s`` (bisected on :meth:`Simulator.decode_step` at
+    the mean context; ``None``: the room itself), then a steady-state run at that batch
+    (:meth:`Simulator.run_steady`, one replica scheduled), 5 % less if its tail misses. ``context``:
+    the prompt, made elsewhere; ``output_tokens`` decoded after it. ``meets``: ITL p50 and p99 within
+    the target."""
+    cap = max(1, room)
+    # the scheduler holds each sequence's own tokens only (its prompt is priced, not stored)
+    config = EngineConfig.of(model="simulated", block_size=64, num_blocks=cap * (output_tokens // 64 + 2),
+                             max_num_seqs=cap, max_tokens_per_step=1 << 20)
+    sim = Simulator(model_cfg, shape, cost, config=config, routing=routing, seed=seed)
+    batch = room if tpot_s is None else sim.capacity(tpot_s, context + output_tokens // 2, room)
+    for attempt in range(2):  # the steady run's routing draws may make the tail a little slower
+        s = sim.run_steady(max(batch, 1), context=context, output_tokens=output_tokens, steps=steps, warmup=warmup,
+                           one_replica=True).summary()
+        s["meets"] = s["ok"] = batch > 0 and (tpot_s is None or (s["itl_p50_s"] <= tpot_s and s["itl_p99_s"] <= tpot_s))
+        if s["meets"] or batch <= 1 or attempt:
+            break
+        batch = max(1, int(batch * 0.95))
+    s["kv_sequences"], s["capacity_batch"] = room, batch
+    s["tokens_per_s_per_gpu_at_slo"] = s["tokens_per_s_per_gpu"] if s["meets"] else 0.0
+    return s
+
+
 def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for, tpot_s: float, context: int,
                     output_tokens: int, routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,),
                     micro_batches: tuple[int, ...] = (1, 2, 3), seed: int = 0, steps: int = 40,
-                    warmup: int = 8) -> list[dict]:
-    """Capacity at the latency target, for every deployable shape of ``devices`` (``context``: the
-    prompt, made elsewhere; ``output_tokens`` decoded after it): every attention:
-    expert split whose experts fit (``plan_for(shape)``, the planner in the shape's layout) and the
-    colocated layout, each with every micro-batch count (colocated: 1 and 2) and redundant-slot
-    count. Per shape, the largest batch per attention replica within its room for sequences whose
-    decode step meets ``tpot_s`` (bisected on :meth:`Simulator.decode_step`), then run at steady
-    state (:meth:`Simulator.run_steady`) at that batch, 5 % less if its tail misses; ``meets``: ITL
-    p50 and p99 within the target.
+                    warmup: int = 8, max_splits: int = 32) -> list[dict]:
+    """Capacity at the latency target (:func:`shape_capacity`), for every deployable shape of
+    ``devices``: the attention:expert splits whose experts fit (``plan_for(shape)``, the planner in
+    the shape's layout; its ``concurrent_sequences`` the room) and the colocated layout, each with
+    every micro-batch count (colocated: 1 and 2) and redundant-slot count. Past ``max_splits``
+    splits, ``max_splits`` of them spread evenly, then every split between the best one's
+    neighbours on that grid.
     The best of each split over micro-batches is marked ``best_m``; ``pareto`` as :func:`search`."""
     out = []
-    for shape in _shapes(model_cfg, devices, redundant_slots, True, micro_batches):
-        plan = plan_for(shape)
-        if not plan.fits:
-            continue
-        cap = plan.concurrent_sequences
-        # the scheduler holds each sequence's own tokens only (its prompt is priced, not stored)
-        config = EngineConfig.of(model="simulated", block_size=64,
-                                 num_blocks=max(1, cap) * shape.attention * (output_tokens // 64 + 2),
-                                 max_num_seqs=max(1, cap) * shape.attention, max_tokens_per_step=1 << 20)
-        sim = Simulator(model_cfg, shape, cost_for(shape), config=config, routing=routing, seed=seed)
-        batch = sim.capacity(tpot_s, context + output_tokens // 2, cap)  # at the mean context
-        for attempt in range(2):  # the steady run's routing draws may make the tail a little slower
-            s = sim.run_steady(max(batch, 1), context=context, output_tokens=output_tokens, steps=steps,
-                               warmup=warmup).summary()
-            s["meets"] = s["ok"] = batch > 0 and s["itl_p50_s"] <= tpot_s and s["itl_p99_s"] <= tpot_s
-            if s["meets"] or batch <= 1 or attempt:
-                break
-            batch = max(1, int(batch * 0.95))
-        s["kv_sequences"], s["capacity_batch"] = cap, batch
-        s["tokens_per_s_per_gpu_at_slo"] = s["tokens_per_s_per_gpu"] if s["meets"] else 0.0
-        out.append(s)
+
+    def run(attention, colocated):
+        for shape in _shapes(model_cfg, devices, redundant_slots, colocated, micro_batches, attention):
+            plan = plan_for(shape)
+            if not plan.fits:
+                continue
+            out.append(shape_capacity(model_cfg, shape, cost_for(shape), room=plan.concurrent_sequences,
+                                      tpot_s=tpot_s, context=context, output_tokens=output_tokens, routing=routing,
+                                      seed=seed, steps=steps, warmup=warmup))
+
+    grid = split_grid(devices, max_splits)
+    run(grid, True)
+    disaggregated = [s for s in out if not s["colocated"]]
+    if len(grid) < devices - 1 and disaggregated:
+        a = max(disaggregated, key=lambda s: s["tokens_per_s_per_gpu_at_slo"])["attention"]
+        k = grid.index(a)
+        lo, hi = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
+        run([x for x in range(lo + 1, hi) if x not in grid], False)
     if not out:
         raise ValueError(f"no shape of {devices} devices fits this model")
     best: dict[tuple, dict] = {}

@@ -43,6 +43,9 @@ EXCHANGES = {
               "(cluster/costmodel.py exchange_cost), every byte on the NIC once the shape spans nodes",
     "fp8-dedup": "what DeepEP/StepMesh-class transports send (not moeray): FP8 dispatch with its scales, one copy "
                  "per destination node, NVLink inside a node (not charged), one bf16 partial sum per node back",
+    "fp8-ll": "what DeepEP's low-latency kernels send, which the published decode deployments run (not moeray): "
+              "one FP8 copy (with its scales) per (token, expert), one bf16 row back per (token, expert), "
+              "every byte over RDMA once the shape spans nodes",
 }
 
 
@@ -109,6 +112,8 @@ class GpuCost(StepCost):
         """(dispatch, combine) of one MoE layer, ``tokens`` per attention replica.
 
         ``moeray``: :func:`~cluster.costmodel.exchange_cost`'s counts and dispatch, then its combine.
+        ``fp8-ll``: as ``moeray``'s sparse wire without the counts, FP8 (and a 4-byte scale per 128
+        values) out, bf16 back.
         ``fp8-dedup``, with n = the nodes a token's k experts may be on and p(n) = 1 − (1 − 1/n)^k the
         chance that a node holds one of them: colocated on N workers (n = N / 8 nodes), a token goes to
         the (n − 1)·p(n) other nodes it needs, FP8 with a 4-byte scale per 128 values out, one bf16
@@ -125,6 +130,12 @@ class GpuCost(StepCost):
             return cost.seconds - combine, combine
         k, H = cfg.num_experts_per_tok, cfg.expert_hidden_size
         out_row, back_row = H + H // 128 * 4, H * 2
+        if self.exchange == "fp8-ll":
+            bw, lat = ((gpu.nic_bytes_per_s, gpu.nic_latency_s) if self.across_nodes else
+                       (gpu.nvlink_bytes_per_s, gpu.nvlink_latency_s))
+            A, X = attention, experts
+            return tuple(lat + max(tokens * k * row, A * tokens * k * row / X) / (bw * EFFICIENCY["all_to_all"])
+                         for row in (out_row, back_row))
         if not self.across_nodes:
             return 0.0, 0.0  # one node: NVLink, not charged
         bw, lat = gpu.nic_bytes_per_s * EFFICIENCY["all_to_all"], gpu.nic_latency_s
@@ -155,17 +166,23 @@ class GpuCost(StepCost):
         busiest actor's."""
         stages, attn_total, exp_total, xch_total = [], 0.0, 0.0, 0.0
         for part_chunks, rows, touched in parts:
-            ta = max((self.moe_attention_s(c) for c in part_chunks), default=0.0)
-            tokens = max((sum(n for n, _ in c) for c in part_chunks), default=0)
+            distinct = _distinct(part_chunks)
+            ta = max((self.moe_attention_s(list(c)) for c in distinct), default=0.0)
+            tokens = max((sum(n for n, _ in c) for c in distinct), default=0)
             d, c = self.exchange_phases(tokens, shape.attention, shape.experts, colocated=shape.colocated)
             te = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
             stages.append((ta, d, te / max(num_moe_layers, 1), c))
             attn_total, exp_total, xch_total = attn_total + ta, exp_total + te, xch_total + d + c
         st = Stages(*(max(s[i] for s in stages) for i in range(4)))
-        rest = max((self.rest_s(c) for c in chunks), default=0.0)  # on the whole batch
+        rest = max((self.rest_s(list(c)) for c in _distinct(chunks)), default=0.0)  # on the whole batch
         moe = makespan_s(st, len(parts), num_moe_layers, shape.colocated)
         return StepTime(self.overhead_s + rest + moe, num_moe_layers * attn_total + rest, exp_total,
                         num_moe_layers * xch_total)
+
+
+def _distinct(chunks: list[list[tuple[int, int]]]) -> set[tuple[tuple[int, int], ...]]:
+    """The replicas' distinct chunk lists (a decode node's replicas are often alike: each priced once)."""
+    return {tuple(c) for c in chunks}
 
 
 class CpuCost(StepCost):
@@ -204,10 +221,13 @@ class CpuCost(StepCost):
 
     def exchange_s(self, tokens: int, attention: int, experts: int) -> float:
         """Per MoE layer: a message per peer, the tokens, and each actor process beyond the two of a
-        1 × 1 shape (every exchange wakes every process, which share the cores)."""
+        1 × 1 shape (every exchange wakes every process, which share the cores); ``experts`` 0:
+        colocated workers, each also serving the others' rows (the profile's ``colocated``)."""
         x = self.p["exchange"]
-        return (x["per_peer_s"] * max(attention, experts) + x["per_token_s"] * tokens
-                + x.get("per_process_s", 0.0) * max(0, attention + experts - 2))
+        extra = (x.get("per_process_s", 0.0) + x.get("per_process_token_s", 0.0) * tokens) * max(0, attention + experts - 2)
+        together = self.p.get("colocated", {}) if not experts else {}
+        return (x["per_peer_s"] * max(attention, experts) + x["per_token_s"] * tokens + extra
+                + together.get("base_s", 0.0) + together.get("per_token_s", 0.0) * tokens)
 
     def step(self, chunks, rows, touched, shape: Shape, num_moe_layers: int) -> StepTime:
         base = super().step(chunks, rows, touched, shape, num_moe_layers)

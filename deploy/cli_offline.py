@@ -165,8 +165,10 @@ def simulate(
     micro_batches: int = typer.Option(1, help="A step's batch in this many micro-batches, pipelined through "
                                               "attention, dispatch, experts and combine (GPU costs)."),
     exchange: str = typer.Option("moeray", help="The exchange priced on GPUs: moeray (what the engine sends: bf16, "
-                                                "a copy per token and expert) or fp8-dedup (DeepEP/StepMesh-class "
-                                                "transports: FP8, a copy per node; not what moeray sends)."),
+                                                "a copy per token and expert), fp8-ll (DeepEP's low-latency decode "
+                                                "kernels: FP8 out, bf16 back, a copy per token and expert) or "
+                                                "fp8-dedup (DeepEP/StepMesh-class transports: FP8, a copy per node); "
+                                                "the last two are not what moeray sends."),
     colocated: bool = typer.Option(False, help="The colocated layout (`moeray up --layout colocated --workers N`): "
                                                "N workers, each an attention replica and an expert shard on one "
                                                "device (--attention = --experts = N)."),

@@ -1,7 +1,7 @@
 """The simulator's step as a pipeline of micro-batches (issue 34, Must show 1-3): a hand timeline of
 micro-batches through attention, dispatch, experts and combine against cluster/pipeline.py's cycle; one
-full-batch K2 FP8 step on H200 against hand arithmetic, both layouts, 1-3 micro-batches, both exchange
-models; and the room for sequences per layout (a dedicated attention GPU against a colocated one)."""
+full-batch K2 FP8 step on H200 against hand arithmetic, both layouts, 1-3 micro-batches, every exchange
+model; and the room for sequences per layout (a dedicated attention GPU against a colocated one)."""
 
 import math
 
@@ -99,6 +99,10 @@ def _hand_stages(cfg, gpu, *, batch, attention, experts, m, colocated, exchange,
                              across_nodes=across_nodes, wire="sparse")
         parts = {p.name: p.seconds for p in cost.parts}
         d, c = parts["counts"] + parts["dispatch"], parts["combine"]
+    elif exchange == "fp8-ll":  # a copy per (token, expert), FP8 + scales out, bf16 back, all over RDMA
+        bw, lat = gpu.nic_bytes_per_s * EFFICIENCY["all_to_all"], gpu.nic_latency_s
+        busiest = max(mb * k, attention * mb * k / experts)
+        d, c = lat + busiest * (H + H / 128 * 4) / bw, lat + busiest * H * 2 / bw
     else:
         bw, lat = gpu.nic_bytes_per_s * EFFICIENCY["all_to_all"], gpu.nic_latency_s
         p_node = lambda n: 1 - (1 - 1 / n) ** k  # noqa: E731
@@ -113,7 +117,7 @@ def _hand_stages(cfg, gpu, *, batch, attention, experts, m, colocated, exchange,
     return Stages(ta, d, te, c), rest
 
 
-@pytest.mark.parametrize("exchange", ["moeray", "fp8-dedup"])
+@pytest.mark.parametrize("exchange", ["moeray", "fp8-ll", "fp8-dedup"])
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("batch", [256, 96])
 @pytest.mark.parametrize("layout", ["colocated 16", "6 + 10"])

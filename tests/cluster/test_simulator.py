@@ -16,9 +16,10 @@ from cli_runner import in_process
 from actors.router import Router
 from cluster.config import EngineConfig
 from cluster.costmodel import experts_cost, load_gpu
-from cluster.simulator import (Failure, Recovery, Routing, Shape, Simulator, SimRequest, StepCost, poisson_workload,
-                               trace_workload)
+from cluster.simulator import (Failure, Recovery, Routing, Shape, Simulator, SimRequest, StepCost, capacity_search,
+                               poisson_workload, split_grid, trace_workload)
 from cluster.stepcost import CpuCost, GpuCost
+from deploy.simulate import plan_for
 from model.config import load_config
 from model.sampling import SamplingParams
 
@@ -220,6 +221,10 @@ def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     assert table["attention"]["per_token_s"] > 0 and table["experts"]["per_row_s"] >= 0
     cost = CpuCost(table)
     assert cost.attention_s([(1, 40)] * 16) > cost.attention_s([(1, 40)])  # more work costs more
+    # fitted from a 2 × 2 engine and 2 colocated workers, after the 1 × 1 fits
+    assert {"per_process_s", "per_process_token_s"} <= set(table["exchange"])
+    assert set(table["colocated"]) == {"base_s", "per_token_s"}
+    assert cost.exchange_s(8, 2, 3) >= cost.exchange_s(8, 1, 1)
     run = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
                           "--attention", "1", "--experts", "2", "--requests", "16", "--rate", "0",
                           "--prompt-tokens", "24", "--output-tokens", "24", "--max-num-seqs", "64",
@@ -227,6 +232,13 @@ def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(run.stdout)
     assert row["tokens_per_s"] > 0 and 0 < row["itl_p50_s"] < 1.0
+    run = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
+                          "--colocated", "--attention", "2", "--experts", "2", "--requests", "16", "--rate", "0",
+                          "--prompt-tokens", "24", "--output-tokens", "24", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(run.stdout)
+    assert row["layout"] == "colocated" and row["tokens_per_s"] > 0
     missing = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile",
                               str(tmp_path / "none.json"), "--attention", "1", "--experts", "1"],
                              capture_output=True, text=True, timeout=120, env=env)
@@ -253,6 +265,13 @@ def test_the_steady_state_runner_decodes_the_target_batch(shape):
     # none replaced
     drained = sim.run(poisson_workload(0, batch * shape.attention, 1, (1, 32), seed=0)).summary()
     assert drained["batch_mean"] < 0.75 * batch
+    # one replica scheduled and its plan priced for every replica (what a search at hundreds of replicas
+    # runs): the same batch, and the same tokens/s and ITL up to the replicas' staggering
+    one = sim.run_steady(batch, context=4096 + 64, output_tokens=16, steps=steps, warmup=warmup,
+                         one_replica=True).summary()
+    assert one["batch_mean"] == s["batch_mean"] and one["batch_p50"] == batch
+    assert one["tokens_per_s"] == pytest.approx(s["tokens_per_s"], rel=0.02)
+    assert one["itl_p50_s"] == pytest.approx(s["itl_p50_s"], rel=0.02)
     with pytest.raises(ValueError, match="need batch"):
         sim.run_steady(0, context=10, output_tokens=4)
 
@@ -304,3 +323,25 @@ def test_capacity_at_the_latency_target_is_the_default_search():
         assert sim.decode_step(best["capacity_batch"] + 1, 1000 + 8).seconds > 0.025
     missing = in_process(*base)
     assert missing.returncode == 2 and "give --tpot-ms" in missing.stderr
+
+
+def test_a_search_past_max_splits_tries_a_spread_of_splits_then_every_split_beside_the_best():
+    """At hundreds of GPUs the capacity search cannot try every split: it tries ``max_splits`` spread
+    evenly, then every split between the best one's neighbours on that grid. On 16 H200 with a grid of 4
+    it finds the exhaustive search's best split while trying fewer."""
+    assert split_grid(16, 32) == list(range(1, 16))
+    grid = split_grid(256, 32)
+    assert len(grid) == 32 and grid[0] == 1 and grid[-1] == 255 and max(b - a for a, b in zip(grid, grid[1:])) <= 9
+    kw = dict(cost_for=lambda shape: GpuCost(K2, H200, shape, exchange="fp8-dedup"), tpot_s=0.025, context=1000,
+              output_tokens=16, micro_batches=(2,), steps=16, warmup=4,
+              plan_for=lambda shape: plan_for(K2, "h200", shape, 1016))
+
+    def best_split(rows):
+        rows = [r for r in rows if not r["colocated"]]
+        return {r["attention"] for r in rows}, max(rows, key=lambda r: r["tokens_per_s_per_gpu_at_slo"])
+
+    every, best = best_split(capacity_search(K2, 16, **kw))
+    some, coarse_best = best_split(capacity_search(K2, 16, max_splits=4, **kw))
+    assert some < every and (coarse_best["attention"], coarse_best["capacity_batch"]) == (
+        best["attention"], best["capacity_batch"])
+    assert 6 in some and best["attention"] != 6  # the grid's split, then its neighbourhood
