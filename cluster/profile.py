@@ -43,10 +43,12 @@ def _fit(rows: list[list[float]], y: list[float], names: tuple[str, ...]) -> dic
 # The profile's own one-node Ray cluster sits at 127.0.0.<PROFILE_IP>, apart from `moeray up`'s nodes
 # and the tests' (from 127.0.0.2 up).
 PROFILE_IP = 240
+# the decode batches of the 2 × 2 engine and the 2 colocated workers
+WIDE_BATCHES = (1, 4, 16)
 
 
 def _run(Engine, ClusterSpec, model_path: str, attention: int, experts: int, batches, prefill_chunks, tokens: int,
-         progress) -> tuple[list, int]:
+         progress) -> tuple[list[tuple[tuple[int, int, int], StepRecord]], int]:
     """(plan (T, S, sequences), step record) of every step after a warm-up, on an ``attention × experts`` engine
     (``experts`` 0: ``attention`` colocated workers)."""
     samples: list = []
@@ -97,8 +99,8 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
         ray.init(address=cluster.address, logging_level="ERROR")
         try:
             steps, num_moe = _run(Engine, ClusterSpec, model_path, 1, 1, decode_batches, prefill_chunks, tokens, progress)
-            wide, _ = _run(Engine, ClusterSpec, model_path, 2, 2, (1, 4, 16), (), tokens, progress)
-            together, _ = _run(Engine, ClusterSpec, model_path, 2, 0, (1, 4, 16), (), tokens, progress)
+            wide, _ = _run(Engine, ClusterSpec, model_path, 2, 2, WIDE_BATCHES, (), tokens, progress)
+            together, _ = _run(Engine, ClusterSpec, model_path, 2, 0, WIDE_BATCHES, (), tokens, progress)
         finally:
             ray.shutdown()
     if len(steps) < 8:
@@ -119,7 +121,7 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
                         - parts["attention_post"]))
     table = {
         "model": Path(model_path).name, "cores": os.cpu_count() or 1, "num_moe_layers": num_moe,
-        "steps": len(steps) + len(wide),
+        "steps": len(steps) + len(wide) + len(together),
         "attention": _fit(attn_x, attn_y, ("base_s", "per_token_s", "per_pair_s")),
         "experts": _fit(exp_x, exp_y, ("base_s", "per_row_s", "per_expert_s")),
         "exchange": _fit(xch_x, xch_y, ("per_peer_s", "per_token_s")) | {"per_process_s": 0.0},
@@ -131,23 +133,24 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
     from .stepcost import CpuCost
 
     def residuals(records, shape):
+        """(features, residual) per batch profiled: the median over its decode steps with every
+        sequence in (one slow step, a heartbeat or a collection beside it, must not move the fit)."""
         cost = CpuCost(table)
-        x, y = [], []
+        by_batch: dict[int, list[float]] = {}
         for (T, S, n), rec in records:
-            if T != n:
-                continue  # a prefill step (the fits above price those); decode steps only
-            per = max(1, int(T / 2))  # the two replicas' sequences, about evenly
+            if T != n or T not in WIDE_BATCHES:
+                continue  # a prefill step (the fits above price those), or a batch's ragged edge
+            per = (T + 1) // 2  # the busier replica's sequences
             decode = [(1, max(1, int(S / max(T, 1))))] * per
             rows = rec.slot_rows.sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
             touched = (rec.slot_rows > 0).sum(2).numpy() if rec.slot_rows is not None else np.zeros((num_moe, 2))
             predicted = cost.step([decode, decode], rows, touched, shape, num_moe).seconds
-            x.append([num_moe, num_moe * per])
-            y.append(dict(rec.parts)["step"] - predicted)
-        return x, y
+            by_batch.setdefault(per, []).append(dict(rec.parts)["step"] - predicted)
+        pers = sorted(by_batch)
+        return [[num_moe, num_moe * per] for per in pers], [statistics.median(by_batch[per]) for per in pers]
 
     x, y = residuals(wide, Shape(2, 2))
     fit = _fit([[2 * a, 2 * b] for a, b in x], y, ("per_process_s", "per_process_token_s"))
     table["exchange"] |= fit
-    table["colocated"] = {"base_s": 0.0, "per_token_s": 0.0}
     table["colocated"] = _fit(*residuals(together, Shape(2, 2, colocated=True)), ("base_s", "per_token_s"))
     return table

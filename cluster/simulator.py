@@ -211,15 +211,16 @@ class StepCost:
     def experts_s(self, rows: np.ndarray, touched: np.ndarray) -> np.ndarray:  # seconds, [layers, actors]
         raise NotImplementedError
 
-    def exchange_s(self, tokens: int, attention: int, experts: int) -> float:  # one MoE layer
+    def exchange_s(self, tokens: int, attention: int, experts: int, *, colocated: bool = False) -> float:
+        """One MoE layer's exchange, ``tokens`` per attention replica (``colocated``: the expert shards
+        live in the attention replicas' processes)."""
         raise NotImplementedError
 
     def step(self, chunks: list[list[tuple[int, int]]], rows: np.ndarray, touched: np.ndarray, shape: Shape,
              num_moe_layers: int) -> StepTime:
         attn = max((self.attention_s(c) for c in chunks), default=0.0)
         tokens = max((sum(n for n, _ in c) for c in chunks), default=0)
-        # colocated, the expert shards live in the attention replicas' processes: no processes of their own
-        xch = self.exchange_s(tokens, shape.attention, 0 if shape.colocated else shape.experts) * num_moe_layers
+        xch = self.exchange_s(tokens, shape.attention, shape.experts, colocated=shape.colocated) * num_moe_layers
         exp = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
         if shape.ping_pong:
             # two micro-batches: one's exchange runs while the other computes, so compute C and
@@ -555,12 +556,15 @@ def _shapes(model_cfg: ModelConfig, devices: int, redundant_slots: tuple[int, ..
                     yield Shape(attention_, experts, r, colocated=together, micro_batches=m)
 
 
-def split_grid(devices: int, max_splits: int) -> list[int]:
-    """``max_splits`` attention counts spread evenly over 1..devices-1 (all of them when that many
-    or fewer)."""
-    if devices - 1 <= max_splits:
-        return list(range(1, devices))
-    return sorted({round(1 + i * (devices - 2) / (max_splits - 1)) for i in range(max_splits)})
+def split_grid(candidates: list[int], max_splits: int) -> list[int]:
+    """``max_splits`` of the ``candidates`` (sorted attention counts) spread evenly over them, the
+    first and the last included (all of them when that many or fewer)."""
+    if max_splits < 2:
+        raise ValueError(f"max_splits must be at least 2, got {max_splits}")
+    if len(candidates) <= max_splits:
+        return list(candidates)
+    n = len(candidates) - 1
+    return [candidates[i] for i in sorted({round(k * n / (max_splits - 1)) for k in range(max_splits)})]
 
 
 def _mark_pareto(out: list[dict], eligible=lambda s: True) -> None:
@@ -633,8 +637,9 @@ def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for,
     ``devices``: the attention:expert splits whose experts fit (``plan_for(shape)``, the planner in
     the shape's layout; its ``concurrent_sequences`` the room) and the colocated layout, each with
     every micro-batch count (colocated: 1 and 2) and redundant-slot count. Past ``max_splits``
-    splits, ``max_splits`` of them spread evenly, then every split between the best one's
-    neighbours on that grid.
+    splits that fit, ``max_splits`` of them spread evenly, then every split between the best one's
+    neighbours on that grid. Rows in the order of :func:`_shapes` (by attention count, the colocated
+    layout last).
     The best of each split over micro-batches is marked ``best_m``; ``pareto`` as :func:`search`."""
     out = []
 
@@ -647,16 +652,19 @@ def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for,
                                       tpot_s=tpot_s, context=context, output_tokens=output_tokens, routing=routing,
                                       seed=seed, steps=steps, warmup=warmup))
 
-    grid = split_grid(devices, max_splits)
+    fitting = [a for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts
+               and plan_for(Shape(a, devices - a)).fits]  # the planner's memory, whatever m
+    grid = split_grid(fitting, max_splits)
     run(grid, True)
     disaggregated = [s for s in out if not s["colocated"]]
-    if len(grid) < devices - 1 and disaggregated:
-        a = max(disaggregated, key=lambda s: s["tokens_per_s_per_gpu_at_slo"])["attention"]
+    if len(grid) < len(fitting) and disaggregated:
+        a = max(disaggregated, key=lambda s: (s["tokens_per_s_per_gpu_at_slo"], s["tokens_per_s_per_gpu"]))["attention"]
         k = grid.index(a)
         lo, hi = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
-        run([x for x in range(lo + 1, hi) if x not in grid], False)
+        run([x for x in fitting if lo < x < hi and x not in grid], False)
     if not out:
         raise ValueError(f"no shape of {devices} devices fits this model")
+    out.sort(key=lambda s: (s["colocated"], s["attention"], s["redundant_slots"], s["micro_batches"]))
     best: dict[tuple, dict] = {}
     for s in out:
         key = (s["attention"], s["experts"], s["colocated"], s["redundant_slots"])

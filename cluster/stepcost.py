@@ -105,8 +105,8 @@ class GpuCost(StepCost):
         return np.maximum(flops / (peak * EFFICIENCY["grouped_gemm"]),
                           touched * expert_bytes(cfg, self.fmt) / (gpu.hbm_bytes_per_s * EFFICIENCY["hbm"]))
 
-    def exchange_s(self, tokens: int, attention: int, experts: int) -> float:
-        return sum(self.exchange_phases(tokens, attention, experts, colocated=False))
+    def exchange_s(self, tokens: int, attention: int, experts: int, *, colocated: bool = False) -> float:
+        return sum(self.exchange_phases(tokens, attention, experts, colocated=colocated))
 
     def exchange_phases(self, tokens: int, attention: int, experts: int, *, colocated: bool) -> tuple[float, float]:
         """(dispatch, combine) of one MoE layer, ``tokens`` per attention replica.
@@ -219,15 +219,17 @@ class CpuCost(StepCost):
         e = self.p["experts"]
         return np.where(rows > 0, e["base_s"] + e["per_row_s"] * rows + e["per_expert_s"] * touched, 0.0)
 
-    def exchange_s(self, tokens: int, attention: int, experts: int) -> float:
+    def exchange_s(self, tokens: int, attention: int, experts: int, *, colocated: bool = False) -> float:
         """Per MoE layer: a message per peer, the tokens, and each actor process beyond the two of a
-        1 × 1 shape (every exchange wakes every process, which share the cores); ``experts`` 0:
-        colocated workers, each also serving the others' rows (the profile's ``colocated``)."""
+        1 × 1 shape (every exchange wakes every process, which share the cores). ``colocated``: the
+        ``attention`` workers are the only processes, each also serving the others' rows (the
+        profile's ``colocated`` term)."""
         x = self.p["exchange"]
-        extra = (x.get("per_process_s", 0.0) + x.get("per_process_token_s", 0.0) * tokens) * max(0, attention + experts - 2)
-        together = self.p.get("colocated", {}) if not experts else {}
-        return (x["per_peer_s"] * max(attention, experts) + x["per_token_s"] * tokens + extra
-                + together.get("base_s", 0.0) + together.get("per_token_s", 0.0) * tokens)
+        processes = attention if colocated else attention + experts
+        extra = (x.get("per_process_s", 0.0) + x.get("per_process_token_s", 0.0) * tokens) * max(0, processes - 2)
+        together = self.p.get("colocated", {}) if colocated else {}
+        return (x["per_peer_s"] * (attention if colocated else max(attention, experts)) + x["per_token_s"] * tokens
+                + extra + together.get("base_s", 0.0) + together.get("per_token_s", 0.0) * tokens)
 
     def step(self, chunks, rows, touched, shape: Shape, num_moe_layers: int) -> StepTime:
         base = super().step(chunks, rows, touched, shape, num_moe_layers)

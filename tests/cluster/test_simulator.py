@@ -43,7 +43,7 @@ class Flat(StepCost):
     def experts_s(self, rows, touched):
         return np.where(rows > 0, 1e-4, 0.0)
 
-    def exchange_s(self, tokens, attention, experts):
+    def exchange_s(self, tokens, attention, experts, colocated=False):
         return 1e-5
 
 
@@ -224,7 +224,6 @@ def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     # fitted from a 2 × 2 engine and 2 colocated workers, after the 1 × 1 fits
     assert {"per_process_s", "per_process_token_s"} <= set(table["exchange"])
     assert set(table["colocated"]) == {"base_s", "per_token_s"}
-    assert cost.exchange_s(8, 2, 3) >= cost.exchange_s(8, 1, 1)
     run = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
                           "--attention", "1", "--experts", "2", "--requests", "16", "--rate", "0",
                           "--prompt-tokens", "24", "--output-tokens", "24", "--max-num-seqs", "64",
@@ -326,22 +325,50 @@ def test_capacity_at_the_latency_target_is_the_default_search():
 
 
 def test_a_search_past_max_splits_tries_a_spread_of_splits_then_every_split_beside_the_best():
-    """At hundreds of GPUs the capacity search cannot try every split: it tries ``max_splits`` spread
-    evenly, then every split between the best one's neighbours on that grid. On 16 H200 with a grid of 4
-    it finds the exhaustive search's best split while trying fewer."""
-    assert split_grid(16, 32) == list(range(1, 16))
-    grid = split_grid(256, 32)
+    """At hundreds of GPUs the capacity search cannot try every split: of the splits whose experts fit,
+    it tries ``max_splits`` spread evenly, then every one between the best one's neighbours on that grid.
+    On 16 H200 (K2's experts need 9 GPUs: attention 1-7 fit) a grid of 4 is 1, 3, 5, 7; the best of those
+    (3) brings in 2 and 4, and the search finds the exhaustive search's best split (4) without trying 6."""
+    assert split_grid(list(range(1, 16)), 32) == list(range(1, 16))
+    grid = split_grid(list(range(1, 256)), 32)
     assert len(grid) == 32 and grid[0] == 1 and grid[-1] == 255 and max(b - a for a, b in zip(grid, grid[1:])) <= 9
-    kw = dict(cost_for=lambda shape: GpuCost(K2, H200, shape, exchange="fp8-dedup"), tpot_s=0.025, context=1000,
-              output_tokens=16, micro_batches=(2,), steps=16, warmup=4,
-              plan_for=lambda shape: plan_for(K2, "h200", shape, 1016))
+    assert split_grid(list(range(1, 8)), 4) == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="at least 2"):
+        split_grid([1, 2, 3], 1)
+    kw = dict(cost_for=lambda shape: GpuCost(K2, H200, shape), tpot_s=0.05, context=4096, output_tokens=64,
+              micro_batches=(2,), steps=16, warmup=4, plan_for=lambda shape: plan_for(K2, "h200", shape, 4160))
 
-    def best_split(rows):
+    def splits(rows):
         rows = [r for r in rows if not r["colocated"]]
-        return {r["attention"] for r in rows}, max(rows, key=lambda r: r["tokens_per_s_per_gpu_at_slo"])
+        return [r["attention"] for r in rows], max(rows, key=lambda r: r["tokens_per_s_per_gpu_at_slo"])
 
-    every, best = best_split(capacity_search(K2, 16, **kw))
-    some, coarse_best = best_split(capacity_search(K2, 16, max_splits=4, **kw))
-    assert some < every and (coarse_best["attention"], coarse_best["capacity_batch"]) == (
-        best["attention"], best["capacity_batch"])
-    assert 6 in some and best["attention"] != 6  # the grid's split, then its neighbourhood
+    every, best = splits(capacity_search(K2, 16, **kw))
+    some, coarse_best = splits(capacity_search(K2, 16, max_splits=4, **kw))
+    assert every == list(range(1, 8)) and best["attention"] == 4
+    assert some == [1, 2, 3, 4, 5, 7]  # the grid, then 2 and 4 beside its best (3); rows in split order
+    assert (coarse_best["attention"], coarse_best["capacity_batch"]) == (best["attention"], best["capacity_batch"])
+
+
+def test_the_cpu_profiles_process_and_colocated_terms_price_the_exchange():
+    """A CPU profile's exchange per MoE layer: a message per peer and per token; each process past a 1 x 1
+    engine's two (a fixed part and one per token); colocated, the workers are the only processes and the
+    profile's colocated term is added instead."""
+    table = {"attention": {"base_s": 1e-3, "per_token_s": 0.0, "per_pair_s": 0.0},
+             "experts": {"base_s": 0.0, "per_row_s": 0.0, "per_expert_s": 0.0},
+             "exchange": {"per_peer_s": 1e-5, "per_token_s": 1e-6, "per_process_s": 1e-4, "per_process_token_s": 1e-5},
+             "colocated": {"base_s": 3e-4, "per_token_s": 2e-5}, "overhead_s": 0.0, "cores": 64, "num_moe_layers": 3}
+    cost = CpuCost(table)
+    T = 8
+    assert cost.exchange_s(T, 1, 1) == pytest.approx(1e-5 + 1e-6 * T)
+    assert cost.exchange_s(T, 2, 3) == pytest.approx(3e-5 + 1e-6 * T + 3 * (1e-4 + 1e-5 * T))
+    assert cost.exchange_s(T, 2, 2, colocated=True) == pytest.approx(2e-5 + 1e-6 * T + 3e-4 + 2e-5 * T)
+    assert cost.exchange_s(T, 4, 4, colocated=True) == pytest.approx(
+        4e-5 + 1e-6 * T + 2 * (1e-4 + 1e-5 * T) + 3e-4 + 2e-5 * T)
+    rows = np.zeros((3, 2))
+    chunks = [[(1, 10)] * T] * 2
+    apart = cost.step(chunks, rows, rows, Shape(2, 2), 3)
+    together = cost.step(chunks, rows, rows, Shape(2, 2, colocated=True), 3)
+    # per MoE layer: the colocated term in, the 2 x 2 engine's two extra processes out
+    gained = 3 * ((3e-4 + 2e-5 * T) - 2 * (1e-4 + 1e-5 * T))
+    assert together.exchange_s - apart.exchange_s == pytest.approx(gained)
+    assert together.seconds - apart.seconds == pytest.approx(gained)
