@@ -9,7 +9,7 @@ from typing import Iterator
 
 import ray
 
-from .local import LocalCluster
+from .local import GcsRedis, LocalCluster
 from .spec import ClusterSpec
 
 
@@ -18,22 +18,28 @@ def connected(spec: ClusterSpec, *, nodes: int | None = None, address: str | Non
               env: dict[str, str] | None = None) -> Iterator[str]:
     """Yield the address of a cluster this driver is connected to; disconnect (and stop the
     nodes, if this started them) on exit. ``env`` reaches every process of nodes started here."""
+    with started(spec, nodes=nodes, address=address, env=env) as (gcs_address, _):
+        ray.init(address=gcs_address, logging_level="WARNING")
+        try:
+            yield gcs_address
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def started(spec: ClusterSpec, *, nodes: int | None = None, address: str | None = None,
+            env: dict[str, str] | None = None,
+            gcs_redis: GcsRedis | None = None) -> Iterator[tuple[str, LocalCluster | None]]:
+    """Yield (GCS address, the :class:`LocalCluster` started here or None for ``address``); stop the
+    nodes started here on exit. Connects no driver."""
     if address is not None and nodes is not None:
         raise ValueError("give --address (an existing cluster) or --nodes (start one here), not both")
     if address is not None:
-        ray.init(address=address, logging_level="WARNING")
-        try:
-            yield address
-        finally:
-            ray.shutdown()
+        yield address, None
         return
     n = nodes or 1
     if n < 1:
         raise ValueError(f"--nodes must be >= 1, got {n}")
     per_node = max(2, math.ceil((spec.attention + spec.experts) / n) + 1)
-    with LocalCluster(nodes=n, num_cpus=per_node, env=env) as cluster:
-        ray.init(address=cluster.address, logging_level="WARNING")
-        try:
-            yield cluster.address
-        finally:
-            ray.shutdown()
+    with LocalCluster(nodes=n, num_cpus=per_node, env=env, gcs_redis=gcs_redis) as cluster:
+        yield cluster.address, cluster

@@ -14,8 +14,10 @@ raylets and driver read the same environment, so they agree.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import ray
+from ray._private import ray_constants
 from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
 from ray.cluster_utils import Cluster
 
@@ -24,6 +26,16 @@ from .config import RAY_NODE_ENV
 log = logging.getLogger(__name__)
 
 MiB = 2**20
+
+
+@dataclass(frozen=True)
+class GcsRedis:
+    """The Redis a head node's GCS keeps its tables in (Ray's GCS fault tolerance): a GCS started
+    again on the same Redis, within the raylets' reconnect timeout, finds the cluster as it was."""
+
+    address: str  # host:port
+    password: str = ""
+    namespace: str | None = None  # keeps clusters that share one Redis apart
 
 
 def _check_auth() -> None:
@@ -52,10 +64,12 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         first_ip: int = 2,
         wait_s: float = 60,
+        gcs_redis: GcsRedis | None = None,
     ) -> None:
         """`num_cpus`, `num_gpus`, `memory_mb` are logical, per node. `env` is added to each
         raylet's environment, after :data:`~cluster.config.RAY_NODE_ENV`, and so reaches every worker
-        process (not the GCS or this driver)."""
+        process (not the GCS or this driver). `gcs_redis`: the head's GCS keeps its state there, so
+        that :meth:`restart_gcs` and :meth:`restart_head` find the cluster as it was."""
         if nodes < 1 or nodes > 250:
             raise ValueError(f"nodes must be in [1, 250] (one loopback IP each), got {nodes}")
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("memory_mb", memory_mb)):
@@ -76,16 +90,27 @@ class LocalCluster:
             env_vars=RAY_NODE_ENV | dict(env or {}),
         )
         self._wait_s = wait_s
+        self.gcs_redis = gcs_redis
         self._cluster: Cluster | None = None
 
     def _args(self, i: int) -> dict:
         return dict(self._node_args, node_ip_address=self.node_ips[i], resources={f"moeray_node_{i}": 1.0})
 
+    def _head_args(self) -> dict:
+        head = dict(self._args(0), include_dashboard=False, dashboard_agent_listen_port=None)
+        if self.gcs_redis is not None:
+            # as `ray start --head` does with $RAY_REDIS_ADDRESS: the one Redis is also the one shard
+            head |= dict(external_addresses=[self.gcs_redis.address] * 2, num_redis_shards=1,
+                         redis_password=self.gcs_redis.password)
+            if self.gcs_redis.namespace:
+                head["_system_config"] = {"external_storage_namespace": self.gcs_redis.namespace}
+        return head
+
     def start(self) -> LocalCluster:
         if self._cluster is not None:
             raise RuntimeError("LocalCluster already started")
         _check_auth()
-        head = dict(self._args(0), include_dashboard=False, dashboard_agent_listen_port=None)
+        head = self._head_args()
         try:
             self._cluster = Cluster(initialize_head=True, head_node_args=head, shutdown_at_exit=True)
             for i in range(1, self.nodes):
@@ -128,16 +153,52 @@ class LocalCluster:
             raise RuntimeError("LocalCluster is not running: call start() first")
         return self._cluster.address
 
-    def process_ids(self) -> list[int]:
-        """PIDs of the Ray processes (GCS, raylets, agents) of every node it started."""
+    def process_ids(self, *, head_only: bool = False) -> list[int]:
+        """PIDs of the Ray processes (GCS, raylets, agents) of every node it started (of the head only)."""
         if self._cluster is None:
             return []
-        return [
-            info.process.pid
-            for node in self._cluster.list_all_nodes()
-            for infos in node.all_processes.values()
-            for info in infos
-        ]
+        nodes = [self._cluster.head_node] if head_only else self._cluster.list_all_nodes()
+        return [info.process.pid for node in nodes if node is not None
+                for infos in node.all_processes.values() for info in infos]
+
+    def _head_process_alive(self, kind: str) -> bool:
+        head = self._cluster.head_node if self._cluster is not None else None
+        infos = head.all_processes.get(kind) if head is not None else None
+        return bool(infos) and infos[0].process.poll() is None
+
+    def gcs_alive(self) -> bool:
+        """The head's GCS process (``gcs_server``) runs."""
+        return self._head_process_alive(ray_constants.PROCESS_TYPE_GCS_SERVER)
+
+    def head_alive(self) -> bool:
+        """The head node's raylet runs (a head node killed whole loses it with its GCS)."""
+        return self._head_process_alive(ray_constants.PROCESS_TYPE_RAYLET)
+
+    def restart_gcs(self) -> None:
+        """Start the head's GCS again, on its port (the raylets and workers reconnect to it there).
+        Only with ``gcs_redis``: a GCS without one starts empty, a different cluster."""
+        self._need_redis()
+        head = self._cluster.head_node
+        head.kill_gcs_server(check_alive=False)
+        head.start_gcs_server()
+
+    def restart_head(self) -> None:
+        """Stop what is left of the head node and start a new one at the same IP and GCS port (a head
+        machine that came back): the worker nodes reconnect, the GCS restarts the detached actors the
+        old head held (Serve's controller). Only with ``gcs_redis``."""
+        self._need_redis()
+        cluster = self._cluster
+        port = int(self.address.rsplit(":", 1)[1])
+        cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        cluster.head_node = None
+        cluster.add_node(wait=True, **self._head_args(), gcs_server_port=port)
+        self._forget_address_file()
+
+    def _need_redis(self) -> None:
+        if self._cluster is None:
+            raise RuntimeError("LocalCluster is not running: call start() first")
+        if self.gcs_redis is None:
+            raise RuntimeError("a head restarted without GCS fault tolerance (gcs_redis) starts a new, empty cluster")
 
     def shutdown(self) -> None:
         """Stop every node it started (workers first, head last). Idempotent. Disconnects this

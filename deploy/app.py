@@ -16,7 +16,7 @@ from ray import serve
 from .config import ServeConfig
 from .engine_server import EngineServer
 from .ingress import Ingress, make_api, specialize
-from .settings import admin_key
+from .settings import admin_key, serve_ingress
 
 # A replica being removed (`moeray down`, a redeploy, a scale-in) checks every 0.5 s, not Serve's default 2 s,
 # whether its requests have drained: an idle app goes away 1.5 s sooner per replica in the chain.
@@ -40,6 +40,24 @@ class _ServeIngress(Ingress):
     def __init__(self, engine, raw: dict, model_path: str):
         super().__init__(engine, raw, model_path, admin_key=admin_key())
         specialize(doc, self.serve_cfg, model_path)
+        if serve_ingress() == "haproxy":
+            self.own_address = _direct_http_address
+
+
+def _direct_http_address() -> tuple[str, int] | None:
+    """This replica's own HTTP server under Serve's direct ingress: the one socket this process listens on in
+    Serve's direct-ingress HTTP port range (Serve keeps the port to itself; `moeray up` relays to it while
+    the head node is away, deploy/gate.py). None until it listens."""
+    import os
+
+    from ray.serve._private.constants import (RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+                                              RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT)
+
+    from .owned import listening_addresses
+
+    found = [(ip, port) for ip, port in listening_addresses(os.getpid())
+             if RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT <= port <= RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT]
+    return found[0] if len(found) == 1 else None
 
 
 def build_app(args: dict):

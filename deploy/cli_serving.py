@@ -54,6 +54,10 @@ def up(
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
                                                   help="Share cached prompt prefixes between requests. "
                                                        "[default: on]"),
+    gcs_redis: Optional[str] = typer.Option(None, help="GCS fault tolerance on the nodes started here: HOST:PORT of "
+                                                       "a Redis for the head's GCS, or local (a redis-server of "
+                                                       "this command's own). The GCS or the head node is started "
+                                                       "again when it stops; streams go on (docs/operations.md)."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
@@ -68,6 +72,10 @@ def up(
                  gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
+    if gcs_redis is not None:
+        ft = serve_cfg.gcs_fault_tolerance.model_dump() if serve_cfg.gcs_fault_tolerance else {}
+        serve_cfg = ServeConfig.parse({**serve_cfg.model_dump(), "gcs_fault_tolerance": {**ft, "redis_address": gcs_redis}},
+                                      where="moeray up --gcs-redis")
     root = cache_root()
     if detach:
         argv = [a for a in sys.argv[2:] if a != "--detach"]
@@ -87,8 +95,13 @@ def down():
     from .settings import cache_root
 
     state = stop_running(cache_root())
-    err.print("nothing to stop: no server started by `moeray up` is running" if state is None
-              else f"stopped moeray at {state['url']} (pid {state['pid']})")
+    if state is None:
+        err.print("nothing to stop: no server started by `moeray up` is running")
+        return
+    left = state["leftovers"]
+    err.print(f"stopped moeray at {state['url']} (pid {state['pid']})"
+              + (f", and {len(left)} process(es) it had started that outlived it (pids {', '.join(map(str, left))})"
+                 if left else ""))
 
 
 @user_errors

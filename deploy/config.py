@@ -11,6 +11,40 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 
+class GcsFaultTolerance(BaseModel):
+    """Ray's GCS fault tolerance for a cluster `moeray up` starts: the head's GCS keeps its tables in a
+    Redis, so that a GCS (or a whole head node) started again on it finds the cluster as it was."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    redis_address: str = Field(..., description="HOST:PORT of the Redis, or local: `moeray up` starts a "
+                                                "redis-server of its own on a free loopback port and stops it "
+                                                "at `moeray down` (a demo: the Redis then dies with this machine).")
+    redis_password_file: str | None = Field(None, description="A file whose first line is the Redis password "
+                                                              "(read by `moeray up` when it starts).")
+    namespace: str | None = Field(None, description="Keeps clusters that share one Redis apart (Ray's "
+                                                    "external_storage_namespace); default: Ray's.")
+
+    @field_validator("redis_address")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        if address == "local":
+            return address
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{address!r} is not HOST:PORT (or local)")
+        return address
+
+    def password(self) -> str:
+        """The Redis password ('' for none): redis_password_file's first line, read now."""
+        if self.redis_password_file is None:
+            return ""
+        lines = _read_key_file(self.redis_password_file, "gcs_fault_tolerance.redis_password_file")
+        if not lines:
+            raise ValueError(f"gcs_fault_tolerance.redis_password_file {self.redis_password_file}: holds no password")
+        return lines[0]
+
+
 class _Deployment(BaseModel):
     """One deployment's settings: the serving config YAML (``moeray up --config``, ``serve deploy``),
     the flags of ``moeray up``, or a Serve application's args. Unknown keys are refused. The keys
@@ -82,6 +116,11 @@ class _Deployment(BaseModel):
                                "(Serve's direct ingress behind one HAProxy per node: no Python proxy and no Ray "
                                "call per request or streamed chunk) or proxy (Serve's proxy actor). A cluster given "
                                "by --address or started by `ray up` runs what its `ray start` environment says.")
+    gcs_fault_tolerance: GcsFaultTolerance | None = Field(
+        None, description="Survive the head node on a cluster `moeray up` starts (`--gcs-redis`): its GCS keeps "
+                          "its state in Redis, and `moeray up` starts the GCS, or the whole head node, again when "
+                          "it stops; streams in flight go on. A cluster given by --address or started by `ray up` "
+                          "or KubeRay is made fault tolerant where it starts (docs/operations.md).")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(

@@ -54,6 +54,7 @@ class Ingress:
         :class:`~deploy.inprocess.LocalHandle`). ``raw``: a :class:`ServeConfig` as a dict.
         ``admin_key``: $MOERAY_ADMIN_KEY of this node (deploy/settings.py), if any."""
         self.serve_cfg = ServeConfig.parse(raw)
+        self.own_address = None  # () -> (host, port) of this replica's own HTTP server, where it has one
         self.access = Access.of(self.serve_cfg, admin_key)
         self.engine = engine
         self.mux = StreamMux(engine, CONTROL_TIMEOUT_S)
@@ -116,14 +117,17 @@ class Ingress:
                               retry_after_s=1 if timeout_s <= CONTROL_TIMEOUT_S else 5) from None
 
     # ---- routes: service --------------------------------------------------------------------
-    async def health(self):
+    async def health(self, request: Request):
         try:
             h = await asyncio.wait_for(self.engine.health.remote(), timeout=3)  # inside a client's 5 s default
         except Exception as e:  # noqa: BLE001 — any failure to answer is "not ready"
             return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
         if not h["healthy"]:
             return JSONResponse({"status": "degraded", "error": h["error"]}, status_code=503)
-        return {"status": "ok"}
+        # the HTTP server of this replica: its own under Serve's direct ingress (deploy/app.py), else the one
+        # that answered
+        server = (self.own_address and self.own_address()) or request.scope.get("server")
+        return {"status": "ok", "server": f"{server[0]}:{server[1]}" if server else None}
 
     async def models(self, request: Request):
         self.access.check(request)

@@ -144,6 +144,9 @@ class Health(_Out):
 
     status: Literal["ok", "degraded", "unavailable"]
     error: str | None = None
+    server: str | None = Field(None, description="host:port of the HTTP server that answered: behind Serve's direct "
+                                                 "ingress, the ingress replica's own (`moeray up` relays to it while "
+                                                 "the head node is away).")
 
 
 class ClusterStatus(BaseModel):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from . import owned
 from .config import ServeConfig
 from .settings import admin_key, ingress_env
 
@@ -122,6 +123,13 @@ def ensure_not_running(root: Path, host: str | None = None, port: int | None = N
     if state is not None:
         raise ValueError(f"moeray is already serving at {state['url']} (pid {state['pid']}); "
                          "stop it with `moeray down` first")
+    try:
+        left = owned.alive(json.loads(state_file(root).read_text()).get("pids", []))
+    except (OSError, ValueError):
+        left = []
+    if left:
+        raise ValueError(f"{len(left)} process(es) an earlier `moeray up` started still run (its cluster lost its "
+                         f"head node, or it was killed): stop them with `moeray down` first")
     if host is not None and port is not None:
         import socket
 
@@ -152,11 +160,13 @@ def start_proxy(host: str, port: int) -> None:
     """Serve's HTTP proxy: one, on the head node, as deploy/serve_config.yaml has it (HeadOnly).
 
     Serve's default (EveryNode) runs a proxy on every node that holds a replica. On a one-machine
-    cluster (Ray nodes on loopback aliases) those proxies all bind host:port with SO_REUSEPORT, so
-    the kernel hands each new connection to any of them; when a replica moves (a scale of the app, a
-    replica that died and came back elsewhere) the old node's proxy drains and is killed, and the
-    connections the kernel had just given it are cut before any response ("Server disconnected").
-    The engine is one replica anyway, so proxies on the workers would only add a hop."""
+    cluster (Ray nodes on loopback aliases) those proxies all bind host:port: Serve's HAProxies cannot
+    (their fixed metrics and stats ports, and the serving port, are taken by the first; measured), and
+    its Python proxies do with SO_REUSEPORT, so the kernel hands each new connection to any of them; when
+    a replica moves (a scale of the app, a replica that died and came back elsewhere) the old node's
+    proxy drains and is killed, and the connections the kernel had just given it are cut before any
+    response ("Server disconnected"). The engine is one replica anyway, so proxies on the workers would
+    only add a hop."""
     from ray import serve
 
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
@@ -164,13 +174,20 @@ def start_proxy(host: str, port: int) -> None:
 
 def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, address: str | None, status=None) -> None:
     """Start everything, print nothing but progress, block until SIGTERM/SIGINT, then stop it all."""
+    import ray
     from ray import serve
 
-    from cluster.launch import connected
+    from cluster.launch import started
 
-    from .app import build_app
+    from .gate import Gate
+    from .headwatch import HeadWatch, LocalRedis
 
     ensure_not_running(root, serve_cfg.host, serve_cfg.port)
+    ft = serve_cfg.gcs_fault_tolerance
+    if ft is not None and address is not None:
+        raise ValueError("gcs_fault_tolerance (--gcs-redis) is for the cluster `moeray up` starts; a cluster given "
+                         "by --address is made fault tolerant where its head starts (RAY_REDIS_ADDRESS: "
+                         "docs/operations.md)")
     stop = threading.Event()
 
     def on_signal() -> None:
@@ -187,33 +204,105 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
     serve_cfg = with_loopback_admin_token(serve_cfg, root)
     # recorded first, so that `moeray down` finds this process at every stage of its start-up
     auth = bool(serve_cfg.api_key or serve_cfg.api_keys or serve_cfg.api_keys_file)
-    state_file(root).write_text(json.dumps({"pid": os.getpid(), "url": url, "model": serve_cfg.model, "auth": auth}))
+    state = {"pid": os.getpid(), "url": url, "model": serve_cfg.model, "auth": auth, "pids": []}
+    _write_state(root, state)
+    redis = watch = None
     try:
-        with connected(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress)):
+        gcs_redis = None
+        if ft is not None:
+            from cluster.local import GcsRedis
+
+            if ft.redis_address == "local":
+                _update(status, "starting a Redis for the GCS")
+                redis = LocalRedis(root / "redis")
+                state["pids"] = owned.record([redis.proc.pid])
+                gcs_redis = GcsRedis(redis.address, "", ft.namespace)
+            else:
+                gcs_redis = GcsRedis(ft.redis_address, ft.password(), ft.namespace)
+        _update(status, "starting Ray")
+        with started(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress),
+                     gcs_redis=gcs_redis) as (gcs_address, cluster):
             on_signal()
-            _update(status, "checking that the cluster can hold the model")
-            load_s = preflight_serve_config(serve_cfg, root)  # refuse before anything is reserved
-            _update(status, "building the model and the Serve application")
-            app = build_app(serve_cfg.model_dump())
-            start_proxy(serve_cfg.host, serve_cfg.port)
-            _update(status, f"loading the model onto {spec.describe()}")
+            # With a head node it can start again, this process keeps the serving port itself (deploy/gate.py)
+            # and Serve's proxy listens on a port of its own behind it.
+            gate = Gate(serve_cfg.host, serve_cfg.port, _free_port(serve_cfg.host)) if cluster and gcs_redis else None
+            watch = HeadWatch(cluster, host=serve_cfg.host, port=serve_cfg.port, gate=gate,
+                              save=lambda pids, head: _write_state(root, {**state, "pids": pids, "head_pids": head}),
+                              extra_pids=[redis.proc.pid] if redis else [])
+            ray.init(address=gcs_address, logging_level="WARNING")
+            on_signal()
             try:
+                _update(status, "checking that the cluster can hold the model")
+                load_s = preflight_serve_config(serve_cfg, root)  # refuse before anything is reserved
+                _update(status, "building the model and the Serve application")
+                app = _app(serve_cfg, cluster)
+                start_proxy(serve_cfg.host, gate.backend_port if gate else serve_cfg.port)
+                _update(status, f"loading the model onto {spec.describe()}")
                 if not stop.is_set():
                     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
                     wait_ready(url, timeout_s=load_s + 300, stop=stop)
                     _update(status, None)
                     _ready_message(url, serve_cfg, root)
-                while not stop.wait(0.5):
-                    pass
-            finally:
-                # Delete our application (its replicas stop, and with them the engine's actors and
-                # placement groups) rather than serve.shutdown(): that waits 30 s on the controller's
-                # graceful_shutdown, which Ray retries after the controller kills itself, and on a
-                # cluster given by --address it would also take down other people's applications.
-                serve.delete(APP_NAME)
+            except BaseException:
+                _delete_app()
+                raise
+            # The driver goes (the Serve application lives on without it): a driver dies with the raylet
+            # it is attached to, the head's, and this process must outlive the head node it watches.
+            ray.shutdown()
+            on_signal()  # ray.shutdown() puts back the handlers it found, which are not ours
+            state["ready"] = True  # serving, with no driver left in this process (the head may go now)
+            watch.record()
+            while not stop.wait(0.5):
+                watch.tick()
+            if not watch.lost:
+                ray.init(address=gcs_address, logging_level="WARNING")
+                _delete_app()
     finally:
+        if watch is not None:
+            watch.close()
+            owned.stop(watch.records)  # what outlived its node (an old head's HAProxy), or the cluster
+        if redis is not None:
+            redis.stop()
         state_file(root).unlink(missing_ok=True)
         admin_token_file(root).unlink(missing_ok=True)
+
+
+def _app(serve_cfg: ServeConfig, cluster):
+    """The Serve application; on a cluster of several nodes started here, its two replicas on a worker
+    node (node 1), so that they outlive the head node (and the engine's actors with them: the planner
+    puts them on worker nodes first)."""
+    from .app import build_app, pinned_app
+
+    if cluster is None or cluster.nodes < 2:
+        return build_app(serve_cfg.model_dump())
+    return pinned_app(serve_cfg.model_dump(), {"num_cpus": 0, "resources": {"moeray_node_1": 0.001}})
+
+
+def _delete_app() -> None:
+    """Delete our application (its replicas stop, and with them the engine's actors and placement groups)
+    rather than serve.shutdown(): that waits 30 s on the controller's graceful_shutdown, which Ray retries
+    after the controller kills itself, and on a cluster given by --address it would also take down other
+    people's applications."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.delete(APP_NAME)
+        ray.shutdown()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _write_state(root: Path, state: dict) -> None:
+    tmp = state_file(root).with_name(f".up.json.{os.getpid()}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, state_file(root))
 
 
 def preflight_serve_config(serve_cfg: ServeConfig, root: Path) -> float:
@@ -268,23 +357,32 @@ def start_detached(argv: list[str], root: Path, host: str, port: int) -> dict:
 
 
 def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
-    """Signal the `up` process recorded in the state file and wait for it to finish."""
-    state = read_state(root)
-    if state is None:
+    """Signal the `up` process recorded in the state file and wait for it to finish; then stop every
+    process it had started that still runs (all of them, if `up` itself died: a cluster that lost its
+    head node takes its driver with it, and leaves Serve's HAProxy and Ray's agents behind). The state
+    (with ``"leftovers"``: the PIDs stopped here), or None when nothing was recorded."""
+    try:
+        state = json.loads(state_file(root).read_text())
+    except (OSError, ValueError):
+        return None
+    pid = state.get("pid")
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:  # reap it if it is our child (detached runs are not)
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    elif not owned.alive(state.get("pids", [])):
         state_file(root).unlink(missing_ok=True)
         return None
-    pid = state["pid"]
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        try:  # reap it if it is our child (detached runs are not)
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-    if _alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    state["leftovers"] = owned.stop(state.get("pids", []))
     state_file(root).unlink(missing_ok=True)
+    admin_token_file(root).unlink(missing_ok=True)
     return state
 
 

@@ -10,6 +10,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from deploy.owned import listeners, socket_inodes  # noqa: F401 — this module's callers use them too
+
 
 def listening(ip: str, port: int) -> bool:
     with socket.socket() as s:
@@ -32,45 +34,6 @@ def processes() -> list[tuple[int, int, str]]:
         except (OSError, StopIteration):
             continue
         out.append((int(d.name), uid, cmd))
-    return out
-
-
-def listeners() -> list[tuple[str, int, int]]:
-    """(ip, port, socket inode) of every listening TCP socket. IPv6: "::" for the wildcard address
-    (which also takes IPv4 unless v6only), "v6" for any other."""
-    out = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] != "0A":  # LISTEN
-                continue
-            addr, port = fields[1].split(":")
-            if v6:
-                ip = "::" if set(addr) == {"0"} else "v6"
-            else:
-                ip = socket.inet_ntoa(bytes.fromhex(addr)[::-1])
-            out.append((ip, int(port, 16), int(fields[9])))
-    return out
-
-
-def socket_inodes(pid: int) -> set[int]:
-    """Inodes of the sockets process `pid` holds open."""
-    out = set()
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return out
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            out.add(int(target[8:-1]))
     return out
 
 

@@ -444,3 +444,19 @@ def test_colocated_gpu_serve_config_is_k2_fp8_on_2x8_h200_one_worker_per_gpu_and
     assert plan.fits
     assert cfg.num_blocks * cfg.block_size * plan.sequence_bytes["latent_per_token"] <= plan.cache_bytes
     assert cfg.num_blocks * cfg.block_size >= 4096 * plan.concurrent_sequences
+
+
+def test_kuberay_gcs_fault_tolerance_uses_the_redis_that_its_own_manifest_runs():
+    """The RayService keeps its GCS in Redis (issue 38): the address is the Service of
+    deploy/kuberay-redis.yaml, the password the Secret that Redis requires."""
+    ft = load_yaml("kuberay-rayservice.yaml")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    items = {item["kind"]: item for item in load_yaml("kuberay-redis.yaml")["items"]}
+    host, port = ft["redisAddress"].split(":")
+    service = items["Service"]
+    assert host == service["metadata"]["name"] and int(port) in [p["port"] for p in service["spec"]["ports"]]
+    pod = items["Deployment"]["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    [redis] = pod["spec"]["containers"]
+    [env] = [e for e in redis["env"] if e["name"] == "REDIS_PASSWORD"]
+    assert env["valueFrom"] == ft["redisPassword"]["valueFrom"]
+    assert "--requirepass" in " ".join(redis["command"]) and "--appendonly yes" in " ".join(redis["command"])
