@@ -40,6 +40,10 @@ def started(spec: ClusterSpec, *, nodes: int | None = None, address: str | None 
     n = nodes or 1
     if n < 1:
         raise ValueError(f"--nodes must be >= 1, got {n}")
-    per_node = max(2, math.ceil((spec.attention + spec.experts) / n) + 1)
-    with LocalCluster(nodes=n, num_cpus=per_node, env=env, gcs_redis=gcs_redis) as cluster:
+    # With a head node that can be started again, the actors go to the other nodes (the head gets no CPU for
+    # them, as KubeRay's head holds no model actors), so that they outlive it.
+    spare_head = gcs_redis is not None and n > 1
+    per_node = max(2, math.ceil((spec.attention + spec.experts) / (n - spare_head)) + 1)
+    with LocalCluster(nodes=n, num_cpus=per_node, env=env, gcs_redis=gcs_redis,
+                      head_num_cpus=0 if spare_head else None) as cluster:
         yield cluster.address, cluster

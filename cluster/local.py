@@ -65,11 +65,13 @@ class LocalCluster:
         first_ip: int = 2,
         wait_s: float = 60,
         gcs_redis: GcsRedis | None = None,
+        head_num_cpus: float | None = None,
     ) -> None:
         """`num_cpus`, `num_gpus`, `memory_mb` are logical, per node. `env` is added to each
         raylet's environment, after :data:`~cluster.config.RAY_NODE_ENV`, and so reaches every worker
         process (not the GCS or this driver). `gcs_redis`: the head's GCS keeps its state there, so
-        that :meth:`restart_gcs` and :meth:`restart_head` find the cluster as it was."""
+        that :meth:`restart_gcs` and :meth:`restart_head` find the cluster as it was. `head_num_cpus`:
+        the head's, when not `num_cpus` (0: no actor that needs a CPU goes there, as on KubeRay)."""
         if nodes < 1 or nodes > 250:
             raise ValueError(f"nodes must be in [1, 250] (one loopback IP each), got {nodes}")
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("memory_mb", memory_mb)):
@@ -91,6 +93,7 @@ class LocalCluster:
         )
         self._wait_s = wait_s
         self.gcs_redis = gcs_redis
+        self.head_num_cpus = head_num_cpus
         self._cluster: Cluster | None = None
 
     def _args(self, i: int) -> dict:
@@ -98,6 +101,8 @@ class LocalCluster:
 
     def _head_args(self) -> dict:
         head = dict(self._args(0), include_dashboard=False, dashboard_agent_listen_port=None)
+        if self.head_num_cpus is not None:
+            head["num_cpus"] = self.head_num_cpus
         if self.gcs_redis is not None:
             # as `ray start --head` does with $RAY_REDIS_ADDRESS: the one Redis is also the one shard
             head |= dict(external_addresses=[self.gcs_redis.address] * 2, num_redis_shards=1,
@@ -158,10 +163,11 @@ class LocalCluster:
         if self._cluster is None:
             return []
         nodes = [self._cluster.head_node] if head_only else self._cluster.list_all_nodes()
+        # only those that run: a dead one's PID may since belong to another process
         return [info.process.pid for node in nodes if node is not None
-                for infos in node.all_processes.values() for info in infos]
+                for infos in node.all_processes.values() for info in infos if info.process.poll() is None]
 
-    def _head_process_alive(self, kind: str) -> bool:
+    def _head_process_alive(self, kind: str) -> bool:  # no head node (a restart that failed): False
         head = self._cluster.head_node if self._cluster is not None else None
         infos = head.all_processes.get(kind) if head is not None else None
         return bool(infos) and infos[0].process.poll() is None
@@ -189,9 +195,16 @@ class LocalCluster:
         self._need_redis()
         cluster = self._cluster
         port = int(self.address.rsplit(":", 1)[1])
-        cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-        cluster.head_node = None
-        cluster.add_node(wait=True, **self._head_args(), gcs_server_port=port)
+        if cluster.head_node is not None:
+            cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            cluster.head_node = None
+        try:
+            cluster.add_node(wait=True, **self._head_args(), gcs_server_port=port)
+        except BaseException:
+            if cluster.head_node is not None:  # half started: stop it, and let a retry start afresh
+                cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+                cluster.head_node = None
+            raise
         self._forget_address_file()
 
     def _need_redis(self) -> None:

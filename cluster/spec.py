@@ -131,14 +131,6 @@ class NodeInfo:
     ip: str
     available: dict[str, float]
 
-    @property
-    def head(self) -> bool:
-        """The Ray head node (Ray gives it the resource ``node:__internal_head__``)."""
-        return HEAD_RESOURCE in self.available
-
-
-HEAD_RESOURCE = "node:__internal_head__"
-
 
 def plan_bundles(spec: ClusterSpec, nodes: Sequence[NodeInfo]) -> list[str | None]:
     """Node id for every bundle (bundle-index order); None where no node has room right now.
@@ -176,9 +168,6 @@ def _place(
     free: dict[str, dict[str, float]],
 ) -> list[str | None]:
     used: dict[str, int] = {n.node_id: 0 for n in nodes}  # bundles of this kind per node so far
-    # Between otherwise equal nodes the head comes last: what runs elsewhere outlives the head node (its
-    # GCS restarted, or the whole node with GCS fault tolerance; docs/operations.md).
-    head = {n.node_id: n.head for n in nodes}
     out: list[str | None] = []
     for i in range(count):
         if pinned is not None:
@@ -195,9 +184,9 @@ def _place(
             if not roomy:
                 chosen = None
             elif placement == "spread":  # fewest of this kind first, then most room
-                chosen = min(roomy, key=lambda c: (used[c], head[c], -_fits(free[c], need)))
-            else:  # pack: stay on a node already used, else a worker node, else the one with the most room
-                chosen = min(roomy, key=lambda c: (used[c] == 0, head[c], -_fits(free[c], need)))
+                chosen = min(roomy, key=lambda c: (used[c], -_fits(free[c], need)))
+            else:  # pack: stay on a node already used, else the one with the most room
+                chosen = min(roomy, key=lambda c: (used[c] == 0, -_fits(free[c], need)))
         if chosen is not None:
             _take(free[chosen], need)
             used[chosen] += 1

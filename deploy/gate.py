@@ -18,6 +18,7 @@ import asyncio
 import threading
 
 HOLD_S = 120.0  # a new connection waits this long for the app; then 503
+CONNECT_S = 2.0  # a connection to the replica or the proxy (on this machine) that takes longer is refused
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 10\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
 
@@ -29,6 +30,7 @@ class Gate:
     def __init__(self, host: str, port: int, backend_port: int, *, hold_s: float = HOLD_S) -> None:
         self.host, self.port, self.backend_port, self.hold_s = host, port, backend_port, hold_s
         self.direct: tuple[str, int] | None = None
+        self._clients: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._open = asyncio.Event()
         self._open.set()
@@ -73,8 +75,8 @@ class Gate:
         direct = self.direct
         if direct is not None:
             try:
-                return await asyncio.open_connection(*direct)
-            except OSError:  # the replica is gone (it is started again elsewhere): through the proxy
+                return await asyncio.wait_for(asyncio.open_connection(*direct), CONNECT_S)
+            except (OSError, asyncio.TimeoutError):  # the replica is gone (started again elsewhere): the proxy
                 if self.direct == direct:
                     self.direct = None
         deadline = self._loop.time() + self.hold_s
@@ -84,11 +86,18 @@ class Gate:
                 return None
             try:
                 await asyncio.wait_for(self._open.wait(), left)
-                return await asyncio.open_connection(self.host, self.backend_port)
+                return await asyncio.wait_for(asyncio.open_connection(self.host, self.backend_port), CONNECT_S)
             except (OSError, asyncio.TimeoutError):  # the proxy is not listening (yet)
                 await asyncio.sleep(0.1)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.add(writer)
+        try:
+            await self._relay_one(reader, writer)
+        finally:
+            self._clients.discard(writer)
+
+    async def _relay_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         backend = await self._backend()
         if backend is None:
             body = (b'{"error": {"message": "the cluster\'s head node is being started again and the app did '
@@ -105,14 +114,22 @@ class Gate:
         await _close(writer)
 
     def close(self) -> None:
+        """Stop listening and end every connection still open (a held one, a stream): the port is free."""
         async def stop() -> None:
             self._server.close()
-            await self._server.wait_closed()
+            for writer in list(self._clients):
+                writer.transport.abort()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            except asyncio.TimeoutError:
+                pass
 
-        if self._error is None:
-            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        if self._error is None and self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
 
 
 async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, eof: bool = False) -> None:

@@ -144,14 +144,11 @@ class HeadWatch:
         self.head_records: list[list[int]] = []
         self.restarts = {"gcs": 0, "head": 0}
         self.front: LostFront | None = None
+        self.lost = False
         self._recorded_at = self._probed_at = 0.0
         self._failing_since: float | None = None
         self._warned = False
         self.record()
-
-    @property
-    def lost(self) -> bool:
-        return self.front is not None
 
     def record(self) -> None:
         """Note every process started so far (Ray's, their children, a Redis of ours), for `moeray down`."""
@@ -225,6 +222,7 @@ class HeadWatch:
 
     def lose(self, why: str) -> None:
         """The cluster is gone: stop what is left of it (the port's holders among them), answer 503."""
+        self.lost = True
         message = lost_message(why)
         self._log(f"moeray up: {message}", flush=True)
         if self.gate is not None:
@@ -232,6 +230,8 @@ class HeadWatch:
             self.gate = None
         owned.stop([r for r in self.records if r[0] not in self._extra], grace_s=0.5)  # a dead cluster's
         self.front = bind_when_free(self.host, self.port, message)
+        if self.front is None:
+            self._log(f"moeray up: could not answer on {self.host}:{self.port} (it is still taken)", flush=True)
 
     def _app_answers(self) -> tuple[str, int] | None:
         """The address of the HTTP server that answered the app's /health through Serve's proxy (behind the

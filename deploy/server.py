@@ -97,7 +97,13 @@ def read_state(root: Path) -> dict | None:
         state = json.loads(state_file(root).read_text())
     except (OSError, ValueError):
         return None
-    return state if _alive(state.get("pid")) else None
+    return state if _up_alive(state) else None
+
+
+def _up_alive(state: dict) -> bool:
+    """The `up` process of ``state`` runs (the same process: a PID reused since is not it)."""
+    start = state.get("pid_start")
+    return _alive(state.get("pid")) and (start is None or owned.start_time(state["pid"]) in (start, None))
 
 
 def _alive(pid) -> bool:
@@ -204,7 +210,8 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
     serve_cfg = with_loopback_admin_token(serve_cfg, root)
     # recorded first, so that `moeray down` finds this process at every stage of its start-up
     auth = bool(serve_cfg.api_key or serve_cfg.api_keys or serve_cfg.api_keys_file)
-    state = {"pid": os.getpid(), "url": url, "model": serve_cfg.model, "auth": auth, "pids": []}
+    state = {"pid": os.getpid(), "pid_start": owned.start_time(os.getpid()), "url": url, "model": serve_cfg.model,
+             "auth": auth, "pids": []}
     _write_state(root, state)
     redis = watch = None
     try:
@@ -212,13 +219,16 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
         if ft is not None:
             from cluster.local import GcsRedis
 
+            # a namespace of this run's own unless one is given: a Redis that another run's cluster used
+            # (one killed before it could clean up) holds tables this cluster must not recover
+            namespace = ft.namespace or f"moeray-{secrets.token_hex(6)}"
             if ft.redis_address == "local":
                 _update(status, "starting a Redis for the GCS")
                 redis = LocalRedis(root / "redis")
                 state["pids"] = owned.record([redis.proc.pid])
-                gcs_redis = GcsRedis(redis.address, "", ft.namespace)
+                gcs_redis = GcsRedis(redis.address, "", namespace)
             else:
-                gcs_redis = GcsRedis(ft.redis_address, ft.password(), ft.namespace)
+                gcs_redis = GcsRedis(ft.redis_address, ft.password(), namespace)
         _update(status, "starting Ray")
         with started(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress),
                      gcs_redis=gcs_redis) as (gcs_address, cluster):
@@ -231,20 +241,27 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
                               extra_pids=[redis.proc.pid] if redis else [])
             ray.init(address=gcs_address, logging_level="WARNING")
             on_signal()
+            serve_started = False
             try:
                 _update(status, "checking that the cluster can hold the model")
                 load_s = preflight_serve_config(serve_cfg, root)  # refuse before anything is reserved
                 _update(status, "building the model and the Serve application")
-                app = _app(serve_cfg, cluster)
+                app = _app(serve_cfg, cluster, pinned=gate is not None)
+                serve_started = True
                 start_proxy(serve_cfg.host, gate.backend_port if gate else serve_cfg.port)
                 _update(status, f"loading the model onto {spec.describe()}")
                 if not stop.is_set():
                     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
                     wait_ready(url, timeout_s=load_s + 300, stop=stop)
-                    _update(status, None)
-                    _ready_message(url, serve_cfg, root)
+                if stop.is_set():  # stopped while starting: no need to let go of the driver first
+                    _delete_app()
+                    return
+                _update(status, None)
+                _ready_message(url, serve_cfg, root)
             except BaseException:
-                _delete_app()
+                if serve_started:
+                    _delete_app()
+                ray.shutdown()
                 raise
             # The driver goes (the Serve application lives on without it): a driver dies with the raylet
             # it is attached to, the head's, and this process must outlive the head node it watches.
@@ -253,27 +270,34 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
             state["ready"] = True  # serving, with no driver left in this process (the head may go now)
             watch.record()
             while not stop.wait(0.5):
+                restarts = sum(watch.restarts.values())
                 watch.tick()
+                if sum(watch.restarts.values()) != restarts:
+                    on_signal()  # a new head node puts Ray's own SIGTERM handler in place
             if not watch.lost:
                 ray.init(address=gcs_address, logging_level="WARNING")
                 _delete_app()
     finally:
-        if watch is not None:
-            watch.close()
-            owned.stop(watch.records)  # what outlived its node (an old head's HAProxy), or the cluster
-        if redis is not None:
-            redis.stop()
+        # each step whatever the one before did: what `up` started must not outlive it
+        for step in (lambda: watch is not None and watch.close(),
+                     # what outlived its node (an old head's HAProxy), or the cluster
+                     lambda: watch is not None and owned.stop(watch.records),
+                     lambda: redis is not None and redis.stop()):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 — reported, and the next step still runs
+                print(f"moeray up: while stopping: {e!r}", file=sys.stderr, flush=True)
         state_file(root).unlink(missing_ok=True)
         admin_token_file(root).unlink(missing_ok=True)
 
 
-def _app(serve_cfg: ServeConfig, cluster):
-    """The Serve application; on a cluster of several nodes started here, its two replicas on a worker
-    node (node 1), so that they outlive the head node (and the engine's actors with them: the planner
-    puts them on worker nodes first)."""
+def _app(serve_cfg: ServeConfig, cluster, *, pinned: bool):
+    """The Serve application; ``pinned`` (GCS fault tolerance on a cluster of several nodes started here):
+    its two replicas on a worker node (node 1), so that they outlive the head node (the engine's actors
+    too: the head gets no CPU for them, cluster/launch.py)."""
     from .app import build_app, pinned_app
 
-    if cluster is None or cluster.nodes < 2:
+    if not pinned or cluster is None or cluster.nodes < 2:
         return build_app(serve_cfg.model_dump())
     return pinned_app(serve_cfg.model_dump(), {"num_cpus": 0, "resources": {"moeray_node_1": 0.001}})
 
@@ -287,8 +311,10 @@ def _delete_app() -> None:
     from ray import serve
 
     if ray.is_initialized():
-        serve.delete(APP_NAME)
-        ray.shutdown()
+        try:
+            serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()
 
 
 def _free_port(host: str) -> int:
@@ -366,7 +392,7 @@ def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
     except (OSError, ValueError):
         return None
     pid = state.get("pid")
-    if _alive(pid):
+    if _up_alive(state):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while _alive(pid) and time.monotonic() < deadline:
@@ -377,6 +403,10 @@ def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
                 pass
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+        try:  # what it recorded last (a head node it started again since this was read)
+            state["pids"] = json.loads(state_file(root).read_text()).get("pids", state.get("pids", []))
+        except (OSError, ValueError):
+            pass
     elif not owned.alive(state.get("pids", [])):
         state_file(root).unlink(missing_ok=True)
         return None

@@ -90,6 +90,9 @@ def ft_up(redis, tmp_path_factory):
 
 def test_gcs_killed_and_restarted_on_its_redis_streams_equal_the_fault_free_run(ft_up):
     up = ft_up
+    shown = json.loads(up.moeray("status", "--json").stdout)
+    nodes = {a["node"] for a in shown["attention"] + shown["experts"]}
+    assert nodes and "127.0.0.2" not in nodes, nodes  # no engine actor on the head node
     expected = _streams_through(up, lambda: None)
     [gcs] = up.find("gcs_server")
 

@@ -2,7 +2,7 @@
 cluster, is tests/deploy/test_head_loss.py): the process records `moeray down` stops by, the gate that
 holds connections while the head is away, the 503 answer once the cluster is lost, what `moeray up`
 decides to do when the GCS or the head's raylet stops, the serving config's GCS fault tolerance, and
-the planner keeping actors off the head node."""
+the Redis `moeray up --gcs-redis local` starts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from cluster.spec import HEAD_RESOURCE, ClusterSpec, NodeInfo, plan_bundles
 from deploy import owned
 from deploy.config import ServeConfig
 from deploy.gate import Gate
@@ -202,12 +201,17 @@ def test_gcs_fault_tolerance_config_names_what_is_wrong(tmp_path):
         cfg.gcs_fault_tolerance.password()
 
 
-# ---- placement -------------------------------------------------------------------------------------------
-def test_the_planner_takes_the_head_node_last():
-    head = NodeInfo("head", "127.0.0.2", {"CPU": 8, HEAD_RESOURCE: 1})
-    workers = [NodeInfo(f"w{i}", f"127.0.0.{3 + i}", {"CPU": 2}) for i in range(2)]
-    spec = ClusterSpec(attention=1, experts=2, attention_resources={"CPU": 1}, expert_resources={"CPU": 1})
-    plan = plan_bundles(spec, [head, *workers])
-    assert "head" not in plan, plan  # though the head has the most room
-    full = ClusterSpec(attention=2, experts=4, attention_resources={"CPU": 1}, expert_resources={"CPU": 1})
-    assert plan_bundles(full, [head, *workers]).count("head") == 2  # when the workers are full, the head too
+def test_local_redis_of_moeray_up_answers_and_stops(tmp_path):
+    """`moeray up --gcs-redis local`: a redis-server of its own on a free loopback port, gone at stop."""
+    from deploy.headwatch import LocalRedis
+
+    redis = LocalRedis(tmp_path / "redis")
+    try:
+        host, port = redis.address.split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"SET moeray 1\r\nGET moeray\r\n")
+            time.sleep(0.2)
+            assert s.recv(64).startswith(b"+OK\r\n$1\r\n1")
+    finally:
+        redis.stop()
+    assert redis.proc.poll() is not None and owned.start_time(redis.proc.pid) is None
