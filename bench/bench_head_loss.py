@@ -1,6 +1,6 @@
 """Losing the Ray head node, with and without GCS fault tolerance (issue 38): `moeray up --nodes 3` on this
 machine (kimi-k2-tiny, 1 attention + 2 expert actors), a client sending short completions one after
-another and 4 greedy streams of 48 tokens in flight, then
+another and 4 greedy streams of 96 tokens in flight, then
 
 - GCS FT (a Redis this script starts): the GCS killed; then the whole head node killed (its GCS, raylet,
   agents and every process under them);
@@ -99,7 +99,7 @@ def with_ft(tmp: Path) -> dict:
     up = None
     try:
         up = Up(tmp / "ft", "--gcs-redis", f"127.0.0.1:{port}")
-        expected = _streams_through(up, lambda: None)
+        expected = _streams_through(up)
         [gcs] = [p for p, _ in owned.alive(up.records()) if _exe(p) == "gcs_server"]
         n_log = len(up.log.read_text())
         out = {"gcs": fault_run(up, expected, lambda: kill_pids([gcs]),
@@ -121,7 +121,7 @@ def with_ft(tmp: Path) -> dict:
 def without_ft(tmp: Path, timeout_s: float) -> dict:
     up = Up(tmp / "noft", env={"RAY_gcs_rpc_server_reconnect_timeout_s": str(int(timeout_s))})
     try:
-        expected = _streams_through(up, lambda: None)
+        expected = _streams_through(up)
         started = owned.alive(up.records())
         [gcs] = [p for p, _ in started if _exe(p) == "gcs_server"]
         res = fault_run(up, expected, lambda: kill_pids([gcs]),

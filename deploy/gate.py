@@ -1,5 +1,6 @@
-"""`moeray up`'s own listener on the serving port, in front of Serve's HTTP proxy, while it can start the
-head node again (GCS fault tolerance on a cluster it started, deploy/headwatch.py).
+"""`moeray up`'s own listener on the serving port, in front of Serve's HTTP proxy, on a cluster of several
+nodes it started (deploy/headwatch.py): with GCS fault tolerance it outlives the head node; without, it
+answers 503 instead of the proxy's 500 once the cluster is going.
 
 Serve's proxy runs on the head node; a head node that dies takes it along, and the proxy that Serve
 starts on the new head answers before it is ready (for a moment every path is a 404, then a 500 while
@@ -15,12 +16,18 @@ proxy it holds those connections instead (up to ``hold_s``, then 503): a slower 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 HOLD_S = 120.0  # a new connection waits this long for the app; then 503
 CONNECT_S = 2.0  # a connection to the replica or the proxy (on this machine) that takes longer is refused
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 10\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+
+
+def unavailable_body(message: str) -> bytes:
+    """A 503's body, in the OpenAI error shape the app's own errors have."""
+    return json.dumps({"error": {"message": message, "type": "service_unavailable", "code": 503}}).encode()
 
 
 class Gate:
@@ -30,6 +37,7 @@ class Gate:
     def __init__(self, host: str, port: int, backend_port: int, *, hold_s: float = HOLD_S) -> None:
         self.host, self.port, self.backend_port, self.hold_s = host, port, backend_port, hold_s
         self.direct: tuple[str, int] | None = None
+        self.doomed: str | None = None  # :meth:`doom`'s message
         self._clients: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._open = asyncio.Event()
@@ -64,6 +72,12 @@ class Gate:
     def release(self) -> None:
         self._loop.call_soon_threadsafe(self._open.set)
 
+    def doom(self, message: str) -> None:
+        """The cluster is going (its GCS stopped for good): a connection the ingress replica refuses is
+        answered 503 with ``message`` instead of going to the proxy, whose answer for a backend that died
+        is a 500. Called from any thread; a replica that still answers is still relayed to."""
+        self.doomed = message
+
     def relay_to(self, address: tuple[str, int] | None) -> None:
         """Relay straight to ``address`` (the ingress replica's own HTTP server, behind Serve's direct
         ingress), past the proxy: what goes there does not pass the head node. None: through the proxy."""
@@ -79,6 +93,8 @@ class Gate:
             except (OSError, asyncio.TimeoutError):  # the replica is gone (started again elsewhere): the proxy
                 if self.direct == direct:
                     self.direct = None
+        if self.doomed is not None:
+            return None
         deadline = self._loop.time() + self.hold_s
         while True:
             left = deadline - self._loop.time()
@@ -100,8 +116,8 @@ class Gate:
     async def _relay_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         backend = await self._backend()
         if backend is None:
-            body = (b'{"error": {"message": "the cluster\'s head node is being started again and the app did '
-                    b'not answer in time; retry", "type": "service_unavailable", "code": 503}}')
+            body = unavailable_body(self.doomed or "the cluster's head node is being started again and the app did "
+                                                   "not answer in time; retry")
             writer.write(BUSY % (len(body), body))
             await _close(writer)
             return

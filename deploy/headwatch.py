@@ -10,7 +10,6 @@ Redis it started).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from . import owned
+from .gate import unavailable_body
 
 RECORD_EVERY_S = 2.0
 PROBE_EVERY_S = 5.0  # the ingress replica's address, while the gate relays through the proxy
@@ -42,7 +42,7 @@ class LostFront:
     500 from a proxy whose backends are gone."""
 
     def __init__(self, host: str, port: int, message: str) -> None:
-        body = json.dumps({"error": {"message": message, "type": "service_unavailable", "code": 503}}).encode()
+        body = unavailable_body(message)
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
@@ -184,14 +184,17 @@ class HeadWatch:
         if self.ft:
             self._restart(cluster)
             return
+        why = "the head node's GCS stopped and the cluster has no GCS fault tolerance"
+        if not self._warned:
+            self._warned = True
+            self._log("moeray up: the Ray head's GCS stopped; without GCS fault tolerance the cluster stops "
+                      "when its raylets give up reconnecting (RAY_gcs_rpc_server_reconnect_timeout_s, 60 s "
+                      "by default)", flush=True)
+            if self.gate is not None:
+                self.gate.doom(lost_message(why))  # the replica answers until it goes; then 503, not a 500
         if cluster.head_alive():  # no GCS: the data plane goes on until the raylets' reconnect timeout
-            if not self._warned:
-                self._warned = True
-                self._log("moeray up: the Ray head's GCS stopped; without GCS fault tolerance the cluster stops "
-                          "when its raylets give up reconnecting (RAY_gcs_rpc_server_reconnect_timeout_s, 60 s "
-                          "by default)", flush=True)
             return
-        self.lose("the head node's GCS stopped and the cluster has no GCS fault tolerance")
+        self.lose(why)
 
     def _restart(self, cluster) -> None:
         what = "gcs" if cluster.head_alive() else "head"
@@ -225,10 +228,11 @@ class HeadWatch:
         self.lost = True
         message = lost_message(why)
         self._log(f"moeray up: {message}", flush=True)
-        if self.gate is not None:
-            self.gate.close()
-            self.gate = None
         owned.stop([r for r in self.records if r[0] not in self._extra], grace_s=0.5)  # a dead cluster's
+        if self.gate is not None:  # it answers 503 from now on: the replica it relayed to is gone
+            self.gate.doom(message)
+            self.gate.relay_to(None)
+            return
         self.front = bind_when_free(self.host, self.port, message)
         if self.front is None:
             self._log(f"moeray up: could not answer on {self.host}:{self.port} (it is still taken)", flush=True)

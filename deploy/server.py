@@ -233,9 +233,10 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
         with started(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress),
                      gcs_redis=gcs_redis) as (gcs_address, cluster):
             on_signal()
-            # With a head node it can start again, this process keeps the serving port itself (deploy/gate.py)
-            # and Serve's proxy listens on a port of its own behind it.
-            gate = Gate(serve_cfg.host, serve_cfg.port, _free_port(serve_cfg.host)) if cluster and gcs_redis else None
+            # On several nodes of its own this process keeps the serving port itself (deploy/gate.py) and Serve's
+            # proxy listens on a port of its own behind it.
+            gate = (Gate(serve_cfg.host, serve_cfg.port, _backend_port(serve_cfg.host))
+                    if cluster is not None and cluster.nodes > 1 else None)
             watch = HeadWatch(cluster, host=serve_cfg.host, port=serve_cfg.port, gate=gate,
                               save=lambda pids, head: _write_state(root, {**state, "pids": pids, "head_pids": head}),
                               extra_pids=[redis.proc.pid] if redis else [])
@@ -246,7 +247,7 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
                 _update(status, "checking that the cluster can hold the model")
                 load_s = preflight_serve_config(serve_cfg, root)  # refuse before anything is reserved
                 _update(status, "building the model and the Serve application")
-                app = _app(serve_cfg, cluster, pinned=gate is not None)
+                app = _app(serve_cfg, cluster, pinned=cluster is not None and gcs_redis is not None)
                 serve_started = True
                 start_proxy(serve_cfg.host, gate.backend_port if gate else serve_cfg.port)
                 _update(status, f"loading the model onto {spec.describe()}")
@@ -317,12 +318,21 @@ def _delete_app() -> None:
             ray.shutdown()
 
 
-def _free_port(host: str) -> int:
+def _backend_port(host: str) -> int:
+    """A free port for Serve's proxy behind the gate, below Linux's ephemeral range (from 32768): a port the
+    kernel picked would be free again for the next process that asks it, and Ray's workers ask it often
+    (measured: the proxy then failed to bind)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for port in random.sample(range(20000, 30000), 200):  # under Serve's direct-ingress ports (30000-31000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ValueError(f"no free port for Serve's proxy on {host} in 20000-29999")
 
 
 def _write_state(root: Path, state: dict) -> None:

@@ -85,6 +85,7 @@ CLUSTER_TESTS = frozenset({
     "tests/test_readme.py::test_readme_quick_start_serves_and_stops",  # `moeray up --detach`
     "tests/deploy/test_down.py",  # a foreground `moeray up`
     "tests/deploy/test_head_loss.py",  # `moeray up --nodes 3`, a Redis, the head's processes killed
+    "tests/deploy/test_head_loss_noft.py",  # `moeray up --nodes 3`, its GCS killed
     "tests/deploy/test_ray_up.py",  # a private sshd, `ray up`, `serve deploy`, a real Prometheus
     "tests/deploy/test_fuzz_inproc.py::test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard",  # Prometheus
     "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",  # --nodes 3
@@ -132,6 +133,7 @@ OWN = frozenset({
     "tests/deploy/test_ray_up.py",
     "tests/deploy/test_down.py",
     "tests/deploy/test_head_loss.py",
+    "tests/deploy/test_head_loss_noft.py",
     "tests/test_readme.py::test_readme_quick_start_serves_and_stops",
     "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",
     "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",

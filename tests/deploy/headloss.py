@@ -20,7 +20,7 @@ from deploy import owned
 EXE = str(Path(sys.executable).parent / "moeray")
 MODEL = "kimi-k2-tiny"
 STREAMS = 4
-TOKENS = 48
+TOKENS = 96
 
 
 def _free_port() -> int:
@@ -43,14 +43,15 @@ def _exe(pid: int) -> str:
 class Up:
     """A foreground `moeray up --nodes 3` of this test's own (its cache directory, its port)."""
 
-    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None,
+                 shape: tuple[str, ...] = ("--experts", "2")) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.port = tmp, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp), **(env or {})}
         self.log = tmp / "up.out"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([EXE, "up", "--nodes", "3", "--experts", "2", "--port", str(self.port), *extra],
+            self.proc = subprocess.Popen([EXE, "up", "--nodes", "3", *shape, "--port", str(self.port), *extra],
                                          stdout=out, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
         self.wait_healthy(300)
 
@@ -104,42 +105,50 @@ def _complete(url: str, prompt: str, tokens: int = TOKENS) -> str:
     return choice["text"]
 
 
-def _stream(url: str, prompt: str, started) -> str:
-    """A streamed greedy completion's text (every one of its TOKENS tokens); ``started`` is set at its
-    first chunk."""
+def _stream(url: str, prompt: str, started) -> tuple[str, float]:
+    """A streamed greedy completion's text (every one of its TOKENS tokens) and when its last token came;
+    ``started`` is set at its first chunk."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    text, usage = "", None
+    text, usage, last = "", None, 0.0
     with httpx.Client(timeout=180) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
-                text += "".join(choice["text"] for choice in chunk["choices"])
+                if any(choice["text"] for choice in chunk["choices"]):
+                    text += "".join(choice["text"] for choice in chunk["choices"])
+                    last = time.monotonic()
                 usage = chunk.get("usage") or usage
                 started.set()
     assert usage and usage["completion_tokens"] == TOKENS, usage
-    return text
+    return text, last
 
 
 PROMPTS = [f"Stream {i}: the head node of a cluster" for i in range(STREAMS)]
 
 
-def _streams_through(up: Up, fault, *, cut_ok: bool = False) -> list[str | None]:
-    """The 4 streams' texts, ``fault()`` called once every one of them has its first token. ``cut_ok``: a
-    stream cut by a connection error is None instead of raising."""
+def _streams_through(up: Up, fault=None, *, cut_ok: bool = False) -> list[str | None]:
+    """The 4 streams' texts, ``fault()`` (if any) called once every one of them has its first token: each
+    stream that ends must have had tokens after it (it outlived the fault). ``cut_ok``: a stream cut by
+    a connection error is None instead of raising."""
     starts = [threading.Event() for _ in PROMPTS]
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(_stream, up.url, p, s) for p, s in zip(PROMPTS, starts)]
         for s in starts:
             assert s.wait(120), "a stream never started"
-        fault()
+        faulted = time.monotonic()
+        if fault is not None:
+            fault()
         out = []
         for f in futures:
             try:
-                out.append(f.result(timeout=300))
+                text, last = f.result(timeout=300)
             except httpx.TransportError:
                 if not cut_ok:
                     raise
                 out.append(None)
+                continue
+            assert fault is None or last > faulted, "a stream ended before the fault: it tested nothing"
+            out.append(text)
         return out
