@@ -23,7 +23,7 @@ import torch
 
 from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
-from model.logits import LogitsState, grammars_for
+from model.logits import LogitsState, grammars_for, stateful
 from model.moe import COMBINE, Dispatch
 from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
 
@@ -128,6 +128,8 @@ class AttentionWorker(ServesSteps):
                 self.params[c.seq_id] = c.params
         self.logits_state.prepare(c.params for c in req.chunks if c.reset_state)  # compiles beside the forward
         d.begin_step(req.step, req.peer_tokens)
+        if self.cache.kda is not None:
+            self.cache.kda.drop_kept()  # what a failed step with drafts kept
         t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
@@ -187,17 +189,23 @@ class AttentionWorker(ServesSteps):
                     self.cache.kda.restore(c.restore, c.state_slot)
         known = [[self._known(c.seq_id) if t == AHEAD else t for t in c.token_ids] for c in chunks]
         for c, toks in zip(chunks, known):
+            toks = toks[: len(toks) - c.draft]  # drafts join the history as they are accepted (_verify)
             if c.prefix:  # the tokens found cached, for the sequence's new history
                 self.logits_state.feed(c.seq_id, c.prompt_len, 0, list(c.prefix) + toks, self._params(c))
             else:
                 self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached, toks, self._params(c))
         ids = torch.tensor([t for toks in known for t in toks], device=self.device)
+        drafts = [c.draft for c in chunks]
         meta = build_attn_meta(
             [len(c.token_ids) for c in chunks], [c.num_cached + len(c.token_ids) for c in chunks],
             [list(c.block_table) for c in chunks], self.block_size, device=self.device,
-            state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None)
+            state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None,
+            verify=[d > 0 for d in drafts] if any(drafts) else None)
         h = yield from self.model.stages(ids, meta, self.cache, self.impl)
-        return h[meta.last_token_index.to(h.device)]  # each chunk's last token
+        if not any(drafts):
+            return h[meta.last_token_index.to(h.device)]  # each chunk's last token
+        ends = meta.last_token_index.tolist()  # with drafts: each chunk's last 1 + draft tokens
+        return h[torch.tensor([e - d + i for e, d in zip(ends, drafts) for i in range(d + 1)], device=h.device)]
 
     def _params(self, chunk: SeqChunk) -> SamplingParams | None:
         """The sampling params of ``chunk``'s sequence, as its first chunk here brought them."""
@@ -216,6 +224,8 @@ class AttentionWorker(ServesSteps):
                                f"sampled no token for it here") from None
 
     def _sample(self, chunks: tuple[SeqChunk, ...], last: list) -> tuple[SampledToken, ...]:
+        if any(c.draft for c in chunks):
+            return self._verify(chunks, last)
         rows = [b for b, c in enumerate(chunks) if c.sample]
         if not rows:
             return ()
@@ -227,6 +237,79 @@ class AttentionWorker(ServesSteps):
         shaped = self.logits_state.apply(logits, seq_ids, params, [chunks[b].banned for b in rows])
         next_ids = sample(shaped, params, seeds)
         return self._package(seq_ids, logits, next_ids, params)
+
+    def _verify(self, chunks: tuple[SeqChunk, ...], last: list) -> tuple[SampledToken, ...]:
+        """Sample after each chunk's known tokens and after each of its drafts, and keep the samples
+        up to the first one that differs from the draft at its position: the drafts accepted, then
+        one token of the model's own. Each position samples exactly what decoding without drafts
+        would there (its history holds the drafts before it; its seed is its context length's), so
+        greedy and seeded outputs are identical with speculation on and off, and an unseeded draw
+        keeps its distribution: with a proposed token q = δ(draft), accepting the draft when the
+        sample equals it (probability p(draft)) and else keeping the sample (distributed as p
+        without the draft, renormalised) is rejection sampling. Rows of sequences whose logits do
+        not depend on their history are sampled all at once; the others position by position, each
+        accepted draft fed to the history before the next. On hybrid models the KDA state of a
+        sequence with rejected drafts goes back to its last accepted token."""
+        h = torch.cat([x for x in last if x is not None])
+        rows, items = [], []  # items: (chunk, position) per sampled row
+        at = 0
+        for b, c in enumerate(chunks):
+            if c.sample:
+                rows += range(at, at + c.draft + 1)
+                items += [(b, i) for i in range(c.draft + 1)]
+            at += c.draft + 1
+        logits = self.model.logits(h[torch.tensor(rows, device=h.device)])  # [N, V] stays on the device
+        params = [self._params(chunks[b]) for b, _ in items]
+        seq_ids = [chunks[b].seq_id for b, _ in items]
+        # position i samples after num_cached + (known tokens) + i tokens
+        seeds = [draw_seed(p, chunks[b].num_cached + len(chunks[b].token_ids) - chunks[b].draft + i)
+                 for p, (b, i) in zip(params, items)]
+        banned = [chunks[b].banned if i == 0 else () for b, i in items]
+        next_ids = torch.empty(len(items), dtype=torch.long, device=logits.device)
+        free = [r for r, p in enumerate(params) if not stateful(p)]
+        if free:
+            sel = torch.tensor(free, device=logits.device)
+            fp = [params[r] for r in free]
+            shaped = self.logits_state.apply(logits.index_select(0, sel), [seq_ids[r] for r in free], fp,
+                                             [banned[r] for r in free])
+            next_ids.index_copy_(0, sel, sample(shaped, fp, [seeds[r] for r in free]))
+        chosen = next_ids.tolist()
+        first = {}  # chunk → its first row
+        for r, (b, i) in enumerate(items):
+            first.setdefault(b, r)
+        tied = [b for b in first if stateful(params[first[b]])]
+        alive, pos = set(tied), 0
+        while alive:  # history-dependent rows: one position at a time, drafts accepted fed in between
+            rs = [first[b] + pos for b in sorted(alive)]
+            sel = torch.tensor(rs, device=logits.device)
+            ps = [params[r] for r in rs]
+            shaped = self.logits_state.apply(logits.index_select(0, sel), [seq_ids[r] for r in rs], ps,
+                                             [banned[r] for r in rs])
+            for r, t in zip(rs, sample(shaped, ps, [seeds[r] for r in rs]).tolist()):
+                chosen[r] = t
+                b = items[r][0]
+                c = chunks[b]
+                if pos < c.draft and t == c.token_ids[len(c.token_ids) - c.draft + pos]:
+                    self.logits_state.feed(c.seq_id, c.prompt_len, c.num_cached + len(c.token_ids) - c.draft + pos,
+                                           [t], params[r])
+                else:
+                    alive.discard(b)
+            pos += 1
+        keep, accepted = [], {}
+        for b, r0 in first.items():
+            c = chunks[b]
+            drafts = c.token_ids[len(c.token_ids) - c.draft:]
+            a = 0
+            while a < c.draft and chosen[r0 + a] == drafts[a]:
+                a += 1
+            keep += range(r0, r0 + a + 1)
+            if c.draft:
+                accepted[b] = a
+        if self.cache.kda is not None and accepted:
+            self.cache.kda.accept({chunks[b].state_slot: a for b, a in accepted.items()})
+        sel = torch.tensor(keep, device=logits.device)
+        return self._package([seq_ids[r] for r in keep], logits.index_select(0, sel),
+                             next_ids.new_tensor([chosen[r] for r in keep]), [params[r] for r in keep])
 
     @staticmethod
     def _package(seq_ids, logits, next_ids, params) -> tuple[SampledToken, ...]:

@@ -131,6 +131,10 @@ class SeqChunk:
     restore: int | None = None
     snapshot: int | None = None
     prefix: tuple[int, ...] = ()
+    # speculative decoding: the last ``draft`` of token_ids are proposed tokens to verify: the actor samples
+    # after the chunk's known tokens and after each draft, and returns its samples up to the first that
+    # differs from the draft there (the accepted drafts, then one token of its own)
+    draft: int = 0
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,43 @@ class DataPlaneConfig(_Checked):
                                                          "have GPUs, else gloo.", serve=False)
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig(_Checked):
+    """Speculative decoding (vLLM's ``speculative_config`` names): the scheduler proposes up to
+    ``num_speculative_tokens`` draft tokens per decoding sequence and the attention actors verify
+    them in the same forward (docs/architecture.md "Speculative decoding"). Off unless given."""
+
+    method: Literal["ngram", "suffix"] = knob("suffix", "ngram: prompt lookup over the sequence's own tokens; "
+                                              "suffix: SuffixDecoding over the sequence and recent outputs.")
+    num_speculative_tokens: int = knob(4, "The most draft tokens per sequence per step.", ge=1, le=16)
+    prompt_lookup_min: int = knob(2, "ngram: the shortest n-gram looked up.", ge=1)
+    prompt_lookup_max: int = knob(5, "ngram: the longest n-gram looked up.", ge=1)
+    suffix_decoding_max_tree_depth: int = knob(24, "suffix: the longest suffix matched and continued.", ge=2)
+    suffix_decoding_max_cached_requests: int = knob(1000, "suffix: recent outputs kept for other requests' drafts.",
+                                                    ge=0)
+    suffix_decoding_min_token_prob: float = knob(0.1, "suffix: a draft stops where its path's estimated probability "
+                                                      "falls below this (the confidence cut).", ge=0, le=1)
+    full_draft_batch: int = knob(4, "Adaptive length: up to this many decoding sequences each draft the full "
+                                    "length; beyond, each drafts num_speculative_tokens × this / sequences "
+                                    "(rounded down: none at all once that is under 1).", ge=0)
+
+    @classmethod
+    def parse(cls, raw) -> "SpeculativeConfig":
+        """From a mapping (the serving config's ``speculative``, ``--speculative-config``'s JSON);
+        ValueError naming an unknown key."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative must be a mapping such as {{'method': 'suffix', 'num_speculative_tokens': 4}}, "
+                             f"got {raw!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"speculative: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
+        if raw.get("method") == "mtp":
+            raise ValueError("speculative: method 'mtp' is not served yet (ngram and suffix are); see "
+                             "docs/architecture.md \"Speculative decoding\"")
+        return cls(**raw)
+
+
 GROUPS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "faults": FaultConfig, "elastic": ElasticConfig,
           "data_plane": DataPlaneConfig}
 
@@ -175,18 +212,24 @@ class EngineConfig(_Checked):
     faults: FaultConfig = field(default_factory=FaultConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    speculative: SpeculativeConfig | None = None  # off unless given
 
     @classmethod
-    def of(cls, model: str, *, dtype: str = "float32", owner: str | None = None, **knobs) -> "EngineConfig":
+    def of(cls, model: str, *, dtype: str = "float32", owner: str | None = None,
+           speculative: "SpeculativeConfig | dict | None" = None, **knobs) -> "EngineConfig":
         """An engine config from flat knob names (``max_num_seqs=8, prefix_caching=False``), each
-        sent to its group; an unknown name is a ValueError naming it."""
+        sent to its group; an unknown name is a ValueError naming it. ``speculative``: a
+        :class:`SpeculativeConfig` or its mapping."""
+        if isinstance(speculative, dict):
+            speculative = SpeculativeConfig.parse(speculative)
         groups: dict[str, dict] = {name: {} for name in GROUPS}
         where = {f.name: name for name, rec in GROUPS.items() for f in dataclasses.fields(rec)}
         for key, value in knobs.items():
             if key not in where:
                 raise ValueError(f"unknown engine setting {key!r}")
             groups[where[key]][key] = value
-        return cls(model=model, dtype=dtype, owner=owner, **{n: GROUPS[n](**kw) for n, kw in groups.items()})
+        return cls(model=model, dtype=dtype, owner=owner, speculative=speculative,
+                   **{n: GROUPS[n](**kw) for n, kw in groups.items()})
 
 
 def serve_knobs() -> list[tuple[str, dataclasses.Field, type]]:

@@ -125,6 +125,7 @@ class Engine:
         self.step_no = 0
         self.ping_pong = config.data_plane.ping_pong  # may be switched between steps
         self._unrecorded: tuple | None = None  # the last finished step's results, until record()
+        self._verifying = False  # the last finished step verified drafts
         self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
         self.snapshot: SchedulerSnapshot = self.scheduler.snapshot()  # what other threads read (publish)
 
@@ -255,8 +256,10 @@ class Engine:
             return None
         current = self.inflight[0]
         chunks = [c for replica in current.plan.chunks for c in replica]
-        if not chunks or not all(c.sample for c in chunks):
-            return None
+        if not chunks or not all(c.sample and not c.draft for c in chunks):
+            return None  # (a sequence with drafts: where its next token sits depends on how many are accepted)
+        if self.scheduler.draft_length(len(chunks)) > 0:
+            return None  # speculation pauses async scheduling: the next step's drafts follow this one's tokens
         max_ctx, nxt = self.model_cfg.max_position_embeddings, []
         for c in chunks:
             seq = self.scheduler.seqs.get(c.seq_id)
@@ -320,10 +323,14 @@ class Engine:
         t1 = time.perf_counter()
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
+        tokens = [t for r in attn for t in r.tokens]
+        verified = self.scheduler.verified(launched.plan, tokens)  # drafts accepted, the rest's cache given back
         self.scheduler.completed(launched.plan)  # what it wrote may be shared from now on
-        events = self._apply([t for r in attn for t in r.tokens])
+        events = self._apply(tokens)
+        self.stats.observe_drafts(verified)
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
         self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table)
+        self._verifying = bool(verified)
         return events
 
     def publish(self) -> None:
@@ -340,6 +347,8 @@ class Engine:
         rec = StepRecord.of(*results)
         if rec.expert_tokens is not None:
             self.router.report(rec.expert_tokens, rec.actor_tokens, epoch=rec.epoch)
+            if self._verifying:
+                self.stats.observe_verify_experts(rec.expert_tokens)
         self.stats.record_step(rec)
         self.epochs.auto_rebalance(self.stats.steps)
         self.stats.add_time(stats=time.perf_counter() - t0)

@@ -205,6 +205,13 @@ class PrefixCache:
         hold.snapshot, hold.snapshot_at, hold.pending_snapshot = None, 0, None
         hold.num_registered_blocks, hold.branch_point = 0, 0
 
+    def free_tail(self, seq: Seq, keep: int) -> None:
+        """Give back ``seq``'s blocks after its first ``keep`` (the positions of rejected draft
+        tokens: never registered, as registration stops at a step's verified tokens)."""
+        tail = seq.block_table[keep:]
+        assert keep >= seq.cache.num_registered_blocks, "a registered block is never given back by a sequence"
+        self.blocks[seq.replica].free(tail)
+
     # ---- the snapshot grid ------------------------------------------------------------------
     def cut(self, seq: Seq, start: int, n: int) -> int:
         """How many of the ``n`` prefill tokens from ``start`` to compute now. On hybrid models with

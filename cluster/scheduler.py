@@ -18,14 +18,17 @@ sequence's :class:`~cluster.prefix_cache.CacheHold` (the prefix cache does).
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from actors.messages import SampledToken, SeqChunk
 from model.logits import stateful
 from model.runner import Sequence, banned_ids, check_stop
 
-from .config import snapshot_plan
+from .config import SpeculativeConfig, snapshot_plan
+from .drafts import make_drafter
 from .prefix_cache import CacheHold, Hit, PrefixCache
 
 
@@ -40,6 +43,7 @@ class Seq(Sequence):
     is_refresh: bool = False  # a refresh of a finished sequence's cache (no request, never samples)
     reset_state_next: bool = False  # its next chunk is its first on its replica: zero or restore its KDA state
     cache: CacheHold = field(default_factory=CacheHold)  # its standing with the prefix cache (the cache's)
+    draft_rate: float = 1.0  # speculative decoding: its drafts' recent acceptance (a moving average)
 
 
 @dataclass
@@ -56,6 +60,15 @@ class Plan:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for r in self.chunks for c in r)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One sequence's drafts in a finished step: how many it carried and how many were accepted."""
+
+    seq_id: int
+    drafted: int
+    accepted: int
 
 
 @dataclass(frozen=True)
@@ -78,17 +91,20 @@ class Scheduler:
     def __init__(self, *, num_replicas: int, num_blocks: int, block_size: int, num_slots: int | None,
                  max_num_seqs: int, max_tokens_per_step: int, stop_ids: frozenset[int] = frozenset(),
                  max_context: int = 1 << 62, prefix_caching: bool = False, snapshot_grid: int | None = None,
-                 num_snapshots: int = 0, load_weight: float = 256.0):
+                 num_snapshots: int = 0, load_weight: float = 256.0, speculative: SpeculativeConfig | None = None):
         """``prefix_caching``: share cached blocks between sequences. ``snapshot_grid`` (hybrid
         models): the token grid KDA snapshots sit on (a multiple of ``block_size``), with
         ``num_snapshots`` of them per replica. ``load_weight``: cached tokens one more running
-        sequence on a replica is worth in placement (see :meth:`_place`)."""
+        sequence on a replica is worth in placement (see :meth:`_place`). ``speculative``: decoding
+        sequences carry draft tokens (see :meth:`_draft`)."""
         if max_tokens_per_step < 1 or max_num_seqs < 1:
             raise ValueError("max_tokens_per_step and max_num_seqs must be >= 1")
         self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                                  caching=prefix_caching, grid=snapshot_grid, num_snapshots=num_snapshots,
                                  step_budget=max_tokens_per_step)
         self.load_weight = load_weight
+        self.speculative = speculative
+        self.drafter = make_drafter(speculative) if speculative is not None else None
         self.admitted: dict[int, int] = {}  # per replica index, over the engine's life: sequences placed there
         self.stop_ids, self.max_context = frozenset(stop_ids), max_context  # the model's stop tokens and context
         self.seqs: dict[int, Seq] = {}  # every sequence added and not finished, by id
@@ -109,7 +125,8 @@ class Scheduler:
                    max_tokens_per_step=config.scheduler.max_tokens_per_step,
                    stop_ids=frozenset(stop_ids) | frozenset(model_cfg.eos_token_ids),
                    max_context=model_cfg.max_position_embeddings, prefix_caching=config.cache.prefix_caching,
-                   load_weight=config.cache.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots)
+                   load_weight=config.cache.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots,
+                   speculative=config.speculative)
 
     @property
     def num_replicas(self) -> int:
@@ -172,15 +189,44 @@ class Scheduler:
             out.append((seq, tok, reason))
         return out
 
+    def verified(self, plan: Plan, sampled: list[SampledToken]) -> list[Verified]:
+        """A finished step's drafts: each sequence that carried some keeps the cache of its input
+        token and of the drafts accepted (the attention actor returned them and one more token);
+        the positions of the rejected ones are given back (overwritten later) and its acceptance
+        rate moves. Call before :meth:`apply`. Returns what each sequence drafted and got accepted."""
+        if self.speculative is None:
+            return []
+        got = Counter(t.seq_id for t in sampled)
+        out = []
+        for chunks in plan.chunks:
+            for c in chunks:
+                seq = self.seqs.get(c.seq_id) if c.draft else None
+                if seq is None or seq.replica is None:
+                    continue
+                n = got.get(c.seq_id, 0)
+                if not 1 <= n <= c.draft + 1:
+                    raise RuntimeError(f"sequence {c.seq_id} carried {c.draft} drafts and got {n} tokens back")
+                seq.num_cached = c.num_cached + n  # its input and the accepted drafts
+                keep = math.ceil(seq.num_cached / self.block_size)
+                if len(seq.block_table) > keep:
+                    self.cache.free_tail(seq, keep)
+                    del seq.block_table[keep:]
+                seq.draft_rate = 0.5 * seq.draft_rate + 0.5 * (n - 1) / c.draft
+                out.append(Verified(c.seq_id, c.draft, n - 1))
+        return out
+
     def completed(self, plan: Plan) -> None:
         """A step came back whole: what its chunks wrote may now be shared (the prefix cache
         registers it), and the refresh jobs it finished end. Call before :meth:`apply`, so that a
-        sequence finishing there leaves its blocks cached."""
+        sequence finishing there leaves its blocks cached. A chunk's drafts are not registered
+        (the step after registers those accepted)."""
         for r, chunks in enumerate(plan.chunks):
             for c in chunks:
                 seq = self.cache.jobs.get(c.seq_id) if c.seq_id < 0 else self.seqs.get(c.seq_id)
                 if seq is None or seq.replica != r:
                     continue  # finished or moved meanwhile
+                if c.draft:
+                    c = dataclasses.replace(c, token_ids=c.token_ids[: len(c.token_ids) - c.draft], draft=0)
                 if self.cache.completed(seq, r, c):
                     self._end_job(seq)
 
@@ -216,6 +262,8 @@ class Scheduler:
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
+        if self.drafter is not None and not seq.is_refresh:
+            self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         if seq in self.running:
             self.running.remove(seq)
             job = self._refresh_job(seq) if reason != "abort" else None
@@ -251,13 +299,21 @@ class Scheduler:
     def schedule(self) -> Plan:
         plan = Plan([[] for _ in range(self.num_replicas)])
         budget = self.budget
-        for seq in [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]:  # decodes first
+        decodes = [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]
+        k = self.draft_length(len(decodes))
+        for seq in decodes:  # decodes first
             if budget == 0:
                 break
-            if seq.replica is None or not self._grow(seq, 1, plan):  # None: preempted above, in this plan
+            if seq.replica is None:  # preempted above, in this plan
                 continue
-            plan.chunks[seq.replica].append(self._chunk(seq, 1))
-            budget -= 1
+            draft = self._draft(seq, min(k, budget - 1))
+            if not self._grow(seq, 1, plan):
+                continue
+            if draft and not self.cache.fits(seq.replica, seq, len(draft)):
+                draft = []  # drafts never preempt anything
+            self._take(seq, len(draft))
+            plan.chunks[seq.replica].append(self._chunk(seq, 1 + len(draft), draft))
+            budget -= 1 + len(draft)
         for seq in [s for s in self.running if s.num_uncached > 1 or s.is_refresh]:  # prefills in progress
             n = self._prefill_len(seq, budget)
             if n == 0 or not self.cache.fits(seq.replica, seq, n):
@@ -304,20 +360,48 @@ class Scheduler:
         out, self.released[replica] = tuple(self.released[replica]), []
         return out
 
-    def _chunk(self, seq: Seq, n: int) -> SeqChunk:
-        start = seq.num_cached - n  # _take already advanced num_cached
-        sample = seq.num_cached == len(seq.token_ids) and not seq.is_refresh
+    def draft_length(self, decoding: int) -> int:
+        """The adaptive length's batch half: the most drafts one sequence may carry in a step where
+        ``decoding`` sequences decode. Up to ``full_draft_batch`` sequences draft the full
+        ``num_speculative_tokens``; beyond, the step's drafts stay at that many sequences' worth,
+        shared (so a large batch, which is already compute-bound, spends nothing on drafts)."""
+        spec = self.speculative
+        if spec is None or decoding == 0:
+            return 0
+        K = spec.num_speculative_tokens
+        return K if decoding <= spec.full_draft_batch else K * spec.full_draft_batch // decoding
+
+    def _draft(self, seq: Seq, k: int) -> list[int]:
+        """Up to ``k`` draft tokens for ``seq``'s next step: fewer as its drafts were recently
+        rejected (its acceptance rate's share of ``k``, at least one), none while its stop ids are
+        banned (before ``min_tokens``), and never past its length limits (its token after the
+        drafts counts). A decode chunk never ends at a KDA snapshot boundary (those are at or
+        before its last known token), so drafts and snapshots never meet."""
+        if k <= 0 or self.drafter is None or seq.is_refresh:
+            return []
+        k = min(k, max(1, math.ceil(k * seq.draft_rate)), seq.params.max_tokens - len(seq.output_ids) - 1,
+                self.max_context - len(seq.token_ids) - 1)
+        if k <= 0 or banned_ids(seq, len(seq.token_ids), self.stop_ids):
+            return []
+        return self.drafter.propose(seq.seq_id, seq.token_ids, k)
+
+    def _chunk(self, seq: Seq, n: int, draft: list[int] = ()) -> SeqChunk:
+        """``seq``'s next ``n`` tokens (``_take`` already advanced ``num_cached``), the last
+        ``len(draft)`` of them ``draft``: tokens proposed, not yet known, verified by the actor."""
+        start = seq.num_cached - n
+        known = seq.num_cached - len(draft)
+        sample = known == len(seq.token_ids) and not seq.is_refresh
         reset, seq.reset_state_next = seq.reset_state_next, False
         # a sequence's params go to its replica once, with its first chunk there (reset_state)
         params = seq.params if reset and not seq.is_refresh else None
         # a hit sequence's history (penalties, grammar) is rebuilt from the tokens it did not compute
         prefix = tuple(seq.token_ids[:start]) if reset and start and stateful(seq.params) else ()
-        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start : start + n]), start, tuple(seq.block_table),
+        return SeqChunk(seq.seq_id, tuple(seq.token_ids[start:known]) + tuple(draft), start, tuple(seq.block_table),
                         seq.state_slot, reset_state=reset, sample=sample, params=params,
                         prompt_len=seq.num_prompt_tokens,
-                        banned=banned_ids(seq, seq.num_cached, self.stop_ids) if sample else (),
+                        banned=banned_ids(seq, known, self.stop_ids) if sample else (),
                         restore=seq.cache.snapshot if reset else None,
-                        snapshot=self.cache.plan_snapshot(seq, start), prefix=prefix)
+                        snapshot=self.cache.plan_snapshot(seq, start), prefix=prefix, draft=len(draft))
 
     def _prefill_len(self, seq: Seq, budget: int, start: int | None = None) -> int:
         """Tokens of ``seq``'s prefill to compute now: within ``budget``, cut on the prefix cache's

@@ -139,6 +139,15 @@ class EngineStats:
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     e2e_s: deque = field(default_factory=lambda: deque(maxlen=4096))
     listeners: list[Callable[[Record], None]] = field(default_factory=list)  # stat loggers, e.g. metrics
+    # speculative decoding (vLLM's spec_decode counters): sequences that carried drafts in a step, their
+    # draft tokens, those accepted, and accepted per draft position; steps that verified drafts and the
+    # sum over them of the mean distinct experts each MoE layer touched
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list = field(default_factory=list)
+    spec_verify_steps: int = 0
+    spec_experts_touched: float = 0.0
 
     def record_step(self, rec: StepRecord) -> None:
         self.steps += 1
@@ -154,6 +163,27 @@ class EngineStats:
             self.add_time(**dict(rec.parts))
             self.breakdown["steps"] += 1
         self._emit(rec)
+
+    def observe_drafts(self, verified) -> None:
+        """A finished step's :class:`~cluster.scheduler.Verified` drafts."""
+        for v in verified:
+            self.spec_drafts += 1
+            self.spec_draft_tokens += v.drafted
+            self.spec_accepted_tokens += v.accepted
+            if len(self.spec_accepted_per_pos) < v.drafted:
+                self.spec_accepted_per_pos += [0] * (v.drafted - len(self.spec_accepted_per_pos))
+            for i in range(v.accepted):
+                self.spec_accepted_per_pos[i] += 1
+
+    def observe_verify_experts(self, expert_tokens) -> None:
+        """A step that verified drafts routed ``expert_tokens`` [MoE layers, experts]."""
+        self.spec_verify_steps += 1
+        self.spec_experts_touched += float((expert_tokens > 0).sum(-1).float().mean())
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a sequence with drafts gained per step (accepted drafts plus its own), vLLM's."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else None
 
     def add_time(self, **seconds: float) -> None:
         """Add to the breakdown (engine thread; the status reader copies the dict)."""

@@ -82,6 +82,7 @@ class KDAStateCache:
         self.conv = torch.zeros(num_layers, rows, 3, conv_kernel - 1, P, dtype=dtype, device=device)
         self.recurrent = torch.zeros(num_layers, rows, num_heads, head_dim, head_dim, dtype=torch.float32,
                                      device=device)
+        self.kept: dict[int, list] = {}  # speculative decoding: see keep()
 
     def _snapshot_row(self, snap: int) -> int:
         if not 0 <= snap < self.num_snapshots:
@@ -111,6 +112,30 @@ class KDAStateCache:
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
+
+    # ---- speculative decoding: the state at the last accepted draft ------------------------------
+    def keep(self, layer: int) -> list:
+        """Where KDA layer row ``layer`` puts, for a group of sequences carrying drafts, its slots, its
+        recurrent state after each query position [Bg, Q, H, K, V] and its conv inputs with the W−1
+        before them [Bg, 3, W−1+Q, P] (emptied by :meth:`accept` and :meth:`drop_kept`)."""
+        return self.kept.setdefault(layer, [])
+
+    def drop_kept(self) -> None:
+        self.kept = {}
+
+    def accept(self, accepted: dict[int, int]) -> None:
+        """Slot → the drafts accepted for it (a): its state becomes the one after query position a
+        (its input token and a drafts), in every KDA layer; what the step kept is dropped."""
+        for layer, groups in self.kept.items():
+            for slots, states, hist in groups:
+                for b, slot in enumerate(slots.tolist()):
+                    a = accepted.get(slot)
+                    if a is None or a == states.shape[1] - 1:
+                        continue
+                    self.recurrent[layer, slot] = states[b, a]
+                    W1 = self.conv.shape[3]
+                    self.conv[layer, slot] = hist[b, :, a + 1 : a + 1 + W1].to(self.conv.dtype)
+        self.kept = {}
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -153,6 +178,9 @@ class AttnGroup:
     q_rows: torch.Tensor    # [Tg] row of each real query in the flattened [Bg·Qg] padded queries
     tokens: torch.Tensor | None  # [Tg] flat token index of each real query, in q_rows order
     query_lens: list[int]   # [Bg]
+    # its sequences' last query tokens after the first are drafts (speculative decoding): KDA runs them
+    # one at a time, as decoding would, and keeps the state after each (KDAStateCache.kept)
+    verify: bool = False
 
 
 @dataclass
@@ -171,6 +199,11 @@ class AttnMeta:
     query_lens: list[int]
     context_lens: list[int]
     state_slots: torch.Tensor | None = None  # [B] KDA slot of each sequence (hybrid models)
+
+    @property
+    def verifying(self) -> bool:
+        """Some sequences carry drafts (a group of them is marked ``verify``)."""
+        return any(g.verify for g in self.groups)
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -203,7 +236,7 @@ def group_sequences(query_lens: list[int], max_pad: float = MAX_QUERY_PAD) -> li
 
 
 def _pad_group(seqs: list[int] | None, ql: torch.Tensor, cl: torch.Tensor, starts: torch.Tensor,
-               table: torch.Tensor, block_size: int, device) -> AttnGroup:
+               table: torch.Tensor, block_size: int, device, verify: bool = False) -> AttnGroup:
     """The padded [Bg, Qg, Lg] block of the sequences ``seqs`` (None: the whole batch in order);
     host tensors in, ``device`` tensors out."""
     idx = None if seqs is None else torch.tensor(seqs, dtype=torch.long)
@@ -228,15 +261,16 @@ def _pad_group(seqs: list[int] | None, ql: torch.Tensor, cl: torch.Tensor, start
     return AttnGroup(seqs=None if idx is None else idx.to(**to), q_index=q_index.to(**to),
                      q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to), mask=mask.to(**to),
                      q_rows=q_rows.to(**to), query_lens=query_lens,
-                     tokens=None if idx is None else q_index.flatten()[q_rows].to(**to))
+                     tokens=None if idx is None else q_index.flatten()[q_rows].to(**to), verify=verify)
 
 
 def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                     block_size: int, device: str | torch.device = "cpu",
-                    state_slots: list[int] | None = None) -> AttnMeta:
+                    state_slots: list[int] | None = None, verify: list[bool] | None = None) -> AttnMeta:
     """For each sequence: ``query_lens[b]`` new tokens at the end of a context of
     ``context_lens[b]`` tokens (new tokens included); its cache blocks are ``block_tables[b]``.
-    Attention groups follow :func:`group_sequences`."""
+    Attention groups follow :func:`group_sequences`; the sequences ``verify`` marks (carrying
+    drafts) form one group of their own."""
     assert len(query_lens) == len(context_lens) == len(block_tables), "batch fields disagree"
     B = len(query_lens)
     ql = torch.tensor(query_lens)
@@ -252,10 +286,16 @@ def build_attn_meta(query_lens: list[int], context_lens: list[int], block_tables
     positions = (cl - ql)[seq] + torch.arange(int(ql.sum())) - starts[seq]
     blk = table[seq, (positions // block_size).clamp(max=max_blocks - 1)]
     slot_mapping = blk * block_size + positions % block_size
-    groups = group_sequences(list(query_lens))
+    if verify is not None and any(verify):
+        rest = [b for b in range(B) if not verify[b]]
+        groups = [[rest[i] for i in g] for g in group_sequences([query_lens[b] for b in rest])] if rest else []
+        groups.append([b for b in range(B) if verify[b]])
+    else:
+        groups = group_sequences(list(query_lens))
+    flags = [verify is not None and verify[g[0]] for g in groups]
     if len(groups) == 1:
         groups = [None]  # the whole batch in order
-    groups = [_pad_group(g, ql, cl, starts, table, block_size, device) for g in groups]
+    groups = [_pad_group(g, ql, cl, starts, table, block_size, device, f) for g, f in zip(groups, flags)]
     return AttnMeta(
         positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups,
         query_lens=list(query_lens), context_lens=list(context_lens),

@@ -58,12 +58,13 @@ def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
 
 
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  state: torch.Tensor | None, states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one token at a time (§3.4), vectorised over batch and heads.
 
     q, k [B, T, H, K] (already L2-normed; q already scaled); v [B, T, H, V]; g [B, T, H, K] log
     decay; beta [B, T, H]; state [B, H, K, V] or None (zeros). Returns o [B, T, H, V] fp32
-    and the final state [B, H, K, V] fp32. Meant for decode (T == 1).
+    and the final state [B, H, K, V] fp32. Meant for decode (T == 1), and for a decode with drafts
+    (speculative decoding): ``states``, when given, gets the state after each token.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -76,6 +77,8 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         u = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S)            # prediction error [B, H, V]
         S = S + beta[:, t, :, None, None] * k_t[..., :, None] * u[..., None, :]
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        if states is not None:
+            states.append(S)
     o = torch.stack(out, dim=1) if out else v.new_zeros(B, 0, H, V)
     return o, S
 
@@ -206,14 +209,19 @@ class KimiDeltaAttention(nn.Module):
 
     # ---- the layer ---------------------------------------------------------------
     def _attend(self, grp: AttnGroup, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
+                keep: list | None = None) -> torch.Tensor:
         """Conv and delta rule of one group, padded [Bg, Qg]; the outputs [Tg, n, d] fp32 of its
-        real queries (``grp.q_rows`` order). Updates the group's state rows ``slots`` in place."""
+        real queries (``grp.q_rows`` order). Updates the group's state rows ``slots`` in place. A
+        group of sequences with drafts (``grp.verify``) runs the recurrent form, token by token as
+        decoding would, and appends to ``keep`` what going back to an earlier token needs."""
         B, Q = grp.q_index.shape
         n, d = self.num_heads, self.head_dim
         pad0 = grp.q_valid[..., None, None].to(torch.float32)          # [B, Q, 1, 1]; 0 on pads
         q_lens = grp.q_valid.sum(1)                                     # [B]
         x = qkv[grp.q_index] * pad0.to(qkv.dtype)                       # [B, Q, 3, P]
+        if grp.verify and keep is not None:
+            hist = torch.cat([conv_state[slots].to(x.dtype), x.transpose(1, 2)], dim=2)  # [B, 3, W-1+Q, P]
         x = self._conv(x.transpose(1, 2), q_lens, conv_state, slots)   # [B, 3, Q, P]
         q, k, v = (x[:, i].reshape(B, Q, n, d) for i in range(3))
         q = l2norm(q) * d**-0.5
@@ -221,17 +229,24 @@ class KimiDeltaAttention(nn.Module):
         v = v.float()
         g = g[grp.q_index] * pad0                                       # [B, Q, n, d]; pads: g = 0
         beta = beta[grp.q_index] * pad0[..., 0]                         # [B, Q, n]; pads: 0
-        kernel = recurrent_kda if all(ql == 1 for ql in grp.query_lens) else chunk_kda
-        o, S = kernel(q, k, v, g, beta, recurrent_state[slots])
+        if grp.verify:
+            states = [] if keep is not None else None
+            o, S = recurrent_kda(q, k, v, g, beta, recurrent_state[slots], states)
+            if keep is not None:
+                keep.append((slots, torch.stack(states, dim=1), hist))
+        else:
+            kernel = recurrent_kda if all(ql == 1 for ql in grp.query_lens) else chunk_kda
+            o, S = kernel(q, k, v, g, beta, recurrent_state[slots])
         recurrent_state[slots] = S
         return o.flatten(0, 1)[grp.q_rows]
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, conv_state: torch.Tensor,
-                recurrent_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                recurrent_state: torch.Tensor, slots: torch.Tensor, keep: list | None = None) -> torch.Tensor:
         """x [T, H] (normed) → [T, H]. Sequence b's states live in row ``slots[b]`` of
         ``conv_state`` [num_slots, 3, W−1, P] and ``recurrent_state`` [num_slots, n_h, d, d] fp32;
         both are updated in place. Projections run over the flat tokens; the conv and the delta
-        rule per attention group of ``meta`` (recurrent for a group of decodes, chunked otherwise)."""
+        rule per attention group of ``meta`` (recurrent for a group of decodes or of sequences with
+        drafts, whose per-token states go to ``keep``; chunked otherwise)."""
         T = x.shape[0]
         n, d, W = self.num_heads, self.head_dim, self.conv_kernel
         B = len(meta.query_lens)
@@ -245,7 +260,7 @@ class KimiDeltaAttention(nn.Module):
         o = None
         for grp in meta.groups:  # sequences of similar query length (decodes together)
             grp_slots = slots if grp.seqs is None else slots[grp.seqs]
-            og = self._attend(grp, qkv, g, beta, conv_state, recurrent_state, grp_slots)  # [Tg, n, d]
+            og = self._attend(grp, qkv, g, beta, conv_state, recurrent_state, grp_slots, keep)  # [Tg, n, d]
             if grp.tokens is None:
                 o = og  # the whole batch in order
             else:

@@ -64,7 +64,8 @@ class DecoderLayer(nn.Module):
     def attend(self, x: torch.Tensor, meta: AttnMeta, cache: ModelCache, rope, impl: str) -> torch.Tensor:
         if self.is_kda:
             conv, recurrent = cache.kda_layer(self.index)
-            return self.self_attn(x, meta, conv, recurrent, meta.state_slots)
+            keep = cache.kda.keep(cache.kda_index[self.index]) if meta.verifying else None
+            return self.self_attn(x, meta, conv, recurrent, meta.state_slots, keep)
         return self.self_attn(x, meta, cache.mla_layer(self.index), rope, impl)
 
     def ffn_stages(self, x: torch.Tensor):

@@ -1,0 +1,168 @@
+"""Draft tokens for speculative decoding, made from text already seen (docs/architecture.md
+"Speculative decoding").
+
+Two proposers, both in the engine's process, beside the scheduler that asks them:
+
+- ``ngram`` (prompt lookup, vLLM's ``method: ngram``): the most recent earlier occurrence of the
+  sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) and the
+  tokens that followed it.
+- ``suffix`` (SuffixDecoding, vLLM's ``method: suffix``): a depth-limited suffix trie with counts
+  over the sequence's own prompt and output, and one over a bounded window of recent requests'
+  outputs; the longest suffix of the context found in a trie is followed by its most frequent
+  continuation while the path's estimated probability stays above ``min_token_prob`` (the
+  per-sequence confidence cut); the trie whose path expects more accepted tokens wins.
+
+Owns: per sequence, its index (built incrementally: each token is indexed once, O(depth) work,
+never a scan of the sequence), and the window of finished outputs. Never: decides how many drafts
+a sequence may carry (the scheduler's policy does), or sees a tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+
+class Drafter(Protocol):
+    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]: ...
+
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: per sequence, each n-gram's latest end position (n in [lo, hi])."""
+
+    def __init__(self, lo: int = 2, hi: int = 5):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"ngram: prompt_lookup_min ({lo}) must be >= 1 and <= prompt_lookup_max ({hi})")
+        self.lo, self.hi = lo, hi
+        self._index: dict[int, tuple[list[dict], list[int]]] = {}  # seq id → (per n: n-gram → end), [indexed]
+
+    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(token_ids) < self.lo + 1:
+            return []
+        tables, done = self._index.setdefault(seq_id, ([{} for _ in range(self.hi - self.lo + 1)], [0]))
+        L = len(token_ids)
+        # index every n-gram ending before the last token, so the lookup finds an earlier occurrence
+        for end in range(max(done[0], self.lo - 1), L - 1):
+            for n in range(self.lo, min(self.hi, end + 1) + 1):
+                tables[n - self.lo][tuple(token_ids[end - n + 1 : end + 1])] = end
+        done[0] = max(done[0], L - 1)
+        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
+            end = tables[n - self.lo].get(tuple(token_ids[L - n :]))
+            if end is not None:
+                return token_ids[end + 1 : end + 1 + k]
+        return []
+
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self):
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """Every substring of at most ``depth`` tokens of the texts added, with how often it occurred:
+    a text is added token by token (:meth:`extend`), each token extending the suffixes that end
+    before it (O(depth) per token)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root = _Node()
+
+    def extend(self, active: list[_Node], tokens, sign: int = 1) -> list[_Node]:
+        """Add ``tokens`` after the text whose open suffixes are ``active`` (deepest last); returns
+        the new open suffixes. ``sign`` -1 takes a text out again (the window's eviction)."""
+        for t in tokens:
+            nxt = []
+            for node in [self.root] + active[-(self.depth - 1):] if self.depth > 1 else [self.root]:
+                child = node.children.get(t)
+                if child is None:
+                    if sign < 0:
+                        continue
+                    child = node.children[t] = _Node()
+                child.count += sign
+                if child.count <= 0:
+                    del node.children[t]
+                    continue
+                nxt.append(child)
+            active = nxt
+        return active
+
+    def continuation(self, context: list[int], k: int, min_prob: float) -> tuple[list[int], float]:
+        """The most frequent continuation of the longest suffix of ``context`` found here (at most
+        ``k`` tokens, while the path's probability stays >= ``min_prob``), and its score: the
+        expected number of those tokens accepted (the sum of the path's probabilities)."""
+        for m in range(min(self.depth, len(context)), 0, -1):
+            node = self.root
+            for t in context[len(context) - m:]:
+                node = node.children.get(t)
+                if node is None:
+                    break
+            if node is None or not node.children:
+                continue
+            out, prob, score = [], 1.0, 0.0
+            while node.children and len(out) < k:
+                total = sum(c.count for c in node.children.values())
+                tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
+                prob *= child.count / total
+                if prob < min_prob:
+                    break
+                out.append(tok)
+                score += prob
+                node = child
+            return out, score
+        return [], 0.0
+
+
+class SuffixDrafter:
+    """SuffixDecoding over each sequence's own tokens and a window of recent outputs."""
+
+    def __init__(self, depth: int = 24, window: int = 1000, min_prob: float = 0.1):
+        if depth < 2 or window < 0 or not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"suffix: max_tree_depth must be >= 2, max_cached_requests >= 0 and min_token_prob in "
+                             f"[0, 1]; got {depth}, {window}, {min_prob}")
+        self.depth, self.window, self.min_prob = depth, window, min_prob
+        self.seqs: dict[int, tuple[SuffixTrie, list, list[int]]] = {}  # seq id → trie, open suffixes, [indexed]
+        self.shared = SuffixTrie(depth)
+        self.recent: deque[list[int]] = deque()  # outputs in the shared trie, oldest first
+
+    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        trie, active, done = self.seqs.setdefault(seq_id, (SuffixTrie(self.depth), [], [0]))
+        # the last token stays out of the sequence's trie until the next call: the context's own
+        # occurrence has no continuation yet, and every earlier one has
+        if done[0] < len(token_ids) - 1:
+            active[:] = trie.extend(active, token_ids[done[0] : len(token_ids) - 1])
+            done[0] = len(token_ids) - 1
+        context = token_ids[-self.depth:]
+        own, own_score = trie.continuation(context, k, self.min_prob)
+        other, other_score = self.shared.continuation(context, k, self.min_prob) if self.recent else ([], 0.0)
+        return own if own_score >= other_score else other
+
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.seqs.pop(seq_id, None)
+        out = token_ids[num_prompt_tokens:]
+        if not out or self.window == 0:
+            return
+        self.shared.extend([], out)
+        self.recent.append(list(out))
+        while len(self.recent) > self.window:
+            self.shared.extend([], self.recent.popleft(), sign=-1)
+
+
+def make_drafter(spec) -> Drafter | None:
+    """The proposer a :class:`~cluster.config.SpeculativeConfig` names (None for ``mtp``: its drafts
+    come from the model, on the attention actors)."""
+    if spec.method == "ngram":
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        return SuffixDrafter(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                             spec.suffix_decoding_min_token_prob)
+    return None

@@ -1,0 +1,268 @@
+"""Speculative decoding through the real engine, scheduler and attention workers (the in-process
+executor: real AttentionWorkers holding every expert, no Ray): outputs with drafts equal outputs
+without, token for token — greedy, seeded, penalised and grammar-constrained, with chunked prefill,
+preemption and prefix caching — the unseeded draw keeps its distribution, and the draft-length
+policy shrinks drafts with the batch and with rejections.
+
+A random model rarely repeats itself, so besides the real proposers (ngram, suffix) the tests use
+an *oracle drafter*: it proposes the tokens the run without drafts produced, with one of them
+corrupted at about a third of the steps, so every step mixes accepted and rejected drafts at known
+places."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine import Engine
+from cluster.inprocess import InProcessExecutor
+from cluster.scheduler import Scheduler, Seq
+from cluster.spec import ClusterSpec
+from model.config import load_config
+from model.presets import build_preset
+from model.sampling import SamplingParams
+
+
+
+def prompts(n, lo=3, hi=30, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 760, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {name: build_preset(name, root / name, seed=2, dtype="float32", progress=False)
+            for name in ("kimi-k2-tiny", "kimi-k3-tiny", "deepseek-v3-tiny")}
+
+
+class OracleDrafter:
+    """Proposes the next tokens of ``truth[seq_id]`` (a run without drafts), one of them corrupted
+    at about a third of the calls (by a hash of the sequence and its length: reproducible)."""
+
+    def __init__(self, truth: list[list[int]], vocab: int):
+        self.truth, self.vocab = truth, vocab
+        self.calls = 0
+
+    def propose(self, seq_id, token_ids, k):
+        full = self.truth[seq_id]
+        L = len(token_ids)
+        if full[:L] != token_ids:
+            return []  # already diverged: the equality check reports it
+        out = list(full[L : L + k])
+        self.calls += 1
+        if out and (seq_id * 31 + L) % 3 == 0:
+            j = (seq_id + L) % len(out)
+            out[j] = (out[j] + 1) % self.vocab
+        return out
+
+    def finished(self, seq_id, token_ids, num_prompt_tokens):
+        pass
+
+
+def engine(path, speculative=None, attention=2, **knobs) -> Engine:
+    cfg = EngineConfig.of(path, speculative=speculative, **knobs)
+    spec = ClusterSpec(attention=attention, experts=1)
+    return Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))).start()
+
+
+def run(path, ps, params, speculative=None, drafter=None, **knobs):
+    """(full token lists, engine stats, prefix tokens hit) of one engine's generate."""
+    eng = engine(path, speculative, **knobs)
+    try:
+        if drafter is not None:
+            eng.scheduler.drafter = drafter
+        seqs = eng.generate(ps, params)
+        return [s.token_ids for s in seqs], eng.stats, sum(eng.scheduler.cache.hits.values())
+    finally:
+        eng.shutdown()
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+# chunked prefill (a 64-token budget: the hybrid snapshot grid), preemption (one replica of 12 blocks of 16, 3 sequences of ~110 tokens)
+# and prefix caching (a 70-token shared prefix: past the hybrid snapshot grid of 64)
+KNOBS = dict(max_tokens_per_step=64, num_blocks=12, block_size=16, prefix_caching=True, attention=1)
+
+
+def shared_prefix_prompts(n=6, seed=0):
+    head = prompts(1, 70, 71, seed=seed + 100)[0]
+    return [head + p for p in prompts(n, 4, 20, seed=seed)]
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-tiny", "kimi-k3-tiny", "deepseek-v3-tiny"])
+def test_drafts_change_no_token(models, name):
+    path = models[name]
+    ps = shared_prefix_prompts()
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=11),
+              SamplingParams(max_tokens=30, repetition_penalty=1.4, frequency_penalty=0.6),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=5, presence_penalty=1.0, min_tokens=3),
+              SamplingParams(max_tokens=25, temperature=0.7, top_k=5, seed=3), SamplingParams(max_tokens=30)]
+    # the prompts run in two waves, so the second finds the first's prefix cached
+    first, _, _ = run(path, ps, params, **KNOBS)
+    want, off_stats, off_hits = run(path, ps, params, max_num_seqs=3, **KNOBS)
+    assert want == first  # (the waves change nothing either)
+    drafter = OracleDrafter(want, load_config(path).vocab_size)
+    got, st, hits = run(path, ps, params, SPEC, drafter, max_num_seqs=3, **KNOBS)
+    assert got == want
+    assert st.spec_accepted_tokens > 0 and st.spec_draft_tokens > st.spec_accepted_tokens  # both kinds happened
+    assert st.preemptions > 0 and hits > 0 and off_stats.preemptions > 0
+
+
+def test_real_proposers_verify_exactly(models):
+    # ngram on K2: repeated prompts give the prompt lookup something to find
+    path = models["kimi-k2-tiny"]
+    ps = [p * 3 for p in prompts(6, 4, 12, seed=1)]
+    params = SamplingParams(max_tokens=40)
+    want, _, _ = run(path, ps, params)
+    got, st, _ = run(path, ps, params, SPEC)
+    assert got == want and st.spec_accepted_tokens > 0
+    # suffix on K3 (hybrid): the second pass of the same prompts drafts from the first pass's outputs
+    path = models["kimi-k3-tiny"]
+    ps = prompts(4, 4, 20, seed=3)
+    want, _, _ = run(path, ps + ps, params)
+    got, st, _ = run(path, ps + ps, params, {"method": "suffix", "num_speculative_tokens": 4},
+                     max_num_seqs=4)
+    assert got == want and st.spec_accepted_tokens > 0
+
+
+def test_a_constrained_and_a_penalised_stream_keep_their_tokens(models):
+    import jsonschema
+
+    from deploy.structured import response_format_grammar
+    from model.tokenizer import Tokenizer
+
+    path = models["kimi-k2-tiny"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                   "n": {"type": "integer", "maximum": 999}},
+              "required": ["name", "n"], "additionalProperties": False}
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    ps = prompts(4, 5, 15, seed=7)
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, grammar=grammar) for s in range(3)]
+    params.append(SamplingParams(max_tokens=40, temperature=0.8, seed=9, repetition_penalty=1.5,
+                                 presence_penalty=1.5, frequency_penalty=1.0))
+    want, _, _ = run(path, ps, params)
+    got, st, _ = run(path, ps, params, SPEC, OracleDrafter(want, load_config(path).vocab_size))
+    assert got == want and st.spec_accepted_tokens > 0 and st.spec_draft_tokens > st.spec_accepted_tokens
+    tok = Tokenizer.from_dir(path)
+    for p, toks in zip(ps[:3], got[:3]):
+        jsonschema.validate(json.loads(tok.decode(toks[len(p):], skip_special_tokens=True)), schema)
+
+
+def chi2_p(a: list[int], b: list[int]) -> float:
+    """The p-value of Pearson's chi-squared test that counts ``a`` and ``b`` (same categories) come
+    from one distribution (a 2 × C contingency table; categories empty in both are left out)."""
+    t = torch.tensor([a, b], dtype=torch.float64)
+    t = t[:, t.sum(0) > 0]
+    expected = t.sum(1, keepdim=True) * t.sum(0, keepdim=True) / t.sum()
+    stat = ((t - expected) ** 2 / expected).sum()
+    df = t.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_rejection_sampling_keeps_the_distribution(models):
+    path = models["kimi-k2-tiny"]
+    prompt = prompts(1, 8, 9, seed=4)[0]
+    n = 2400
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3)  # unseeded: a fresh draw each time
+    # the drafts: after the first token, the greedy continuation of each possible first token
+    firsts, _, _ = run(path, [prompt] * 64, SamplingParams(max_tokens=1, temperature=1.0, top_k=3))
+    heads = sorted({f[-1] for f in firsts})
+    conts, _, _ = run(path, [prompt + [h] for h in heads], SamplingParams(max_tokens=2))
+    table = {h: c[-2:] for h, c in zip(heads, conts)}
+
+    class Greedy:
+        def propose(self, seq_id, token_ids, k):
+            return table.get(token_ids[len(prompt)], [])[:k] if len(token_ids) == len(prompt) + 1 else []
+
+        def finished(self, *a):
+            pass
+
+    def counts(toks):
+        pairs = [tuple(t[len(prompt) + 1 :]) for t in toks]
+        return pairs
+
+    off, _, _ = run(path, [prompt] * n, params, max_num_seqs=64)
+    on, st, _ = run(path, [prompt] * n, params, {**SPEC, "full_draft_batch": 64}, Greedy(), max_num_seqs=64)
+    assert st.spec_drafts >= n * 0.9 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    a, b = counts(off), counts(on)
+    cats = sorted(set(a) | set(b))
+    p = chi2_p([a.count(c) for c in cats], [b.count(c) for c in cats])
+    assert p > 0.01, (p, cats)
+    # a seeded request: the same stream twice with drafts, and the same as without
+    seeded = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in range(4)]
+    want, _, _ = run(path, [prompt] * 4, seeded)
+    once, _, _ = run(path, [prompt] * 4, seeded, SPEC, OracleDrafter(want, load_config(path).vocab_size))
+    again, _, _ = run(path, [prompt] * 4, seeded, SPEC, OracleDrafter(want, load_config(path).vocab_size))
+    assert once == again == want
+
+
+def test_chi2_p_tells_distributions_apart():
+    assert chi2_p([500, 300, 200], [480, 320, 200]) > 0.01
+    assert chi2_p([500, 300, 200], [300, 500, 200]) < 1e-6
+
+
+# ---- the draft-length policy, on the scheduler's plans ------------------------------------------
+
+class Always:
+    """Proposes k copies of token 7, whatever the context."""
+
+    def propose(self, seq_id, token_ids, k):
+        return [7] * k
+
+    def finished(self, *a):
+        pass
+
+
+def decoding_scheduler(n: int) -> Scheduler:
+    from cluster.config import SpeculativeConfig
+
+    s = Scheduler(num_replicas=2, num_blocks=512, block_size=16, num_slots=None, max_num_seqs=64,
+                  max_tokens_per_step=1024, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s.drafter = Always()
+    for i in range(n):
+        s.add(Seq(i, [1, 2, 3], 3, SamplingParams(max_tokens=100)))
+    plan = s.schedule()  # the prefills
+    s.completed(plan)
+    s.apply([_tok(c.seq_id) for r in plan.chunks for c in r])
+    return s
+
+
+def _tok(seq_id, t=5):
+    from actors.messages import SampledToken
+
+    return SampledToken(seq_id, t)
+
+
+def drafts_of(plan) -> list[int]:
+    return [c.draft for r in plan.chunks for c in r]
+
+
+def test_drafts_shrink_with_the_batch():
+    one = drafts_of(decoding_scheduler(1).schedule())
+    eight = drafts_of(decoding_scheduler(8).schedule())
+    thirty_two = drafts_of(decoding_scheduler(32).schedule())
+    assert one == [4]
+    assert eight == [2] * 8  # 4 × 4 / 8
+    assert thirty_two == [0] * 32  # a full batch drafts nothing: its steps cost what they cost without
+
+
+def test_drafts_shrink_with_rejections_and_come_back():
+    s = decoding_scheduler(1)
+    seen = []
+    for accepted in (0, 0, 0, 4, 4):
+        plan = s.schedule()
+        (c,) = [c for r in plan.chunks for c in r]
+        seen.append(c.draft)
+        toks = [_tok(0, 7)] * min(accepted, c.draft) + [_tok(0, 9)]
+        v = s.verified(plan, toks)
+        assert v[0].accepted == min(accepted, c.draft)
+        s.completed(plan)
+        s.apply(toks)
+        # the rejected drafts' positions are given back: the next chunk starts right after the accepted
+        seq = s.seqs[0]
+        assert seq.num_cached == len(seq.token_ids) - 1
+        assert len(seq.block_table) == -(-seq.num_cached // 16)
+    assert seen[0] == 4 and seen[1] < 4 and seen[2] < seen[1] and seen[-1] > seen[2]
