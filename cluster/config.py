@@ -173,9 +173,15 @@ class SpeculativeConfig(_Checked):
                                                     ge=0)
     suffix_decoding_min_token_prob: float = knob(0.1, "suffix: a draft stops where its path's estimated probability "
                                                       "falls below this (the confidence cut).", ge=0, le=1)
-    full_draft_batch: int = knob(4, "Adaptive length: up to this many decoding sequences each draft the full "
+    full_draft_batch: int = knob(2, "Adaptive length: up to this many decoding sequences each draft the full "
                                     "length; beyond, each drafts num_speculative_tokens × this / sequences "
                                     "(rounded down: none at all once that is under 1).", ge=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative: prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
 
     @classmethod
     def parse(cls, raw) -> "SpeculativeConfig":

@@ -59,11 +59,18 @@ class NgramDrafter:
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "children", "total", "best")
 
     def __init__(self):
         self.count = 0
         self.children: dict[int, _Node] = {}
+        self.total = 0  # the children's counts
+        self.best: int | None = None  # the child of the highest count (None: to be found again)
+
+    def best_child(self) -> tuple[int, "_Node"]:
+        if self.best is None or self.best not in self.children:
+            self.best = max(self.children, key=lambda t: self.children[t].count)
+        return self.best, self.children[self.best]
 
 
 class SuffixTrie:
@@ -87,9 +94,15 @@ class SuffixTrie:
                         continue
                     child = node.children[t] = _Node()
                 child.count += sign
-                if child.count <= 0:
-                    del node.children[t]
-                    continue
+                node.total += sign
+                if sign < 0:
+                    if node.best == t:
+                        node.best = None
+                    if child.count <= 0:
+                        del node.children[t]
+                        continue
+                elif node.best is not None and child.count > node.children[node.best].count:
+                    node.best = t
                 nxt.append(child)
             active = nxt
         return active
@@ -108,9 +121,8 @@ class SuffixTrie:
                 continue
             out, prob, score = [], 1.0, 0.0
             while node.children and len(out) < k:
-                total = sum(c.count for c in node.children.values())
-                tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-                prob *= child.count / total
+                tok, child = node.best_child()
+                prob *= child.count / node.total
                 if prob < min_prob:
                     break
                 out.append(tok)

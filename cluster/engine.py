@@ -488,6 +488,17 @@ class Engine:
             self.record()
         return [self.release(i).seq for i in ids]
 
+    def speculative_status(self) -> dict | None:
+        """Speculative decoding's method and acceptance so far (None when it is off)."""
+        spec, st = self.config.speculative, self.stats
+        if spec is None:
+            return None
+        return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                "drafts": st.spec_drafts, "draft_tokens": st.spec_draft_tokens, "accepted_tokens": st.spec_accepted_tokens,
+                "acceptance_rate": st.spec_accepted_tokens / st.spec_draft_tokens if st.spec_draft_tokens else None,
+                "mean_accepted_length": st.mean_accepted_length,
+                "accepted_per_position": list(st.spec_accepted_per_pos)}
+
     def status(self) -> dict:
         """Plain data for ``/status`` (call on the engine thread; the async engine's ``control``)."""
         sched, stats = self.scheduler, self.stats
@@ -503,4 +514,5 @@ class Engine:
                 "cache": [(a.num_held, a.num_blocks) for a in sched.cache.blocks],
                 "sequences": [sched.load(r) for r in range(len(sched.cache.blocks))],
                 "prefix_cache": sched.cache_status(),
+                "speculative": self.speculative_status(),
                 "actors": self.executor.describe()}

@@ -40,6 +40,22 @@ ADMIN_KEY_HELP = ("The server's admin key (default: for the app `moeray up` star
                   "$MOERAY_ADMIN_KEY).")
 
 
+def parse_json_option(text: str | None, flag: str) -> dict | None:
+    """A flag whose value is a JSON object (``--speculative-config``); ValueError naming the flag."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not JSON ({e.msg} at character {e.pos}); give an object such as "
+                         '\'{"method": "suffix", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: give a JSON object, got {text!r}")
+    return value
+
+
 def resolve_model(model: str) -> Path:
     """The checkpoint directory of ``model``: a directory as given, or a preset built in the cache."""
     from model.presets import resolve_model as resolve

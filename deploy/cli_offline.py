@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .cli_common import MODEL_HELP, err, resolve_model, user_errors
+from .cli_common import MODEL_HELP, err, parse_json_option, resolve_model, user_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -278,6 +278,10 @@ def generate(
     nodes: Optional[int] = typer.Option(None, help="Start K Ray nodes on this machine for the run."),
     address: Optional[str] = typer.Option(None, help="Use an existing Ray cluster at ADDR instead of starting one."),
     as_json: bool = typer.Option(False, "--json", help='Print one line {"token_ids": [...], "text": "..."}.'),
+    speculative_config: Optional[str] = typer.Option(
+        None, help='Speculative decoding as JSON, as `moeray up` takes it: \'{"method": "suffix", '
+                   '"num_speculative_tokens": 4}\'. Runs the engine (in this process without --attention); the '
+                   "acceptance goes to stderr."),
 ):
     """Offline generation: in this process, or on a Ray cluster of attention and expert actors
     (--attention/--experts, on --nodes local nodes or the cluster at --address)."""
@@ -294,9 +298,16 @@ def generate(
     tok = Tokenizer.from_dir(path)
     ids = _prompt_ids(tok, model_cfg, prompt, prompt_ids, chat, max_tokens)
     stop_ids = tok.stop_token_ids | set(model_cfg.eos_token_ids)
+    speculative = parse_json_option(speculative_config, "--speculative-config")
+    if speculative is not None:
+        from cluster.config import SpeculativeConfig
+
+        speculative = SpeculativeConfig.parse(speculative)
     if any(v is not None for v in (attention, experts, nodes, address)):
         output_ids = _cluster_generate(path, model_cfg, ids, sp, stop_ids, dtype, attention or 1, experts or 1, nodes,
-                                       address)
+                                       address, speculative)
+    elif speculative is not None:
+        output_ids = _engine_generate(path, model_cfg, ids, sp, stop_ids, dtype, speculative)
     else:
         output_ids = _local_generate(path, model_cfg, ids, sp, stop_ids, dtype)
     text = tok.decode(output_ids, skip_special_tokens=True)  # as the server decodes by default
@@ -337,7 +348,33 @@ def _local_generate(path, model_cfg, ids, sp, stop_ids, dtype) -> list[int]:
     return run_generate(runner, [ids], sp, stop_ids=stop_ids)[0].output_ids
 
 
-def _cluster_generate(path, model_cfg, ids, sp, stop_ids, dtype, attention, experts, nodes, address) -> list[int]:
+def _engine_generate(path, model_cfg, ids, sp, stop_ids, dtype, speculative) -> list[int]:
+    """The engine in this process (the in-process executor: one attention worker holding every
+    expert), for what the single-process runner does not do (speculative decoding)."""
+    from cluster.engine import Engine, EngineConfig
+    from cluster.inprocess import InProcessExecutor
+    from cluster.spec import ClusterSpec
+
+    spec = ClusterSpec(attention=1, experts=1)
+    cfg = EngineConfig.of(model=str(path), dtype=dtype, num_blocks=-(-(len(ids) + sp.max_tokens) // 16) + 2,
+                          speculative=speculative)
+    with err.status(f"loading {path.name}"), Engine(cfg, spec, stop_ids=stop_ids,
+                                                    executor=InProcessExecutor(cfg, spec, model_cfg)) as eng:
+        out = eng.generate([ids], sp)[0].output_ids
+        _report_drafts(eng.stats)
+        return out
+
+
+def _report_drafts(stats) -> None:
+    if stats.spec_drafts:
+        err.print(f"speculative decoding: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} draft tokens "
+                  f"accepted; mean accepted length {stats.mean_accepted_length:.2f}")
+    else:
+        err.print("speculative decoding: no drafts were proposed")
+
+
+def _cluster_generate(path, model_cfg, ids, sp, stop_ids, dtype, attention, experts, nodes, address,
+                      speculative=None) -> list[int]:
     from cluster.engine import Engine, EngineConfig, check_shape
     from cluster.launch import connected
     from cluster.spec import ClusterSpec
@@ -347,7 +384,11 @@ def _cluster_generate(path, model_cfg, ids, sp, stop_ids, dtype, attention, expe
     blocks = -(-(len(ids) + sp.max_tokens) // 16) + 1
     with err.status(f"starting {spec.describe()}") as status, connected(spec, nodes=nodes, address=address):
         status.update(f"loading {path.name} onto {spec.describe()}")
-        with Engine(EngineConfig.of(model=str(path), dtype=dtype, num_blocks=blocks), spec, stop_ids=stop_ids) as eng:
+        with Engine(EngineConfig.of(model=str(path), dtype=dtype, num_blocks=blocks, speculative=speculative), spec,
+                    stop_ids=stop_ids) as eng:
             status.update("generating")
-            return eng.generate([ids], sp)[0].output_ids
+            out = eng.generate([ids], sp)[0].output_ids
+            if speculative is not None:
+                _report_drafts(eng.stats)
+            return out
 

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .cli_common import KEY_HELP, MODEL_HELP, URL_HELP, err, user_errors
+from .cli_common import KEY_HELP, MODEL_HELP, URL_HELP, err, parse_json_option, user_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -58,6 +58,9 @@ def up(
                                                        "a Redis for the head's GCS, or local (a redis-server of "
                                                        "this command's own). The GCS or the head node is started "
                                                        "again when it stops; streams go on (docs/operations.md)."),
+    speculative_config: Optional[str] = typer.Option(
+        None, help='Speculative decoding as JSON, vLLM\'s names: \'{"method": "suffix", "num_speculative_tokens": 4}\' '
+                   "(method suffix or ngram). Off by default."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
@@ -69,7 +72,8 @@ def up(
     given = dict(model=model, layout=layout, attention=attention, experts=experts, workers=workers, host=host,
                  port=port, api_key=api_key,
                  admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
-                 gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching)
+                 gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching,
+                 speculative=parse_json_option(speculative_config, "--speculative-config"))
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     if gcs_redis is not None:
@@ -143,6 +147,12 @@ def _print_serving(out: Console, st: dict) -> None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hang["at"]))
         out.print(f"last hang: {hang['kind']}[{hang['index']}] at step {hang['step']} ({when}): killed and replaced; "
                   f"hangs so far {st.get('hangs', {})}")
+    spec = st.get("speculative")
+    if spec:
+        rate = spec["acceptance_rate"]
+        out.print(f"speculative decoding: {spec['method']}, up to {spec['num_speculative_tokens']} drafts; "
+                  + (f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} draft tokens accepted ({rate:.0%}), "
+                     f"mean accepted length {spec['mean_accepted_length']:.2f}" if rate is not None else "no drafts yet"))
     b = st.get("breakdown") or {}
     if b.get("steps"):
         parts = ", ".join(f"{k} {1000 * v / b['steps']:.2f}" for k, v in b.items() if k != "steps")

@@ -121,6 +121,11 @@ class _Deployment(BaseModel):
                           "its state in Redis, and `moeray up` starts the GCS, or the whole head node, again when "
                           "it stops; streams in flight go on. A cluster given by --address or started by `ray up` "
                           "or KubeRay is made fault tolerant where it starts (docs/operations.md).")
+    speculative: dict | None = Field(
+        None, description="Speculative decoding, in vLLM's speculative_config names: {method: suffix | ngram, "
+                          "num_speculative_tokens: K, ...} (`moeray up --speculative-config JSON`; the keys and "
+                          "their defaults: docs/architecture.md \"Speculative decoding\"). Off unless given: it "
+                          "pays at low concurrency on repetitive outputs (bench/bench_spec.py).")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(
@@ -130,6 +135,15 @@ class _Deployment(BaseModel):
     @classmethod
     def _key_is_a_token(cls, key: str | None) -> str | None:
         return None if key is None else check_key(key)
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, raw: dict | None) -> dict | None:
+        from cluster.config import SpeculativeConfig
+
+        if raw is not None:
+            SpeculativeConfig.parse(raw)  # ValueError naming the key
+        return raw
 
     @field_validator("api_keys")
     @classmethod
@@ -205,7 +219,10 @@ class _Deployment(BaseModel):
         groups = {name: rec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(rec)
                                if f.metadata.get("serve", True)})
                   for name, rec in GROUPS.items()}
-        return EngineConfig(model=model_path, owner=owner, dtype=self.dtype, **groups)
+        from cluster.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative) if self.speculative is not None else None
+        return EngineConfig(model=model_path, owner=owner, dtype=self.dtype, speculative=spec, **groups)
 
     def cluster_spec(self):
         from cluster.spec import ClusterSpec

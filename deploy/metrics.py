@@ -349,7 +349,36 @@ class _ScrapeCollector:
                                   labels=list(slabels))
         pre.add_metric(list(svalues), engine.stats.preemptions)
         yield pre
+        if getattr(getattr(engine, "config", None), "speculative", None) is not None:  # (stub engines have no config)
+            yield from self._spec_families(engine.stats, sp, slabels, svalues, name)
         yield from self._expert_families(o, name)
+
+    @staticmethod
+    def _spec_families(stats, sp: str, slabels, svalues, name: str) -> Iterable[Metric]:
+        """Speculative decoding's counters (vLLM's spec_decode_* names), and the experts its
+        verification steps touch."""
+        for metric, doc, value in (
+                ("spec_decode_num_drafts", "Sequence steps that carried draft tokens.", stats.spec_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_accepted_tokens)):
+            c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
+            c.add_metric(list(svalues), value)
+            yield c
+        per = CounterMetricFamily(sp + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, per "
+                                  "draft position (0: the first draft).", labels=[*slabels, "position"])
+        for pos, n in enumerate(list(stats.spec_accepted_per_pos)):
+            per.add_metric([*svalues, str(pos)], n)
+        yield per
+        steps = CounterMetricFamily(PREFIX + "spec_decode_verify_steps", "Engine steps that verified drafts.",
+                                    labels=["model_name"])
+        steps.add_metric([name], stats.spec_verify_steps)
+        yield steps
+        touched = CounterMetricFamily(PREFIX + "spec_decode_experts_touched", "Over the steps that verified "
+                                      "drafts: the sum of the mean distinct routed experts a MoE layer touched "
+                                      "(divide by spec_decode_verify_steps for the mean per step).",
+                                      labels=["model_name"])
+        touched.add_metric([name], stats.spec_experts_touched)
+        yield touched
 
     @staticmethod
     def _expert_families(o: EngineMetrics, name: str) -> Iterable[Metric]:

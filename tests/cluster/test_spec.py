@@ -245,7 +245,7 @@ def test_drafts_shrink_with_the_batch():
     eight = drafts_of(decoding_scheduler(8).schedule())
     thirty_two = drafts_of(decoding_scheduler(32).schedule())
     assert one == [4]
-    assert eight == [2] * 8  # 4 × 4 / 8
+    assert eight == [1] * 8  # 4 × 2 / 8 (full_draft_batch 2)
     assert thirty_two == [0] * 32  # a full batch drafts nothing: its steps cost what they cost without
 
 
@@ -266,3 +266,68 @@ def test_drafts_shrink_with_rejections_and_come_back():
         assert seq.num_cached == len(seq.token_ids) - 1
         assert len(seq.block_table) == -(-seq.num_cached // 16)
     assert seen[0] == 4 and seen[1] < 4 and seen[2] < seen[1] and seen[-1] > seen[2]
+
+
+# ---- the proposers ------------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
+    from cluster.drafts import NgramDrafter
+
+    d = NgramDrafter(2, 3)
+    assert d.propose(0, [1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    # the latest occurrence wins, and the longest n-gram before a shorter one
+    assert d.propose(1, [5, 6, 9, 7, 5, 6, 8, 0, 5, 6], 2) == [8, 0]
+    assert d.propose(2, [8, 1, 2, 9, 7, 1, 2, 3, 4, 7, 1, 2], 2) == [3, 4]
+    assert d.propose(3, [1, 2, 3, 4, 5], 4) == []  # nothing repeats
+    # incremental: the index follows a growing sequence
+    toks = [1, 2, 3]
+    assert d.propose(4, toks, 2) == []
+    toks += [1, 2]
+    assert d.propose(4, toks, 2) == [3, 1]
+
+
+def test_suffix_drafts_from_the_sequence_and_from_recent_outputs():
+    from cluster.drafts import SuffixDrafter
+
+    d = SuffixDrafter(depth=8, window=2, min_prob=0.3)
+    assert d.propose(0, [1, 2, 3, 4, 1, 2], 4) == [3, 4, 1]  # (its last token is not indexed yet)
+    # the most frequent continuation, cut where its probability falls under min_prob
+    assert d.propose(1, [5, 6, 1, 5, 6, 1, 5, 6, 2, 5, 6], 3) == [1, 5, 6]
+    d.finished(1, [5, 6, 1, 5, 6, 1, 5, 6, 2, 5, 6], 2)
+    # another request's answer: a new sequence whose context ends like it gets its continuation
+    d.finished(2, [9, 9, 40, 41, 42, 43, 44], 2)
+    assert d.propose(3, [7, 7, 40, 41], 3) == [42, 43, 44]
+    # the window keeps two outputs: a third evicts the first one's counts
+    d.finished(4, [0, 50, 51, 52], 1)
+    assert d.propose(5, [3, 3, 40, 41], 3) == [42, 43, 44]
+    d.finished(6, [0, 60, 61], 1)
+    assert d.propose(7, [3, 3, 40, 41], 3) == []
+    assert d.shared.root.total == sum(c.count for c in d.shared.root.children.values())
+
+
+def test_acceptance_in_status_and_metrics(models):
+    from deploy.metrics import EngineMetrics
+
+    path = models["kimi-k2-tiny"]
+    ps = [p * 3 for p in prompts(3, 4, 12, seed=1)]
+    eng = engine(path, SPEC)
+    try:
+        eng.generate(ps, SamplingParams(max_tokens=30))
+        st = eng.status()["speculative"]
+        assert st["method"] == "ngram" and st["draft_tokens"] == eng.stats.spec_draft_tokens > 0
+        assert st["accepted_tokens"] == sum(st["accepted_per_position"]) > 0
+        assert st["mean_accepted_length"] == 1 + st["accepted_tokens"] / st["drafts"]
+        for prefix, label in (("moeray", 'model_name="m"'), ("vllm", 'engine="0",model_name="m"')):
+            text = EngineMetrics(eng, "m", prefix=prefix).render().decode()
+            assert f'{prefix}:spec_decode_num_draft_tokens_total{{{label}}} {float(st["draft_tokens"])}' in text
+            assert f'{prefix}:spec_decode_num_accepted_tokens_total{{{label}}} {float(st["accepted_tokens"])}' in text
+            assert f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}}' in text
+        assert "moeray:spec_decode_experts_touched_total" in text
+    finally:
+        eng.shutdown()
+    off = engine(path)
+    try:
+        assert off.status()["speculative"] is None
+        assert "spec_decode" not in EngineMetrics(off, "m").render().decode()
+    finally:
+        off.shutdown()
