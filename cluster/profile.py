@@ -44,6 +44,18 @@ def _fit(rows: list[list[float]], y: list[float], names: tuple[str, ...]) -> dic
     return dict(zip(names, map(float, coef)))
 
 
+def _medians(rows: list[list[float]], y: list[float], keys: list) -> tuple[list[list[float]], list[float]]:
+    """One point per key (a step's token count: one batch or chunk size): the median of its steps'
+    features and of their times. A step slowed by another process on a busy machine then moves
+    nothing, where fitted one by one a few such steps pulled a term to 0 (seen in CI)."""
+    groups: dict = {}
+    for r, v, k in zip(rows, y, keys):
+        groups.setdefault(k, ([], []))[0].append(r)
+        groups[k][1].append(v)
+    out_x = [list(np.median(np.array(rs, dtype=float), axis=0)) for rs, _ in groups.values()]
+    return out_x, [float(np.median(vs)) for _, vs in groups.values()]
+
+
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares (a cost never falls with more work): the best fit over every subset of
     the terms whose unconstrained least squares is non-negative (a handful of terms: 2^n small fits).
@@ -128,7 +140,9 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
     if len(steps) < 8:
         raise RuntimeError(f"the profile ran only {len(steps)} steps")
     attn_x, attn_y, exp_x, exp_y, xch_x, xch_y, over = [], [], [], [], [], [], []
+    tokens, exp_tokens = [], []
     for (T, S, _), rec in steps:
+        tokens.append(T)
         parts = dict(rec.parts)
         attn_x.append([1.0, T, S])
         attn_y.append(parts["attention_compute"])
@@ -137,6 +151,7 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
             touched = (rec.slot_rows > 0).sum(2).double()
             exp_x.append([float((rows > 0).sum()), float(rows.sum()), float(touched.sum())])
             exp_y.append(parts.get("expert_compute", 0.0))
+            exp_tokens.append(T)
         xch_x.append([num_moe, num_moe * T])
         xch_y.append(max(0.0, parts["attention_wait"] - parts.get("expert_compute", 0.0)))
         over.append(max(0.0, parts["step"] - parts["attention_compute"] - parts["attention_wait"]
@@ -144,9 +159,9 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
     table = {
         "model": Path(model_path).name, "cores": os.cpu_count() or 1, "num_moe_layers": num_moe,
         "steps": len(steps) + len(wide) + len(together),
-        "attention": _fit(attn_x, attn_y, ("base_s", "per_token_s", "per_pair_s")),
-        "experts": _fit(exp_x, exp_y, ("base_s", "per_row_s", "per_expert_s")),
-        "exchange": _fit(xch_x, xch_y, ("per_peer_s", "per_token_s")) | {"per_process_s": 0.0},
+        "attention": _fit(*_medians(attn_x, attn_y, tokens), ("base_s", "per_token_s", "per_pair_s")),
+        "experts": _fit(*_medians(exp_x, exp_y, exp_tokens), ("base_s", "per_row_s", "per_expert_s")),
+        "exchange": _fit(*_medians(xch_x, xch_y, tokens), ("per_peer_s", "per_token_s")) | {"per_process_s": 0.0},
         "overhead_s": statistics.median(over),
     }
     # the 2 × 2 steps: what the 1 × 1 fits leave unexplained, per MoE layer and per process beyond two;
