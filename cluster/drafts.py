@@ -135,6 +135,8 @@ class SuffixTrie:
 class SuffixDrafter:
     """SuffixDecoding over each sequence's own tokens and a window of recent outputs."""
 
+    PER_PROPOSAL = 2  # finished outputs added to the shared trie per proposal, at most
+
     def __init__(self, depth: int = 24, window: int = 1000, min_prob: float = 0.1):
         if depth < 2 or window < 0 or not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"suffix: max_tree_depth must be >= 2, max_cached_requests >= 0 and min_token_prob in "
@@ -143,6 +145,9 @@ class SuffixDrafter:
         self.seqs: dict[int, tuple[SuffixTrie, list, list[int]]] = {}  # seq id → trie, open suffixes, [indexed]
         self.shared = SuffixTrie(depth)
         self.recent: deque[list[int]] = deque()  # outputs in the shared trie, oldest first
+        # finished outputs not yet in the shared trie: added a few per proposal (PER_PROPOSAL), so a
+        # busy engine that drafts nothing (a large batch) spends nothing on them
+        self.pending: deque[list[int]] = deque(maxlen=max(window, 1))
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         if k <= 0:
@@ -153,6 +158,8 @@ class SuffixDrafter:
         if done[0] < len(token_ids) - 1:
             active[:] = trie.extend(active, token_ids[done[0] : len(token_ids) - 1])
             done[0] = len(token_ids) - 1
+        for _ in range(min(self.PER_PROPOSAL, len(self.pending))):
+            self._share(self.pending.popleft())
         context = token_ids[-self.depth:]
         own, own_score = trie.continuation(context, k, self.min_prob)
         other, other_score = self.shared.continuation(context, k, self.min_prob) if self.recent else ([], 0.0)
@@ -161,10 +168,12 @@ class SuffixDrafter:
     def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
         self.seqs.pop(seq_id, None)
         out = token_ids[num_prompt_tokens:]
-        if not out or self.window == 0:
-            return
+        if out and self.window:
+            self.pending.append(list(out))
+
+    def _share(self, out: list[int]) -> None:
         self.shared.extend([], out)
-        self.recent.append(list(out))
+        self.recent.append(out)
         while len(self.recent) > self.window:
             self.shared.extend([], self.recent.popleft(), sign=-1)
 

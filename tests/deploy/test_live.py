@@ -791,11 +791,12 @@ def _worker_pids() -> list[int]:
 
 @pytest.fixture(scope="class")
 def ck2(serve_port, tmp_path_factory):
-    """kimi-k2-tiny in the colocated layout, 2 workers."""
+    """kimi-k2-tiny in the colocated layout, 2 workers, with speculative decoding (ngram, 4 drafts):
+    its streams must equal the single process's (no drafts) through scaling, kills and a hang."""
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("ck2") / "k2", seed=8, progress=False)
     oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS),
                "streams": oracle_soon(path, STREAM_PROMPTS, STREAM_TOKENS)}
-    url = deploy(serve_port, path, "ck2", **COLOCATED)
+    url = deploy(serve_port, path, "ck2", speculative={"method": "ngram", "num_speculative_tokens": 4}, **COLOCATED)
     try:
         yield App("ck2", url, path, ADMIN, {k: o.result() for k, o in oracles.items()})
     finally:
@@ -851,6 +852,10 @@ class TestColocatedK2:
         assert _delta(after["failures"], before["failures"]) == {"worker": 2}, (after["failures"], before["failures"])
         assert _delta(after["hangs"], before["hangs"]) == {"worker": 1}, (after["hangs"], before["hangs"])
         assert after["epoch"] == before["epoch"] + 4
+        # the streams ran with drafts, accepted and rejected (the greedy random model repeats itself)
+        spec, was = after["speculative"], before["speculative"]
+        assert spec["accepted_tokens"] > was["accepted_tokens"], spec
+        assert spec["draft_tokens"] - was["draft_tokens"] > spec["accepted_tokens"] - was["accepted_tokens"], spec
         bad = moeray("chaos", "kill-worker", "7", "--url", url, "--admin-key", ADMIN)
         assert bad.returncode == 2 and "there is no worker[7]" in bad.stderr, bad.stderr
         refused = moeray("scale", "experts", "3", "--url", url, "--admin-key", ADMIN)
