@@ -42,9 +42,11 @@ class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0,
-                 local_experts: bool = False):
+                 local_experts: bool = False, mtp: bool = False):
         """``local_experts``: hold every routed expert too, for :meth:`use_local_experts` (the
-        in-process executor); an attention actor holds none."""
+        in-process executor); an attention actor holds none. ``mtp``: hold the checkpoint's MTP
+        layer too (its routed experts on the expert actors) and draft with it each step
+        (speculative decoding's ``method: mtp``)."""
         super().__init__()
         if threads:
             torch.set_num_threads(threads)
@@ -56,12 +58,13 @@ class AttentionWorker(ServesSteps):
         self.device = torch.device(self.placement.device)
         self.progress = LoadProgress(self.name)
         self.model = load_model(model_path, dtype=self.dtype, experts=None if local_experts else range(0),
-                                progress=False, on_progress=self.progress.update).to(self.device)
+                                progress=False, on_progress=self.progress.update, mtp=mtp).to(self.device)
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device,
                                            num_snapshots=num_snapshots if self.cfg.kda_layers else 0)
-        self._moe = self.model.moe_blocks()
+        self._moe = self.model.moe_blocks()  # the MTP layer's too, with mtp
         self.moe_layers = sorted(self._moe)
+        self.mtp_layer = self.model.mtp.index if self.model.mtp is not None else None
         self.dispatcher: DistDispatcher | LocalExchange | None = None  # set by enter_epoch
         self.completed = -1  # the last step that completed here
         self.sampled: dict[int, int] = {}  # seq id → the token that step sampled (AHEAD chunks read it)
@@ -134,15 +137,17 @@ class AttentionWorker(ServesSteps):
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
         batches = [req.chunks[a:b] for a, b in zip(bounds, bounds[1:])]
-        hidden = self._forward(batches)
+        out = self._forward(batches)
         for c in req.chunks:  # after every micro-batch: a snapshot restored this step is read first
             if c.snapshot is not None and self.cache.kda is not None:
                 self.cache.kda.save(c.state_slot, c.snapshot)
         t1 = time.perf_counter()
-        tokens = self._sample(req.chunks, hidden) if req.chunks else ()
+        tokens = self._sample(req.chunks, [o[0] if o is not None else None for o in out]) if req.chunks else ()
+        drafts = self._mtp(batches, out, tokens) if self.mtp_layer is not None else ()
         sample_s, cpu_s = time.perf_counter() - t1, time.thread_time() - c0
         self.completed, self.sampled = req.step, {t.seq_id: t.token_id for t in tokens}
-        return StepResult(step=req.step, actor=self.name, tokens=tokens, **(step_stats(d) if req.chunks else {}),
+        return StepResult(step=req.step, actor=self.name, tokens=tokens, drafts=drafts,
+                          **(step_stats(d) if req.chunks else {}),
                           forward_s=t1 - t0, exchange_s=d.exchange_s, sample_s=sample_s,
                           dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"],
                           cpu_s=cpu_s)
@@ -178,8 +183,9 @@ class AttentionWorker(ServesSteps):
         part in every MoE layer's exchange."""
         if not chunks:
             for layer in self.moe_layers:
-                yield Dispatch(self._moe[layer], *self.dispatcher.empty())
-                yield COMBINE
+                if layer != self.mtp_layer:  # (the MTP layer's exchange comes after sampling: _mtp)
+                    yield Dispatch(self._moe[layer], *self.dispatcher.empty())
+                    yield COMBINE
             return None
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
@@ -202,10 +208,66 @@ class AttentionWorker(ServesSteps):
             state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None,
             verify=[d > 0 for d in drafts] if any(drafts) else None)
         h = yield from self.model.stages(ids, meta, self.cache, self.impl)
+        keep = (h, meta, known) if self.mtp_layer is not None else None  # what the MTP layer reads (_mtp)
         if not any(drafts):
-            return h[meta.last_token_index.to(h.device)]  # each chunk's last token
+            return h[meta.last_token_index.to(h.device)], keep  # each chunk's last token
         ends = meta.last_token_index.tolist()  # with drafts: each chunk's last 1 + draft tokens
-        return h[torch.tensor([e - d + i for e, d in zip(ends, drafts) for i in range(d + 1)], device=h.device)]
+        rows = torch.tensor([e - d + i for e, d in zip(ends, drafts) for i in range(d + 1)], device=h.device)
+        return h[rows], keep
+
+    def _mtp(self, batches: list[tuple[SeqChunk, ...]], out: list, tokens: tuple[SampledToken, ...]) -> tuple:
+        """The MTP layer over every position of this step's chunks (its own latent cache, its MoE
+        exchange after the main layers', micro-batch by micro-batch), each position with the token
+        after it (the chunk's next, the scheduler's ``lookahead`` after a prefill chunk, or what was
+        sampled here: the accepted drafts and the token after them). Returns (sequence, context
+        length, draft token) per sampling chunk: the greedy guess of the token after its new last
+        token, from the position of its last accepted token."""
+        d = self.dispatcher
+        got: dict[int, list[int]] = {}
+        for t in tokens:
+            got.setdefault(t.seq_id, []).append(t.token_id)
+        drafts = []
+        for chunks, o in zip(batches, out):
+            if not chunks:
+                self._exchange_alone(self._empty_mtp())
+                continue
+            h, meta, known = o[1]
+            nxt, pick = [], []  # the token after each position; (chunk, row) of each draft
+            for c, toks in zip(chunks, known):
+                n = len(toks)
+                mine = got.get(c.seq_id, []) if c.sample else []
+                if mine:
+                    after = toks[1 : n - c.draft] + mine
+                    after += [after[-1]] * (n - len(after))  # past a rejected draft: overwritten later
+                    i = n - 1 - c.draft + len(mine) - 1  # its last accepted position in the chunk
+                    pick.append((c, len(nxt) + i, i))
+                else:
+                    after = toks[1:] + [max(c.lookahead, 0)]
+                nxt += after[:n]
+            logits = self._exchange_alone(self.model.mtp_stages(
+                torch.tensor(nxt, device=h.device), h, meta, self.cache, self.impl))
+            if pick:
+                best = logits[torch.tensor([r for _, r, _ in pick], device=logits.device)].argmax(-1).tolist()
+                drafts += [(c.seq_id, c.num_cached + i + 2, tok) for (c, _, i), tok in zip(pick, best)]
+        return tuple(drafts)
+
+    def _empty_mtp(self):
+        yield Dispatch(self._moe[self.mtp_layer], *self.dispatcher.empty())
+        yield COMBINE
+
+    def _exchange_alone(self, gen):
+        """Run one stage generator to its end, each exchange issued and collected in turn."""
+        d, value = self.dispatcher, None
+        while True:
+            try:
+                req = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(req, Dispatch):
+                pending = d.issue(req.moe.layer, req.x, req.topk_idx, req.topk_w)
+                value = None
+            else:
+                value = d.collect(pending)
 
     def _params(self, chunk: SeqChunk) -> SamplingParams | None:
         """The sampling params of ``chunk``'s sequence, as its first chunk here brought them."""

@@ -135,6 +135,9 @@ class SeqChunk:
     # after the chunk's known tokens and after each draft, and returns its samples up to the first that
     # differs from the draft there (the accepted drafts, then one token of its own)
     draft: int = 0
+    # speculative decoding with the MTP layer: the token after this chunk when it is known (a prefill chunk
+    # before the prompt's end); -1 otherwise
+    lookahead: int = -1
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,8 @@ class StepResult:
     step: int
     actor: str
     tokens: tuple[SampledToken, ...] = ()
+    # speculative decoding with the MTP layer: (sequence, context length, the guessed token after it)
+    drafts: tuple[tuple[int, int, int], ...] = ()
     expert_tokens: np.ndarray | torch.Tensor | tuple = ()
     slot_tokens: np.ndarray | torch.Tensor | tuple = ()
     forward_s: float = 0.0  # the micro-batches' forward, exchanges included

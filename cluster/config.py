@@ -163,9 +163,11 @@ class SpeculativeConfig(_Checked):
     ``num_speculative_tokens`` draft tokens per decoding sequence and the attention actors verify
     them in the same forward (docs/architecture.md "Speculative decoding"). Off unless given."""
 
-    method: Literal["ngram", "suffix"] = knob("suffix", "ngram: prompt lookup over the sequence's own tokens; "
-                                              "suffix: SuffixDecoding over the sequence and recent outputs.")
-    num_speculative_tokens: int = knob(4, "The most draft tokens per sequence per step.", ge=1, le=16)
+    method: Literal["ngram", "suffix", "mtp"] = knob(
+        "suffix", "ngram: prompt lookup over the sequence's own tokens; suffix: SuffixDecoding over the sequence "
+                  "and recent outputs; mtp: the checkpoint's multi-token-prediction layer (DeepSeek-V3's).")
+    num_speculative_tokens: int | None = knob(None, "The most draft tokens per sequence per step; default 4 (mtp: 1, "
+                                                    "one per MTP layer).", ge=1, le=16)
     prompt_lookup_min: int = knob(2, "ngram: the shortest n-gram looked up.", ge=1)
     prompt_lookup_max: int = knob(5, "ngram: the longest n-gram looked up.", ge=1)
     suffix_decoding_max_tree_depth: int = knob(24, "suffix: the longest suffix matched and continued.", ge=2)
@@ -179,6 +181,8 @@ class SpeculativeConfig(_Checked):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", 1 if self.method == "mtp" else 4)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative: prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -194,9 +198,6 @@ class SpeculativeConfig(_Checked):
         unknown = sorted(set(raw) - names)
         if unknown:
             raise ValueError(f"speculative: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
-        if raw.get("method") == "mtp":
-            raise ValueError("speculative: method 'mtp' is not served yet (ngram and suffix are); see "
-                             "docs/architecture.md \"Speculative decoding\"")
         return cls(**raw)
 
 
@@ -219,6 +220,11 @@ class EngineConfig(_Checked):
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     speculative: SpeculativeConfig | None = None  # off unless given
+
+    @property
+    def mtp(self) -> bool:
+        """Speculative decoding drafts with the checkpoint's MTP layer (the actors hold it)."""
+        return self.speculative is not None and self.speculative.method == "mtp"
 
     @classmethod
     def of(cls, model: str, *, dtype: str = "float32", owner: str | None = None,

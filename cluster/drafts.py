@@ -178,12 +178,33 @@ class SuffixDrafter:
             self.shared.extend([], self.recent.popleft(), sign=-1)
 
 
-def make_drafter(spec) -> Drafter | None:
-    """The proposer a :class:`~cluster.config.SpeculativeConfig` names (None for ``mtp``: its drafts
-    come from the model, on the attention actors)."""
+class MtpDrafter:
+    """The MTP layer's guesses: the attention actors run it each step and return, per sequence, the
+    greedy guess of the token after its new last token (``StepResult.drafts``); a guess counts only
+    for the context it was made after."""
+
+    def __init__(self):
+        self.guesses: dict[int, tuple[int, int]] = {}  # seq id → (context length, token)
+
+    def record(self, drafts) -> None:
+        for seq_id, context, token in drafts:
+            self.guesses[seq_id] = (context, token)
+
+    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
+        context, token = self.guesses.get(seq_id, (-1, 0))
+        return [token] if k > 0 and context == len(token_ids) else []
+
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.guesses.pop(seq_id, None)
+
+
+def make_drafter(spec) -> Drafter:
+    """The proposer a :class:`~cluster.config.SpeculativeConfig` names."""
+    if spec.method == "mtp":
+        return MtpDrafter()
     if spec.method == "ngram":
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "suffix":
         return SuffixDrafter(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                              spec.suffix_decoding_min_token_prob)
-    return None
+    raise ValueError(f"speculative: unknown method {spec.method!r}")

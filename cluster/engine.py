@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from actors.messages import AHEAD, ExpertStep, PlacementTable, SampledToken, StepRequest
 from actors.router import Router
 from model.config import ModelConfig, load_config
+from model.loader import served_moe_layers
 from model.sampling import SamplingParams
 
 from .config import EngineConfig
@@ -99,6 +100,21 @@ def check_shape(mc: ModelConfig, spec: ClusterSpec, model: str) -> None:
                          f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
 
 
+def check_speculative(mc: ModelConfig, config: EngineConfig, model: str) -> None:
+    """ValueError when the speculative config cannot run on this model (MTP drafts need the
+    checkpoint's MTP layer: DeepSeek-V3 ships one, Kimi K2 none)."""
+    spec = config.speculative
+    if spec is None or spec.method != "mtp":
+        return
+    if mc.num_nextn_predict_layers < 1 or mc.family != "deepseek_v3":
+        raise ValueError(f"{model}: speculative method 'mtp' needs the checkpoint's multi-token-prediction layer "
+                         f"(num_nextn_predict_layers is {mc.num_nextn_predict_layers}; Kimi K2 ships none): use "
+                         "method suffix or ngram")
+    if spec.num_speculative_tokens > mc.num_nextn_predict_layers:
+        raise ValueError(f"{model}: speculative method 'mtp' drafts one token per MTP layer: num_speculative_tokens "
+                         f"must be <= {mc.num_nextn_predict_layers}, got {spec.num_speculative_tokens}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, spec: ClusterSpec, *, stop_ids: frozenset[int] = frozenset(),
                  executor: Executor | None = None):
@@ -109,7 +125,10 @@ class Engine:
         mc = self.model_cfg
         check_shape(mc, spec, config.model)
         self.scheduler = Scheduler.for_engine(config, mc, spec.attention, stop_ids)
-        self.router = Router(mc.n_routed_experts, mc.moe_layers, window_steps=config.elastic.rebalance_window_steps)
+        check_speculative(mc, config, config.model)
+        # the MoE layers whose experts the expert actors serve: with MTP drafts, its layer's too
+        layers = served_moe_layers(mc, mtp=config.mtp)
+        self.router = Router(mc.n_routed_experts, layers, window_steps=config.elastic.rebalance_window_steps)
         if executor is None:
             from .executor import RayExecutor
             from .fleet import Fleet
@@ -119,7 +138,7 @@ class Engine:
         self.epochs = Epochs(config, executor, self.router, self.scheduler, recompute_state=bool(mc.kda_layers),
                              on_change=lambda c: self.stats.observe_epoch(c.epoch, c.pause_s))
         self.requests: dict[int, Request] = {}
-        self.stats = EngineStats(len(mc.moe_layers))
+        self.stats = EngineStats(len(layers))
         self.inflight: deque[Launched] = deque()  # steps sent and not finished, oldest first (at most two)
         self._ids = itertools.count()
         self.step_no = 0
@@ -324,6 +343,9 @@ class Engine:
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
         tokens = [t for r in attn for t in r.tokens]
+        if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts
+            for r in attn:
+                self.scheduler.drafter.record(r.drafts)
         verified = self.scheduler.verified(launched.plan, tokens)  # drafts accepted, the rest's cache given back
         self.scheduler.completed(launched.plan)  # what it wrote may be shared from now on
         events = self._apply(tokens)

@@ -370,11 +370,11 @@ class Fleet:
                 self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange,
                 threads=c.data_plane.actor_threads, num_snapshots=snapshot_plan(c, self.model_cfg)[1],
-                expert_threads=c.data_plane.expert_threads), home)
+                expert_threads=c.data_plane.expert_threads, mtp=c.mtp), home)
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
             num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange, threads=c.data_plane.actor_threads,
-            num_snapshots=snapshot_plan(c, self.model_cfg)[1])
+            num_snapshots=snapshot_plan(c, self.model_cfg)[1], mtp=c.mtp)
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:

@@ -105,6 +105,7 @@ class Scheduler:
         self.load_weight = load_weight
         self.speculative = speculative
         self.drafter = make_drafter(speculative) if speculative is not None else None
+        self.lookahead = speculative is not None and speculative.method == "mtp"  # chunks say the token after them
         self.admitted: dict[int, int] = {}  # per replica index, over the engine's life: sequences placed there
         self.stop_ids, self.max_context = frozenset(stop_ids), max_context  # the model's stop tokens and context
         self.seqs: dict[int, Seq] = {}  # every sequence added and not finished, by id
@@ -401,7 +402,9 @@ class Scheduler:
                         prompt_len=seq.num_prompt_tokens,
                         banned=banned_ids(seq, known, self.stop_ids) if sample else (),
                         restore=seq.cache.snapshot if reset else None,
-                        snapshot=self.cache.plan_snapshot(seq, start), prefix=prefix, draft=len(draft))
+                        snapshot=self.cache.plan_snapshot(seq, start), prefix=prefix, draft=len(draft),
+                        lookahead=seq.token_ids[known] if self.lookahead and not sample and known < len(seq.token_ids)
+                        else -1)
 
     def _prefill_len(self, seq: Seq, budget: int, start: int | None = None) -> int:
         """Tokens of ``seq``'s prefill to compute now: within ``budget``, cut on the prefix cache's

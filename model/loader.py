@@ -106,6 +106,16 @@ def quant_experts(cfg: ModelConfig, layer: int, ids: Sequence[int], tensors: dic
     return QuantRoutedExperts(ids, gate, up, down, act, dtype)
 
 
+def served_moe_layers(cfg: ModelConfig, *, mtp: bool) -> list[int]:
+    """The MoE layers whose routed experts are served: the decoder's, and with ``mtp`` the first
+    multi-token-prediction layer's (DeepSeek-V3's layer ``num_hidden_layers``) when the checkpoint
+    has one with routed experts."""
+    layers = list(cfg.moe_layers)
+    if mtp and cfg.num_nextn_predict_layers >= 1 and cfg.family == "deepseek_v3" and cfg.is_moe_layer(cfg.num_hidden_layers):
+        layers.append(cfg.num_hidden_layers)
+    return layers
+
+
 def load_routed_experts(path: str | Path, cfg: ModelConfig, experts: Mapping[int, Sequence[int]], *,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         progress: bool = False, dequantize: bool = False, threads: int = DEFAULT_READ_THREADS,
@@ -114,12 +124,14 @@ def load_routed_experts(path: str | Path, cfg: ModelConfig, experts: Mapping[int
     What an expert actor holds: any set of logical experts per layer (a shard, replicas of hot ones).
     A quantised checkpoint's experts stay in its format (:class:`QuantRoutedExperts`, same interface)
     unless ``dequantize``."""
-    unknown = sorted(set(experts) - set(cfg.moe_layers))
+    layers = served_moe_layers(cfg, mtp=True)
+    unknown = sorted(set(experts) - set(layers))
     if unknown:
-        raise ValueError(f"layers {unknown} are not MoE layers of this model (MoE layers: {cfg.moe_layers})")
+        raise ValueError(f"layers {unknown} are not MoE layers of this model (MoE layers: {layers})")
     tensors = read_checkpoint(path, cfg, experts={l: sorted(ids) for l, ids in experts.items()},
                               include_non_expert=False, dtype=dtype, progress=progress,
-                              keep_quantized=not dequantize, threads=threads, on_progress=on_progress)
+                              keep_quantized=not dequantize, threads=threads, on_progress=on_progress,
+                              mtp=cfg.num_hidden_layers in experts)
     act, out = glu_activation(cfg), {}
     for layer, ids in experts.items():
         quant = quant_experts(cfg, layer, ids, tensors, dtype, act)

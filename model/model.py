@@ -176,8 +176,21 @@ class CausalLM(nn.Module):
         rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
         return self.mtp(next_ids, h, meta, cache, rope, impl)
 
+    def mtp_stages(self, next_ids: torch.Tensor, h: torch.Tensor, meta: AttnMeta, cache: ModelCache,
+                   impl: str = "absorbed"):
+        """:meth:`mtp_logits` as a generator that yields at the MTP layer's MoE exchange (as
+        :meth:`stages` does); returns the logits."""
+        if self.mtp is None:
+            raise ValueError("this model was built without its MTP layer: CausalLM(cfg, mtp=True)")
+        rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
+        return (yield from self.mtp.stages(next_ids, h, meta, cache, rope, impl))
+
     def moe_blocks(self) -> dict[int, MoE]:
-        return {l.index: l.ffn for l in self.model.layers if isinstance(l.ffn, MoE)}
+        """Decoder layer → its MoE block (the MTP layer's too, when the model holds it)."""
+        out = {l.index: l.ffn for l in self.model.layers if isinstance(l.ffn, MoE)}
+        if self.mtp is not None and isinstance(self.mtp.layer.ffn, MoE):
+            out[self.mtp.index] = self.mtp.layer.ffn
+        return out
 
 
 def _expert_names(cfg: ModelConfig, prefix: str, e: int) -> tuple[str, str, str]:

@@ -50,8 +50,13 @@ class MTPLayer(nn.Module):
                 rope, impl: str = "absorbed") -> torch.Tensor:
         """next_ids [T] (t_{i+1} for each position i), hidden [T, H] (the main model's final-normed h_i)
         → logits [T, V] (fp32) for t_{i+2}."""
+        return run_stages(self.stages(next_ids, hidden, meta, cache, rope, impl))
+
+    def stages(self, next_ids: torch.Tensor, hidden: torch.Tensor, meta: AttnMeta, cache: ModelCache,
+               rope, impl: str = "absorbed"):
+        """:meth:`forward` as a generator yielding at its MoE exchange (:meth:`MoE.stages`)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
-        y = run_stages(self.layer.stages(x, meta, cache, rope, impl, []))
+        y = yield from self.layer.stages(x, meta, cache, rope, impl, [])
         return (self.shared_head.norm(y) @ self.shared_head.head.weight.t()).float()
 
 

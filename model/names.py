@@ -177,13 +177,14 @@ def tensor_specs(cfg: ModelConfig, experts: ExpertSelection = None, *, mtp: bool
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = (v, h)
     if mtp:
-        specs.update(mtp_specs(cfg))
+        specs.update(mtp_specs(cfg, experts))
     return specs
 
 
-def mtp_specs(cfg: ModelConfig) -> Specs:
+def mtp_specs(cfg: ModelConfig, experts: ExpertSelection = None) -> Specs:
     """DeepSeek-V3's first MTP layer (model/mtp.py), ``model.layers.{num_hidden_layers}``: its own
-    embedding and head, the two norms and ``eh_proj`` that join them, and one MLA decoder layer."""
+    embedding and head, the two norms and ``eh_proj`` that join them, and one MLA decoder layer
+    (its routed experts selected by ``experts`` as :func:`tensor_specs` selects them)."""
     if cfg.num_nextn_predict_layers < 1 or cfg.family != "deepseek_v3":
         raise ValueError(f"this {cfg.model_type} config declares no MTP layer (num_nextn_predict_layers "
                          f"{cfg.num_nextn_predict_layers})")
@@ -195,7 +196,8 @@ def mtp_specs(cfg: ModelConfig) -> Specs:
                     p + "post_attention_layernorm.weight": (h,)}
     specs.update(mla_specs(cfg, p + "self_attn."))
     if cfg.is_moe_layer(n):
-        specs.update(moe_specs(cfg, p + "mlp.", None, EXPERT_WEIGHT_NAMES[cfg.family]))
+        ids = experts.get(n, ()) if isinstance(experts, Mapping) else experts
+        specs.update(moe_specs(cfg, p + "mlp.", ids, EXPERT_WEIGHT_NAMES[cfg.family]))
     else:
         specs.update(swiglu_specs(p + "mlp.", h, cfg.intermediate_size))
     return specs

@@ -94,6 +94,7 @@ def _deepseek_v3_tiny() -> dict:
         routed_scaling_factor=2.5,
         first_k_dense_replace=2,
         num_hidden_layers=5,
+        num_nextn_predict_layers=1,  # DeepSeek-V3 ships one MTP layer (speculative decoding's method: mtp)
         rope_theta=10000.0,
         rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
@@ -240,7 +241,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
     else:
         cfg = parse_config(raw, where=f"preset {name}")
         with torch.device("cpu"):
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, mtp=cfg.num_nextn_predict_layers > 0 and cfg.family == "deepseek_v3")
         init_random_weights(model, seed)
         tensors = to_hf_tensors(model)
         generation = {"moeray_preset": name, "seed": seed}

@@ -111,6 +111,34 @@ def test_drafts_change_no_token(models, name):
     assert st.preemptions > 0 and hits > 0 and off_stats.preemptions > 0
 
 
+def test_mtp_drafts_change_no_token(models, tmp_path_factory):
+    """The MTP layer drafts (DeepSeek-V3 tiny's random one, so nearly all rejected) with chunked prefill,
+    preemption and prefix caching: outputs equal; the trained preset's MTP layer gets most accepted."""
+    path = models["deepseek-v3-tiny"]
+    ps = shared_prefix_prompts(seed=5)
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=0.8, seed=2),
+              SamplingParams(max_tokens=30, repetition_penalty=1.3)]
+    mtp = {"method": "mtp", "full_draft_batch": 8}
+    want, _, _ = run(path, ps, params * 2, max_num_seqs=3, **KNOBS)
+    got, st, hits = run(path, ps, params * 2, mtp, max_num_seqs=3, **KNOBS)
+    assert got == want and st.spec_draft_tokens > 0 and st.preemptions > 0 and hits > 0
+    from model.tokenizer import Tokenizer
+
+    mini = build_preset("kimi-k2-mini", tmp_path_factory.mktemp("mini") / "m", dtype="float32", progress=False)
+    tok = Tokenizer.from_dir(mini)
+    ps = [tok.encode(t) for t in ("The weather in Paris is", "def add(a, b):\n    return", "Once upon a time")]
+    want, _, _ = run(mini, ps, SamplingParams(max_tokens=40))
+    got, st, _ = run(mini, ps, SamplingParams(max_tokens=40), mtp)
+    assert got == want and st.spec_accepted_tokens > st.spec_draft_tokens / 2
+
+
+def test_mtp_needs_the_checkpoints_mtp_layer(models):
+    with pytest.raises(ValueError, match="needs the checkpoint's multi-token-prediction layer"):
+        engine(models["kimi-k2-tiny"], {"method": "mtp"})
+    with pytest.raises(ValueError, match="num_speculative_tokens must be <= 1"):
+        engine(models["deepseek-v3-tiny"], {"method": "mtp", "num_speculative_tokens": 2})
+
+
 def test_real_proposers_verify_exactly(models):
     # ngram on K2: repeated prompts give the prompt lookup something to find
     path = models["kimi-k2-tiny"]

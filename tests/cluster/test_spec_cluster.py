@@ -77,3 +77,23 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
             _end(p)
         eng.shutdown()
     assert got == want
+
+
+def test_mtp_drafts_on_the_cluster(ray_cluster, tmp_path_factory):
+    """The trained preset's MTP layer on 2 attention × 2 expert actors: its routed experts live on the
+    expert actors (one more MoE layer in the placement table, exchanged after the main layers'); its
+    drafts are mostly accepted and the streams equal the single process's."""
+    from model.tokenizer import Tokenizer
+
+    mini = build_preset("kimi-k2-mini", tmp_path_factory.mktemp("mini") / "m", dtype="float32", progress=False)
+    tok = Tokenizer.from_dir(mini)
+    prompts = [tok.encode(t) for t in ("The weather in Paris is", "def add(a, b):\n    return", "Once upon a time")]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [single.alone(mini, [p], params)[0] for p in prompts]
+    cfg = EngineConfig.of(model=str(mini), speculative={"method": "mtp", "full_draft_batch": 8})
+    with Engine(cfg, ClusterSpec(attention=2, experts=2)) as eng:
+        cfg_layers = load_config(mini)
+        assert eng.table.moe_layers[-1] == cfg_layers.num_hidden_layers  # the MTP layer's experts are placed
+        got = [s.output_ids for s in eng.generate(prompts, params)]
+        assert eng.stats.spec_accepted_tokens > eng.stats.spec_draft_tokens / 2
+    assert got == want
