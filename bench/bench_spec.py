@@ -1,10 +1,11 @@
 """Speculative decoding's gain and cost (issue 36): speculation off against each method, in one run.
 
-    python bench/bench_spec.py [--preset kimi-k2-tiny] [--runs 3] [--tokens 64] [--executor ray|inprocess]
+    python bench/bench_spec.py [--preset kimi-k2-tiny | kimi-k2-mini] [--runs 3] [--tokens 64] [--executor ray|inprocess]
 
 Engines side by side (``--executor ray``: a local Ray cluster of 2 nodes, each engine 1 attention
 × 1 expert actor, the step channels and the exchange as served; ``inprocess``: the engine's
-in-process executor), one per mode: off, ngram and suffix (K = ``--k``, default 4), async
+in-process executor), one per mode: off, ngram and suffix (K = ``--k``, default 4), and mtp (1
+draft) when the checkpoint has an MTP layer (kimi-k2-mini: trained, deepseek-v3-tiny: random), async
 scheduling on (it pauses while drafts may come: see docs/architecture.md).
 
 Workloads, every request greedy with ignore_eos and ``--tokens`` output tokens, each mode checked
@@ -43,11 +44,11 @@ from model.config import load_config  # noqa: E402
 from model.presets import build_preset  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 
-MODES = ("off", "ngram", "suffix")
+MODES = ("off", "ngram", "suffix")  # and mtp, when the checkpoint has an MTP layer
 
 
 def make_engine(path: str, mode: str, k: int, executor: str) -> Engine:
-    spec_cfg = None if mode == "off" else {"method": mode, "num_speculative_tokens": k}
+    spec_cfg = None if mode == "off" else {"method": mode, "num_speculative_tokens": 1 if mode == "mtp" else k}
     cfg = EngineConfig.of(path, speculative=spec_cfg, num_blocks=1024, max_num_seqs=64, max_tokens_per_step=512)
     spec = ClusterSpec(attention=1, experts=1)
     if executor == "inprocess":
@@ -92,18 +93,19 @@ def main() -> int:
 
         cluster = LocalCluster(nodes=2, num_cpus=4).__enter__()
         ray.init(address=cluster.address)
-    engines = {m: make_engine(path, m, args.k, args.executor) for m in MODES}
+    modes = MODES + (("mtp",) if load_config(path).num_nextn_predict_layers else ())
+    engines = {m: make_engine(path, m, args.k, args.executor) for m in modes}
     ok = True
     try:
         rows = []
         for kind in ("repetitive", "random"):
             for streams, n in ((1, 6), (16, 32), (32, 64)):
-                rates = {m: [] for m in MODES}
-                accepted = {m: [] for m in MODES}
+                rates = {m: [] for m in modes}
+                accepted = {m: [] for m in modes}
                 for run in range(args.runs):
                     prompts = workload(kind, n, random.Random(run * 7 + streams))
                     want = None
-                    for m in MODES:
+                    for m in modes:
                         eng = engines[m]
                         d0, a0 = eng.stats.spec_drafts, eng.stats.spec_accepted_tokens
                         rate, outs = drain(eng, prompts, params, streams)
@@ -117,7 +119,7 @@ def main() -> int:
                         accepted[m].append(1 + (eng.stats.spec_accepted_tokens - a0) / d if d else 1.0)
                 med = {m: statistics.median(v) for m, v in rates.items()}
                 what = "tokens/s per stream" if streams == 1 else "aggregate tokens/s"
-                for m in MODES:
+                for m in modes:
                     rows.append((kind, streams, what, m, med[m], med[m] / med["off"], statistics.median(accepted[m])))
                     print(f"{kind:10s} {streams:2d} streams  {m:6s}  {what}: {med[m]:8.1f}  x{med[m] / med['off']:.2f} "
                           f"vs off; mean accepted length {statistics.median(accepted[m]):.2f}", flush=True)

@@ -277,7 +277,7 @@ class Engine:
         chunks = [c for replica in current.plan.chunks for c in replica]
         if not chunks or not all(c.sample and not c.draft for c in chunks):
             return None  # (a sequence with drafts: where its next token sits depends on how many are accepted)
-        if self.scheduler.draft_length(len(chunks)) > 0:
+        if self.scheduler.may_draft([s for c in chunks if (s := self.scheduler.seqs.get(c.seq_id)) is not None]):
             return None  # speculation pauses async scheduling: the next step's drafts follow this one's tokens
         max_ctx, nxt = self.model_cfg.max_position_embeddings, []
         for c in chunks:

@@ -32,6 +32,10 @@ from .drafts import make_drafter
 from .prefix_cache import CacheHold, Hit, PrefixCache
 
 
+DRAFT_FLOOR = 0.15  # a sequence whose drafts' acceptance rate is below this drafts nothing for a while
+DRAFT_PROBE = 0.02  # … its rate climbing back by this each step, so that it tries again
+
+
 @dataclass(eq=False)
 class Seq(Sequence):
     """A sequence as the scheduler sees it: the runner's sequence plus where it lives."""
@@ -372,13 +376,21 @@ class Scheduler:
         K = spec.num_speculative_tokens
         return K if decoding <= spec.full_draft_batch else K * spec.full_draft_batch // decoding
 
+    def may_draft(self, seqs: list[Seq]) -> bool:
+        """Whether some of ``seqs`` (the whole batch decoding) may carry drafts in their next step."""
+        return self.draft_length(len(seqs)) > 0 and any(s.draft_rate >= DRAFT_FLOOR for s in seqs)
+
     def _draft(self, seq: Seq, k: int) -> list[int]:
         """Up to ``k`` draft tokens for ``seq``'s next step: fewer as its drafts were recently
-        rejected (its acceptance rate's share of ``k``, at least one), none while its stop ids are
+        rejected (its acceptance rate's share of ``k``, at least one; none for a few steps once
+        the rate is under DRAFT_FLOOR, the rate climbing back by DRAFT_PROBE each), none while its stop ids are
         banned (before ``min_tokens``), and never past its length limits (its token after the
         drafts counts). A decode chunk never ends at a KDA snapshot boundary (those are at or
         before its last known token), so drafts and snapshots never meet."""
         if k <= 0 or self.drafter is None or seq.is_refresh:
+            return []
+        if seq.draft_rate < DRAFT_FLOOR:  # its drafts keep failing: none for a few steps, then one probe
+            seq.draft_rate += DRAFT_PROBE
             return []
         k = min(k, max(1, math.ceil(k * seq.draft_rate)), seq.params.max_tokens - len(seq.output_ids) - 1,
                 self.max_context - len(seq.token_ids) - 1)

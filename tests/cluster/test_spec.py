@@ -280,20 +280,28 @@ def test_drafts_shrink_with_the_batch():
 def test_drafts_shrink_with_rejections_and_come_back():
     s = decoding_scheduler(1)
     seen = []
-    for accepted in (0, 0, 0, 4, 4):
+
+    def step(accept: bool):
         plan = s.schedule()
         (c,) = [c for r in plan.chunks for c in r]
         seen.append(c.draft)
-        toks = [_tok(0, 7)] * min(accepted, c.draft) + [_tok(0, 9)]
-        v = s.verified(plan, toks)
-        assert v[0].accepted == min(accepted, c.draft)
+        a = c.draft if accept else 0
+        toks = [_tok(0, 7)] * a + [_tok(0, 9)]
+        assert [v.accepted for v in s.verified(plan, toks)] == ([a] if c.draft else [])
         s.completed(plan)
         s.apply(toks)
         # the rejected drafts' positions are given back: the next chunk starts right after the accepted
         seq = s.seqs[0]
         assert seq.num_cached == len(seq.token_ids) - 1
         assert len(seq.block_table) == -(-seq.num_cached // 16)
-    assert seen[0] == 4 and seen[1] < 4 and seen[2] < seen[1] and seen[-1] > seen[2]
+
+    for _ in range(15):
+        step(accept=False)
+    assert seen[:3] == [4, 2, 1]  # its share of K falls with its acceptance
+    assert 0 in seen[3:] and 1 in seen[3:]  # then none, but a probe now and then
+    for _ in range(10):
+        step(accept=True)
+    assert seen[-1] == 4  # accepted again: back to K
 
 
 # ---- the proposers ------------------------------------------------------------------------------
