@@ -143,7 +143,7 @@ class AttentionWorker(ServesSteps):
                 self.cache.kda.save(c.state_slot, c.snapshot)
         t1 = time.perf_counter()
         tokens = self._sample(req.chunks, [o[0] if o is not None else None for o in out]) if req.chunks else ()
-        drafts = self._mtp(batches, out, tokens) if self.mtp_layer is not None else ()
+        drafts = self._mtp(batches, out, tokens) if self.mtp_layer is not None and self.mtp_layer not in req.skip else ()
         sample_s, cpu_s = time.perf_counter() - t1, time.thread_time() - c0
         self.completed, self.sampled = req.step, {t.seq_id: t.token_id for t in tokens}
         return StepResult(step=req.step, actor=self.name, tokens=tokens, drafts=drafts,
@@ -244,10 +244,11 @@ class AttentionWorker(ServesSteps):
                 else:
                     after = toks[1:] + [max(c.lookahead, 0)]
                 nxt += after[:n]
+            rows = torch.tensor([r for _, r, _ in pick], dtype=torch.long, device=h.device)
             logits = self._exchange_alone(self.model.mtp_stages(
-                torch.tensor(nxt, device=h.device), h, meta, self.cache, self.impl))
+                torch.tensor(nxt, device=h.device), h, meta, self.cache, self.impl, rows))
             if pick:
-                best = logits[torch.tensor([r for _, r, _ in pick], device=logits.device)].argmax(-1).tolist()
+                best = logits.argmax(-1).tolist()
                 drafts += [(c.seq_id, c.num_cached + i + 2, tok) for (c, _, i), tok in zip(pick, best)]
         return tuple(drafts)
 

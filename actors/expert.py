@@ -185,6 +185,7 @@ class ExpertWorker(ServesSteps):
         hidden = self.cfg.expert_hidden_size
         per_slot = [sum(self.exchange.serve(layer, self.experts[layer], hidden, self.dtype, tokens)
                         for tokens in req.tokens)
+                    if layer not in req.skip else torch.zeros(self.table.max_local, dtype=torch.long)
                     for layer in self.table.moe_layers]
         self.exchange.drain()
         total, cpu_s = time.perf_counter() - t0, time.thread_time() - c0

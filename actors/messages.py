@@ -155,6 +155,8 @@ class StepRequest:
     release: tuple[int, ...] = ()  # sequences that left this replica since its last step: forget them
     # colocated layout: every worker's token count per micro-batch (ExpertStep.tokens), to serve its shard's rows
     peer_tokens: tuple[tuple[int, ...], ...] = ()
+    # MoE layers nobody exchanges in this step (the MTP layer's, in a step whose batch drafts nothing)
+    skip: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class ExpertStep:
     epoch: int
     tokens: tuple[tuple[int, ...], ...]
     ahead: bool = False  # as StepRequest.ahead: refused at once where step - 1 did not complete
+    skip: tuple[int, ...] = ()  # as StepRequest.skip
 
 
 def refuse_ahead(actor: str, step: int, ahead: bool, completed: int) -> None:

@@ -309,17 +309,28 @@ class Engine:
         tokens = tuple(tuple(sum(len(c.token_ids) for c in groups[m]) for groups in micro)
                        for m in range(len(micro[0])))
         peers = tokens if self.executor.table.colocated else ()  # a worker serves every worker's rows
+        skip = self._skip_mtp(plan)
         reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
-                            self.scheduler.take_released(r), peer_tokens=peers)
+                            self.scheduler.take_released(r), peer_tokens=peers, skip=skip)
                 for r, (chunks, groups) in enumerate(zip(plan.chunks, micro))]
         self.stats.micro_batched_steps += len(tokens) > 1
         t1 = time.perf_counter()
-        sent = self.executor.launch(reqs, ExpertStep(self.step_no, epoch, tokens, ahead))
+        sent = self.executor.launch(reqs, ExpertStep(self.step_no, epoch, tokens, ahead, skip))
         self.stats.add_time(schedule=t1 - t_plan, launch=time.perf_counter() - t1)
         self.stats.ahead_steps += ahead
         launched = Launched(self.step_no, plan, sent, t1, self.executor.table)
         self.inflight.append(launched)
         return launched
+
+    def _skip_mtp(self, plan: Plan) -> tuple[int, ...]:
+        """The MTP layer runs where its guesses may be drafted next step: not in a step whose
+        sequences the adaptive length gives no drafts (a large batch), which then costs what it
+        costs without speculation. (Positions decoded then hold no MTP latents: later guesses attend
+        over them as they are — drafts only, never outputs.)"""
+        if not self.config.mtp:
+            return ()
+        seqs = [s for r in plan.chunks for c in r if (s := self.scheduler.seqs.get(c.seq_id)) is not None]
+        return () if self.scheduler.may_draft(seqs) else (self.model_cfg.num_hidden_layers,)
 
     def finish(self) -> list[TokenEvent]:
         """Wait for the oldest step in flight and apply its tokens; its statistics wait for

@@ -177,13 +177,13 @@ class CausalLM(nn.Module):
         return self.mtp(next_ids, h, meta, cache, rope, impl)
 
     def mtp_stages(self, next_ids: torch.Tensor, h: torch.Tensor, meta: AttnMeta, cache: ModelCache,
-                   impl: str = "absorbed"):
+                   impl: str = "absorbed", rows: torch.Tensor | None = None):
         """:meth:`mtp_logits` as a generator that yields at the MTP layer's MoE exchange (as
-        :meth:`stages` does); returns the logits."""
+        :meth:`stages` does); returns the logits (of ``rows`` only, when given)."""
         if self.mtp is None:
             raise ValueError("this model was built without its MTP layer: CausalLM(cfg, mtp=True)")
         rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
-        return (yield from self.mtp.stages(next_ids, h, meta, cache, rope, impl))
+        return (yield from self.mtp.stages(next_ids, h, meta, cache, rope, impl, rows))
 
     def moe_blocks(self) -> dict[int, MoE]:
         """Decoder layer → its MoE block (the MTP layer's too, when the model holds it)."""

@@ -53,10 +53,13 @@ class MTPLayer(nn.Module):
         return run_stages(self.stages(next_ids, hidden, meta, cache, rope, impl))
 
     def stages(self, next_ids: torch.Tensor, hidden: torch.Tensor, meta: AttnMeta, cache: ModelCache,
-               rope, impl: str = "absorbed"):
-        """:meth:`forward` as a generator yielding at its MoE exchange (:meth:`MoE.stages`)."""
+               rope, impl: str = "absorbed", rows: torch.Tensor | None = None):
+        """:meth:`forward` as a generator yielding at its MoE exchange (:meth:`MoE.stages`); with
+        ``rows``, the logits of those positions only (the head is a vocabulary-wide GEMM)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
         y = yield from self.layer.stages(x, meta, cache, rope, impl, [])
+        if rows is not None:
+            y = y[rows]
         return (self.shared_head.norm(y) @ self.shared_head.head.weight.t()).float()
 
 

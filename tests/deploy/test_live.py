@@ -77,10 +77,10 @@ SHAPE = "2 attention × 2 expert actors"  # both apps', between tests
 
 # Long enough that every stream outlasts the changes made while it runs (asserted): K2's stream set
 # sees five changes (two of them recoveries), K3's two. Measured alone on 2 cores (12-04), the streams
-# had 165-174 (K2) and 107-109 (K3) tokens when the last change returned, the colocated K2 streams
-# 147-180 of STREAM_TOKENS; under load the streams (a chain of processes per step) slow down more
+# had 165-174 (K2, of 400 then: its app now drafts, so its streams are twice as long) and 107-109 (K3)
+# tokens when the last change returned, the colocated K2 streams 147-180 of STREAM_TOKENS (before drafts); under load the streams (a chain of processes per step) slow down more
 # than the changes (mostly actor starts), so the margin grows.
-K2_TOKENS = 400
+K2_TOKENS = 800  # (the app drafts: its streams run up to twice as fast as without)
 K3_TOKENS = 250
 FAULT_TOKENS = 120  # the faults-during-changes streams
 ENGINE_TOKENS = 40  # the healed app's output after its engine replica was killed
@@ -291,7 +291,10 @@ def k2(serve_port, tmp_path_factory):
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("k2") / "k2", seed=8, progress=False)
     oracles = {"long": oracle_soon(path, _prompts(8), K2_TOKENS), "faults": oracle_soon(path, FAULT_PROMPTS, FAULT_TOKENS),
                "engine": oracle_soon(path, ENGINE_PROMPTS, ENGINE_TOKENS)}
-    cfg = serve_config(serve_port, path, "k2", attention=2, experts=2, api_keys=CLIENT_KEYS, admin_api_key=None)
+    # speculative decoding on (ngram, 4 drafts, every one of up to 16 sequences drafting): every test of
+    # this app is then also a test of exact outputs with drafts, its faults and changes among them
+    cfg = serve_config(serve_port, path, "k2", attention=2, experts=2, api_keys=CLIENT_KEYS, admin_api_key=None,
+                       speculative={"method": "ngram", "num_speculative_tokens": 4, "full_draft_batch": 16})
     cfg = with_loopback_admin_token(cfg, root)
     assert cfg.admin_api_key is not None
     url = deploy_config(cfg, serve_on=1)
@@ -454,6 +457,9 @@ class TestK2:
         assert after_m["moeray:epoch_pause_seconds_sum"] > before_m["moeray:epoch_pause_seconds_sum"]
         assert _delta(after["failures"], before["failures"]) == {"expert": 1, "attention": 1}
         assert len(after["recoveries_s"]) == len(before["recoveries_s"]) + 2
+        spec, was = after["speculative"], before["speculative"]  # the streams ran with drafts, some accepted
+        assert spec["accepted_tokens"] > was["accepted_tokens"], spec
+        assert spec["draft_tokens"] - was["draft_tokens"] > spec["accepted_tokens"] - was["accepted_tokens"], spec
         st = json.loads(moeray("status", "--url", url, "--api-key", KEY, "--json").stdout)
         assert st["epoch"] == epoch + 5 and st["last_change"]["kind"] == "attention" and len(st["experts"]) == 2
         assert st["experts"][0]["slots"] == {str(l): list(range(8)) for l in st["experts"][0]["slots"]}
@@ -791,12 +797,12 @@ def _worker_pids() -> list[int]:
 
 @pytest.fixture(scope="class")
 def ck2(serve_port, tmp_path_factory):
-    """kimi-k2-tiny in the colocated layout, 2 workers, with speculative decoding (ngram, 4 drafts):
+    """kimi-k2-tiny in the colocated layout, 2 workers, with speculative decoding (suffix, 4 drafts):
     its streams must equal the single process's (no drafts) through scaling, kills and a hang."""
     path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("ck2") / "k2", seed=8, progress=False)
     oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS),
                "streams": oracle_soon(path, STREAM_PROMPTS, STREAM_TOKENS)}
-    url = deploy(serve_port, path, "ck2", speculative={"method": "ngram", "num_speculative_tokens": 4}, **COLOCATED)
+    url = deploy(serve_port, path, "ck2", speculative={"method": "suffix", "num_speculative_tokens": 4}, **COLOCATED)
     try:
         yield App("ck2", url, path, ADMIN, {k: o.result() for k, o in oracles.items()})
     finally:
