@@ -24,7 +24,7 @@ import torch
 from model.cache import build_attn_meta
 from model.loader import load_model, parse_dtype
 from model.logits import LogitsState, grammars_for, stateful
-from model.moe import COMBINE, Dispatch
+from model.moe import COMBINE, Dispatch, run_stages
 from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
 
 from .device import choose_device
@@ -258,17 +258,8 @@ class AttentionWorker(ServesSteps):
 
     def _exchange_alone(self, gen):
         """Run one stage generator to its end, each exchange issued and collected in turn."""
-        d, value = self.dispatcher, None
-        while True:
-            try:
-                req = gen.send(value)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(req, Dispatch):
-                pending = d.issue(req.moe.layer, req.x, req.topk_idx, req.topk_w)
-                value = None
-            else:
-                value = d.collect(pending)
+        d = self.dispatcher
+        return run_stages(gen, lambda req: d.issue(req.moe.layer, req.x, req.topk_idx, req.topk_w), d.collect)
 
     def _params(self, chunk: SeqChunk) -> SamplingParams | None:
         """The sampling params of ``chunk``'s sequence, as its first chunk here brought them."""

@@ -303,8 +303,10 @@ class Dispatch:
 COMBINE = "combine"
 
 
-def run_stages(gen: Generator):
-    """Drive one micro-batch's stages to the end, routing each :class:`Dispatch` in place."""
+def run_stages(gen: Generator, issue=None, collect=None):
+    """Drive one micro-batch's stages to the end, routing each :class:`Dispatch` in place — or, given
+    ``issue`` (Dispatch → pending) and ``collect`` (pending → combined rows), through an exchange,
+    each collected before the next is issued."""
     value, pending = None, None
     while True:
         try:
@@ -312,6 +314,6 @@ def run_stages(gen: Generator):
         except StopIteration as stop:
             return stop.value
         if isinstance(req, Dispatch):
-            pending, value = req.local(), None
+            pending, value = (req.local() if issue is None else issue(req)), None
         else:
-            value, pending = pending, None
+            value, pending = (pending if collect is None else collect(pending)), None
