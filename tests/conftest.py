@@ -124,6 +124,10 @@ def pytest_ignore_collect(collection_path, config):
 # group to a file (collection ends before scheduling starts) and :class:`_GroupScheduling` reads it.
 RAY_GROUP = "ray"
 NOT_RAY = frozenset({"tests/test_owners.py::test_inprocess_tests_need_no_ray"})
+# Modules without Ray that still run in the Ray group's queue, in file order: they keep both cores busy for a
+# while (engines in process), which beside the Ray tests' timed recoveries (test_hang's stall bound) made
+# those flaky in CI. They stay in the fast subset (not marked cluster).
+WITH_RAY = frozenset({"tests/cluster/test_spec.py"})
 # Tests that start processes, a Ray cluster or `moeray up` of their own (in a subprocess, on their own ports
 # and cache directories) and use nothing of the session's: one group, handed out last, so the worker that is
 # not running the session cluster's tests takes it once its own queue is done (it idles for most of the run
@@ -158,7 +162,8 @@ def pytest_collection_modifyitems(config, items):
         if f"{path}::{name}" in OWN or path in OWN:
             groups[item.nodeid] = OWN_GROUP
         else:
-            groups[item.nodeid] = RAY_GROUP if cluster and f"{path}::{name}" not in NOT_RAY else path
+            groups[item.nodeid] = (RAY_GROUP if (cluster and f"{path}::{name}" not in NOT_RAY) or path in WITH_RAY
+                                   else path)
     out = getattr(config, "workerinput", {}).get("moeray_groups")
     if out:  # an xdist worker: tell the controller's scheduler (every worker writes the same)
         tmp = f"{out}.{os.getpid()}"
