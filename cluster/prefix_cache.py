@@ -24,6 +24,7 @@ hands the scheduler blocks, slots and refresh jobs to place); touches tensors or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from actors.messages import SeqChunk
@@ -266,7 +267,7 @@ class PrefixCache:
         return len(seq.token_ids) if seq.is_refresh else (len(seq.token_ids) - 1) // self.grid * self.grid
 
     # ---- after a step -----------------------------------------------------------------------
-    def completed(self, seq: Seq, replica: int, chunk: SeqChunk) -> bool:
+    def completed(self, seq: Seq, replica: int, chunk: SeqChunk, ahead: Sequence[int] = ()) -> bool:
         """The step that computed ``chunk`` of ``seq`` (still on ``replica``) came back whole: what it
         wrote may be shared. Registers its full blocks up to the chunk's end (on hybrid models: up to
         its newest snapshot, the deepest a hit can use there) and the snapshot it saved. True when
@@ -283,7 +284,7 @@ class PrefixCache:
                 self.snaps[replica].release(saving[0])
         n = (min(end, hold.snapshot_at) if self.grid else end) // self.block_size
         if n > hold.num_registered_blocks:  # only the blocks this step filled: O(new blocks) per step
-            hashes = self._hashes(seq, n)
+            hashes = self._hashes(seq, n, ahead)
             self.blocks[replica].register_hashes(seq.block_table[hold.num_registered_blocks:n],
                                                  hashes[hold.num_registered_blocks:n])
             hold.num_registered_blocks = n
@@ -330,8 +331,11 @@ class PrefixCache:
         self.jobs.pop(job.seq_id, None)
 
     # ---- keys ------------------------------------------------------------------------------
-    def _hashes(self, seq: Seq, num_blocks: int) -> list[bytes]:
-        return self.blocks[0].chain(seq.cache.hashes, seq.token_ids, seq.cache_salt, num_blocks)
+    def _hashes(self, seq: Seq, num_blocks: int, ahead: Sequence[int] = ()) -> list[bytes]:
+        """``seq``'s chained block hashes, over its tokens and ``ahead`` (tokens about to be appended:
+        a step's accepted drafts)."""
+        tokens = seq.token_ids + list(ahead) if ahead else seq.token_ids
+        return self.blocks[0].chain(seq.cache.hashes, tokens, seq.cache_salt, num_blocks)
 
     def _snapshot_key(self, seq: Seq, boundary: int) -> bytes:
         """A snapshot's key: the chained hash of the block ending at its boundary."""

@@ -367,3 +367,29 @@ def test_acceptance_in_status_and_metrics(models):
         assert "spec_decode" not in EngineMetrics(off, "m").render().decode()
     finally:
         off.shutdown()
+
+
+def test_accepted_drafts_are_registered_for_prefix_hits():
+    """A sequence that finishes in the step that accepted its drafts leaves their blocks cached: a
+    later request sharing the whole answer finds it (the live K2 app's five-turn test caught a block
+    lost there)."""
+    from cluster.config import SpeculativeConfig
+
+    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
+                  prefix_caching=True, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s.drafter = Always()
+    s.add(Seq(0, [1, 2, 3, 4, 5, 6], 6, SamplingParams(max_tokens=6)))
+    plan = s.schedule()
+    toks = [_tok(0, 7)]
+    s.completed(plan, toks)
+    s.apply(toks)  # [1..6, 7]: next, drafts 7 7 7 7 (all accepted) and one more: max_tokens reached
+    plan = s.schedule()
+    (c,) = [c for r in plan.chunks for c in r]
+    assert c.draft == 4
+    toks = [_tok(0, 7)] * 4 + [_tok(0, 9)]
+    s.verified(plan, toks)
+    s.completed(plan, toks)
+    s.apply(toks)
+    assert not s.seqs  # finished: 6 tokens generated
+    probe = Seq(1, [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 9, 1], 13, SamplingParams())
+    assert s.cache.hit(probe, 0).tokens == 8  # blocks [1..4], [5, 6, 7, 7] — the second holds two accepted drafts
