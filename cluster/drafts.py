@@ -20,6 +20,7 @@ a sequence may carry (the scheduler's policy does), or sees a tensor.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -29,6 +30,19 @@ class Drafter(Protocol):
     def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None: ...
 
 
+@dataclass
+class _NgramIndex:
+    tables: list[dict]  # per n: n-gram → the end position of its latest occurrence
+    indexed: int = 0  # n-grams ending before this position are in the tables
+
+
+@dataclass
+class _SuffixIndex:
+    trie: "SuffixTrie"
+    active: list = field(default_factory=list)  # its open suffixes (the trie's nodes, deepest last)
+    indexed: int = 0  # tokens added to the trie
+
+
 class NgramDrafter:
     """Prompt lookup: per sequence, each n-gram's latest end position (n in [lo, hi])."""
 
@@ -36,18 +50,20 @@ class NgramDrafter:
         if not 1 <= lo <= hi:
             raise ValueError(f"ngram: prompt_lookup_min ({lo}) must be >= 1 and <= prompt_lookup_max ({hi})")
         self.lo, self.hi = lo, hi
-        self._index: dict[int, tuple[list[dict], list[int]]] = {}  # seq id → (per n: n-gram → end), [indexed]
+        self._index: dict[int, _NgramIndex] = {}
 
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         if k <= 0 or len(token_ids) < self.lo + 1:
             return []
-        tables, done = self._index.setdefault(seq_id, ([{} for _ in range(self.hi - self.lo + 1)], [0]))
-        L = len(token_ids)
+        ix = self._index.get(seq_id)
+        if ix is None:
+            ix = self._index[seq_id] = _NgramIndex([{} for _ in range(self.hi - self.lo + 1)])
+        tables, L = ix.tables, len(token_ids)
         # index every n-gram ending before the last token, so the lookup finds an earlier occurrence
-        for end in range(max(done[0], self.lo - 1), L - 1):
+        for end in range(max(ix.indexed, self.lo - 1), L - 1):
             for n in range(self.lo, min(self.hi, end + 1) + 1):
                 tables[n - self.lo][tuple(token_ids[end - n + 1 : end + 1])] = end
-        done[0] = max(done[0], L - 1)
+        ix.indexed = max(ix.indexed, L - 1)
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             end = tables[n - self.lo].get(tuple(token_ids[L - n :]))
             if end is not None:
@@ -142,7 +158,7 @@ class SuffixDrafter:
             raise ValueError(f"suffix: max_tree_depth must be >= 2, max_cached_requests >= 0 and min_token_prob in "
                              f"[0, 1]; got {depth}, {window}, {min_prob}")
         self.depth, self.window, self.min_prob = depth, window, min_prob
-        self.seqs: dict[int, tuple[SuffixTrie, list, list[int]]] = {}  # seq id → trie, open suffixes, [indexed]
+        self.seqs: dict[int, _SuffixIndex] = {}
         self.shared = SuffixTrie(depth)
         self.recent: deque[list[int]] = deque()  # outputs in the shared trie, oldest first
         # finished outputs not yet in the shared trie: added a few per proposal (PER_PROPOSAL), so a
@@ -152,16 +168,18 @@ class SuffixDrafter:
     def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
         if k <= 0:
             return []
-        trie, active, done = self.seqs.setdefault(seq_id, (SuffixTrie(self.depth), [], [0]))
+        ix = self.seqs.get(seq_id)
+        if ix is None:
+            ix = self.seqs[seq_id] = _SuffixIndex(SuffixTrie(self.depth))
         # the last token stays out of the sequence's trie until the next call: the context's own
         # occurrence has no continuation yet, and every earlier one has
-        if done[0] < len(token_ids) - 1:
-            active[:] = trie.extend(active, token_ids[done[0] : len(token_ids) - 1])
-            done[0] = len(token_ids) - 1
+        if ix.indexed < len(token_ids) - 1:
+            ix.active = ix.trie.extend(ix.active, token_ids[ix.indexed : len(token_ids) - 1])
+            ix.indexed = len(token_ids) - 1
         for _ in range(min(self.PER_PROPOSAL, len(self.pending))):
             self._share(self.pending.popleft())
         context = token_ids[-self.depth:]
-        own, own_score = trie.continuation(context, k, self.min_prob)
+        own, own_score = ix.trie.continuation(context, k, self.min_prob)
         other, other_score = self.shared.continuation(context, k, self.min_prob) if self.recent else ([], 0.0)
         return own if own_score >= other_score else other
 

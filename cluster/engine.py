@@ -358,7 +358,7 @@ class Engine:
             for r in attn:
                 self.scheduler.drafter.record(r.drafts)
         verified = self.scheduler.verified(launched.plan, tokens)  # drafts accepted, the rest's cache given back
-        self.scheduler.completed(launched.plan, tokens)  # what it wrote may be shared from now on
+        self.scheduler.completed(launched.plan, verified)  # what it wrote may be shared from now on
         events = self._apply(tokens)
         self.stats.observe_drafts(verified)
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)

@@ -220,12 +220,12 @@ class Scheduler:
                 out.append(Verified(c.seq_id, c.draft, n - 1))
         return out
 
-    def completed(self, plan: Plan, sampled: list[SampledToken] = ()) -> None:
+    def completed(self, plan: Plan, verified: list[Verified] = ()) -> None:
         """A step came back whole: what its chunks wrote may now be shared (the prefix cache
         registers it), and the refresh jobs it finished end. Call before :meth:`apply`, so that a
         sequence finishing there leaves its blocks cached. Of a chunk's drafts, only those accepted
-        count (``sampled``: the step's tokens, the accepted drafts and one more per sequence)."""
-        got = Counter(t.seq_id for t in sampled) if any(c.draft for r in plan.chunks for c in r) else {}
+        count (``verified``: :meth:`verified`'s answer for the step)."""
+        accepted = {v.seq_id: v.accepted for v in verified}
         for r, chunks in enumerate(plan.chunks):
             for c in chunks:
                 seq = self.cache.jobs.get(c.seq_id) if c.seq_id < 0 else self.seqs.get(c.seq_id)
@@ -234,7 +234,7 @@ class Scheduler:
                 ahead = ()
                 if c.draft:
                     known = len(c.token_ids) - c.draft
-                    ahead = c.token_ids[known : known + max(0, got.get(c.seq_id, 0) - 1)]  # the accepted drafts
+                    ahead = c.token_ids[known : known + accepted.get(c.seq_id, 0)]  # the accepted drafts
                     c = dataclasses.replace(c, token_ids=c.token_ids[:known] + ahead, draft=0)
                 if self.cache.completed(seq, r, c, ahead):
                     self._end_job(seq)

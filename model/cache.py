@@ -126,15 +126,15 @@ class KDAStateCache:
     def accept(self, accepted: dict[int, int]) -> None:
         """Slot → the drafts accepted for it (a): its state becomes the one after query position a
         (its input token and a drafts), in every KDA layer; what the step kept is dropped."""
+        W1 = self.conv.shape[3]
         for layer, groups in self.kept.items():
             for slots, states, hist in groups:
-                for b, slot in enumerate(slots.tolist()):
-                    a = accepted.get(slot)
-                    if a is None or a == states.shape[1] - 1:
-                        continue
-                    self.recurrent[layer, slot] = states[b, a]
-                    W1 = self.conv.shape[3]
-                    self.conv[layer, slot] = hist[b, :, a + 1 : a + 1 + W1].to(self.conv.dtype)
+                B, Q = states.shape[:2]
+                a = torch.tensor([accepted.get(s, Q - 1) for s in slots.tolist()], device=states.device)
+                self.recurrent[layer, slots] = states[torch.arange(B, device=states.device), a]
+                idx = a[:, None] + 1 + torch.arange(W1, device=states.device)  # the W−1 inputs ending at a
+                tail = hist.gather(2, idx[:, None, :, None].expand(B, hist.shape[1], W1, hist.shape[3]))
+                self.conv[layer, slots] = tail.to(self.conv.dtype)
         self.kept = {}
 
     @property

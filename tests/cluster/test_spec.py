@@ -381,14 +381,13 @@ def test_accepted_drafts_are_registered_for_prefix_hits():
     s.add(Seq(0, [1, 2, 3, 4, 5, 6], 6, SamplingParams(max_tokens=6)))
     plan = s.schedule()
     toks = [_tok(0, 7)]
-    s.completed(plan, toks)
+    s.completed(plan)
     s.apply(toks)  # [1..6, 7]: next, drafts 7 7 7 7 (all accepted) and one more: max_tokens reached
     plan = s.schedule()
     (c,) = [c for r in plan.chunks for c in r]
     assert c.draft == 4
     toks = [_tok(0, 7)] * 4 + [_tok(0, 9)]
-    s.verified(plan, toks)
-    s.completed(plan, toks)
+    s.completed(plan, s.verified(plan, toks))
     s.apply(toks)
     assert not s.seqs  # finished: 6 tokens generated
     probe = Seq(1, [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 9, 1], 13, SamplingParams())
