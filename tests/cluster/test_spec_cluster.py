@@ -62,6 +62,8 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
             turn += 1
             if turn in faults:
                 drafts = eng.stats.spec_draft_tokens
+                # every stream outlives every fault: none has finished when it is made
+                assert all(eng.requests[i].seq.finish_reason is None for i in ids), turn
                 faults[turn]()
             eng.pipelined()
             eng.record()
@@ -79,9 +81,10 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
     assert got == want
 
 
-def test_mtp_drafts_on_the_cluster(ray_cluster, tmp_path_factory):
-    """The trained preset's MTP layer on 2 attention × 2 expert actors: its routed experts live on the
-    expert actors (one more MoE layer in the placement table, exchanged after the main layers'); its
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_mtp_drafts_on_the_cluster(ray_cluster, tmp_path_factory, colocated):
+    """The trained preset's MTP layer on 2 attention × 2 expert actors, and on 2 colocated workers: its
+    routed experts live on the expert actors (the workers' shards) (one more MoE layer in the placement table, exchanged after the main layers'); its
     drafts are mostly accepted and the streams equal the single process's."""
     from model.tokenizer import Tokenizer
 
@@ -91,7 +94,8 @@ def test_mtp_drafts_on_the_cluster(ray_cluster, tmp_path_factory):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = [single.alone(mini, [p], params)[0] for p in prompts]
     cfg = EngineConfig.of(model=str(mini), speculative={"method": "mtp", "full_draft_batch": 8})
-    with Engine(cfg, ClusterSpec(attention=2, experts=2)) as eng:
+    spec = ClusterSpec.of_workers(2) if colocated else ClusterSpec(attention=2, experts=2)
+    with Engine(cfg, spec) as eng:
         cfg_layers = load_config(mini)
         assert eng.table.moe_layers[-1] == cfg_layers.num_hidden_layers  # the MTP layer's experts are placed
         got = [s.output_ids for s in eng.generate(prompts, params)]
