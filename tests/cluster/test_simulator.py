@@ -16,6 +16,7 @@ from cli_runner import in_process
 from actors.router import Router
 from cluster.config import EngineConfig
 from cluster.costmodel import experts_cost, load_gpu
+from cluster.profile import _fit
 from cluster.simulator import (Failure, Recovery, Routing, Shape, Simulator, SimRequest, StepCost, capacity_search,
                                poisson_workload, split_grid, trace_workload)
 from cluster.stepcost import CpuCost, GpuCost
@@ -372,3 +373,26 @@ def test_the_cpu_profiles_process_and_colocated_terms_price_the_exchange():
     gained = 3 * ((3e-4 + 2e-5 * T) - 2 * (1e-4 + 1e-5 * T))
     assert together.exchange_s - apart.exchange_s == pytest.approx(gained)
     assert together.seconds - apart.seconds == pytest.approx(gained)
+
+
+# one CPU profile's attention points (T new tokens, S pairs; the median ms of their steps), as
+# `cluster.profile` fits them: decodes of 1-16 sequences, their prompts' prefills, prefill chunks
+PROFILED = [(24, 300, 3.945), (1, 38, 2.846), (48, 600, 3.784), (2, 72, 3.070), (96, 1200, 4.626), (4, 146, 3.637),
+            (192, 2400, 6.315), (8, 288, 4.156), (288, 33424, 18.076), (108, 1500, 6.854), (16, 580, 4.409),
+            (64, 1056, 4.548), (256, 16512, 10.255), (225, 32625, 15.336)]
+
+
+def test_the_attention_fit_keeps_its_per_token_term_when_a_long_step_stalls():
+    """A step stalled by another process (the CPU profile runs beside the other tests) on a long
+    prefill chunk and on one other step: fitted on absolute errors, the per-token term went to 0 (CI,
+    twice); on errors relative to each time, it stays near the unstalled fit's."""
+    names = ("base_s", "per_token_s", "per_pair_s")
+    rows = [[1.0, t, s] for t, s, _ in PROFILED]
+    clean = [ms / 1e3 for *_, ms in PROFILED]
+    stalled = list(clean)
+    stalled[8] *= 2  # the 288-token chunk
+    stalled[0] *= 2
+    assert _fit(rows, stalled, names)["per_token_s"] == 0  # what the absolute fit did
+    want = _fit(rows, clean, names, relative=True)["per_token_s"]
+    got = _fit(rows, stalled, names, relative=True)["per_token_s"]
+    assert want > 0 and want / 3 < got < want * 3
