@@ -164,7 +164,7 @@ def test_a_constrained_and_a_penalised_stream_keep_their_tokens(models):
 
     path = models["kimi-k2-tiny"]
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                                   "n": {"type": "integer", "maximum": 999}},
+                                                   "n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["name", "n"], "additionalProperties": False}
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     ps = prompts(4, 5, 15, seed=7)
