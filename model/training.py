@@ -77,6 +77,32 @@ def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: 
     return out
 
 
+def induction_rows(n: int, length: int, vocab: int, generator: torch.Generator,
+                   period: tuple[int, int] = (8, 26)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The induction task (scripts/probe_induction.py): ``n`` rows of ``length`` random ids below
+    ``vocab``, each a span whose length is drawn from ``period`` (inclusive) repeated until the row
+    ends. → (ids [n, length], mask [n, length]): the mask marks each repeat's ids after its first,
+    the targets only copying predicts (the repeat's first id follows the span's last, which nothing
+    foretells). The period differs from row to row, so a head reading the id a fixed distance back
+    does not solve it: only one that finds the current id's earlier occurrence and reads the id
+    after it (an induction head)."""
+    ids = torch.randint(0, vocab, (n, length), generator=generator)
+    mask = torch.zeros(n, length, dtype=torch.bool)
+    spans = torch.randint(period[0], period[1] + 1, (n,), generator=generator).tolist()
+    for i, p in enumerate(spans):
+        pos = torch.arange(p, length)
+        ids[i, p:] = ids[i, pos % p]
+        mask[i, p:] = (pos % p) != 0
+    return ids, mask
+
+
+@torch.no_grad()
+def copy_accuracy(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """Greedy next-token accuracy of ``logits`` [B, T, V] at the targets ``mask`` [B, T] marks."""
+    m = mask[:, 1:]
+    return ((logits[:, :-1].argmax(-1) == ids[:, 1:]) & m).sum().item() / max(1, m.sum().item())
+
+
 class RouterLoad:
     """Tokens per expert of every MoE router, counted by forward hooks while it is attached."""
 

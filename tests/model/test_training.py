@@ -1,5 +1,7 @@
 """Training's loss weights (model/training.py): assistant turns weigh 1 as targets, the rest less."""
 
+import json
+
 from model.corpus import documents
 from model.tokenizer import SHIPPED_DIR, Tokenizer
 from model.training import assistant_weights, windows
@@ -43,3 +45,39 @@ def test_a_calls_arguments_weigh_their_own():
                        "<|tool_call_argument_begin|><|tool_calls_section_end|><|im_end|>")
     assert assistant_weights(ids, *marks, other=0.2) == [1.0 if x == 5.0 else x for x in w]  # without: 1 alike
 
+
+
+def test_induction_rows_mark_exactly_the_copied_ids_and_vary_their_period():
+    import torch
+
+    from model.training import copy_accuracy, induction_rows
+
+    ids, mask = induction_rows(200, 80, 768, torch.Generator().manual_seed(0))
+    assert ids.shape == mask.shape == (200, 80) and int(ids.max()) < 768
+    periods = set()
+    for row, m in zip(ids.tolist(), mask.tolist()):
+        p = next(d for d in range(8, 27) if all(row[i] == row[i - d] for i in range(d, 80)))
+        periods.add(p)
+        # marked: every repeat's id after its first; unmarked: the first span and each repeat's first id
+        assert m == [i >= p and i % p != 0 for i in range(80)]
+    assert len(periods) >= 15  # no one distance back solves the task
+    # a model that copies scores 1 on the marked targets; one that does not, about 1/768
+    perfect = torch.full((200, 80, 768), -1.0)
+    perfect[:, :-1].scatter_(2, ids[:, 1:, None], 1.0)
+    assert copy_accuracy(perfect, ids, mask) == 1.0
+    assert copy_accuracy(torch.zeros(200, 80, 768).normal_(generator=torch.Generator().manual_seed(1)), ids, mask) < 0.01
+
+
+def test_the_induction_probe_runs_on_both_models(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("probe_induction",
+                                                  Path(__file__).parents[2] / "scripts" / "probe_induction.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for extra in (["--model", "smoke"], ["--reference", "--width", "32", "--layers", "2"]):
+        assert probe.main(extra + ["--steps", "4", "--eval-every", "2", "--rows", "2", "--length", "40",
+                                   "--threads", "1"]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["step"] for r in rows] == [0, 2, 4] and all(0 <= r["copy_accuracy"] <= 1 for r in rows)
