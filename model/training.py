@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import build_attn_meta
-from .model import CausalLM
+from .model import CausalLM, init_random_weights
 from .moe import Gate
 
 
@@ -96,11 +96,27 @@ def induction_rows(n: int, length: int, vocab: int, generator: torch.Generator,
     return ids, mask
 
 
+def _greedy_hits(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """(greedy next tokens of ``logits`` [B, T, V] equal to ``ids``' at the targets ``mask`` [B, T]
+    marks, targets marked)."""
+    m = mask[:, 1:]
+    return ((logits[:, :-1].argmax(-1) == ids[:, 1:]) & m).sum().item(), m.sum().item()
+
+
 @torch.no_grad()
 def copy_accuracy(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> float:
     """Greedy next-token accuracy of ``logits`` [B, T, V] at the targets ``mask`` [B, T] marks."""
-    m = mask[:, 1:]
-    return ((logits[:, :-1].argmax(-1) == ids[:, 1:]) & m).sum().item() / max(1, m.sum().item())
+    hits, targets = _greedy_hits(logits, ids, mask)
+    return hits / max(1, targets)
+
+
+def init_for_training(model: CausalLM, seed: int) -> None:
+    """Seeded random weights with the routers' selection bias at zero, as training from scratch starts."""
+    init_random_weights(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.zero_()
 
 
 class RouterLoad:
@@ -139,7 +155,7 @@ class RouterLoad:
             h.remove()
 
 
-def _weighted_ce(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+def weighted_ce(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     if w is None:
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
     ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
@@ -166,10 +182,10 @@ def losses(model: CausalLM, ids: torch.Tensor,
     """ids [B, T] → (next-token loss, MTP loss on the token after next or None without an MTP layer);
     ``weights`` [B, T] weighs each token as a target (None: all alike)."""
     logits, mtp = all_logits(model, ids)
-    main = _weighted_ce(logits[:, :-1], ids[:, 1:], None if weights is None else weights[:, 1:])
+    main = weighted_ce(logits[:, :-1], ids[:, 1:], None if weights is None else weights[:, 1:])
     if mtp is None:
         return main, None
-    return main, _weighted_ce(mtp[:, :-2], ids[:, 2:], None if weights is None else weights[:, 2:])
+    return main, weighted_ce(mtp[:, :-2], ids[:, 2:], None if weights is None else weights[:, 2:])
 
 
 @torch.no_grad()
@@ -183,13 +199,12 @@ def evaluate(model: CausalLM, data: torch.Tensor, batch: int,
         ids = data[i: i + batch]
         logits, mtp = all_logits(model, ids)
         k = ids.shape[0]
-        tot += _weighted_ce(logits[:, :-1], ids[:, 1:], None).item() * k
+        tot += weighted_ce(logits[:, :-1], ids[:, 1:], None).item() * k
         if mtp is not None:
-            tot_mtp += _weighted_ce(mtp[:, :-2], ids[:, 2:], None).item() * k
+            tot_mtp += weighted_ce(mtp[:, :-2], ids[:, 2:], None).item() * k
         if mask is not None:
-            m = mask[i: i + batch, 1:]
-            hits += ((logits[:, :-1].argmax(-1) == ids[:, 1:]) & m).sum().item()
-            targets += m.sum().item()
+            h, t = _greedy_hits(logits, ids, mask[i: i + batch])
+            hits, targets = hits + h, targets + t
         n += k
     model.train()
     return (tot / n, tot_mtp / n if model.mtp is not None else None,

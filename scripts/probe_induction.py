@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    import torch.nn.functional as F
 
     from model.config import parse_config
-    from model.model import CausalLM, init_random_weights
+    from model.model import CausalLM
     from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini
-    from model.training import all_logits, copy_accuracy, induction_rows
+    from model.training import all_logits, copy_accuracy, induction_rows, init_for_training, weighted_ce
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         raw = kimi_k2_mini() | (KIMI_K2_MINI_SMOKE if args.model == "smoke" else {})
         model = CausalLM(parse_config(raw, where=args.model))
-        init_random_weights(model, args.seed)
-        with torch.no_grad():  # as scripts/train_preset.py starts it
-            for name, p in model.named_parameters():
-                if name.endswith("e_score_correction_bias"):
-                    p.zero_()
+        init_for_training(model, args.seed)
 
         def forward(ids):
             return all_logits(model, ids)[0]
@@ -111,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 30)
         logits = forward(ids)
-        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        m = mask[:, 1:].flatten().float()
-        loss = (ce * m).sum() / m.sum()
+        loss = weighted_ce(logits[:, :-1], ids[:, 1:], mask[:, 1:].float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

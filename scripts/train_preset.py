@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.config import parse_config
     from model.corpus import documents
-    from model.model import CausalLM, init_random_weights, to_hf_tensors
+    from model.model import CausalLM, to_hf_tensors
     from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, write_model_dir
     from model.tokenizer import SHIPPED_DIR, Tokenizer
-    from model.training import TrainConfig, assistant_weights, train, windows
+    from model.training import TrainConfig, assistant_weights, init_for_training, train, windows
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,11 +67,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
     torch.manual_seed(args.seed)
     model = CausalLM(cfg, mtp=True)
-    init_random_weights(model, args.seed)
-    with torch.no_grad():  # the selection bias starts at zero, as in training from scratch
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.zero_()
+    init_for_training(model, args.seed)
     n = sum(p.numel() for p in model.parameters())
     print(f"model: {n / 1e6:.2f} M parameters (MTP layer included)", flush=True)
     tcfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,

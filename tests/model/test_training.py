@@ -46,7 +46,6 @@ def test_a_calls_arguments_weigh_their_own():
     assert assistant_weights(ids, *marks, other=0.2) == [1.0 if x == 5.0 else x for x in w]  # without: 1 alike
 
 
-
 def test_induction_rows_mark_exactly_the_copied_ids_and_vary_their_period():
     import torch
 
