@@ -229,10 +229,30 @@ def _call_turns(r: random.Random, call: Call, index: int, think: bool) -> list[d
             {"role": "assistant", "content": call.answer}]
 
 
+DRILL_SHARE = 0.4  # of transcripts: drills (below)
+_DRILL_MAKERS = (_MAKERS[0], _MAKERS[0], _MAKERS[4], _MAKERS[5], _MAKERS[6])  # weather ×2, forecast, time, population
+
+
+def drill(r: random.Random) -> tuple[list[dict], list[dict], bool]:
+    """A drill: 3-6 requests in a row, each naming a city, declaring only the README's weather pair and
+    the tools called. Finding the entity the user has just named is a lookup that a small model forms
+    only after many examples of it; a drill packs one into every few dozen tokens."""
+    messages: list[dict] = []
+    called: list[str] = []
+    for _ in range(r.randint(3, 6)):
+        call = r.choice(_DRILL_MAKERS)(r)
+        messages += _call_turns(r, call, len(called), False)
+        called.append(call.tool)
+    tools = list(WEATHER_TOOLS) + [_BY_NAME[n] for n in dict.fromkeys(called) if _BY_NAME[n] not in WEATHER_TOOLS]
+    return messages, tools, False
+
+
 def transcript(r: random.Random) -> tuple[list[dict], list[dict], bool]:
     """One conversation of 1-4 user turns: (messages, tools, thinking). Most turns call a tool
     (copying the request's entities into the arguments, then quoting the result); some are answered
-    directly though tools are declared."""
+    directly though tools are declared. A share of them (:data:`DRILL_SHARE`) are drills."""
+    if r.random() < DRILL_SHARE:
+        return drill(r)
     think = r.random() < 0.15
     messages: list[dict] = []
     system = r.choice(_SYSTEMS)
@@ -250,6 +270,20 @@ def transcript(r: random.Random) -> tuple[list[dict], list[dict], bool]:
         messages += _call_turns(r, call, len(called), think)
         called.append(call.tool)
     return messages, _tools_for(r, called), think
+
+
+def call_rows(seed: int, n: int, tokenizer: Tokenizer) -> list[list[int]]:
+    """``n`` single requests, each rendered alone through K2's template (a user turn, the call, the
+    tool's result, the answer; no tools declared) and encoded: short rows in which the entity to copy
+    is the one token of its kind, trained as rows of their own rather than packed (the
+    lookup a small model forms first where little else competes for its attention)."""
+    r = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        call = (r.choice(_MAKERS) if r.random() < 0.85 else _two_arg)(r)
+        rows.append(tokenizer.encode(tokenizer.apply_chat_template(_call_turns(r, call, 0, False),
+                                                                  add_generation_prompt=False)))
+    return rows
 
 
 def stdlib_text() -> Iterator[str]:

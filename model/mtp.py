@@ -67,3 +67,11 @@ def mtp_hf_name(name: str, index: int) -> str:
     """``mtp.X`` (the model's parameter name) → ``model.layers.{index}.X`` (the checkpoint's)."""
     rest = name.removeprefix("mtp.").removeprefix("layer.")
     return f"model.layers.{index}.{rest}"
+
+
+def mtp_shared_names(index: int) -> dict[str, str]:
+    """{MTP layer's checkpoint name: the main model's} for the two tensors DeepSeek-V3's MTP module
+    shares with the main model, its embedding and its output head (V3 report §2.2); a checkpoint
+    stores them under both names."""
+    p = f"model.layers.{index}."
+    return {p + "embed_tokens.weight": "model.embed_tokens.weight", p + "shared_head.head.weight": "lm_head.weight"}

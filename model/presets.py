@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .chat_template import K2_THINKING_CHAT_TEMPLATE
-from .tokenizer import SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
+from .tokenizer import MINI_RANKS, SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
 DEFAULT_PRESET = "kimi-k2-tiny"
 TRAINED_DIR = Path(__file__).parent / "assets" / "presets"  # trained presets' committed weights
@@ -70,8 +70,10 @@ def _k2_like(**over) -> dict:
 
 def kimi_k2_mini() -> dict:
     """The trained preset's shape (scripts/train_preset.py): K2's architecture at hidden 256, 6 layers
-    (the first dense), 32 routed experts (4 per token) and one MTP layer in DeepSeek's layout."""
+    (the first dense), 32 routed experts (4 per token) and one MTP layer in DeepSeek's layout, over
+    its own K2-format tokenizer (kimi-mini: 1,536 ranks + K2's 256 special and reserved ids)."""
     return _k2_like(
+        vocab_size=MINI_RANKS + 256, **shipped_special_ids("kimi-mini"),
         hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4,
@@ -186,8 +188,8 @@ def _kimi_k3_tiny() -> dict:
 
 @dataclass(frozen=True)
 class Preset:
-    """How to build one preset: its config.json, the shipped tokenizer it copies ("kimi" or
-    "deepseek"), and a ``chat_template.jinja`` to write beside it (which wins over the
+    """How to build one preset: its config.json, the shipped tokenizer it copies ("kimi",
+    "deepseek" or "kimi-mini"), and a ``chat_template.jinja`` to write beside it (which wins over the
     tokenizer_config.json template, as in a real checkpoint), if any."""
 
     config: Callable[[], dict]
@@ -199,7 +201,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "kimi-k2-tiny": Preset(_k2_like, "kimi"),
     # trained (scripts/train_preset.py, docs/trained_preset.md): calls tools, routes unevenly, has an MTP layer
-    "kimi-k2-mini": Preset(kimi_k2_mini, "kimi", weights="kimi-k2-mini"),
+    "kimi-k2-mini": Preset(kimi_k2_mini, "kimi-mini", weights="kimi-k2-mini"),
     # K2-Thinking: K2's architecture (same tiny weights), with the thinking chat template.
     "kimi-k2-thinking-tiny": Preset(_k2_like, "kimi", chat_template=K2_THINKING_CHAT_TEMPLATE),
     "deepseek-v3-tiny": Preset(_deepseek_v3_tiny, "deepseek"),
@@ -227,6 +229,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
 
     from .config import parse_config
     from .model import CausalLM, init_random_weights, to_hf_tensors
+    from .mtp import mtp_shared_names
 
     preset = _preset(name)
     raw = preset.config() | (overrides or {})
@@ -237,6 +240,9 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
         from safetensors.torch import load_file
 
         tensors = load_file(TRAINED_DIR / preset.weights / "model.safetensors")
+        # committed once; the checkpoint stores the MTP layer's copies of the shared embedding and head
+        for mtp_name, main_name in mtp_shared_names(raw["num_hidden_layers"]).items():
+            tensors.setdefault(mtp_name, tensors[main_name].clone())
         generation = {"moeray_preset": name, "trained": True}
     else:
         cfg = parse_config(raw, where=f"preset {name}")

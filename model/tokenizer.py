@@ -22,7 +22,8 @@ from model.tokenizer_backends import HFBackend, TiktokenBackend, read_json_if_ex
 SHIPPED_RANKS = 768  # 256 single bytes + 512 merges
 SHIPPED_VOCAB_SIZE = 1024  # ranks + 256 special/reserved ids, like K2's 163,584 + 256
 SHIPPED_DIR = Path(__file__).parent / "assets" / "tokenizer"
-SHIPPED_KINDS = ("kimi", "deepseek")
+MINI_RANKS = 1536  # kimi-mini/: the trained preset's (scripts/build_tokenizer.py build_mini), + 256 specials
+SHIPPED_KINDS = ("kimi", "deepseek", "kimi-mini")
 
 # Tokens that end an assistant turn, whichever family the checkpoint belongs to: K2 ends a
 # turn with <|im_end|> then sometimes [EOS] (MODEL_SPEC §1.11); K3 renames im_end (§3.12).
@@ -193,7 +194,7 @@ def _kind_dir(kind: str) -> Path:
 
 
 def copy_tokenizer_files(kind: str, out_dir: str | Path) -> list[Path]:
-    """Copy the shipped tiny tokenizer ("kimi" or "deepseek") into a checkpoint directory."""
+    """Copy a shipped tiny tokenizer (one of :data:`SHIPPED_KINDS`) into a checkpoint directory."""
     src, out = _kind_dir(kind), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

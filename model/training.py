@@ -51,6 +51,18 @@ def windows(docs: list[list[int]], seq_len: int, weights: list[list[float]] | No
     return ids, w[: n * seq_len].view(n, seq_len)
 
 
+def padded_rows(docs: list[list[int]], seq_len: int, weights: list[list[float]], pad_id: int):
+    """Each document a row of its own, cut to ``seq_len`` or padded with ``pad_id`` (weight 0):
+    (ids, weights), both [len(docs), seq_len]."""
+    ids = torch.full((len(docs), seq_len), pad_id, dtype=torch.long)
+    w = torch.zeros(len(docs), seq_len)
+    for i, (d, dw) in enumerate(zip(docs, weights)):
+        n = min(len(d), seq_len)
+        ids[i, :n] = torch.tensor(d[:n])
+        w[i, :n] = torch.tensor(dw[:n])
+    return ids, w
+
+
 def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: float, *,
                       arguments: tuple[int, int] | None = None, argument_weight: float = 1.0) -> list[float]:
     """Per-token loss weight as a target: 1 inside an assistant turn (after ``<|im_assistant|>…
@@ -117,6 +129,14 @@ def init_for_training(model: CausalLM, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 p.zero_()
+
+
+def share_mtp_embeddings(model: CausalLM) -> None:
+    """The MTP layer's embedding and output head made the main model's, as DeepSeek-V3 trains them
+    (V3 report §2.2): one parameter each, trained by both losses. ``to_hf_tensors`` then names each
+    once; :func:`model.mtp.mtp_shared_names` gives the MTP layer's checkpoint names for them."""
+    model.mtp.embed_tokens = model.model.embed_tokens
+    model.mtp.shared_head.head = model.lm_head
 
 
 class RouterLoad:
@@ -254,53 +274,76 @@ def _held_out_row(model: CausalLM, held_out: torch.Tensor, mask: torch.Tensor | 
             | ({"argument_accuracy": round(acc, 4)} if acc is not None else {}) | {"imbalance": round(load.imbalance(), 3)})
 
 
+class _Batches:
+    """Seeded batches of rows of ``data`` (and its weights), reshuffled at each pass."""
+
+    def __init__(self, data: torch.Tensor, weights: torch.Tensor | None, batch: int, g: torch.Generator):
+        self.data, self.weights, self.batch, self.g = data, weights, batch, g
+        self.order, self.pos = torch.randperm(data.shape[0], generator=g), 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.pos + self.batch > self.order.numel():
+            self.order, self.pos = torch.randperm(self.data.shape[0], generator=self.g), 0
+        pick = self.order[self.pos: self.pos + self.batch]
+        self.pos += self.batch
+        return self.data[pick], None if self.weights is None else self.weights[pick]
+
+
 def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg: TrainConfig, *,
           eval_every: int = 100, log: Callable[[dict], None] = lambda row: None,
-          train_weights: torch.Tensor | None = None, held_out_mask: torch.Tensor | None = None) -> list[dict]:
+          train_weights: torch.Tensor | None = None, held_out_mask: torch.Tensor | None = None,
+          rows: tuple[torch.Tensor, torch.Tensor] | None = None, rows_batch: int = 0,
+          first_step: int = 0) -> list[dict]:
     """AdamW over ``train_data`` windows (shuffled, seeded); returns the log rows: step 0 (the
     untrained model's held-out losses), then each step's training losses, with the held-out losses
     and the routers' imbalance on them at every ``eval_every`` and the last step (and, with
-    ``held_out_mask``, the greedy accuracy at the targets it marks: the held-out call arguments)."""
-    g = torch.Generator().manual_seed(cfg.seed)
+    ``held_out_mask``, the greedy accuracy at the targets it marks: the held-out call arguments).
+    With ``rows`` (ids and weights of a second set, of its own length), every step also trains on
+    ``rows_batch`` of them, their loss added to the windows'. Steps are logged from ``first_step``
+    (a second stage of training goes on counting)."""
+    g = torch.Generator().manual_seed(cfg.seed + first_step)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     load = RouterLoad(model)
-    rows: list[dict] = []
-    order = torch.randperm(train_data.shape[0], generator=g)
-    pos, t0 = 0, time.monotonic()
+    log_rows: list[dict] = []
+    windows_, rows_ = _Batches(train_data, train_weights, cfg.batch, g), None
+    if rows is not None and rows_batch:
+        rows_ = _Batches(rows[0], rows[1], rows_batch, g)
+    t0 = time.monotonic()
     try:
-        rows.append({"step": 0} | _held_out_row(model, held_out, held_out_mask, cfg.batch, load))  # untrained
-        log(rows[-1])
+        if first_step == 0:
+            log_rows.append({"step": 0} | _held_out_row(model, held_out, held_out_mask, cfg.batch, load))  # untrained
+            log(log_rows[-1])
         model.train()
         for step in range(cfg.steps):
-            if pos + cfg.batch > order.numel():
-                order, pos = torch.randperm(train_data.shape[0], generator=g), 0
-            pick = order[pos: pos + cfg.batch]
-            ids = train_data[pick]
-            w = None if train_weights is None else train_weights[pick]
-            pos += cfg.batch
+            ids, w = windows_.next()
             for group in opt.param_groups:
                 group["lr"] = _lr(cfg, step)
             load.reset()
             main, mtp = losses(model, ids, w)
             loss = main if mtp is None else main + cfg.mtp_weight * mtp
+            if rows_ is not None:
+                main_r, mtp_r = losses(model, *rows_.next())
+                loss = loss + (main_r if mtp_r is None else main_r + cfg.mtp_weight * mtp_r)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             opt.step()
             if cfg.bias_rate:
                 load.balance(cfg.bias_rate)
-            row = {"step": step + 1, "loss": round(main.item(), 4), "lr": round(_lr(cfg, step), 6),
+            row = {"step": first_step + step + 1, "loss": round(main.item(), 4), "lr": round(_lr(cfg, step), 6),
                    "seconds": round(time.monotonic() - t0, 1)}
             if mtp is not None:
                 row["mtp_loss"] = round(mtp.item(), 4)
+            if rows_ is not None:
+                row["rows_loss"] = round(main_r.item(), 4)
             if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
                 row |= _held_out_row(model, held_out, held_out_mask, cfg.batch, load)
-            rows.append(row)
+            log_rows.append(row)
             log(row)
     finally:
         load.close()
-    return rows
+    return log_rows

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the tiny shipped tokenizers in model/assets/tokenizer/{kimi,deepseek}/.
+"""Build the tiny shipped tokenizers in model/assets/tokenizer/{kimi,deepseek,kimi-mini}/.
 
     python scripts/build_tokenizer.py [--out model/assets/tokenizer]
 
@@ -17,6 +17,11 @@ Writes two real formats over the same 768 ranks, each padded with specials to 10
   deepseek/  tokenizer.json + tokenizer_config.json (DeepSeek-V3-style specials, simple template)
 The deepseek tokenizer.json pre-splits with the same K2 pat_str (not DeepSeek-V3's own regex)
 so that both formats give identical ids for ordinary text.
+
+And a third, the trained preset kimi-k2-mini's (build_mini): K2's format and special offsets over
+1,536 ranks learned from that preset's own corpus (model/corpus.py), its cities and two-digit
+numbers whole, padded with specials to 1,792 ids:
+  kimi-mini/ tiktoken.model + tokenizer_config.json (K2 specials at 1536 + K2's offsets)
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import random
+import re
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 from tokenizers import Regex, pre_tokenizers
 
@@ -34,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from model.chat_template import DEEPSEEK_CHAT_TEMPLATE, K2_CHAT_TEMPLATE  # noqa: E402
-from model.tokenizer import SHIPPED_RANKS, SHIPPED_VOCAB_SIZE, Tokenizer  # noqa: E402
+from model.tokenizer import MINI_RANKS, SHIPPED_RANKS, SHIPPED_VOCAB_SIZE, Tokenizer  # noqa: E402
 from model.tokenizer_backends import K2_PAT_STR, bytes_to_token_str  # noqa: E402
 
 R = SHIPPED_RANKS
@@ -74,19 +82,24 @@ def _merge_word(word: list[bytes], a: bytes, b: bytes) -> list[bytes]:
     return out
 
 
-def train_bpe(counts: Counter[bytes], n_merges: int) -> list[tuple[bytes, bytes]]:
+def train_bpe(counts: Counter[bytes], n_merges: int, *, first: list[tuple[bytes, bytes]] = (),
+              forbid: Callable[[bytes, bytes], bool] | None = None) -> list[tuple[bytes, bytes]]:
     """Classic BPE over pre-split words. A pair whose concatenation is already a token (reached
-    by another split) is never chosen, so every rank has distinct bytes."""
+    by another split) is never chosen, so every rank has distinct bytes. ``first`` merges are taken
+    as given (applied to every word, then counted as the first ranks); ``forbid`` rules pairs out."""
     words = [[bytes([c]) for c in w] for w in sorted(counts)]
     freqs = [counts[w] for w in sorted(counts)]
-    known = {bytes([c]) for c in range(256)}
-    merges: list[tuple[bytes, bytes]] = []
+    for a, b in first:
+        words = [_merge_word(w, a, b) for w in words]
+    known = {bytes([c]) for c in range(256)} | {a + b for a, b in first}
+    merges: list[tuple[bytes, bytes]] = list(first)
     pairs: Counter[tuple[bytes, bytes]] = Counter()
     for w, f in zip(words, freqs):
         for p in zip(w, w[1:]):
             pairs[p] += f
     while len(merges) < n_merges:
-        candidates = [(-n, p) for p, n in pairs.items() if n > 0 and p[0] + p[1] not in known]
+        candidates = [(-n, p) for p, n in pairs.items()
+                      if n > 0 and p[0] + p[1] not in known and not (forbid and forbid(*p))]
         if not candidates:
             raise SystemExit(f"corpus too small: only {len(merges)} merges possible, need {n_merges}")
         _, (a, b) = min(candidates)
@@ -103,6 +116,19 @@ def train_bpe(counts: Counter[bytes], n_merges: int) -> list[tuple[bytes, bytes]
     return merges
 
 
+def whole_word_merges(words: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """BPE merges (most frequent pair first, ties to the smallest) until every one of ``words`` is
+    a single token: the chains that make each of them one id."""
+    pieces = [[bytes([c]) for c in w] for w in words]
+    merges: list[tuple[bytes, bytes]] = []
+    while any(len(p) > 1 for p in pieces):
+        pairs = Counter(pair for p in pieces for pair in zip(p, p[1:]))
+        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        merges.append((a, b))
+        pieces = [_merge_word(p, a, b) for p in pieces]
+    return merges
+
+
 def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8", newline="\n")
 
@@ -114,6 +140,7 @@ def _added_token(content: str) -> dict:
 
 def write_kimi(out: Path, ranked: list[bytes]) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    R = len(ranked)
     lines = [f"{base64.b64encode(t).decode('ascii')} {rank}\n" for rank, t in enumerate(ranked)]
     (out / "tiktoken.model").write_text("".join(lines), encoding="ascii", newline="\n")
     specials = {R + off: name for off, name in KIMI_SPECIAL_OFFSETS.items()}
@@ -183,6 +210,49 @@ def build(out: Path, corpus: Path) -> None:
         raise SystemExit("self-check failed: tiktoken.model and tokenizer.json disagree on the corpus")
 
 
+def mini_training_text(n_transcripts: int = 1500, seed: int = 0) -> str:
+    """The text the trained preset's tokenizer learns its ranks from: transcripts of its own corpus
+    (model/corpus.py, seeded) rendered through K2's template with the special tokens cut out, and
+    the hand-written corpus above. No standard-library text: its docstrings change between Python
+    versions, and the build must be byte-for-byte the same everywhere."""
+    from model.corpus import transcript
+
+    kimi = Tokenizer.from_dir(REPO / "model" / "assets" / "tokenizer" / "kimi")  # K2's template and specials
+    r = random.Random(seed)
+    special = re.compile("|".join(re.escape(t) for t in sorted(KIMI_SPECIAL_OFFSETS.values(), key=len, reverse=True)))
+    parts = []
+    for _ in range(n_transcripts):
+        messages, tools, _think = transcript(r)
+        parts.append(special.sub("\n", kimi.apply_chat_template(messages, tools=tools, add_generation_prompt=False)))
+    return "\n".join(parts) + "\n" + (REPO / "scripts" / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+
+
+def build_mini(out: Path) -> None:
+    """The trained preset's tokenizer (kimi-mini/): K2's format and special offsets over MINI_RANKS
+    ranks learned from the preset's own corpus, with every city of model.corpus.CITIES and every
+    number 10-99 one id. A real K2 tokenizer (163,584 ranks) has common city names and every
+    number up to 999 whole; the 768 ranks of kimi/ spell ` Tirana` ` T` `ir` `an` `a`, which a
+    12 M-parameter model cannot learn to copy in its budget (docs/trained_preset.md). The city
+    chains come first, and no merge joins a city to what stands before or after it, so the user's
+    ` Tirana` is ` ` `Tirana` and the argument's `"Tirana"` holds the same `Tirana`."""
+    from model.corpus import CITIES
+
+    cities = [c.encode() for c in CITIES]
+    first = whole_word_merges(cities + [str(n).encode() for n in range(10, 100)])
+    whole = set(cities)
+    merges = train_bpe(word_counts(mini_training_text()), MINI_RANKS - 256, first=first,
+                       forbid=lambda a, b: a in whole or b in whole)
+    ranked = [bytes([b]) for b in range(256)] + [a + b for a, b in merges]
+    write_kimi(out / "kimi-mini", ranked)
+    mini = Tokenizer.from_dir(out / "kimi-mini")
+    if mini.vocab_size != MINI_RANKS + 256:
+        raise SystemExit(f"self-check failed: kimi-mini vocab {mini.vocab_size}")
+    for city in CITIES:
+        for text in (f" {city}", f'"{city}"'):
+            if city.encode() not in [mini.token_bytes(i) for i in mini.encode(text)]:
+                raise SystemExit(f"self-check failed: {text!r} does not hold {city!r} as one id")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "model" / "assets" / "tokenizer")
@@ -190,6 +260,8 @@ def main() -> None:
     args = parser.parse_args()
     build(args.out, args.corpus)
     print(f"wrote {args.out}/kimi and {args.out}/deepseek ({R} ranks, vocab {SHIPPED_VOCAB_SIZE})")
+    build_mini(args.out)
+    print(f"wrote {args.out}/kimi-mini ({MINI_RANKS} ranks, vocab {MINI_RANKS + 256})")
 
 
 if __name__ == "__main__":

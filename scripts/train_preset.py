@@ -1,7 +1,9 @@
 """Train the kimi-k2-mini preset: K2's architecture and checkpoint format at laptop size, with one MTP
 layer, on a seeded offline corpus of agent transcripts (model/corpus.py), through the model code in
-model/ (model/training.py). Writes a complete checkpoint directory (bf16, K2 tokenizer and template)
-and a JSON log of the losses.
+model/ (model/training.py). Writes a complete checkpoint directory (bf16, the preset's K2-format
+tokenizer kimi-mini and K2's template), a JSON log of the losses, and preset.safetensors: the same
+weights without the MTP layer's copies of the embedding and output head it shares with the main model
+(what model/assets/presets/kimi-k2-mini/model.safetensors holds; build_preset writes the copies back).
 
     python scripts/train_preset.py --out /tmp/kimi-k2-mini            # the full run
     python scripts/train_preset.py --out /tmp/mini --steps 20 --docs 60 --tiny   # a smoke run
@@ -23,9 +25,16 @@ if str(ROOT) not in sys.path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
-    ap.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
-    ap.add_argument("--docs", type=int, default=4000, help="training transcripts (default 4000)")
+    ap.add_argument("--steps", type=int, default=300, help="second-stage steps, on the transcripts (default 300)")
+    ap.add_argument("--docs", type=int, default=8000, help="training transcripts (default 8000)")
     ap.add_argument("--held-out-docs", type=int, default=40, help="held-out transcripts (default 40)")
+    ap.add_argument("--lookup-steps", type=int, default=250,
+                    help="first stage: steps on single requests alone, --lookup-rows a step (default 250)")
+    ap.add_argument("--lookup-rows", type=int, default=64, help="single requests per first-stage step (default 64)")
+    ap.add_argument("--rows-per-step", type=int, default=32,
+                    help="single requests trained beside the windows in every later step (default 32)")
+    ap.add_argument("--row-len", type=int, default=128, help="tokens per single-request row (default 128)")
+    ap.add_argument("--call-rows", type=int, default=20000, help="single requests generated (default 20000)")
     ap.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
@@ -40,19 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from safetensors.torch import save_file
 
     from model.config import parse_config
-    from model.corpus import documents
+    from model.corpus import call_rows, documents
     from model.model import CausalLM, to_hf_tensors
+    from model.mtp import mtp_shared_names
+    from model.names import is_fp32
     from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, write_model_dir
     from model.tokenizer import SHIPPED_DIR, Tokenizer
-    from model.training import TrainConfig, assistant_weights, init_for_training, train, windows
+    from model.training import (TrainConfig, assistant_weights, init_for_training, padded_rows, share_mtp_embeddings,
+                                train, windows)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     raw = kimi_k2_mini() | (KIMI_K2_MINI_SMOKE if args.tiny else {})
     cfg = parse_config(raw, where="kimi-k2-mini")
-    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi")
+    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi-mini")
     t0 = time.monotonic()
     docs = documents(args.seed, args.docs, tok)
     marks = [tok.token_to_id(t) for t in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")]
@@ -60,16 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     train_data, train_weights = windows(docs, args.seq_len, [
         assistant_weights(d, *marks, other=args.other_weight, arguments=arguments,
                           argument_weight=args.argument_weight) for d in docs])
+    singles = call_rows(args.seed + 20_000, args.call_rows, tok)
+    row_ids, row_w = padded_rows(singles, args.row_len, [
+        assistant_weights(d, *marks, other=args.other_weight, arguments=arguments,
+                          argument_weight=args.argument_weight) for d in singles], tok.token_to_id("[PAD]"))
     held_docs = documents(args.seed + 10_000, args.held_out_docs, tok)
     held_out, held_args = windows(held_docs, args.seq_len, [  # the argument tokens: the copying accuracy
         assistant_weights(d, *marks, other=0.0, arguments=arguments, argument_weight=2.0) for d in held_docs])
-    print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), "
-          f"{held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
+    print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), {row_ids.shape[0]} "
+          f"single requests, {held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
     torch.manual_seed(args.seed)
     model = CausalLM(cfg, mtp=True)
     init_for_training(model, args.seed)
+    share_mtp_embeddings(model)
     n = sum(p.numel() for p in model.parameters())
     print(f"model: {n / 1e6:.2f} M parameters (MTP layer included)", flush=True)
+    # Stage 1, the lookup: single requests alone, many a step, at a constant rate. Finding the entity the
+    # user named (one token of its kind among a few dozen) is learned in a phase change that needs many
+    # examples in every step; packed among transcripts it does not come within the budget.
+    stage1 = TrainConfig(steps=args.lookup_steps, batch=args.lookup_rows, seq_len=args.row_len, lr=args.lr,
+                         min_lr=args.lr, seed=args.seed, warmup=min(30, max(1, args.lookup_steps // 10)))
+    # Stage 2: the transcripts, with single requests beside them in every step so the lookup stays.
     tcfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                        warmup=min(50, max(1, args.steps // 10)))
 
@@ -77,11 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         if "held_out" in row or row["step"] % 10 == 0:
             print(json.dumps(row), flush=True)
 
-    rows = train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log, train_weights=train_weights,
-                 held_out_mask=held_args == 2.0)
+    rows = train(model, row_ids, held_out, stage1, eval_every=args.eval_every, log=log, train_weights=row_w,
+                 held_out_mask=held_args == 2.0) if args.lookup_steps else []
+    rows += train(model, train_data, held_out, tcfg, eval_every=args.eval_every, log=log,
+                  train_weights=train_weights, held_out_mask=held_args == 2.0, rows=(row_ids, row_w),
+                  rows_batch=args.rows_per_step, first_step=args.lookup_steps)
     raw = dict(raw, torch_dtype="bfloat16")
-    write_model_dir(to_hf_tensors(model), raw, args.out, tokenizer="kimi",
-                    generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed, "trained_steps": args.steps})
+    tensors = to_hf_tensors(model)
+    shared = mtp_shared_names(cfg.num_hidden_layers)
+    tensors |= {mtp_name: tensors[main_name].clone() for mtp_name, main_name in shared.items()}
+    write_model_dir(tensors, raw, args.out, tokenizer="kimi-mini",
+                    generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed, "trained_steps": args.lookup_steps + args.steps})
+    save_file({k: (v if is_fp32(k) else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()
+               if k not in shared}, args.out / "preset.safetensors")
     (args.out / "train_log.json").write_text(json.dumps(rows))
     print(f"wrote {args.out} after {time.monotonic() - t0:.0f}s", flush=True)
     return 0

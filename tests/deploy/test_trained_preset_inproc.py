@@ -30,7 +30,8 @@ def _script():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("mini") / "kimi-k2-mini"
-    rc = _script().main(["--out", str(out), "--tiny", "--steps", "40", "--docs", "60", "--held-out-docs", "8",
+    rc = _script().main(["--out", str(out), "--tiny", "--lookup-steps", "20", "--lookup-rows", "8", "--steps", "20",
+                         "--docs", "60", "--held-out-docs", "8", "--call-rows", "200", "--rows-per-step", "4",
                          "--seq-len", "256", "--eval-every", "20", "--threads", "1"])
     assert rc == 0
     return out

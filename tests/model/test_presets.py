@@ -10,7 +10,7 @@ import pytest
 
 from model.chat_template import K2_CHAT_TEMPLATE, K2_THINKING_CHAT_TEMPLATE
 from model.presets import PRESETS, build_preset, preset_config, preset_fingerprint, resolve_model
-from model.tokenizer import Tokenizer
+from model.tokenizer import SHIPPED_DIR, SHIPPED_KINDS, Tokenizer
 
 MSGS = [{"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Yo", "reasoning_content": "r"},
@@ -60,5 +60,8 @@ def test_resolve_model_caches_by_content(tmp_path: Path):
 
 def test_every_preset_names_a_shipped_tokenizer():
     for name, preset in PRESETS.items():
-        assert preset.tokenizer in ("kimi", "deepseek"), name
-        assert isinstance(preset_config(name), dict)
+        assert preset.tokenizer in SHIPPED_KINDS, name
+        cfg = preset_config(name)
+        tok = Tokenizer.from_dir(SHIPPED_DIR / preset.tokenizer)
+        assert cfg["vocab_size"] == tok.vocab_size, name  # the config and its tokenizer agree
+        assert cfg["bos_token_id"] == tok.token_to_id("[BOS]") or preset.tokenizer == "deepseek", name

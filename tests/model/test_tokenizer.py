@@ -14,7 +14,7 @@ import tiktoken
 from tokenizers import Regex, pre_tokenizers
 
 from model.chat_template import K2_DEFAULT_SYSTEM_PROMPT
-from model.tokenizer import (SHIPPED_DIR, SHIPPED_RANKS, SHIPPED_VOCAB_SIZE, IncrementalDecoder, Tokenizer,
+from model.tokenizer import (MINI_RANKS, SHIPPED_DIR, SHIPPED_RANKS, SHIPPED_VOCAB_SIZE, IncrementalDecoder, Tokenizer,
                              copy_tokenizer_files, shipped_special_ids)
 from model.tokenizer_backends import K2_PAT_STR, split_long_runs
 
@@ -375,8 +375,28 @@ def test_copy_tokenizer_files(tmp_path: Path):
 def test_build_script_is_deterministic(tmp_path: Path):
     subprocess.run([sys.executable, str(REPO / "scripts" / "build_tokenizer.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=60)
-    for kind in ("kimi", "deepseek"):
+    for kind in ("kimi", "deepseek", "kimi-mini"):
         shipped = sorted(p.name for p in (SHIPPED_DIR / kind).iterdir())
         assert sorted(p.name for p in (tmp_path / kind).iterdir()) == shipped
         for name in shipped:
             assert (tmp_path / kind / name).read_bytes() == (SHIPPED_DIR / kind / name).read_bytes(), f"{kind}/{name}"
+
+
+def test_the_trained_presets_tokenizer_holds_each_city_and_two_digit_number_whole():
+    """kimi-mini (the trained preset's): K2's format and special offsets over MINI_RANKS ranks; the
+    user's ` Tirana` and the argument's `"Tirana"` hold the same single id (a real K2 tokenizer has
+    common city names whole too), and so does a two-digit temperature."""
+    from model.corpus import CITIES
+
+    mini = Tokenizer.from_dir(SHIPPED_DIR / "kimi-mini")
+    assert mini.vocab_size == MINI_RANKS + 256
+    assert mini.token_to_id("[BOS]") == MINI_RANKS and mini.token_to_id("<|tool_call_begin|>") == MINI_RANKS + 13
+    for city in CITIES:
+        (cid,) = mini.encode(city)
+        assert mini.encode(f" {city}") == [mini.encode(" ")[0], cid], city
+        assert cid in mini.encode(f'{{"city": "{city}"}}'), city
+    for n in range(10, 100):
+        assert mini.encode(f"It is {n}°C")[-2:-1] == mini.encode(str(n)), n
+    text = "What's the weather like in Lisbon? It is 17°C."
+    assert mini.decode(mini.encode(text)) == text
+    assert len(mini.encode(text)) < len(Tokenizer.from_dir(SHIPPED_DIR / "kimi").encode(text))

@@ -28,7 +28,7 @@ def mini(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def held_out():
-    return windows(documents(HELD_OUT_SEED, 24, Tokenizer.from_dir(SHIPPED_DIR / "kimi")), 512)
+    return windows(documents(HELD_OUT_SEED, 24, Tokenizer.from_dir(SHIPPED_DIR / "kimi-mini")), 512)
 
 
 def test_the_mtp_layer_guesses_the_token_after_next_as_the_model_would(mini, held_out):
