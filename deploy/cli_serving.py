@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
 @user_errors
 def up(
-    model: Optional[str] = typer.Option(None, help=MODEL_HELP + " [default: kimi-k2-tiny]"),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP + " [default: kimi-k2-mini]"),
     layout: Optional[str] = typer.Option(None, help="disaggregated (default: attention and expert actors apart) "
                                                     "or colocated (workers, each an attention replica and an "
                                                     "expert shard)."),
@@ -63,8 +63,8 @@ def up(
                    "(method suffix or ngram). Off by default."),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
-    """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-tiny on
-    a local Ray, at http://127.0.0.1:8000."""
+    """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-mini (trained:
+    it calls tools) on a local Ray, at http://127.0.0.1:8000."""
     from .config import ServeConfig
     from .server import serve_foreground, start_detached
     from .settings import cache_root

@@ -54,7 +54,7 @@ class _Deployment(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("kimi-k2-tiny", description="Checkpoint directory or preset name.")
+    model: str = Field("kimi-k2-mini", description="Checkpoint directory or preset name.")
     served_model_name: str | None = Field(None, description="Name clients use; default: the preset or directory name.")
     layout: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: attention actors on some devices, expert actors on others "

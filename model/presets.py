@@ -19,7 +19,7 @@ from typing import Callable
 from .chat_template import K2_THINKING_CHAT_TEMPLATE
 from .tokenizer import MINI_RANKS, SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
-DEFAULT_PRESET = "kimi-k2-tiny"
+DEFAULT_PRESET = "kimi-k2-mini"  # moeray up's (deploy/config.py ServeConfig.model)
 TRAINED_DIR = Path(__file__).parent / "assets" / "presets"  # trained presets' committed weights
 
 

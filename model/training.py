@@ -300,7 +300,7 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
     ``held_out_mask``, the greedy accuracy at the targets it marks: the held-out call arguments).
     With ``rows`` (ids and weights of a second set, of its own length), every step also trains on
     ``rows_batch`` of them, their loss added to the windows'. Steps are logged from ``first_step``
-    (a second stage of training goes on counting)."""
+    (a second stage of training goes on counting); ``seconds`` from this call's start."""
     g = torch.Generator().manual_seed(cfg.seed + first_step)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]

@@ -51,7 +51,7 @@ class Up:
         self.env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp), **(env or {})}
         self.log = tmp / "up.out"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([EXE, "up", "--nodes", "3", *shape, "--port", str(self.port), *extra],
+            self.proc = subprocess.Popen([EXE, "up", "--model", MODEL, "--nodes", "3", *shape, "--port", str(self.port), *extra],
                                          stdout=out, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
         self.wait_healthy(300)
 

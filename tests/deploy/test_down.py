@@ -48,7 +48,7 @@ def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path):
     env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)}
     port = _free_port()
     with open(tmp_path / "up.out", "w") as out:
-        up = subprocess.Popen([exe, "up", "--port", str(port), "--ingress", ingress], stdout=out,
+        up = subprocess.Popen([exe, "up", "--model", "kimi-k2-tiny", "--port", str(port), "--ingress", ingress], stdout=out,
                               stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from inproc import serve
 from model.loader import load_model
+from model.mtp import mtp_shared_names
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 
@@ -46,6 +49,13 @@ def test_a_short_run_lowers_the_held_out_losses(trained):
     assert last["held_out_mtp"] < first["held_out_mtp"] - 1.0, evals
     cfg = json.loads((trained / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    # The MTP layer trained on the main model's embedding and head (DeepSeek-V3's sharing): the checkpoint
+    # holds them under both names, equal; preset.safetensors (what the repository commits) once.
+    full, committed = load_file(trained / "model.safetensors"), load_file(trained / "preset.safetensors")
+    shared = mtp_shared_names(cfg["num_hidden_layers"])
+    assert set(full) - set(committed) == set(shared)
+    for mtp_name, main_name in shared.items():
+        assert torch.equal(full[mtp_name], full[main_name]) and torch.equal(committed[main_name], full[main_name])
 
 
 def test_the_written_checkpoint_serves_token_for_token_as_the_single_process(trained):

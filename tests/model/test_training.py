@@ -80,3 +80,24 @@ def test_the_induction_probe_runs_on_both_models(capsys):
                                    "--threads", "1"]) == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [r["step"] for r in rows] == [0, 2, 4] and all(0 <= r["copy_accuracy"] <= 1 for r in rows)
+
+
+def test_padded_rows_keeps_each_document_a_row_of_its_own():
+    from model.training import padded_rows
+
+    ids, w = padded_rows([[5, 6, 7], [1, 2, 3, 4, 5, 6]], 4, [[1.0, 2.0, 3.0], [1.0] * 6], pad_id=99)
+    assert ids.tolist() == [[5, 6, 7, 99], [1, 2, 3, 4]]
+    assert w.tolist() == [[1.0, 2.0, 3.0, 0.0], [1.0] * 4]  # padding is never a target
+
+
+def test_single_requests_name_one_city_and_call_for_it():
+    from model.corpus import CITIES, call_rows
+
+    tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi-mini")
+    rows = call_rows(1, 40, tok)
+    assert rows == call_rows(1, 40, tok)  # seeded
+    texts = [tok.decode(r) for r in rows]
+    assert all(t.count("<|tool_call_begin|>") == 1 and "## Return of functions." in t for t in texts)
+    weather = [t for t in texts if "functions.get_weather:0" in t]
+    assert weather and all(any(f'"city": "{c}"' in t and f" {c}" in t.split("<|im_assistant|>")[0] for c in CITIES)
+                           for t in weather)
