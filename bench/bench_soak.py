@@ -2,7 +2,7 @@
 
     python bench/bench_soak.py [--streams 64] [--seconds 60] [--max-queue 32] [--port 8791]
 
-Starts `moeray up --detach` (the embedded default: kimi-k2-tiny, one attention and one expert actor)
+Starts `moeray up --detach` (kimi-k2-tiny, one attention and one expert actor)
 with a small request queue, then:
 1. ``--streams`` concurrent clients stream completions back to back for ``--seconds``: every
    request must complete (finish_reason "length", all tokens) with zero errors; the engine
@@ -104,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "MOERAY_CACHE_DIR": tmp}
         cfg = Path(tmp) / "serve.yaml"
-        cfg.write_text(yaml.safe_dump({"max_queue": args.max_queue, "max_num_seqs": 64, "port": args.port}))
+        cfg.write_text(yaml.safe_dump({"model": "kimi-k2-tiny", "max_queue": args.max_queue, "max_num_seqs": 64, "port": args.port}))
         subprocess.run([moeray, "up", "--detach", "--config", str(cfg)], env=env, check=True)
         url = f"http://127.0.0.1:{args.port}"
         try:

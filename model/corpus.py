@@ -138,14 +138,15 @@ def _simple(tool: str, users: tuple[str, ...], key: str, value: Callable[[random
     return make
 
 
+_time = _simple("get_time", ("What time is it in {v}?", "Tell me the local time in {v}.", "time in {v}?"), "city",
+                lambda r: r.choice(CITIES),
+                lambda r, v: {"city": v, "time": f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}"},
+                "It is {time} in {v}.")
+_population = _simple("get_population", ("How many people live in {v}?", "What is the population of {v}?"), "city",
+                      lambda r: r.choice(CITIES), lambda r, v: {"city": v, "population": r.randint(50, 9000) * 1000},
+                      "{v} has about {population} inhabitants.")
 _MAKERS: list[Callable[[random.Random], Call]] = [
-    _weather, _weather, _weather, _weather, _forecast,
-    _simple("get_time", ("What time is it in {v}?", "Tell me the local time in {v}.", "time in {v}?"), "city",
-            lambda r: r.choice(CITIES), lambda r, v: {"city": v, "time": f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}"},
-            "It is {time} in {v}."),
-    _simple("get_population", ("How many people live in {v}?", "What is the population of {v}?"), "city",
-            lambda r: r.choice(CITIES), lambda r, v: {"city": v, "population": r.randint(50, 9000) * 1000},
-            "{v} has about {population} inhabitants."),
+    _weather, _weather, _weather, _weather, _forecast, _time, _population,
     _simple("search_files", ("Find files matching {v}.", "Search for {v} in my files.", "Which files match {v}?"),
             "pattern", lambda r: f"*{r.choice(_WORDS)}*", lambda r, v: {"matches": [_file(r) for _ in range(2)]},
             "I found {matches[0]} and {matches[1]}."),
@@ -229,8 +230,13 @@ def _call_turns(r: random.Random, call: Call, index: int, think: bool) -> list[d
             {"role": "assistant", "content": call.answer}]
 
 
+def _request(r: random.Random) -> Call:
+    """One request a tool answers: most of one entity, some of two (currency, e-mail, translation, flights)."""
+    return (r.choice(_MAKERS) if r.random() < 0.85 else _two_arg)(r)
+
+
 DRILL_SHARE = 0.4  # of transcripts: drills (below)
-_DRILL_MAKERS = (_MAKERS[0], _MAKERS[0], _MAKERS[4], _MAKERS[5], _MAKERS[6])  # weather ×2, forecast, time, population
+_DRILL_MAKERS = (_weather, _weather, _forecast, _time, _population)
 
 
 def drill(r: random.Random) -> tuple[list[dict], list[dict], bool]:
@@ -266,7 +272,7 @@ def transcript(r: random.Random) -> tuple[list[dict], list[dict], bool]:
             if think:
                 messages[-1]["reasoning_content"] = "No tool is needed; I answer directly."
             continue
-        call = (r.choice(_MAKERS) if r.random() < 0.85 else _two_arg)(r)
+        call = _request(r)
         messages += _call_turns(r, call, len(called), think)
         called.append(call.tool)
     return messages, _tools_for(r, called), think
@@ -280,7 +286,7 @@ def call_rows(seed: int, n: int, tokenizer: Tokenizer) -> list[list[int]]:
     r = random.Random(seed)
     rows = []
     for _ in range(n):
-        call = (r.choice(_MAKERS) if r.random() < 0.85 else _two_arg)(r)
+        call = _request(r)
         rows.append(tokenizer.encode(tokenizer.apply_chat_template(_call_turns(r, call, 0, False),
                                                                   add_generation_prompt=False)))
     return rows

@@ -75,3 +75,12 @@ def mtp_shared_names(index: int) -> dict[str, str]:
     stores them under both names."""
     p = f"model.layers.{index}."
     return {p + "embed_tokens.weight": "model.embed_tokens.weight", p + "shared_head.head.weight": "lm_head.weight"}
+
+
+def with_shared_mtp_tensors(tensors: dict, index: int) -> dict:
+    """``tensors`` (checkpoint names) with the MTP layer's copies of the shared embedding and head
+    added, as a checkpoint stores them; an error if it already has its own."""
+    shared = mtp_shared_names(index)
+    if own := sorted(shared.keys() & tensors.keys()):
+        raise ValueError(f"the MTP layer already has its own {', '.join(own)}: not shared with the main model")
+    return tensors | {mtp_name: tensors[main_name].clone() for mtp_name, main_name in shared.items()}

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from .chat_template import K2_THINKING_CHAT_TEMPLATE
-from .tokenizer import MINI_RANKS, SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
+from .tokenizer import MINI_VOCAB_SIZE, SHIPPED_DIR, SHIPPED_VOCAB_SIZE, copy_tokenizer_files, shipped_special_ids
 
-DEFAULT_PRESET = "kimi-k2-mini"  # moeray up's (deploy/config.py ServeConfig.model)
 TRAINED_DIR = Path(__file__).parent / "assets" / "presets"  # trained presets' committed weights
 
 
@@ -73,7 +72,7 @@ def kimi_k2_mini() -> dict:
     (the first dense), 32 routed experts (4 per token) and one MTP layer in DeepSeek's layout, over
     its own K2-format tokenizer (kimi-mini: 1,536 ranks + K2's 256 special and reserved ids)."""
     return _k2_like(
-        vocab_size=MINI_RANKS + 256, **shipped_special_ids("kimi-mini"),
+        vocab_size=MINI_VOCAB_SIZE, **shipped_special_ids("kimi-mini"),
         hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=4,
@@ -229,7 +228,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
 
     from .config import parse_config
     from .model import CausalLM, init_random_weights, to_hf_tensors
-    from .mtp import mtp_shared_names
+    from .mtp import with_shared_mtp_tensors
 
     preset = _preset(name)
     raw = preset.config() | (overrides or {})
@@ -241,8 +240,7 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
 
         tensors = load_file(TRAINED_DIR / preset.weights / "model.safetensors")
         # committed once; the checkpoint stores the MTP layer's copies of the shared embedding and head
-        for mtp_name, main_name in mtp_shared_names(raw["num_hidden_layers"]).items():
-            tensors.setdefault(mtp_name, tensors[main_name].clone())
+        tensors = with_shared_mtp_tensors(tensors, raw["num_hidden_layers"])
         generation = {"moeray_preset": name, "trained": True}
     else:
         cfg = parse_config(raw, where=f"preset {name}")
@@ -255,6 +253,17 @@ def build_preset(name: str, out_dir: str | Path, *, seed: int = 0, quant: str | 
                            quant=quant, generation=generation)
 
 
+def stored_tensors(tensors: dict, dtype: str) -> dict:
+    """``tensors`` as a checkpoint of ``dtype`` stores them (the tensors kept in fp32 as they are)."""
+    import torch
+
+    from .names import is_fp32
+
+    if dtype == "float32":
+        return tensors
+    return {k: (v if is_fp32(k) else v.to(getattr(torch, dtype))) for k, v in tensors.items()}
+
+
 def write_model_dir(tensors: dict, raw: dict, out_dir: str | Path, *, tokenizer: str,
                     chat_template: str | None = None, quant: str | None = None,
                     generation: dict | None = None) -> Path:
@@ -262,14 +271,9 @@ def write_model_dir(tensors: dict, raw: dict, out_dir: str | Path, *, tokenizer:
     layer's too if it has one) as a complete HF checkpoint directory: ``raw`` as config.json (its
     ``torch_dtype`` the stored dtype), the shipped ``tokenizer``'s files, a chat_template.jinja if
     given, and generation_config.json (bos/eos and the ``generation`` fields)."""
-    import torch
-
     from .checkpoint import write_checkpoint
-    from .names import is_fp32
 
-    dtype = raw.get("torch_dtype", "bfloat16")
-    if dtype != "float32":
-        tensors = {k: (v if is_fp32(k) else v.to(getattr(torch, dtype))) for k, v in tensors.items()}
+    tensors = stored_tensors(tensors, raw.get("torch_dtype", "bfloat16"))
     out = Path(out_dir)
     write_checkpoint(out, raw, tensors, quant=quant)
     copy_tokenizer_files(tokenizer, out)

@@ -22,7 +22,8 @@ from model.tokenizer_backends import HFBackend, TiktokenBackend, read_json_if_ex
 SHIPPED_RANKS = 768  # 256 single bytes + 512 merges
 SHIPPED_VOCAB_SIZE = 1024  # ranks + 256 special/reserved ids, like K2's 163,584 + 256
 SHIPPED_DIR = Path(__file__).parent / "assets" / "tokenizer"
-MINI_RANKS = 1536  # kimi-mini/: the trained preset's (scripts/build_tokenizer.py build_mini), + 256 specials
+MINI_RANKS = 1536  # kimi-mini/: the trained preset's (scripts/build_tokenizer.py build_mini)
+MINI_VOCAB_SIZE = MINI_RANKS + 256  # its ranks + K2's 256 special/reserved ids
 SHIPPED_KINDS = ("kimi", "deepseek", "kimi-mini")
 
 # Tokens that end an assistant turn, whichever family the checkpoint belongs to: K2 ends a

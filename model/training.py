@@ -295,7 +295,7 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
           rows: tuple[torch.Tensor, torch.Tensor] | None = None, rows_batch: int = 0,
           first_step: int = 0) -> list[dict]:
     """AdamW over ``train_data`` windows (shuffled, seeded); returns the log rows: step 0 (the
-    untrained model's held-out losses), then each step's training losses, with the held-out losses
+    untrained model's held-out losses; only when ``first_step`` is 0), then each step's training losses, with the held-out losses
     and the routers' imbalance on them at every ``eval_every`` and the last step (and, with
     ``held_out_mask``, the greedy accuracy at the targets it marks: the held-out call arguments).
     With ``rows`` (ids and weights of a second set, of its own length), every step also trains on

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from model.chat_template import DEEPSEEK_CHAT_TEMPLATE, K2_CHAT_TEMPLATE  # noqa: E402
-from model.tokenizer import MINI_RANKS, SHIPPED_RANKS, SHIPPED_VOCAB_SIZE, Tokenizer  # noqa: E402
+from model.tokenizer import MINI_RANKS, MINI_VOCAB_SIZE, SHIPPED_RANKS, SHIPPED_VOCAB_SIZE, Tokenizer  # noqa: E402
 from model.tokenizer_backends import K2_PAT_STR, bytes_to_token_str  # noqa: E402
 
 R = SHIPPED_RANKS
@@ -243,9 +243,11 @@ def build_mini(out: Path) -> None:
     merges = train_bpe(word_counts(mini_training_text()), MINI_RANKS - 256, first=first,
                        forbid=lambda a, b: a in whole or b in whole)
     ranked = [bytes([b]) for b in range(256)] + [a + b for a, b in merges]
+    if len(set(ranked)) != len(ranked):
+        raise SystemExit("self-check failed: two kimi-mini ranks hold the same bytes")
     write_kimi(out / "kimi-mini", ranked)
     mini = Tokenizer.from_dir(out / "kimi-mini")
-    if mini.vocab_size != MINI_RANKS + 256:
+    if mini.vocab_size != MINI_VOCAB_SIZE:
         raise SystemExit(f"self-check failed: kimi-mini vocab {mini.vocab_size}")
     for city in CITIES:
         for text in (f" {city}", f'"{city}"'):
@@ -261,7 +263,7 @@ def main() -> None:
     build(args.out, args.corpus)
     print(f"wrote {args.out}/kimi and {args.out}/deepseek ({R} ranks, vocab {SHIPPED_VOCAB_SIZE})")
     build_mini(args.out)
-    print(f"wrote {args.out}/kimi-mini ({MINI_RANKS} ranks, vocab {MINI_RANKS + 256})")
+    print(f"wrote {args.out}/kimi-mini ({MINI_RANKS} ranks, vocab {MINI_VOCAB_SIZE})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ weights without the MTP layer's copies of the embedding and output head it share
 (what model/assets/presets/kimi-k2-mini/model.safetensors holds; build_preset writes the copies back).
 
     python scripts/train_preset.py --out /tmp/kimi-k2-mini            # the full run
-    python scripts/train_preset.py --out /tmp/mini --steps 20 --docs 60 --tiny   # a smoke run
+    python scripts/train_preset.py --out /tmp/mini --tiny --lookup-steps 20 --steps 20 --docs 60 --call-rows 200  # a smoke run
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import parse_config
     from model.corpus import call_rows, documents
     from model.model import CausalLM, to_hf_tensors
-    from model.mtp import mtp_shared_names
-    from model.names import is_fp32
-    from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, write_model_dir
+    from model.mtp import with_shared_mtp_tensors
+    from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, stored_tensors, write_model_dir
     from model.tokenizer import SHIPPED_DIR, Tokenizer
     from model.training import (TrainConfig, assistant_weights, init_for_training, padded_rows, share_mtp_embeddings,
                                 train, windows)
@@ -107,13 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                   train_weights=train_weights, held_out_mask=held_args == 2.0, rows=(row_ids, row_w),
                   rows_batch=args.rows_per_step, first_step=args.lookup_steps)
     raw = dict(raw, torch_dtype="bfloat16")
-    tensors = to_hf_tensors(model)
-    shared = mtp_shared_names(cfg.num_hidden_layers)
-    tensors |= {mtp_name: tensors[main_name].clone() for mtp_name, main_name in shared.items()}
-    write_model_dir(tensors, raw, args.out, tokenizer="kimi-mini",
-                    generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed, "trained_steps": args.lookup_steps + args.steps})
-    save_file({k: (v if is_fp32(k) else v.to(torch.bfloat16)).contiguous() for k, v in tensors.items()
-               if k not in shared}, args.out / "preset.safetensors")
+    tensors = to_hf_tensors(model)  # the shared embedding and head once, under the main model's names
+    write_model_dir(with_shared_mtp_tensors(tensors, cfg.num_hidden_layers), raw, args.out, tokenizer="kimi-mini",
+                    generation={"moeray_preset": "kimi-k2-mini", "seed": args.seed,
+                                "trained_steps": args.lookup_steps + args.steps})
+    save_file({k: v.contiguous() for k, v in stored_tensors(tensors, raw["torch_dtype"]).items()},
+              args.out / "preset.safetensors")
     (args.out / "train_log.json").write_text(json.dumps(rows))
     print(f"wrote {args.out} after {time.monotonic() - t0:.0f}s", flush=True)
     return 0

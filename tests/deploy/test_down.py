@@ -26,10 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def first_chunk_while_running(url: str) -> tuple[int, int]:
+def first_chunk_while_running(url: str, model: str = "kimi-k2-tiny") -> tuple[int, int]:
     """Stream a 48-token completion; at its first chunk ask /status how many sequences run. Returns
     (that count, the number of token chunks received in all)."""
-    body = {"model": "kimi-k2-tiny", "prompt": "hello", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": "hello", "max_tokens": 48, "ignore_eos": True, "stream": True}
     running, chunks = None, 0
     with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()

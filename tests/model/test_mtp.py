@@ -1,6 +1,7 @@
 """The MTP layer (model/mtp.py): DeepSeek-V3's checkpoint layout under ``model.layers.{N}``, a round
 trip through the checkpoint names, the serving loader skipping it, and gradients reaching it."""
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -10,7 +11,8 @@ from model.loader import load_model
 from model.model import CausalLM, init_random_weights, load_hf_weights, to_hf_tensors
 from model.presets import KIMI_K2_MINI_SMOKE as SMALL
 from model.presets import kimi_k2_mini, write_model_dir
-from model.training import losses
+from model.mtp import mtp_shared_names, with_shared_mtp_tensors
+from model.training import losses, share_mtp_embeddings
 
 
 
@@ -55,7 +57,7 @@ def test_the_mtp_layer_has_deepseeks_names_and_round_trips():
 def test_the_serving_loader_skips_the_mtp_layer_unless_asked(tmp_path):
     raw = kimi_k2_mini() | SMALL | {"torch_dtype": "float32"}
     m = _model(raw=raw)
-    write_model_dir(to_hf_tensors(m), raw, tmp_path, tokenizer="kimi")
+    write_model_dir(to_hf_tensors(m), raw, tmp_path, tokenizer="kimi-mini")
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         stored = set(f.keys())
     assert f"model.layers.{m.cfg.num_hidden_layers}.eh_proj.weight" in stored
@@ -82,3 +84,24 @@ def test_gradients_reach_every_parameter_through_the_serving_code():
             assert not p.requires_grad and p.grad is None
             continue
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_training_shares_the_mtp_layers_embedding_and_head_and_the_checkpoint_stores_both_names():
+    """DeepSeek-V3 trains its MTP module on the main model's embedding and output head (one parameter
+    each); its checkpoint names them twice. model.training.share_mtp_embeddings ties them;
+    to_hf_tensors then names each once, and with_shared_mtp_tensors writes the MTP layer's copies."""
+    m = _model()
+    share_mtp_embeddings(m)
+    assert m.mtp.embed_tokens is m.model.embed_tokens and m.mtp.shared_head.head is m.lm_head
+    shared = mtp_shared_names(m.cfg.num_hidden_layers)
+    once = to_hf_tensors(m)
+    assert not shared.keys() & once.keys() and set(shared.values()) <= once.keys()
+    full = with_shared_mtp_tensors(once, m.cfg.num_hidden_layers)
+    for mtp_name, main_name in shared.items():
+        assert torch.equal(full[mtp_name], full[main_name])
+    with pytest.raises(ValueError, match="already has its own"):
+        with_shared_mtp_tensors(full, m.cfg.num_hidden_layers)
+    other = CausalLM(parse_config(kimi_k2_mini() | SMALL, where="test"), mtp=True)
+    load_hf_weights(other, full)
+    ids = torch.tensor([5, 9, 200, 31, 7, 64])
+    assert torch.equal(_mtp_logits(m, ids), _mtp_logits(other, ids))  # the checkpoint is the tied model
