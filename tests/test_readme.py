@@ -52,8 +52,8 @@ def test_readme_quick_start_serves_and_stops(tmp_path):
     try:
         proc = shell("\n".join(lines[:-1]) + "\n")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        # the README's curl: a chat completion from the default model, kimi-k2-mini (OpenAI's default
-        # temperature 1, no seed): at most 32 tokens, ending by length or by the turn's end
+        # the README's curl: a greedy chat completion from the default model, kimi-k2-mini: at most 32
+        # tokens, ending by length or by the turn's end
         body = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index('{"id"'):])[0]
         assert body["object"] == "chat.completion" and body["model"] == "kimi-k2-mini", proc.stdout
         n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
