@@ -295,8 +295,9 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
           rows: tuple[torch.Tensor, torch.Tensor] | None = None, rows_batch: int = 0,
           first_step: int = 0) -> list[dict]:
     """AdamW over ``train_data`` windows (shuffled, seeded); returns the log rows: step 0 (the
-    untrained model's held-out losses; only when ``first_step`` is 0), then each step's training losses, with the held-out losses
-    and the routers' imbalance on them at every ``eval_every`` and the last step (and, with
+    untrained model's held-out losses; only when ``first_step`` is 0), then each step's training
+    losses, with the held-out losses and the routers' imbalance on them at every ``eval_every`` and
+    the last step (and, with
     ``held_out_mask``, the greedy accuracy at the targets it marks: the held-out call arguments).
     With ``rows`` (ids and weights of a second set, of its own length), every step also trains on
     ``rows_batch`` of them, their loss added to the windows'. Steps are logged from ``first_step``
@@ -312,6 +313,9 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
     windows_, rows_ = _Batches(train_data, train_weights, cfg.batch, g), None
     if rows is not None and rows_batch:
         rows_ = _Batches(rows[0], rows[1], rows_batch, g)
+    def with_mtp(main: torch.Tensor, mtp: torch.Tensor | None) -> torch.Tensor:
+        return main if mtp is None else main + cfg.mtp_weight * mtp
+
     t0 = time.monotonic()
     try:
         if first_step == 0:
@@ -324,10 +328,10 @@ def train(model: CausalLM, train_data: torch.Tensor, held_out: torch.Tensor, cfg
                 group["lr"] = _lr(cfg, step)
             load.reset()
             main, mtp = losses(model, ids, w)
-            loss = main if mtp is None else main + cfg.mtp_weight * mtp
+            loss = with_mtp(main, mtp)
             if rows_ is not None:
                 main_r, mtp_r = losses(model, *rows_.next())
-                loss = loss + (main_r if mtp_r is None else main_r + cfg.mtp_weight * mtp_r)
+                loss = loss + with_mtp(main_r, mtp_r)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.clip)

@@ -69,16 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     docs = documents(args.seed, args.docs, tok)
     marks = [tok.token_to_id(t) for t in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")]
     arguments = (tok.token_to_id("<|tool_call_argument_begin|>"), tok.token_to_id("<|tool_call_end|>"))
-    train_data, train_weights = windows(docs, args.seq_len, [
-        assistant_weights(d, *marks, other=args.other_weight, arguments=arguments,
-                          argument_weight=args.argument_weight) for d in docs])
+    def weights(ds: list[list[int]], other: float = args.other_weight, argument_weight: float = args.argument_weight):
+        return [assistant_weights(d, *marks, other=other, arguments=arguments, argument_weight=argument_weight)
+                for d in ds]
+
+    train_data, train_weights = windows(docs, args.seq_len, weights(docs))
     singles = call_rows(args.seed + 20_000, args.call_rows, tok)
-    row_ids, row_w = padded_rows(singles, args.row_len, [
-        assistant_weights(d, *marks, other=args.other_weight, arguments=arguments,
-                          argument_weight=args.argument_weight) for d in singles], tok.token_to_id("[PAD]"))
+    row_ids, row_w = padded_rows(singles, args.row_len, weights(singles), tok.token_to_id("[PAD]"))
     held_docs = documents(args.seed + 10_000, args.held_out_docs, tok)
-    held_out, held_args = windows(held_docs, args.seq_len, [  # the argument tokens: the copying accuracy
-        assistant_weights(d, *marks, other=0.0, arguments=arguments, argument_weight=2.0) for d in held_docs])
+    # the held-out argument tokens (weight 2): the copying accuracy
+    held_out, held_args = windows(held_docs, args.seq_len, weights(held_docs, other=0.0, argument_weight=2.0))
     print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), {row_ids.shape[0]} "
           f"single requests, {held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
     torch.manual_seed(args.seed)
