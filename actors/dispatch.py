@@ -179,12 +179,13 @@ class _Collectives:
         try:
             if not self.p2p:
                 return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
-            works = _P2P([], (out, inp))
-            for tensor, splits, op in ((inp, in_splits, self.send), (out, out_splits, self.recv)):
+            works = _P2P([], [], (out, inp))
+            for tensor, splits, op, into in ((inp, in_splits, self.send, works.sends),
+                                             (out, out_splits, self.recv, works.recvs)):
                 start = 0
                 for peer, n in enumerate(splits):
                     if n:
-                        works.works.append(op(tensor[start: start + n], peer, tag=self.calls))
+                        into.append(op(tensor[start: start + n], peer, tag=self.calls))
                     start += n
             if not async_op:
                 works.wait()
@@ -223,15 +224,20 @@ class _Collectives:
 
 @dataclass
 class _P2P:
-    """The point-to-point ops of one :meth:`_Collectives.a2a` call on gloo, waited for together."""
+    """The point-to-point ops of one :meth:`_Collectives.a2a` call on gloo, waited for together:
+    receives first. A peer that sends here while this rank sends to it (every colocated exchange)
+    is read while this rank's own large send is still leaving (its rest on the link's sender thread,
+    :mod:`actors.wire`); waiting on the sends first would leave both peers blocked once a message
+    outgrows the socket buffers."""
 
-    works: list
+    sends: list
+    recvs: list
     keep: tuple  # the tensors they read or write, alive until they finish
 
     def wait(self) -> None:
-        for work in self.works:
+        for work in self.recvs + self.sends:
             work.wait()
-        self.works = []
+        self.sends, self.recvs = [], []
 
 
 @dataclass

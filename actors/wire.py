@@ -12,7 +12,10 @@ An MoE layer makes two such exchanges per step, so on gloo groups the exchange r
   membership, and NCCL groups keep ``all_to_all_single``.
 * A send is written by the calling thread when the socket takes it whole (the common case); what the
   kernel does not take goes to the link's sender thread, in order, so a large send never blocks the
-  caller while its peer is blocked sending too (ping-pong's crossing exchanges).
+  caller while its peer is blocked sending too (ping-pong's crossing exchanges, every colocated
+  exchange). Its wait does block until the rest has left: a caller that sends and receives on a
+  link waits for its receives first (actors/dispatch.py ``_P2P``), or two peers each waiting on a
+  send larger than the socket buffers would wait for ever on each other.
 * Receives complete in the order they were posted on a link. Each message carries its call number
   and size, so a desynchronised peer is an error naming both, never misread bytes.
 * Every wait has the group's timeout (the sockets' SO_RCVTIMEO / SO_SNDTIMEO); a closed peer raises at

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from actors.dispatch import _P2P
 from actors.framing import TOKEN_BYTES
 from actors.wire import SocketMesh
 
@@ -55,6 +56,32 @@ def test_crossing_sends_larger_than_the_socket_buffers_complete_exactly(pair):
     for w in recvs + sends:
         w.wait()
     assert torch.equal(gx, x) and torch.equal(gy.view(torch.int16), y.view(torch.int16))
+
+
+def test_an_exchange_crossing_32_mib_each_way_completes_when_each_side_waits_its_own_ops():
+    """Each side posts its send and its receive as one a2a call and waits on that call, as two
+    colocated workers do in every exchange (actors/dispatch.py ``_P2P``), at once from two threads (two
+    processes): 32 MiB each way, eight times the socket buffers. Each must read the other's rows
+    while its own rest is still leaving, or both sit blocked until the link's timeout."""
+    a, e = _pair(timeout_s=5)
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8 << 20, generator=g), torch.randn(8 << 20, generator=g)  # 32 MiB each
+        gx, gy = torch.empty_like(x), torch.empty_like(y)
+
+        def exchange(mesh, send, into, peer):
+            t0 = time.monotonic()
+            _P2P([mesh.send(send, peer, tag=1)], [mesh.recv(into, peer, tag=1)], (send, into)).wait()
+            return time.monotonic() - t0
+
+        with ThreadPoolExecutor(2) as pool:
+            took = [f.result(timeout=30) for f in (pool.submit(exchange, a, x, gy, 1),
+                                                   pool.submit(exchange, e, y, gx, 0))]
+        assert torch.equal(gx, x) and torch.equal(gy, y)
+        assert max(took) < 1.0, took
+    finally:
+        a.close()
+        e.close()
 
 
 def test_receives_complete_in_posted_order_whichever_is_waited_first(pair):

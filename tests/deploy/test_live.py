@@ -911,3 +911,31 @@ class TestColocatedK3:
 
     def test_prefix_caching_equals_a_cluster_without_it(self, ck3):
         _five_turns(ck3, grid=64)  # K3's cache grid: its KDA snapshots'
+
+
+# ---- a colocated exchange larger than the socket buffers ---------------------------------------------------
+# Two prompts of 2,400 tokens in one request, on kimi-k2-small (hidden 1,024, fp32: 4,160 bytes a row): a
+# step budget of 5,000 prefills both in one step, one on each worker, so each worker sends the other
+# 2,400 rows, 10 MB, while the other sends it as much — over twice the socket buffers (tcp_wmem's 4 MiB).
+WIDE_PROMPTS = [[(i * 37 + j * 11) % 700 + 11 for j in range(2400)] for i in range(2)]
+
+
+def test_a_colocated_step_exchanging_10_mb_each_way_answers(serve_port, tmp_path_factory):
+    """Both prompts' prefills cross in one step and the answer equals the single process's, token for
+    token. Before the exchange read its receives while its sends were leaving, each worker sat blocked
+    sending to the other until the collective timeout, the step failed every retry, and the request
+    was dropped."""
+    path = build_preset("kimi-k2-small", tmp_path_factory.mktemp("wide") / "k2s", seed=3, progress=False)
+    expected = oracle_soon(path, WIDE_PROMPTS, 4)
+    url = deploy(serve_port, path, "wide", layout="colocated", workers=2, max_tokens_per_step=5000,
+                 num_blocks=160, max_num_seqs=4)
+    try:
+        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                       json={"model": "wide", "prompt": WIDE_PROMPTS, "max_tokens": 4, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert _admitted(url) == [1, 1]  # one prompt on each worker
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in choices] == expected.result()
+    finally:
+        serve.delete("wide")
