@@ -8,7 +8,13 @@ Mapping (docs/operations.md, "The Anthropic and Responses APIs"):
 - ``system`` (a string or text blocks) → a system message; a user turn's ``tool_result`` blocks →
   tool messages (``is_error``: the text is prefixed ``Error: ``), its text blocks → one user message;
   an assistant turn's ``thinking`` → ``reasoning_content``, ``text`` → content, ``tool_use`` →
-  tool calls (``input`` as JSON arguments); ``redacted_thinking`` is accepted and not rendered.
+  tool calls (``input`` as JSON arguments). Every block the ``anthropic`` SDK returns is accepted back
+  as it dumps (``None`` values included): ``redacted_thinking``, server-tool blocks
+  (``server_tool_use``, ``*_tool_result``) and ``container_upload`` are not rendered (no server tool
+  runs here; their content is mostly Anthropic's encryption), ``citations``, ``signature``, ``caller``,
+  ``toolset_name`` and ``cache_control`` are ignored.
+- Unknown fields (top level, message, block) are a 400 naming them, as Anthropic's "Extra inputs are
+  not permitted"; the known ones ignored carry ``Accepted and ignored`` (:func:`ignored_fields`).
 - ``tools`` (``name``, ``description``, ``input_schema``) → function tools; server tools (web search,
   bash, computer use, ...) are a 400 naming them. ``tool_choice`` ``auto`` / ``any`` / ``tool`` /
   ``none`` → ``auto`` / ``required`` / the named function / ``none``; ``disable_parallel_tool_use`` →
@@ -29,7 +35,8 @@ import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationError)
 
 from .openai_api import ERROR_TYPES, APIError, from_validation_error, parse_request
 from .openai_models import MAX_STOP_STRINGS, ChatCompletionRequest, Number
@@ -45,17 +52,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-class _Block(BaseModel):
-    """A content block; ``cache_control`` and ``citations`` are accepted and ignored (caching is automatic)."""
+_IGNORED = "Accepted and ignored."
 
-    model_config = ConfigDict(extra="forbid")
-    cache_control: dict[str, Any] | None = None
+
+class _Block(_Strict):
+    """A content block: the fields of Anthropic's block params (what the SDK's response blocks dump to,
+    ``None`` values included), unknown ones a 400 as at Anthropic."""
+
+    cache_control: dict[str, Any] | None = Field(None, description="Accepted and ignored: caching is automatic.")
+
+
+class Caller(_Strict):
+    """Who made a tool call: ``direct`` (the model) or a code-execution tool (``tool_id``)."""
+
+    type: StrictStr
+    tool_id: StrictStr | None = None
 
 
 class TextBlock(_Block):
     type: Literal["text"]
     text: StrictStr
-    citations: list[Any] | None = None
+    citations: list[dict[str, Any]] | None = Field(None, description=_IGNORED)
+
+
+def _as_blocks(value: Any) -> Any:
+    """A string where blocks may stand is one text block (Anthropic's shorthand), so a union of the two
+    never hides the blocks' own errors behind "not a string"."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise ValueError("should be a string or a list of content blocks")
+    return value
+
+
+TextBlocks = Annotated[list[TextBlock],
+                       BeforeValidator(_as_blocks, json_schema_input_type=Union[str, list[TextBlock]])]
 
 
 class ToolUseBlock(_Block):
@@ -63,33 +94,73 @@ class ToolUseBlock(_Block):
     id: StrictStr
     name: StrictStr
     input: dict[str, Any]
+    caller: Caller | None = Field(None, description=_IGNORED)
+    toolset_name: StrictStr | None = Field(None, description=_IGNORED)
 
 
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: StrictStr
-    content: StrictStr | list[TextBlock] | None = None
+    content: TextBlocks | None = None
     is_error: StrictBool | None = None
+    toolset_name: StrictStr | None = Field(None, description=_IGNORED)
 
 
-class ThinkingBlock(_Block):
+class ThinkingBlock(_Strict):
     type: Literal["thinking"]
     thinking: StrictStr
-    signature: StrictStr | None = None
+    signature: StrictStr | None = Field(None, description=_IGNORED)
 
 
-class RedactedThinkingBlock(_Block):
+class RedactedThinkingBlock(_Strict):
+    """Not rendered: its ``data`` is Anthropic's encryption."""
+
     type: Literal["redacted_thinking"]
     data: StrictStr
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+class ServerToolUseBlock(_Block):
+    """A call of one of Anthropic's server tools (web search, code execution, ...): not rendered, as its
+    result is not (no server tool runs here)."""
+
+    type: Literal["server_tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any]
+    caller: Caller | None = None
+
+
+class ServerToolResultBlock(_Block):
+    """A server tool's result, kept in the assistant turn: not rendered (the model here never had the
+    tool, and Anthropic encrypts most of it); ``content`` is read only as JSON objects."""
+
+    type: Literal["code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "tool_search_tool_result"]
+    tool_use_id: StrictStr
+    content: dict[str, Any] | list[dict[str, Any]]
+
+
+class WebToolResultBlock(ServerToolResultBlock):
+    type: Literal["web_search_tool_result", "web_fetch_tool_result"]  # type: ignore[assignment]
+    caller: Caller | None = None
+
+
+class ContainerUploadBlock(_Block):
+    """A file for Anthropic's code-execution container: not rendered (there is no container here)."""
+
+    type: Literal["container_upload"]
+    file_id: StrictStr
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
+                        ServerToolUseBlock, ServerToolResultBlock, WebToolResultBlock, ContainerUploadBlock],
                   Field(discriminator="type")]
+UNRENDERED = (RedactedThinkingBlock, ServerToolUseBlock, ServerToolResultBlock, ContainerUploadBlock)
 
 
 class Message(_Strict):
     role: Literal["user", "assistant"]
-    content: StrictStr | list[Block]
+    content: Annotated[list[Block], BeforeValidator(_as_blocks, json_schema_input_type=Union[str, list[Block]])]
 
 
 class Tool(_Strict):
@@ -108,7 +179,7 @@ class ToolChoice(_Strict):
 
 class Thinking(_Strict):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: StrictInt | None = None
+    budget_tokens: StrictInt | None = Field(None, description=_IGNORED)
 
 
 class OutputFormat(_Strict):
@@ -118,29 +189,24 @@ class OutputFormat(_Strict):
 
 class OutputConfig(_Strict):
     format: OutputFormat | None = None
-    effort: StrictStr | None = Field(None, description="Accepted and ignored.")
-
-
-_IGNORED = "Accepted and ignored."
+    effort: StrictStr | None = Field(None, description=_IGNORED)
 
 
 class _Request(_Strict):
+    """The fields both routes take (Anthropic's count_tokens params); any other top-level field is a 400
+    naming it, as Anthropic's ``Extra inputs are not permitted``."""
+
     model: StrictStr
     messages: Annotated[list[Message], Field(min_length=1)]
-    system: StrictStr | list[TextBlock] | None = None
+    system: TextBlocks | None = None
     tools: list[dict[str, Any]] | None = None  # checked one by one: a server tool is named in the error
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = Field(None, description="format (json_schema): structured output.")
     output_format: OutputFormat | None = Field(None, description="The older spelling of output_config.format.")
-    metadata: dict[str, Any] | None = Field(None, description=_IGNORED)
-    service_tier: StrictStr | None = Field(None, description="Accepted and ignored: there is one tier.")
-    container: Any = Field(None, description=_IGNORED)
+    cache_control: dict[str, Any] | None = Field(None, description="Accepted and ignored: prefix caching is automatic.")
     context_management: Any = Field(None, description=_IGNORED)
     mcp_servers: list[Any] | None = Field(None, description=_IGNORED)
-    cache_control: dict[str, Any] | None = Field(None, description="Accepted and ignored: prefix caching is automatic.")
-    diagnostics: Any = Field(None, description=_IGNORED)
-    inference_geo: StrictStr | None = Field(None, description=_IGNORED)
     speed: StrictStr | None = Field(None, description=_IGNORED)
     user_profile_id: StrictStr | None = Field(None, description=_IGNORED)
     workspace_id: StrictStr | None = Field(None, description=_IGNORED)
@@ -156,10 +222,21 @@ class MessagesRequest(_Request):
     temperature: Annotated[Number, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    metadata: dict[str, Any] | None = Field(None, description=_IGNORED)
+    service_tier: StrictStr | None = Field(None, description="Accepted and ignored: there is one tier.")
+    container: Any = Field(None, description=_IGNORED)
+    diagnostics: Any = Field(None, description=_IGNORED)
+    inference_geo: StrictStr | None = Field(None, description=_IGNORED)
 
 
 class CountTokensRequest(_Request):
     """POST /v1/messages/count_tokens: the prompt's token count, as /v1/messages would render it."""
+
+
+def ignored_fields(model: type[BaseModel] = MessagesRequest) -> list[str]:
+    """The top-level fields ``model`` accepts and ignores (docs/operations.md lists them)."""
+    return [f.alias or name for name, f in model.model_fields.items()
+            if (f.description or "").startswith("Accepted and ignored")]
 
 
 # ---------------------------------------------------------------- request → chat request
@@ -169,10 +246,8 @@ def parse(raw: bytes, max_body_bytes: int, *, count: bool = False) -> MessagesRe
     return parse_request(CountTokensRequest if count else MessagesRequest, raw, max_body_bytes)
 
 
-def _text(content: str | list[TextBlock] | None) -> str:
-    if content is None:
-        return ""
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+def _text(content: list[TextBlock] | None) -> str:
+    return "".join(b.text for b in content or ())
 
 
 def _tool(i: int, raw: dict) -> dict:
@@ -195,20 +270,24 @@ def _chat_messages(req: _Request) -> list[dict]:
     if req.system is not None and _text(req.system):
         out.append({"role": "system", "content": _text(req.system)})
     for i, m in enumerate(req.messages):
-        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        blocks = m.content
         if m.role == "user":
-            for b in blocks:
+            for j, b in enumerate(blocks):
                 if isinstance(b, ToolResultBlock):
                     text = _text(b.content)
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                 "content": f"Error: {text}" if b.is_error else text})
                 elif not isinstance(b, TextBlock):
-                    raise APIError(400, f"messages[{i}]: a user turn holds text and tool_result blocks, "
-                                        f"not {b.type!r}", param="messages")
+                    raise APIError(400, f"messages[{i}].content[{j}]: a user turn holds text and "
+                                        f"tool_result blocks, not {b.type!r}", param="messages")
             texts = [b.text for b in blocks if isinstance(b, TextBlock)]
             if texts:
                 out.append({"role": "user", "content": "".join(texts)})
             continue
+        if any(isinstance(b, ToolResultBlock) for b in blocks):
+            raise APIError(400, f"messages[{i}]: tool_result blocks belong in a user turn", param="messages")
+        if blocks and all(isinstance(b, UNRENDERED) for b in blocks):
+            continue  # nothing of it is rendered: no empty assistant turn either
         msg: dict = {"role": "assistant", "content": "".join(b.text for b in blocks if isinstance(b, TextBlock))}
         reasoning = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
         if reasoning:
@@ -217,8 +296,6 @@ def _chat_messages(req: _Request) -> list[dict]:
                  for b in blocks if isinstance(b, ToolUseBlock)]
         if calls:
             msg["tool_calls"] = calls
-        if any(isinstance(b, ToolResultBlock) for b in blocks):
-            raise APIError(400, f"messages[{i}]: tool_result blocks belong in a user turn", param="messages")
         out.append(msg)
     return out
 

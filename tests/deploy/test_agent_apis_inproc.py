@@ -10,6 +10,9 @@ assembles to the non-streamed one of the same seed.
 import asyncio
 import copy
 import json
+import re
+import typing
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -17,6 +20,10 @@ import jsonschema
 import openai
 import pytest
 
+from anthropic import types as at
+from anthropic.types.content_block import ContentBlock
+
+from deploy.anthropic_api import CountTokensRequest, MessagesRequest, ignored_fields
 from inproc import post, preset, serve
 
 KEY = "apis-key"
@@ -268,6 +275,115 @@ def test_anthropic_tool_result_turn_count_tokens_and_the_prefix_cache(servers):
     assert (free.stop_sequence == "e") == (free.stop_reason == "stop_sequence")
 
 
+@pytest.mark.parametrize("form", ["model_dump", "objects", "to_param"])
+def test_anthropic_sdk_tool_use_blocks_go_back_as_the_sdk_returned_them(servers, form):
+    """Agent frameworks send the assistant turn back as the SDK gave it: ``model_dump()`` (every field,
+    ``caller: None`` and ``toolset_name: None`` included), the block objects, or ``Message.to_param()``."""
+    client = _anthropic(servers["k2"])
+    one = {"type": "any", "disable_parallel_tool_use": True}
+    history = [{"role": "user", "content": USER}]
+    first = client.messages.create(model="k2", max_tokens=400, messages=history, tools=A_TOOLS, tool_choice=one)
+    uses = _check_tool_uses(first)
+    assistant = {"model_dump": {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 "objects": {"role": "assistant", "content": first.content},
+                 "to_param": first.to_param()}[form]
+    history += [assistant, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny"}
+                                                        for b in uses]}]
+    second = client.messages.create(model="k2", max_tokens=400, messages=history, tools=A_TOOLS, tool_choice=one)
+    # the call was rendered back as a call: K2's ids go on counting from the first turn's
+    assert _check_tool_uses(second)[0].id == f"functions.{second.content[0].name}:{len(uses)}"
+
+
+def _sdk_blocks() -> list:
+    """Every block the SDK's ``Message.content`` can hold, built from its own classes with every field
+    set (``None`` where a field may be): a web search and a code run as Claude makes them, then two calls
+    of this server's tools (one from a code-execution container)."""
+    direct, coded = at.DirectCaller(type="direct"), at.ServerToolCaller(type="code_execution_20250825", tool_id="srv_3")
+    plain = at.DocumentBlock(type="document", title=None, citations=None,
+                             source=at.PlainTextSource(type="text", media_type="text/plain", data="Sunny."))
+    return [
+        at.ThinkingBlock(type="thinking", thinking="The user asks for the weather.", signature="c2ln"),
+        at.RedactedThinkingBlock(type="redacted_thinking", data="ZW5jcnlwdGVk"),
+        at.TextBlock(type="text", text="Let me look.", citations=None),
+        at.ServerToolUseBlock(type="server_tool_use", id="srv_1", name="web_search", input={"query": "Paris"},
+                              caller=direct),
+        at.WebSearchToolResultBlock(type="web_search_tool_result", tool_use_id="srv_1", caller=None, content=[
+            at.WebSearchResultBlock(type="web_search_result", url="https://example.com/paris", title="Paris",
+                                    encrypted_content="ZW5j", page_age=None)]),
+        at.WebFetchToolResultBlock(type="web_fetch_tool_result", tool_use_id="srv_2", caller=direct,
+                                   content=at.WebFetchBlock(type="web_fetch_result", url="https://example.com/paris",
+                                                            retrieved_at=None, content=plain)),
+        at.CodeExecutionToolResultBlock(
+            type="code_execution_tool_result", tool_use_id="srv_3",
+            content=at.CodeExecutionResultBlock(
+                type="code_execution_result", stdout="21", stderr="", return_code=0,
+                content=[at.CodeExecutionOutputBlock(type="code_execution_output", file_id="file_1")])),
+        at.BashCodeExecutionToolResultBlock(type="bash_code_execution_tool_result", tool_use_id="srv_4",
+                                            content=at.BashCodeExecutionResultBlock(
+                                                type="bash_code_execution_result", stdout="", stderr="", return_code=0,
+                                                content=[])),
+        at.TextEditorCodeExecutionToolResultBlock(
+            type="text_editor_code_execution_tool_result", tool_use_id="srv_5",
+            content=at.TextEditorCodeExecutionViewResultBlock(type="text_editor_code_execution_view_result",
+                                                              content="x = 1", file_type="text", num_lines=None,
+                                                              start_line=None, total_lines=None)),
+        at.ToolSearchToolResultBlock(type="tool_search_tool_result", tool_use_id="srv_6",
+                                     content=at.ToolSearchToolSearchResultBlock(
+                                         type="tool_search_tool_search_result",
+                                         tool_references=[at.ToolReferenceBlock(type="tool_reference",
+                                                                                tool_name="get_weather")])),
+        at.ContainerUploadBlock(type="container_upload", file_id="file_2"),
+        at.TextBlock(type="text", text="It is sunny.", citations=[
+            at.CitationsWebSearchResultLocation(type="web_search_result_location", cited_text="Sunny.",
+                                                encrypted_index="aWR4", title=None, url="https://example.com/paris"),
+            at.CitationCharLocation(type="char_location", cited_text="Sunny.", document_index=0, document_title=None,
+                                    start_char_index=0, end_char_index=6, file_id=None)]),
+        at.ToolUseBlock(type="tool_use", id="functions.get_weather:0", name="get_weather", caller=None,
+                        toolset_name=None, input={"city": "Paris", "unit": "celsius"}),
+        at.ToolUseBlock(type="tool_use", id="functions.get_weather:1", name="get_weather", caller=coded,
+                        toolset_name="weather", input={"city": "Oslo", "unit": "celsius"}),
+    ]
+
+
+def test_the_sdk_blocks_cover_every_block_type_and_field_of_the_installed_sdk():
+    """A newer SDK with another block type or field fails here until _sdk_blocks (and the server) take it."""
+    blocks = _sdk_blocks()
+    classes = typing.get_args(typing.get_args(ContentBlock)[0])
+    assert {type(b) for b in blocks} == set(classes)
+    for cls in classes:
+        assert set().union(*(b.model_fields_set for b in blocks if type(b) is cls)) == set(cls.model_fields), cls
+
+
+@pytest.mark.parametrize("form", ["model_dump", "objects"])
+def test_every_sdk_block_is_accepted_back_and_what_cannot_be_used_is_not_rendered(servers, form):
+    """Each block type the SDK returns, sent back as assistant content (its ``model_dump()``, ``None``s and
+    all, or the objects): a 200. Server-tool blocks, ``redacted_thinking`` and ``container_upload`` are not
+    rendered: the prompt counts the same tokens as the history of text, thinking and tool_use alone."""
+    client = _anthropic(servers["k2"])
+    blocks = _sdk_blocks()
+    rendered = [b.model_dump(exclude_none=True) for b in blocks if b.type in ("text", "thinking", "tool_use")]
+
+    def history(content):
+        results = [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny"}
+                   for b in blocks if b.type == "tool_use"]
+        return [{"role": "user", "content": USER}, {"role": "assistant", "content": content},
+                {"role": "user", "content": [*results, {"type": "text", "text": "And tomorrow?"}]}]
+
+    sent = history([b.model_dump() for b in blocks] if form == "model_dump" else blocks)
+    wire = [b.model_dump(exclude_unset=form == "objects") for b in blocks]  # the SDK sends objects' set fields
+    assert any(v is None for b in wire for v in b.values())  # the Nones go too
+    answer = client.messages.create(model="k2", max_tokens=8, messages=sent, tools=A_TOOLS)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.usage.output_tokens > 0
+
+    def count(messages) -> int:
+        return client.messages.count_tokens(model="k2", messages=messages, tools=A_TOOLS).input_tokens
+
+    assert count(sent) == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert count(sent) == count(history(rendered))
+    # and the calls are rendered (the turns up to the assistant's, with and without its tool_use blocks)
+    assert count(history(rendered)[:2]) > count(history([b for b in rendered if b["type"] != "tool_use"])[:2])
+
+
 def test_anthropic_thinking_block_comes_back_and_is_accepted_in_history(servers):
     client = _anthropic(servers["k2t"])
     history = [{"role": "user", "content": USER}]
@@ -344,6 +460,50 @@ def test_anthropic_errors_use_its_envelope(servers):
                                       tools=[{"type": "web_search_20250305", "name": "web_search"}])
     with pytest.raises(anthropic.NotFoundError):
         _anthropic(s).messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+
+
+_IGNORED_SAMPLES = {"metadata": {"user_id": "u1"}, "service_tier": "auto", "container": "container_1",
+                    "diagnostics": {}, "inference_geo": "us", "cache_control": {"type": "ephemeral"},
+                    "context_management": {"edits": []}, "mcp_servers": [], "speed": "fast", "user_profile_id": "up_1",
+                    "workspace_id": "wrk_1"}
+
+
+def test_anthropic_fields_accepted_and_ignored_change_nothing_and_others_are_a_400(servers):
+    """Anthropic rejects fields it does not know (``Extra inputs are not permitted``), at the top level and
+    in blocks, and so does moeray (a 400 naming the field); the fields it knows and moeray ignores
+    (docs/operations.md lists them) leave the answer as it was."""
+    s = servers["k2"]
+    assert set(_IGNORED_SAMPLES) == set(ignored_fields(MessagesRequest)) > set(ignored_fields(CountTokensRequest))
+    body = {"model": "k2", "max_tokens": 12, "top_k": 1, "messages": [{"role": "user", "content": USER}]}
+    plain = post(s, "/v1/messages", body, KEY)
+    ignored = post(s, "/v1/messages", {**body, **_IGNORED_SAMPLES}, KEY)
+    assert plain.status_code == ignored.status_code == 200, ignored.text
+    assert _strip(plain.json()) == _strip(ignored.json())
+    count = {k: v for k, v in body.items() if k in ("model", "messages")}
+    only_create = set(ignored_fields(MessagesRequest)) - set(ignored_fields(CountTokensRequest))
+    use = {"type": "tool_use", "id": "functions.get_weather:0", "name": "get_weather", "input": {}}
+    for route, extra, field in [
+            ("/v1/messages", {"response_format": {"type": "json_object"}}, "'response_format'"),
+            ("/v1/messages", {"messages": [{"role": "user", "content": USER, "name": "ana"}]}, "'messages[0].name'"),
+            ("/v1/messages", {"messages": [{"role": "user", "content": USER},
+                                          {"role": "assistant", "content": [{**use, "text": "hi"}]}]},
+             "'messages[1].content[0].tool_use.text'"),
+            ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "extra": 1}]}]},
+             "'messages[0].content[0].text.extra'"),
+            *[("/v1/messages/count_tokens", {k: _IGNORED_SAMPLES[k]}, repr(k)) for k in sorted(only_create)]]:
+        r = post(s, route, {**(count if "count" in route else body), **extra}, KEY)
+        assert r.status_code == 400, (route, extra, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and f"unknown field {field}" in error["message"], error
+    r = post(s, "/v1/messages", {**body, "messages": [{"role": "user", "content": 5}]}, KEY)
+    assert r.status_code == 400 and "messages[0].content: should be a string or a list" in r.json()["error"]["message"]
+
+
+def test_the_docs_list_exactly_the_fields_accepted_and_ignored():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    listed = re.search(r"Top-level fields accepted and ignored: ([^.]*)\.", text)
+    assert listed, "docs/operations.md: no 'Top-level fields accepted and ignored: ...' sentence"
+    assert sorted(re.findall(r"`(\w+)`", listed.group(1))) == sorted(ignored_fields(MessagesRequest))
 
 
 # ---- OpenAI Responses ----------------------------------------------------------------------------
