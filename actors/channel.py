@@ -35,6 +35,7 @@ from typing import Any, Callable
 from model.threads import adopt_torch_threads
 
 from .framing import TOKEN_BYTES, Acceptor, check_token, connect, readable
+from .group import break_exchange
 from .wire import Link
 
 __all__ = ["TOKEN_BYTES", "ChannelClosed", "ServesSteps", "StepChannel", "StepError", "StepServer"]
@@ -175,17 +176,6 @@ class StepChannel:
         self.link.close()
 
 
-def _break_exchange() -> None:
-    """A step failed here: close this epoch's exchange sockets, so every peer still waiting on this
-    actor fails at once instead of at the collective timeout (the next epoch opens new ones; on
-    gloo's own sends or NCCL the peers' timeout applies)."""
-    from .group import current_mesh
-
-    mesh = current_mesh()
-    if mesh is not None:
-        mesh.close()
-
-
 class ServesSteps:
     """What both actor kinds add for their step channel: :meth:`open_channel` (a Ray call from the
     engine) and the lock that keeps a step and an epoch change apart (a step runs on the channel's
@@ -212,15 +202,16 @@ class ServesSteps:
             try:
                 return self.step(request)
             except Exception:
-                _break_exchange()
+                break_exchange()
                 raise
             finally:
                 self.steps_done += 1
 
     def break_exchange(self) -> None:
-        """Close this epoch's exchange sockets from Ray's thread: a step blocked on a hung peer fails
-        at once (the engine calls it on the live actors when it found one hung)."""
-        _break_exchange()
+        """Break this epoch's exchange from Ray's thread (its sockets closed; an NCCL group aborted): a
+        step blocked on a hung peer fails at once (the engine calls it on the live actors when it
+        found one hung)."""
+        break_exchange()
 
     def heartbeat(self) -> tuple[int, int]:
         """(steps begun, steps done): answered on Ray's thread, never the step thread's, so it tells a

@@ -82,6 +82,19 @@ def node_ip(toward: str = "127.0.0.1") -> str:
     return local_ip(toward)
 
 
+def break_exchange() -> None:
+    """A step failed in this process: its peers still waiting on it must fail at once, not at the
+    collective timeout. The epoch's exchange sockets are closed; on NCCL the process group is
+    aborted (``all_to_all_single`` has no sockets to close: the abort ends the peers' collectives
+    too). Either way the engine regroups next, in a new epoch; on gloo's own sends (transport
+    ``group``) the peers' timeout applies."""
+    if _mesh is not None:
+        _mesh.close()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.is_initialized() and dist.get_backend() == "nccl" and abort is not None:
+        abort()
+
+
 def leave_group() -> None:
     """Leave the current process group, if any (an abort on NCCL, see the module docstring)."""
     global _mesh

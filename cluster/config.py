@@ -171,7 +171,8 @@ class SpeculativeConfig(_Checked):
     prompt_lookup_min: int = knob(2, "ngram: the shortest n-gram looked up.", ge=1)
     prompt_lookup_max: int = knob(5, "ngram: the longest n-gram looked up.", ge=1)
     suffix_decoding_max_tree_depth: int = knob(24, "suffix: the longest suffix matched and continued.", ge=2)
-    suffix_decoding_max_cached_requests: int = knob(1000, "suffix: recent outputs kept for other requests' drafts.",
+    suffix_decoding_max_cached_requests: int = knob(1000, "suffix: recent outputs kept for other requests' drafts "
+                                                          "(of the same cache_salt; this many over all salts).",
                                                     ge=0)
     suffix_decoding_min_token_prob: float = knob(0.1, "suffix: a draft stops where its path's estimated probability "
                                                       "falls below this (the confidence cut).", ge=0, le=1)
@@ -186,6 +187,15 @@ class SpeculativeConfig(_Checked):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative: prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+
+    def draft_length(self, decoding: int) -> int:
+        """The adaptive length's batch half: the most drafts one sequence may carry in a step where
+        ``decoding`` sequences decode (the scheduler's ``draft_length``; the planner's bound on
+        what verification holds at once walks it)."""
+        if decoding <= 0:
+            return 0
+        K, full = self.num_speculative_tokens, self.full_draft_batch
+        return K if decoding <= full else K * full // decoding
 
     @classmethod
     def parse(cls, raw) -> "SpeculativeConfig":

@@ -12,9 +12,17 @@ Two proposers, both in the engine's process, beside the scheduler that asks them
   continuation while the path's estimated probability stays above ``min_token_prob`` (the
   per-sequence confidence cut); the trie whose path expects more accepted tokens wins.
 
+Finished outputs are shared only within a ``cache_salt`` (the scheduler passes each call the
+sequence's salt; unsalted requests share one pool, and None and "" are different salts, as in the
+prefix cache's block hashes): an accepted draft shows in latency, so drafting from another tenant's
+outputs would tell, by timing, what was recently generated for it — the side channel the salt
+closes for the prefix cache. The window is one, over all salts (``max_cached_requests`` outputs in
+all, the oldest leaving first, whatever its salt), each output in its own salt's trie, and a salt's
+trie goes when its last output leaves: memory stays bounded however many salts come.
+
 Owns: per sequence, its index (built incrementally: each token is indexed once, O(depth) work,
-never a scan of the sequence), and the window of finished outputs. Never: decides how many drafts
-a sequence may carry (the scheduler's policy does), or sees a tensor.
+never a scan of the sequence), and the window of finished outputs, per salt. Never: decides how
+many drafts a sequence may carry (the scheduler's policy does), or sees a tensor.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ from typing import Protocol
 
 
 class Drafter(Protocol):
-    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]: ...
+    """``salt``: the sequence's ``cache_salt``; what one salt's sequences leave is never proposed
+    to another's."""
 
-    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None: ...
+    def propose(self, seq_id: int, token_ids: list[int], k: int, salt: str | None = None) -> list[int]: ...
+
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, salt: str | None = None) -> None: ...
 
 
 @dataclass
@@ -52,7 +63,7 @@ class NgramDrafter:
         self.lo, self.hi = lo, hi
         self._index: dict[int, _NgramIndex] = {}
 
-    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq_id: int, token_ids: list[int], k: int, salt: str | None = None) -> list[int]:
         if k <= 0 or len(token_ids) < self.lo + 1:
             return []
         ix = self._index.get(seq_id)
@@ -70,8 +81,8 @@ class NgramDrafter:
                 return token_ids[end + 1 : end + 1 + k]
         return []
 
-    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
-        self._index.pop(seq_id, None)
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, salt: str | None = None) -> None:
+        self._index.pop(seq_id, None)  # (its own tokens only: nothing is shared, salted or not)
 
 
 class _Node:
@@ -149,9 +160,9 @@ class SuffixTrie:
 
 
 class SuffixDrafter:
-    """SuffixDecoding over each sequence's own tokens and a window of recent outputs."""
+    """SuffixDecoding over each sequence's own tokens and a window of recent outputs of its salt."""
 
-    PER_PROPOSAL = 2  # finished outputs added to the shared trie per proposal, at most
+    PER_PROPOSAL = 2  # finished outputs added to the shared tries per proposal, at most
 
     def __init__(self, depth: int = 24, window: int = 1000, min_prob: float = 0.1):
         if depth < 2 or window < 0 or not 0.0 <= min_prob <= 1.0:
@@ -159,13 +170,13 @@ class SuffixDrafter:
                              f"[0, 1]; got {depth}, {window}, {min_prob}")
         self.depth, self.window, self.min_prob = depth, window, min_prob
         self.seqs: dict[int, _SuffixIndex] = {}
-        self.shared = SuffixTrie(depth)
-        self.recent: deque[list[int]] = deque()  # outputs in the shared trie, oldest first
-        # finished outputs not yet in the shared trie: added a few per proposal (PER_PROPOSAL), so a
+        self.shared: dict[str | None, SuffixTrie] = {}  # per salt (None: unsalted), the outputs in the window
+        self.recent: deque[tuple[str | None, list[int]]] = deque()  # (salt, output) in the tries, oldest first
+        # finished (salt, output)s not yet in a trie: added a few per proposal (PER_PROPOSAL), so a
         # busy engine that drafts nothing (a large batch) spends nothing on them
-        self.pending: deque[list[int]] = deque(maxlen=max(window, 1))
+        self.pending: deque[tuple[str | None, list[int]]] = deque(maxlen=max(window, 1))
 
-    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq_id: int, token_ids: list[int], k: int, salt: str | None = None) -> list[int]:
         if k <= 0:
             return []
         ix = self.seqs.get(seq_id)
@@ -177,23 +188,31 @@ class SuffixDrafter:
             ix.active = ix.trie.extend(ix.active, token_ids[ix.indexed : len(token_ids) - 1])
             ix.indexed = len(token_ids) - 1
         for _ in range(min(self.PER_PROPOSAL, len(self.pending))):
-            self._share(self.pending.popleft())
+            self._share(*self.pending.popleft())
         context = token_ids[-self.depth:]
         own, own_score = ix.trie.continuation(context, k, self.min_prob)
-        other, other_score = self.shared.continuation(context, k, self.min_prob) if self.recent else ([], 0.0)
+        shared = self.shared.get(salt)
+        other, other_score = shared.continuation(context, k, self.min_prob) if shared is not None else ([], 0.0)
         return own if own_score >= other_score else other
 
-    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, salt: str | None = None) -> None:
         self.seqs.pop(seq_id, None)
         out = token_ids[num_prompt_tokens:]
         if out and self.window:
-            self.pending.append(list(out))
+            self.pending.append((salt, list(out)))
 
-    def _share(self, out: list[int]) -> None:
-        self.shared.extend([], out)
-        self.recent.append(out)
+    def _share(self, salt: str | None, out: list[int]) -> None:
+        trie = self.shared.get(salt)
+        if trie is None:
+            trie = self.shared[salt] = SuffixTrie(self.depth)
+        trie.extend([], out)
+        self.recent.append((salt, out))
         while len(self.recent) > self.window:
-            self.shared.extend([], self.recent.popleft(), sign=-1)
+            old_salt, old = self.recent.popleft()
+            old_trie = self.shared[old_salt]
+            old_trie.extend([], old, sign=-1)
+            if not old_trie.root.children:  # its salt's last output left the window
+                del self.shared[old_salt]
 
 
 class MtpDrafter:
@@ -208,11 +227,11 @@ class MtpDrafter:
         for seq_id, context, token in drafts:
             self.guesses[seq_id] = (context, token)
 
-    def propose(self, seq_id: int, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq_id: int, token_ids: list[int], k: int, salt: str | None = None) -> list[int]:
         context, token = self.guesses.get(seq_id, (-1, 0))
         return [token] if k > 0 and context == len(token_ids) else []
 
-    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+    def finished(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, salt: str | None = None) -> None:
         self.guesses.pop(seq_id, None)
 
 

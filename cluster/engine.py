@@ -343,6 +343,10 @@ class Engine:
         t0 = time.perf_counter()
         try:
             attn, expert = self.executor.collect(launched.step, launched.sent)
+            tokens = [t for r in attn for t in r.tokens]
+            # drafts accepted, the rest's cache given back; an answer that contradicts the step's drafts
+            # (an actor's bug, a version skew) fails the step as a failed collective does
+            verified = self.scheduler.verified(launched.plan, tokens)
         except StepFailed as failure:
             # a step sent ahead read this one's samples: it is undone too (its actors refuse it)
             failed = [s.plan for s in reversed(self.inflight)] + [launched.plan]
@@ -353,11 +357,10 @@ class Engine:
         t1 = time.perf_counter()
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
-        tokens = [t for r in attn for t in r.tokens]
-        if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts
+        if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts (not of sequences ended meanwhile)
+            seqs = self.scheduler.seqs
             for r in attn:
-                self.scheduler.drafter.record(r.drafts)
-        verified = self.scheduler.verified(launched.plan, tokens)  # drafts accepted, the rest's cache given back
+                self.scheduler.drafter.record([d for d in r.drafts if d[0] in seqs])
         self.scheduler.completed(launched.plan, verified)  # what it wrote may be shared from now on
         events = self._apply(tokens)
         self.stats.observe_drafts(verified)

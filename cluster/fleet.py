@@ -73,7 +73,7 @@ class Fleet:
         c, spec = self.config, self.spec
         if c.owner:
             remove_orphans(c.owner)
-        preflight(self.model_cfg, spec, c.dtype)  # refuse a shape this cluster cannot hold, before reserving
+        preflight(self.model_cfg, spec, c.dtype, c)  # refuse a shape this cluster cannot hold, before reserving
         res = self.homes.reserve(spec, c.faults.start_timeout_s)
         try:
             self.attention = [self._new_attention(Home(res, "attention", i), table, i) for i in range(spec.attention)]
@@ -208,7 +208,7 @@ class Fleet:
         room (then False: ask for it without waiting; True: there is room now)."""
         experts = 0 if self.colocated else table.num_actors
         grown = dataclasses.replace(self.spec, attention=table.num_attention, experts=experts)
-        preflight(self.model_cfg, grown, self.config.dtype)
+        preflight(self.model_cfg, grown, self.config.dtype, self.config)
         return self.homes.room(table.num_attention - len(self.attention), experts - len(self.experts))
 
     def ready(self, p: Prepared) -> bool:

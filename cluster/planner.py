@@ -3,25 +3,29 @@
 Owns: per-tensor weight bytes in the checkpoint's real format (``quantization_config``) and as
 resident on each actor kind (quantised weights stay in checkpoint format, :mod:`model.qweights`;
 everything else in the serving dtype; ``kv_b_proj`` dequantised for the absorbed path), the
-per-sequence cache/state bytes, the device layout of a shape, and a decode roofline.
+per-sequence cache/state bytes, the KDA verify buffers of speculative decoding (:func:`verify_buffer`),
+the device layout of a shape, and a decode roofline.
 Never: talks to Ray, reads files other than a config, or decides anything at run time —
 :mod:`cluster.preflight` applies it to a live cluster.
 
 Layout of a shape on ``nodes × gpus_per_node`` devices: each attention replica takes one whole
 device; the expert actors share the remaining devices evenly (``experts_per_device`` actors each
 reserving ``1 / experts_per_device`` of a GPU). A device can use ``utilization`` of its memory;
-an attention device's rest after weights and workspace is its latent cache / KDA state.
+an attention device's rest after weights, workspace, KDA snapshots and KDA verify buffers is its
+latent cache / KDA state.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from model.config import ModelConfig
 from model.names import is_fp32, is_quantized, is_routed_expert, tensor_specs
-from model.params import cache_bytes_per_token, state_bytes_per_sequence
+from model.params import cache_bytes_per_token, state_bytes_per_sequence, verify_state_bytes
+
+from .config import SpeculativeConfig
 
 GB = 10**9
 
@@ -105,6 +109,37 @@ def sequence_bytes(cfg: ModelConfig, context: int, dtype_bytes: int = 2) -> dict
     return {"latent_per_token": latent, "kda_state": kda, "total": context * latent + kda}
 
 
+def verify_buffer(cfg: ModelConfig, speculative: SpeculativeConfig | None, max_num_seqs: int,
+                  dtype_bytes: int = 2) -> dict:
+    """The most KDA state one attention replica holds at once while verifying drafts
+    (:func:`model.params.verify_state_bytes`; all 0 without KDA layers or drafts). How many
+    sequences draft together and how far is the scheduler's adaptive length
+    (:meth:`SpeculativeConfig.draft_length`): with n sequences decoding each may carry that many
+    drafts, all of them on one replica at worst, so the bound is the largest verification over
+    n = 1 … ``max_num_seqs``. Not n = 1: with K = 4 and ``full_draft_batch`` 2, 8 sequences with one
+    draft each (16 positions) hold more than 2 with four (10)."""
+    best = verify_state_bytes(cfg, 0, 0, dtype_bytes)
+    if speculative is None or not cfg.kda_layers:
+        return best
+    most = speculative.num_speculative_tokens * speculative.full_draft_batch  # beyond, no sequence drafts
+    for n in range(1, min(max_num_seqs, most) + 1):
+        drafts = speculative.draft_length(n)
+        if drafts > 0:
+            v = verify_state_bytes(cfg, n, 1 + drafts, dtype_bytes)
+            if v["total"] > best["total"]:
+                best = v
+    return best
+
+
+def _verify_hint(speculative: SpeculativeConfig | None, verify: dict) -> str:
+    """What a 'does not fit' says of the verify buffers, with the knobs that shrink them."""
+    if not verify["total"]:
+        return ""
+    return (f" and {verify['total'] / GB:.1f} GB of KDA verify buffers ({verify['sequences']} sequences × "
+            f"{verify['positions']} positions at speculative num_speculative_tokens="
+            f"{speculative.num_speculative_tokens}, full_draft_batch={speculative.full_draft_batch}; lower them)")
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -131,6 +166,10 @@ class Plan:
     fits: bool
     problems: tuple[str, ...]
     layout: str = "disaggregated"  # or "colocated": `attention` = `experts` = the workers, one per device
+    # per attention replica (worker), transient: speculative decoding's KDA verify buffers at their
+    # largest (verify_buffer; all 0 without drafts or KDA layers), taken from the room for sequences
+    verify: dict = field(default_factory=lambda: dict.fromkeys(("sequences", "positions", "kept", "stacking",
+                                                                "total"), 0))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,10 +190,12 @@ def _plan_inputs(cfg: ModelConfig, device: Device, dtype_bytes: int, utilization
 
 def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, attention: int,
                experts: int, context: int, dtype_bytes: int = 2, utilization: float = 0.9,
-               link_gbps: float = 400.0, max_num_seqs: int = 256, snapshot_bytes: int = 0) -> Plan:
+               link_gbps: float = 400.0, max_num_seqs: int = 256, snapshot_bytes: int = 0,
+               speculative: SpeculativeConfig | None = None) -> Plan:
     """The arithmetic of one shape; ``problems`` says why it does not fit (empty when it does).
     ``snapshot_bytes``: KDA state snapshots per attention replica (prefix caching on a hybrid
-    model; ignored without KDA layers), taken from the room for sequences."""
+    model; ignored without KDA layers), taken from the room for sequences. ``speculative``: drafts
+    are verified, whose KDA verify buffers (:func:`verify_buffer`, hybrid models) are taken from it too."""
     w, devices, usable = _plan_inputs(cfg, device, dtype_bytes, utilization, nodes=nodes, gpus_per_node=gpus_per_node,
                                       attention=attention, experts=experts, context=context)
     problems = []
@@ -169,13 +210,14 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
         problems.append(f"an expert device would hold {per_device} actor(s) × {per_actor / GB:.1f} GB of experts "
                         f"+ workspace = {expert_device / GB:.1f} GB > {usable / GB:.1f} GB usable")
     snapshots = snapshot_bytes if cfg.kda_layers else 0
-    cache = usable - w.attention - ATTENTION_WORKSPACE - snapshots
+    verify = verify_buffer(cfg, speculative, max_num_seqs, dtype_bytes)
+    cache = usable - w.attention - ATTENTION_WORKSPACE - snapshots - verify["total"]
     seq = sequence_bytes(cfg, context, dtype_bytes)
     concurrent = max(cache, 0) // seq["total"]
     if concurrent < 1:
         problems.append(f"an attention device has {max(cache, 0) / GB:.1f} GB for caches after "
-                        f"{w.attention / GB:.1f} GB of weights: not one sequence of {context:,} tokens "
-                        f"({seq['total'] / GB:.2f} GB)")
+                        f"{w.attention / GB:.1f} GB of weights{_verify_hint(speculative, verify)}: not one sequence "
+                        f"of {context:,} tokens ({seq['total'] / GB:.2f} GB)")
     batch = max(1, min(concurrent, max_num_seqs))
     return Plan(
         model=model, quant=cfg.quant.method if cfg.quant else "none", device=device.name, nodes=nodes,
@@ -186,15 +228,17 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
         snapshot_bytes=snapshots,
         sequence_bytes=seq, concurrent_sequences=int(concurrent),
         decode=decode_roofline(cfg, w, device, attention, expert_devices, batch, context, dtype_bytes, link_gbps),
-        fits=not problems, problems=tuple(problems))
+        fits=not problems, problems=tuple(problems), verify=verify)
 
 
 def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, workers: int,
                    context: int, dtype_bytes: int = 2, utilization: float = 0.9, link_gbps: float = 400.0,
-                   max_num_seqs: int = 256, snapshot_bytes: int = 0) -> Plan:
+                   max_num_seqs: int = 256, snapshot_bytes: int = 0,
+                   speculative: SpeculativeConfig | None = None) -> Plan:
     """The colocated layout: ``workers`` devices, each holding an attention replica (its weights, its
     sequences' caches) and 1/workers of the routed experts. Per device: attention weights + the expert
-    shard + both workspaces (+ KDA snapshots); what is left holds the latent cache. ``problems`` says
+    shard + both workspaces (+ KDA snapshots, + KDA verify buffers with ``speculative``); what is left
+    holds the latent cache. ``problems`` says
     why it does not fit (a shard that does not fit a device, more workers than devices, no room for
     one sequence)."""
     w, devices, usable = _plan_inputs(cfg, device, dtype_bytes, utilization, nodes=nodes, gpus_per_node=gpus_per_node,
@@ -211,12 +255,14 @@ def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, 
         problems.append(f"a worker device would hold {w.attention / GB:.1f} GB of attention weights + "
                         f"{shard / GB:.1f} GB of experts (its 1/{workers} shard) + workspace = {resident / GB:.1f} GB "
                         f"> {usable / GB:.1f} GB usable: use more workers")
-    cache = usable - resident - snapshots
+    verify = verify_buffer(cfg, speculative, max_num_seqs, dtype_bytes)
+    cache = usable - resident - snapshots - verify["total"]
     seq = sequence_bytes(cfg, context, dtype_bytes)
     concurrent = max(cache, 0) // seq["total"]
     if concurrent < 1 and resident <= usable:
-        problems.append(f"a worker device has {max(cache, 0) / GB:.1f} GB for caches after its weights: not one "
-                        f"sequence of {context:,} tokens ({seq['total'] / GB:.2f} GB)")
+        problems.append(f"a worker device has {max(cache, 0) / GB:.1f} GB for caches after its weights"
+                        f"{_verify_hint(speculative, verify)}: not one sequence of {context:,} tokens "
+                        f"({seq['total'] / GB:.2f} GB)")
     batch = max(1, min(concurrent, max_num_seqs))
     return Plan(
         model=model, quant=cfg.quant.method if cfg.quant else "none", device=device.name, nodes=nodes,
@@ -226,7 +272,7 @@ def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, 
         usable_device_bytes=usable, cache_bytes=max(cache, 0), snapshot_bytes=snapshots, sequence_bytes=seq,
         concurrent_sequences=int(concurrent),
         decode=decode_roofline(cfg, w, device, workers, workers, batch, context, dtype_bytes, link_gbps),
-        fits=not problems, problems=tuple(problems), layout="colocated")
+        fits=not problems, problems=tuple(problems), layout="colocated", verify=verify)
 
 
 def decode_roofline(cfg: ModelConfig, w: WeightBytes, device: Device, attention: int, expert_devices: int,
@@ -262,6 +308,16 @@ def propose(cfg: ModelConfig, *, nodes: int, gpus_per_node: int, **kw) -> Plan |
     return None
 
 
+def _after(plan: Plan) -> str:
+    """What came out of a device's room for sequences besides weights and workspace."""
+    v = plan.verify
+    parts = [f"{plan.snapshot_bytes / GB:.1f} GB of KDA snapshots"] if plan.snapshot_bytes else []
+    if v["total"]:
+        parts.append(f"{v['total'] / GB:.1f} GB of KDA verify buffers, transient: {v['sequences']} sequences × "
+                     f"{v['positions']} positions with drafts")
+    return f" (after {' and '.join(parts)})" if parts else ""
+
+
 def format_plan(plan: Plan, proposal: Plan | None) -> str:
     if plan.layout == "colocated":
         return _format_colocated(plan)
@@ -272,7 +328,7 @@ def format_plan(plan: Plan, proposal: Plan | None) -> str:
         f"({plan.experts_per_device} per device, {plan.gpus_per_expert_actor:g} GPU each)",
         f"  weights: {plan.total_weight_bytes:,} B in the checkpoint, routed experts {plan.routed_expert_bytes:,} B",
         f"  attention replica: {plan.attention_weight_bytes / GB:.1f} GB weights, {plan.cache_bytes / GB:.1f} GB "
-        f"for sequences{f' (after {plan.snapshot_bytes / GB:.1f} GB of KDA snapshots)' if plan.snapshot_bytes else ''}; "
+        f"for sequences{_after(plan)}; "
         f"{plan.sequence_bytes['total'] / 2**20:,.1f} MiB per sequence at {plan.context:,} tokens "
         f"(latent {plan.sequence_bytes['latent_per_token']:,} B/token, KDA state {plan.sequence_bytes['kda_state']:,} B)"
         f" → {plan.concurrent_sequences:,} concurrent sequences",
@@ -298,8 +354,7 @@ def _format_colocated(plan: Plan) -> str:
         f"  weights: {plan.total_weight_bytes:,} B in the checkpoint, routed experts {plan.routed_expert_bytes:,} B",
         f"  per device: {plan.attention_weight_bytes / GB:.1f} GB attention + {plan.expert_actor_weight_bytes / GB:.1f} GB "
         f"experts + workspace = {plan.expert_device_bytes / GB:.1f} of {plan.usable_device_bytes / GB:.1f} GB usable; "
-        f"{plan.cache_bytes / GB:.1f} GB for sequences"
-        f"{f' (after {plan.snapshot_bytes / GB:.1f} GB of KDA snapshots)' if plan.snapshot_bytes else ''}; "
+        f"{plan.cache_bytes / GB:.1f} GB for sequences{_after(plan)}; "
         f"{plan.sequence_bytes['total'] / 2**20:,.1f} MiB per sequence at {plan.context:,} tokens → "
         f"{plan.concurrent_sequences:,} concurrent sequences per worker",
         f"  decode roofline (batch {d['batch_per_replica']} per worker): HBM {d['hbm_s'] * 1e3:.2f} ms + "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from actors.messages import SampledToken, SeqChunk
@@ -29,6 +29,7 @@ from model.runner import Sequence, banned_ids, check_stop
 
 from .config import SpeculativeConfig, snapshot_plan
 from .drafts import make_drafter
+from .errors import StepFailed
 from .prefix_cache import CacheHold, Hit, PrefixCache
 
 
@@ -201,24 +202,37 @@ class Scheduler:
         rate moves. Call before :meth:`apply`. Returns what each sequence drafted and got accepted."""
         if self.speculative is None:
             return []
-        got = Counter(t.seq_id for t in sampled)
+        got: dict[int, list[int]] = {}
+        for t in sampled:
+            got.setdefault(t.seq_id, []).append(t.token_id)
+        drafted = [(c, seq) for chunks in plan.chunks for c in chunks
+                   if c.draft and (seq := self.seqs.get(c.seq_id)) is not None and seq.replica is not None]
+        for c, _ in drafted:  # every answer checked before any sequence changes: a bad one fails the step whole
+            n = len(got.get(c.seq_id, ()))
+            if not 1 <= n <= c.draft + 1:
+                raise StepFailed(f"step answer inconsistent: sequence {c.seq_id} carried {c.draft} drafts and got "
+                                 f"{n} tokens back (1 to {c.draft + 1} expected)", dead=[])
         out = []
-        for chunks in plan.chunks:
-            for c in chunks:
-                seq = self.seqs.get(c.seq_id) if c.draft else None
-                if seq is None or seq.replica is None:
-                    continue
-                n = got.get(c.seq_id, 0)
-                if not 1 <= n <= c.draft + 1:
-                    raise RuntimeError(f"sequence {c.seq_id} carried {c.draft} drafts and got {n} tokens back")
-                seq.num_cached = c.num_cached + n  # its input and the accepted drafts
-                keep = math.ceil(seq.num_cached / self.block_size)
-                if len(seq.block_table) > keep:
-                    self.cache.free_tail(seq, keep)
-                    del seq.block_table[keep:]
-                seq.draft_rate = 0.5 * seq.draft_rate + 0.5 * (n - 1) / c.draft
-                out.append(Verified(c.seq_id, c.draft, n - 1))
+        for c, seq in drafted:
+            tokens = got[c.seq_id]
+            # the accepted drafts apply() keeps: none past a stop token (a draft may be one; it ends the sequence)
+            accepted = min(self._kept(seq, tokens), len(tokens) - 1)
+            seq.num_cached = c.num_cached + 1 + accepted  # its input and those drafts
+            keep = math.ceil(seq.num_cached / self.block_size)
+            if len(seq.block_table) > keep:
+                self.cache.free_tail(seq, keep)
+                del seq.block_table[keep:]
+            seq.draft_rate = 0.5 * seq.draft_rate + 0.5 * (len(tokens) - 1) / c.draft
+            out.append(Verified(c.seq_id, c.draft, accepted))
         return out
+
+    def _kept(self, seq: Seq, tokens: list[int]) -> int:
+        """Of a step's ``tokens`` for ``seq``, how many :meth:`apply` keeps: up to its first stop token
+        (the tokens after it are dropped). Length limits need no check here: drafts never pass them
+        (:meth:`_draft`), and drafts are never made while stops are banned (``min_tokens``)."""
+        p = seq.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)
+        return next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
 
     def completed(self, plan: Plan, verified: list[Verified] = ()) -> None:
         """A step came back whole: what its chunks wrote may now be shared (the prefix cache
@@ -272,7 +286,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
         if self.drafter is not None and not seq.is_refresh:
-            self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
+            self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, salt=seq.cache_salt)
         if seq in self.running:
             self.running.remove(seq)
             job = self._refresh_job(seq) if reason != "abort" else None
@@ -310,19 +324,23 @@ class Scheduler:
         budget = self.budget
         decodes = [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]
         k = self.draft_length(len(decodes))
-        for seq in decodes:  # decodes first
+        grown = []
+        for seq in decodes:  # decodes first, each its one token (preempting the newest where it must) ...
             if budget == 0:
                 break
-            if seq.replica is None:  # preempted above, in this plan
+            if seq.replica is None or not self._grow(seq, 1, plan):  # preempted above, or now
                 continue
-            draft = self._draft(seq, min(k, budget - 1))
-            if not self._grow(seq, 1, plan):
+            grown.append(seq)
+            budget -= 1
+        for seq in grown:  # ... then drafts, from the room and budget left: drafts never preempt anything
+            if seq.replica is None:  # preempted by a later decode's token
                 continue
+            draft = self._draft(seq, min(k, budget))
             if draft and not self.cache.fits(seq.replica, seq, len(draft)):
-                draft = []  # drafts never preempt anything
+                draft = []
             self._take(seq, len(draft))
             plan.chunks[seq.replica].append(self._chunk(seq, 1 + len(draft), draft))
-            budget -= 1 + len(draft)
+            budget -= len(draft)
         for seq in [s for s in self.running if s.num_uncached > 1 or s.is_refresh]:  # prefills in progress
             n = self._prefill_len(seq, budget)
             if n == 0 or not self.cache.fits(seq.replica, seq, n):
@@ -357,6 +375,8 @@ class Scheduler:
             return None
         chunks = []
         for seq in seqs:
+            if self.drafter is not None:
+                self._resting(seq)  # a step without drafts: a resting sequence comes closer to its probe
             start = seq.num_cached
             self._take(seq, 1)
             chunks.append(SeqChunk(seq.seq_id, (token,), start, tuple(seq.block_table), seq.state_slot,
@@ -374,11 +394,7 @@ class Scheduler:
         ``decoding`` sequences decode. Up to ``full_draft_batch`` sequences draft the full
         ``num_speculative_tokens``; beyond, the step's drafts stay at that many sequences' worth,
         shared (so a large batch, which is already compute-bound, spends nothing on drafts)."""
-        spec = self.speculative
-        if spec is None or decoding == 0:
-            return 0
-        K = spec.num_speculative_tokens
-        return K if decoding <= spec.full_draft_batch else K * spec.full_draft_batch // decoding
+        return 0 if self.speculative is None else self.speculative.draft_length(decoding)
 
     def may_draft(self, seqs: list[Seq]) -> bool:
         """Whether some of ``seqs`` (the whole batch decoding) may carry drafts in their next step."""
@@ -393,14 +409,24 @@ class Scheduler:
         before its last known token), so drafts and snapshots never meet."""
         if k <= 0 or self.drafter is None or seq.is_refresh:
             return []
-        if seq.draft_rate < DRAFT_FLOOR:  # its drafts keep failing: none for a few steps, then one probe
-            seq.draft_rate += DRAFT_PROBE
+        if self._resting(seq):
             return []
         k = min(k, max(1, math.ceil(k * seq.draft_rate)), seq.params.max_tokens - len(seq.output_ids) - 1,
                 self.max_context - len(seq.token_ids) - 1)
         if k <= 0 or banned_ids(seq, len(seq.token_ids), self.stop_ids):
             return []
-        return self.drafter.propose(seq.seq_id, seq.token_ids, k)
+        return self.drafter.propose(seq.seq_id, seq.token_ids, k, salt=seq.cache_salt)
+
+    @staticmethod
+    def _resting(seq: Seq) -> bool:
+        """Whether ``seq``'s drafts rest this step: its drafts kept failing (its acceptance rate is
+        under DRAFT_FLOOR), so it decodes without them, its rate climbing back by DRAFT_PROBE each
+        such step until it probes again. Every decode step of a sequence that may draft counts:
+        those :meth:`schedule` plans and those async scheduling sends ahead (:meth:`decode_ahead`)."""
+        if seq.draft_rate < DRAFT_FLOOR:
+            seq.draft_rate += DRAFT_PROBE
+            return True
+        return False
 
     def _chunk(self, seq: Seq, n: int, draft: list[int] = ()) -> SeqChunk:
         """``seq``'s next ``n`` tokens (``_take`` already advanced ``num_cached``), the last

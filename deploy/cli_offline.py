@@ -104,6 +104,11 @@ def plan(
     snapshot_bytes: int = typer.Option(1 << 30, help="Hybrid models: bytes of KDA state snapshots per attention "
                                                      "replica for prefix caching (the serving config's "
                                                      "snapshot_bytes; 0 without prefix caching)."),
+    speculative_config: Optional[str] = typer.Option(
+        None, help="Speculative decoding as JSON (the serving config's speculative): on hybrid models, each "
+                   "attention replica's KDA verify buffers are counted."),
+    max_num_seqs: int = typer.Option(256, help="Sequences running at once (the serving config's max_num_seqs): the "
+                                               "roofline's batch, and how many may verify drafts together."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Will the model fit this cluster? Weight and cache bytes per actor kind (or per colocated worker),
@@ -123,10 +128,16 @@ def plan(
         raise ValueError("give both --attention and --experts, or neither (then a shape is proposed)")
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    speculative = parse_json_option(speculative_config, "--speculative-config")
+    if speculative is not None:
+        from cluster.config import SpeculativeConfig
+
+        speculative = SpeculativeConfig.parse(speculative)
     model_cfg = _model_config(model)
     kw = dict(model=Path(model).name if model not in PRESETS else model, device=DEVICES[gpu],
               context=context or min(model_cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
-              utilization=utilization, link_gbps=link_gbps, snapshot_bytes=snapshot_bytes)
+              utilization=utilization, link_gbps=link_gbps, snapshot_bytes=snapshot_bytes, speculative=speculative,
+              max_num_seqs=max_num_seqs)
     if layout == "colocated":
         shown = plan_colocated(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node,
                                workers=workers or nodes * gpus_per_node, **kw)

@@ -349,8 +349,9 @@ def preflight_serve_config(serve_cfg: ServeConfig, root: Path) -> float:
     from model.config import load_config
     from model.presets import resolve_model
 
-    model_cfg = load_config(resolve_model(serve_cfg.model, root))
-    preflight(model_cfg, serve_cfg.cluster_spec(), serve_cfg.dtype)
+    path = resolve_model(serve_cfg.model, root)
+    model_cfg = load_config(path)
+    preflight(model_cfg, serve_cfg.cluster_spec(), serve_cfg.dtype, serve_cfg.engine_config(str(path)))
     return serve_cfg.load_timeout_s or default_load_timeout_s(model_cfg, serve_cfg.attention)
 
 

@@ -9,7 +9,8 @@ and an *FFN kind* (``"dense"`` or ``"moe"``). The kinds are chosen by :func:`att
 layer, 2H at model level).
 
 :func:`cache_bytes_per_token` sizes the per-token MLA cache, :func:`state_bytes_per_sequence` the
-per-sequence KDA state (MODEL_SPEC §3.6).
+per-sequence KDA state (MODEL_SPEC §3.6), :func:`verify_state_bytes` what verifying draft tokens
+(speculative decoding) holds of it at once.
 
 Not counted: MTP (``num_nextn_predict_layers``) layers, quantization scale tensors and stray buffers
 such as ``rotary_emb.inv_freq`` (MODEL_SPEC §4 lists these separately).
@@ -391,3 +392,25 @@ def state_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int = 2) -> dict:
         "conv": kda_layers * conv,
         "total": kda_layers * (recurrent + conv),
     }
+
+
+def verify_state_bytes(cfg: ModelConfig, sequences: int, positions: int, dtype_bytes: int = 2) -> dict:
+    """Transient bytes of KDA state while one attention replica verifies drafts (speculative decoding):
+    ``sequences`` sequences carry drafts, padded to ``positions`` query positions each (the input token
+    and the drafts). Until the step knows how many drafts were accepted, every KDA layer keeps
+    (model/kda.py ``KimiDeltaAttention._attend``, model/cache.py ``KDAStateCache.keep``) the fp32
+    recurrent state after each position [Bg, Q, n_h, d, d] and the conv inputs with the W−1 before
+    them [Bg, 3, W−1+Q, P] in ``dtype_bytes``; ``stacking``: while a layer stacks its per-position
+    states (``torch.stack``), they are held twice. The peak, ``total``, is every layer's ``kept``
+    plus one layer's ``stacking``. All 0 without KDA layers."""
+    state = state_bytes_per_sequence(cfg, dtype_bytes)
+    layers = state["kda_layers"]
+    if not layers or sequences <= 0 or positions <= 0:
+        return {"sequences": 0, "positions": 0, "kept": 0, "stacking": 0, "total": 0}
+    kda = cfg.kda
+    recurrent = state["recurrent_per_layer"]
+    hist = 3 * (kda.conv_kernel - 1 + positions) * kda.proj_dim * dtype_bytes
+    kept = layers * sequences * (positions * recurrent + hist)
+    stacking = sequences * positions * recurrent
+    return {"sequences": sequences, "positions": positions, "kept": kept, "stacking": stacking,
+            "total": kept + stacking}

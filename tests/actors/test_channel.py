@@ -221,3 +221,33 @@ def test_an_epoch_change_waits_for_the_step_in_progress():
 def test_a_token_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match="16 bytes"):
         StepServer("127.0.0.1", b"short", lambda req: req, "actor[0]")
+
+
+def test_a_failed_step_aborts_an_nccl_group_so_its_peers_fail_at_once(monkeypatch):
+    """A worker that raises mid-step (before its exchange) must not leave its peers in
+    ``all_to_all_single`` until the collective timeout: on NCCL there are no sockets to close, so its
+    process group is aborted. No GPU here: an NCCL default group is stood in for (is_initialized,
+    get_backend and the abort itself) — what it checks is that the failed step reaches the abort."""
+    import torch.distributed as dist
+
+    from actors import group
+
+    aborted = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda *a: aborted.append(a), raising=False)
+    monkeypatch.setattr(group, "_mesh", None)
+
+    class Failing(ServesSteps):
+        name = "worker[0]"
+
+        def step(self, request):
+            raise RuntimeError("sampling failed")
+
+    actor = Failing()
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        actor.serve_step(None)
+    assert aborted == [()]
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    actor.break_exchange()  # on gloo, nothing to abort: the socket mesh (none here) is closed instead
+    assert aborted == [()]

@@ -74,6 +74,7 @@ class FakeReplica:
     state: dict = field(default_factory=dict)  # KDA slot → folded tokens
     snapshots: dict = field(default_factory=dict)  # snapshot → folded tokens
     last: dict = field(default_factory=dict)  # seq_id → last sampled token
+    guesses: list = field(default_factory=list)  # this step's MTP guesses: (seq_id, context length, token)
 
     def _slot(self, chunk, pos: int) -> int:
         block = chunk.block_table[pos // self.block_size]
@@ -81,7 +82,7 @@ class FakeReplica:
         return block * self.block_size + pos % self.block_size
 
     def run(self, req: StepRequest, vocab: int) -> list[SampledToken]:
-        out = []
+        out, self.guesses = [], []
         for c in req.chunks:
             tokens = [self.last[c.seq_id] if t == AHEAD else t for t in c.token_ids]
             history = self._read(c, c.num_cached)  # the context, checked: it must be this sequence's prefix
@@ -89,19 +90,26 @@ class FakeReplica:
             for k, t in enumerate(tokens):
                 h = fold(h, t)
                 self.cache[self._slot(c, c.num_cached + k)] = (c.num_cached + k, t, h)
-            if self.hybrid:
-                if c.reset_state:
-                    self.state[c.state_slot] = 0 if c.restore is None else self.snapshots[c.restore]
-                s = self.state[c.state_slot]
-                for t in tokens:
-                    s = fold(s, t)
-                self.state[c.state_slot] = s
-            if c.sample:
-                history = self._read(c, c.num_cached + len(tokens))
-                h = self.state[c.state_slot] if self.hybrid else fold_all(history)
-                tok = next_token(h, vocab)
+            if self.hybrid and c.reset_state:
+                self.state[c.state_slot] = 0 if c.restore is None else self.snapshots[c.restore]
+            state = self.state[c.state_slot] if self.hybrid else 0
+            known = len(tokens) - c.draft
+            for k, t in enumerate(tokens[:known]):
+                state = fold(state, t)
+            if c.sample:  # the token after the known ones, then after each draft while the drafts are right
+                for k in range(c.draft + 1):
+                    history = self._read(c, c.num_cached + known + k)
+                    h = state if self.hybrid else fold_all(history)
+                    tok = next_token(h, vocab)
+                    out.append(SampledToken(c.seq_id, tok))
+                    if k == c.draft or tokens[known + k] != tok:
+                        break
+                    state = fold(state, tok)  # an accepted draft: the state takes it, as the real worker's does
                 self.last[c.seq_id] = tok
-                out.append(SampledToken(c.seq_id, tok))
+                # an MTP layer that always guesses right: the token after the one just sampled
+                self.guesses.append((c.seq_id, c.num_cached + known + k + 1, next_token(fold(h, tok), vocab)))
+            if self.hybrid:
+                self.state[c.state_slot] = state
         for c in req.chunks:  # after the step, as the real worker
             if c.snapshot is not None:
                 self.snapshots[c.snapshot] = self.state[c.state_slot]
@@ -139,6 +147,7 @@ class FakeExecutor:
         self.fail_commit: list[tuple[str, int]] | None = None  # commit() raises: these died while regrouping
         self.routing = None  # token → expert for the statistics (default: token % experts)
         self.dead_now: list[tuple[str, int]] = []  # what failed_members() reports next
+        self.mtp = False  # results carry MTP guesses (always right: the token after each one sampled)
         self.log: list[tuple] = []
 
     def _replica(self) -> FakeReplica:
@@ -207,7 +216,8 @@ class FakeExecutor:
         attn = []
         for i, (replica, req) in enumerate(zip(self.replicas, reqs)):
             tokens = replica.run(req, self.vocab)
-            attn.append(_result(step_no, i, req, tokens, self.table, self.routing or (lambda t: t % self.num_experts)))
+            attn.append(_result(step_no, i, req, tokens, self.table, self.routing or (lambda t: t % self.num_experts),
+                                drafts=replica.guesses if self.mtp else ()))
         expert = [ExpertStepResult(step_no, f"expert[{j}]") for j in range(self.table.num_actors)]
         return attn, expert
 
@@ -272,7 +282,8 @@ class FakeExecutor:
                 "experts": [{"node": "fake"} for _ in range(self.table.num_actors)], "standby": 0, "weight_bytes": []}
 
 
-def _result(step: int, i: int, req: StepRequest, tokens: list[SampledToken], table: PlacementTable, route):
+def _result(step: int, i: int, req: StepRequest, tokens: list[SampledToken], table: PlacementTable, route,
+            drafts=()):
     """An attention replica's step result with routing counts: every computed token goes to expert
     ``route(token)`` in every MoE layer (top-1), on the expert's first copy."""
     from actors.messages import StepResult
@@ -287,5 +298,6 @@ def _result(step: int, i: int, req: StepRequest, tokens: list[SampledToken], tab
                 counts[li][e] += 1
                 actor = next(j for j, ids in enumerate(table.slots[li]) if e in ids)
                 slots[li][actor][table.slots[li][actor].index(e)] += 1
-    return StepResult(step, f"attention[{i}]", tokens=tuple(tokens), expert_tokens=tuple(map(tuple, counts)),
+    return StepResult(step, f"attention[{i}]", tokens=tuple(tokens), drafts=tuple(drafts),
+                      expert_tokens=tuple(map(tuple, counts)),
                       slot_tokens=tuple(tuple(map(tuple, a)) for a in slots))

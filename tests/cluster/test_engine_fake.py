@@ -384,3 +384,92 @@ def test_a_broken_ahead_token_is_caught(model_dir, monkeypatch):
     ps = prompts(3, seed=16)
     got = [s.output_ids for s in run(eng, ps, LONG)]
     assert eng.stats.ahead_steps > 0 and got != oracle(eng, ps, LONG)
+
+
+# ---- speculative decoding: the draft policy under async scheduling ----------------------------------------
+class Missing:
+    """Proposes k tokens the fake model never samples next (its drafts are all rejected), and records
+    the sequence length at each proposal."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.at = vocab, []
+
+    def propose(self, seq_id, token_ids, k, salt=None):
+        self.at.append(len(token_ids))
+        return [(token_ids[-1] + 1) % self.vocab] * k
+
+    def finished(self, *a, **kw):
+        pass
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_sequence_whose_drafts_missed_probes_again(model_dir, async_scheduling):
+    """Its drafts all rejected, a sequence stops drafting for a few steps, then probes again now and
+    then — with async scheduling too, whose steps sent ahead never pass through ``schedule()`` (they
+    did not count towards the probe: drafting stopped for good after the third step). Its tokens
+    stay the oracle's."""
+    eng, fake = make(model_dir, attention=1, async_scheduling=async_scheduling,
+                     speculative={"method": "ngram", "num_speculative_tokens": 4})
+    eng.scheduler.drafter = drafter = Missing(eng.model_cfg.vocab_size)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    (seq,) = run(eng, [[5, 6, 7]], params)
+    assert seq.output_ids == oracle(eng, [[5, 6, 7]], params)[0]
+    assert eng.stats.spec_draft_tokens > 0 and eng.stats.spec_accepted_tokens == 0
+    assert (eng.stats.ahead_steps > 0) == async_scheduling
+    late = [n for n in drafter.at if n > 3 + 20]
+    assert len(late) >= 2, drafter.at  # probes after the first twenty tokens, more than one
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    """deepseek-v3-tiny's config: a checkpoint with an MTP layer (speculative method mtp)."""
+    d = tmp_path_factory.mktemp("dsv3")
+    (d / "config.json").write_text(json.dumps(preset_config("deepseek-v3-tiny")))
+    return d
+
+
+def _mtp_engine(mtp_dir):
+    eng, fake = make(mtp_dir, attention=1, speculative={"method": "mtp"})
+    fake.mtp = True
+    return eng, fake
+
+
+def test_mtp_guesses_of_a_sequence_aborted_mid_step_are_not_kept(mtp_dir):
+    """The step in flight when its client went away still brings the sequence's MTP guess back: it
+    is not recorded (one entry a disconnect, kept for ever, before)."""
+    eng, fake = _mtp_engine(mtp_dir)
+    a, b = (eng.add_request(p, LONG) for p in prompts(2, seed=3))
+    for _ in range(4):
+        eng.step()
+    assert eng.stats.spec_accepted_tokens > 0  # the fake's guesses are drafted and accepted
+    eng.launch()
+    eng.abort(a)
+    eng.finish()
+    assert a not in eng.scheduler.drafter.guesses and b in eng.scheduler.drafter.guesses
+    drain(eng)
+    assert eng.release(b).seq.output_ids == oracle(eng, prompts(2, seed=3), LONG)[1]
+    assert not eng.scheduler.drafter.guesses and _all_free(eng)
+
+
+def test_an_answer_that_contradicts_its_drafts_fails_the_step_into_recovery(mtp_dir, monkeypatch):
+    """An attention replica that answers a drafted chunk with more tokens than drafts + 1 (an actor's
+    bug, a version skew): the step fails and is recovered like one whose exchange failed — the engine
+    thread lives, and every stream equals the oracle's."""
+    from fake_executor import FakeReplica
+
+    eng, fake = _mtp_engine(mtp_dir)
+    real = FakeReplica.run
+    bad = {"left": 1}
+
+    def answer(self, req, vocab):
+        out = real(self, req, vocab)
+        if bad["left"] and any(c.draft for c in req.chunks):
+            bad["left"] -= 1
+            out = out + [out[-1]] * 3  # too many tokens for its drafts
+        return out
+
+    monkeypatch.setattr(FakeReplica, "run", answer)
+    ps = prompts(2, seed=4)  # (two decoding: each drafts; three would share less than one draft)
+    got = [s.output_ids for s in run(eng, ps, LONG)]
+    assert bad["left"] == 0 and eng.stats.recoveries, "no inconsistent answer was made"
+    assert got == oracle(eng, ps, LONG)

@@ -146,3 +146,109 @@ def test_colocated_refuses_a_shard_that_does_not_fit():
     more = in_process("plan", "--model", str(CONFIGS / "kimi-k2-instruct.json"), "--gpu", "h200", "--nodes", "2",
                       "--gpus-per-node", "8", "--layout", "colocated", "--workers", "17")
     assert more.returncode == 1 and "17 workers need 17 devices" in more.stdout + more.stderr
+
+
+# ---- speculative decoding's KDA verify buffers (review 2026-12-06, finding 6) -------------------
+
+def _verify_by_hand(cfg, sequences, positions, dtype_bytes=2) -> int:
+    """model/kda.py ``_attend`` with drafts: every KDA layer keeps, per sequence, the fp32 state
+    after each position and the conv inputs with the W−1 before them; the layer being computed
+    holds its per-position states twice while ``torch.stack`` copies them."""
+    k = cfg.kda
+    state = k.num_heads * k.head_dim * k.head_dim * 4
+    hist = 3 * (k.conv_kernel - 1 + positions) * k.num_heads * k.head_dim * dtype_bytes
+    return len(cfg.kda_layers) * sequences * (positions * state + hist) + sequences * positions * state
+
+
+def test_kda_verify_buffers_come_out_of_the_sequences_room():
+    """K = 4, full_draft_batch = 2: the largest verification is 8 sequences with one draft each
+    (16 positions; 2 sequences × 5 positions is less), ~7.3 GB on K3 — taken from each attention
+    replica's room for sequences, as the snapshots are. Off, or on a model without KDA layers,
+    nothing changes."""
+    from cluster.config import SpeculativeConfig
+
+    kw = dict(device=H200, nodes=2, gpus_per_node=8, attention=2, experts=14, context=4096)
+    off = plan_shape(K3, model="k3", **kw)
+    on = plan_shape(K3, model="k3", speculative=SpeculativeConfig(method="ngram"), **kw)
+    assert (on.verify["sequences"], on.verify["positions"]) == (8, 2)
+    assert on.verify["total"] == _verify_by_hand(K3, 8, 2) > _verify_by_hand(K3, 2, 5)
+    assert 7e9 < on.verify["total"] < 7.5e9
+    assert off.verify["total"] == 0 and off.cache_bytes - on.cache_bytes == on.verify["total"]
+    assert on.fits and on.concurrent_sequences == on.cache_bytes // on.sequence_bytes["total"] < off.concurrent_sequences
+    assert "7.2 GB of KDA verify buffers" in format_plan(on, None)
+    # K = 16 does not fit next to K3's 113 GB of attention weights: the problem names the knobs
+    big = plan_shape(K3, model="k3", speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=16), **kw)
+    assert not big.fits and "num_speculative_tokens" in big.problems[0] and "full_draft_batch" in big.problems[0]
+    k2 = plan_shape(K2, model="k2", speculative=SpeculativeConfig(method="ngram"), **kw)
+    assert k2.verify["total"] == 0 and k2.cache_bytes == plan_shape(K2, model="k2", **kw).cache_bytes
+    # colocated (Kimi Linear 48B on one H200 node): each worker's room loses its verify buffers
+    linear = load_config(CONFIGS / "kimi-linear-48b.json")
+    colocated = dict(device=H200, nodes=1, gpus_per_node=8, workers=8, context=4096)
+    c_off = plan_colocated(linear, model="linear", **colocated)
+    c_on = plan_colocated(linear, model="linear", speculative=SpeculativeConfig(method="ngram"), **colocated)
+    assert c_off.fits and c_on.fits and c_on.verify["total"] == _verify_by_hand(linear, 8, 2)
+    assert c_off.cache_bytes - c_on.cache_bytes == c_on.verify["total"]
+    # `moeray plan --speculative-config` shows them
+    run = in_process("plan", "--model", str(CONFIGS / "kimi-k3-text.json"), "--gpu", "h200", "--nodes", "2",
+                     "--attention", "2", "--experts", "14", "--context", "4096", "--speculative-config",
+                     '{"method": "ngram"}')
+    assert run.returncode == 0 and "7.2 GB of KDA verify buffers, transient: 8 sequences × 2 positions" in run.stdout
+    out = json.loads(in_process("plan", "--model", str(CONFIGS / "kimi-k3-text.json"), "--gpu", "h200", "--nodes", "2",
+                                "--attention", "2", "--experts", "14", "--context", "4096", "--json",
+                                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 16}').stdout)
+    assert out["fits"] is False and out["verify"]["total"] == _verify_by_hand(K3, 32, 2)
+
+
+def test_the_verify_bound_follows_the_schedulers_draft_length():
+    """The planner's bound walks SpeculativeConfig.draft_length (the scheduler's own: it calls it)."""
+    from cluster.config import SpeculativeConfig
+    from cluster.planner import verify_buffer
+
+    for K, F in ((4, 2), (16, 8), (1, 2), (3, 0), (5, 3)):
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K, full_draft_batch=F)
+        want = [0, K, K * F // (F + 1), K * F // (4 * F + 9)] if F else [0, 0, 0, 0]
+        assert [spec.draft_length(n) for n in (0, max(F, 1), F + 1, 4 * F + 9)] == want
+        # the bound: the most bytes over every batch size that drafts, up to max_num_seqs
+        best = max((_verify_by_hand(K3, n, 1 + spec.draft_length(n)) for n in range(1, 65) if spec.draft_length(n)),
+                   default=0)
+        assert verify_buffer(K3, spec, 64)["total"] == best
+
+
+def test_preflight_counts_kda_verify_buffers():
+    """K3's attention replica fits one H200 with the default drafts (7.3 GB of verify buffers next to
+    113 GB of weights), not with K = 16: refused, naming the knobs. K2 is unchanged."""
+    nodes = [NodeInfo(f"n{i}", f"10.0.0.{i}", {"CPU": 64, "GPU": 8, "accelerator_type:H200": 1, "memory": 1e12})
+             for i in range(2)]
+    spec = ClusterSpec(attention=2, experts=14, attention_resources={"CPU": 1, "GPU": 1},
+                       expert_resources={"CPU": 1, "GPU": 1})
+    default = EngineConfig.of("k3", speculative={"method": "suffix"})
+    big = EngineConfig.of("k3", speculative={"method": "suffix", "num_speculative_tokens": 16})
+    check(K3, spec, nodes, "bfloat16")
+    check(K3, spec, nodes, "bfloat16", config=EngineConfig.of("k3"))
+    check(K3, spec, nodes, "bfloat16", config=default)
+    with pytest.raises(PreflightError, match=r"num_speculative_tokens=16.*full_draft_batch=2") as e:
+        check(K3, spec, nodes, "bfloat16", config=big)
+    assert "KDA verify" in str(e.value) and "GB" in str(e.value)
+    # a model without KDA layers: the same answer with drafts as without
+    k2_nodes = [NodeInfo(f"n{i}", f"10.0.0.{i}", {"CPU": 64, "GPU": 8, "accelerator_type:H200": 1, "memory": 1e12})
+                for i in range(2)]
+    check(K2, spec, k2_nodes, "bfloat16", config=big)
+
+
+def test_preflight_counts_kda_verify_buffers_of_a_hybrid_preset_on_cpu():
+    """kimi-k3-tiny on one CPU node with just enough memory for its actors' weights: fine without
+    drafts, refused with K = 16 over a batch that drafts 64 sequences (its verify buffers)."""
+    from cluster.preflight import _actor_bytes
+    from model.config import parse_config
+    from model.presets import preset_config
+
+    tiny = parse_config(preset_config("kimi-k3-tiny"))
+    spec = ClusterSpec(attention=1, experts=1)
+    attn, expert = _actor_bytes(tiny, spec, 4)
+    nodes = [NodeInfo("n0", "10.0.0.1", {"CPU": 8, "memory": attn + expert + (1 << 20)})]
+    big = EngineConfig.of("tiny", speculative={"method": "ngram", "num_speculative_tokens": 16,
+                                               "full_draft_batch": 4})
+    check(tiny, spec, nodes, "float32")
+    check(tiny, spec, nodes, "float32", config=EngineConfig.of("tiny", speculative={"method": "ngram"}))
+    with pytest.raises(PreflightError, match="num_speculative_tokens=16"):
+        check(tiny, spec, nodes, "float32", config=big)

@@ -47,7 +47,7 @@ class OracleDrafter:
         self.truth, self.vocab = truth, vocab
         self.calls = 0
 
-    def propose(self, seq_id, token_ids, k):
+    def propose(self, seq_id, token_ids, k, salt=None):
         full = self.truth[seq_id]
         L = len(token_ids)
         if full[:L] != token_ids:
@@ -59,7 +59,7 @@ class OracleDrafter:
             out[j] = (out[j] + 1) % self.vocab
         return out
 
-    def finished(self, seq_id, token_ids, num_prompt_tokens):
+    def finished(self, seq_id, token_ids, num_prompt_tokens, salt=None):
         pass
 
 
@@ -206,10 +206,10 @@ def test_rejection_sampling_keeps_the_distribution(models):
     table = {h: c[-2:] for h, c in zip(heads, conts)}
 
     class Greedy:
-        def propose(self, seq_id, token_ids, k):
+        def propose(self, seq_id, token_ids, k, salt=None):
             return table.get(token_ids[len(prompt)], [])[:k] if len(token_ids) == len(prompt) + 1 else []
 
-        def finished(self, *a):
+        def finished(self, *a, **kw):
             pass
 
     def counts(toks):
@@ -241,10 +241,10 @@ def test_chi2_p_tells_distributions_apart():
 class Always:
     """Proposes k copies of token 7, whatever the context."""
 
-    def propose(self, seq_id, token_ids, k):
+    def propose(self, seq_id, token_ids, k, salt=None):
         return [7] * k
 
-    def finished(self, *a):
+    def finished(self, *a, **kw):
         pass
 
 
@@ -308,6 +308,71 @@ def test_drafts_shrink_with_rejections_and_come_back():
     assert seen[-1] == 4  # accepted again: back to K
 
 
+def test_drafts_never_preempt_another_sequences_token():
+    """One replica of 5 blocks of 4: sequence 0 decodes its 8th token, sequence 1 its 9th (2 + 3
+    blocks). Drafts for sequence 0 would take the block sequence 1's one token needs: every decode
+    grows by its token first, drafts take what is left (here, nothing)."""
+    from cluster.config import SpeculativeConfig
+
+    s = Scheduler(num_replicas=1, num_blocks=5, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
+                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s.drafter = Always()
+    s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
+    s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
+    plan = s.schedule()  # the prefills: 2 + 2 blocks
+    s.completed(plan)
+    s.apply([_tok(0), _tok(1)])
+    plan = s.schedule()
+    assert plan.preempted == []
+    assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 0), (1, 0)]
+    # with room for them, drafts come back: a sixth block, and sequence 0's four drafts fit in it
+    s = Scheduler(num_replicas=1, num_blocks=6, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
+                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s.drafter = Always()
+    s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
+    s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
+    plan = s.schedule()
+    s.completed(plan)
+    s.apply([_tok(0), _tok(1)])
+    plan = s.schedule()
+    assert plan.preempted == []
+    assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 4), (1, 0)]
+
+
+def test_drafts_accepted_past_a_stop_token_are_neither_counted_nor_cached():
+    """Drafts [x, EOS, y], all accepted (4 tokens back): the sequence ends at EOS, so two drafts
+    count as accepted (x and EOS) and the blocks registered for prefix hits end at EOS's position."""
+    from cluster.config import SpeculativeConfig
+
+    EOS = 2
+    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
+                  stop_ids=frozenset({EOS}), prefix_caching=True,
+                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+
+    class Proposes:
+        def propose(self, seq_id, token_ids, k, salt=None):
+            return [7, EOS, 9][:k]
+
+        def finished(self, *a, **kw):
+            pass
+
+    s.drafter = Proposes()
+    s.add(Seq(0, [1, 3, 4, 5], 4, SamplingParams(max_tokens=20)))
+    plan = s.schedule()
+    s.completed(plan)
+    s.apply([_tok(0, 8)])  # [1, 3, 4, 5, 8]: next, the input 8 and drafts 7, EOS, 9 (positions 4-7: one block)
+    plan = s.schedule()
+    (c,) = [c for r in plan.chunks for c in r]
+    assert c.token_ids == (8, 7, EOS, 9)
+    toks = [_tok(0, 7), _tok(0, EOS), _tok(0, 9), _tok(0, 11)]
+    verified = s.verified(plan, toks)
+    assert [v.accepted for v in verified] == [2]
+    s.completed(plan, verified)
+    assert [r[2] for r in s.apply(toks)] == [None, "stop"]  # EOS ends it; 9 and 11 dropped
+    probe = Seq(1, [1, 3, 4, 5, 8, 7, EOS, 9, 11, 12], 10, SamplingParams())
+    assert s.cache.hit(probe, 0).tokens == 4  # [1, 3, 4, 5]; not [8, 7, EOS, 9], which holds a draft past EOS
+
+
 # ---- the proposers ------------------------------------------------------------------------------
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
@@ -342,7 +407,57 @@ def test_suffix_drafts_from_the_sequence_and_from_recent_outputs():
     assert d.propose(5, [3, 3, 40, 41], 3) == [42, 43, 44]
     d.finished(6, [0, 60, 61], 1)
     assert d.propose(7, [3, 3, 40, 41], 3) == []
-    assert d.shared.root.total == sum(c.count for c in d.shared.root.children.values())
+    assert d.shared[None].root.total == sum(c.count for c in d.shared[None].root.children.values())
+
+
+def _suffix_drafts(finished_salt, salt) -> list[int]:
+    """The drafts a decode of [7, 7, 40, 41] under ``salt`` carries, in a scheduler whose suffix
+    proposer saw [40 … 44] finish under ``finished_salt``."""
+    from cluster.config import SpeculativeConfig
+
+    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
+                  speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=3))
+    s.finish(Seq(0, [9, 9, 40, 41, 42, 43, 44], 2, SamplingParams(), cache_salt=finished_salt), "stop")
+    s.add(Seq(1, [7, 7, 40], 3, SamplingParams(max_tokens=10), cache_salt=salt))
+    plan = s.schedule()  # the prefill
+    s.completed(plan)
+    s.apply([_tok(1, 41)])
+    (c,) = [c for r in s.schedule().chunks for c in r]
+    return list(c.token_ids[len(c.token_ids) - c.draft:]) if c.draft else []
+
+
+def test_suffix_drafts_stay_within_a_cache_salt():
+    """Acceptance shows in latency, so another tenant's outputs must not be drafted from: the same
+    side channel ``cache_salt`` closes for the prefix cache (review 2026-12-06, finding 5)."""
+    assert _suffix_drafts("a", "a") == [42, 43, 44]
+    assert _suffix_drafts(None, None) == [42, 43, 44]
+    assert _suffix_drafts("a", "b") == []
+    assert _suffix_drafts("a", None) == []  # unsalted requests never see salted outputs …
+    assert _suffix_drafts(None, "a") == []  # … nor salted ones unsalted outputs
+    assert _suffix_drafts("", None) == []  # "" is a salt of its own, as in the block hashes
+
+
+def test_suffix_window_is_per_salt_and_bounded_in_total():
+    from cluster.drafts import SuffixDrafter
+
+    d = SuffixDrafter(depth=8, window=3, min_prob=0.3)
+    d.finished(0, [9, 9, 40, 41, 42, 43, 44], 2, salt="a")
+    assert d.propose(1, [7, 7, 40, 41], 3, salt="b") == []
+    assert d.propose(2, [7, 7, 40, 41], 3) == []
+    assert d.propose(3, [7, 7, 40, 41], 3, salt="a") == [42, 43, 44]
+    d.finished(4, [1, 50, 51, 52], 1)  # unsalted
+    assert d.propose(5, [3, 3, 50, 51], 1, salt="a") == []
+    assert d.propose(6, [3, 3, 50, 51], 1) == [52]
+    # many salts: the window holds 3 outputs in all (oldest out first), and a salt whose outputs
+    # all left it leaves no trie behind
+    for i in range(10):
+        d.finished(10 + i, [0, 60 + i, 61 + i], 1, salt=f"t{i}")
+        d.propose(100, [1], 1)  # takes pending outputs into the tries
+    assert len(d.recent) == 3 and set(d.shared) == {"t7", "t8", "t9"}
+    assert d.propose(101, [5, 69], 1, salt="t9") == [70]
+    assert d.propose(102, [5, 69], 1, salt="t8") == []
+    for trie in d.shared.values():
+        assert trie.root.total == sum(c.count for c in trie.root.children.values())
 
 
 def test_acceptance_in_status_and_metrics(models):

@@ -325,3 +325,28 @@ def test_format_tables_for_kimi_linear_and_k3(kl_report, k3_report):
     for r, text in ((kl_report, kl_text), (k3_report, k3_text)):
         for _, count in r.rows():
             assert f"{count:,}" in text
+
+
+def test_verify_state_bytes_are_what_a_kda_layer_keeps():
+    """The bytes the planner counts for verifying drafts on a hybrid model are the tensors a KDA layer
+    keeps for the step's acceptance (per-position states and conv inputs), layer for layer; the
+    peak adds one layer's per-position states held twice while they are stacked."""
+    import torch
+
+    from model.cache import build_attn_meta
+    from model.kda import KimiDeltaAttention
+    from model.params import verify_state_bytes
+    from model.presets import preset_config
+
+    cfg = parse_config(preset_config("kimi-k3-tiny"))
+    layer = KimiDeltaAttention(cfg).float()
+    k, B, Q = cfg.kda, 3, 4
+    meta = build_attn_meta([Q] * B, [10] * B, [[b] for b in range(B)], 16, state_slots=list(range(B)), verify=[True] * B)
+    conv = torch.zeros(B, 3, k.conv_kernel - 1, k.num_heads * k.head_dim)
+    recurrent = torch.zeros(B, k.num_heads, k.head_dim, k.head_dim)
+    keep = []
+    layer(torch.randn(B * Q, cfg.hidden_size), meta, conv, recurrent, torch.arange(B), keep)
+    v = verify_state_bytes(cfg, B, Q, dtype_bytes=4)
+    assert sum(states.nbytes + hist.nbytes for _, states, hist in keep) * len(cfg.kda_layers) == v["kept"]
+    assert v["stacking"] == keep[0][1].nbytes and v["total"] == v["kept"] + v["stacking"]
+    assert verify_state_bytes(load_config(K2_CONFIG), 8, 5)["total"] == 0  # no KDA layers
