@@ -5,11 +5,16 @@ the rows every worker (itself included) sent for its own experts, and gets its t
 Rows for its own experts never leave the process. Two wire formats, as in :mod:`actors.dispatch`:
 
 - ``dense`` (workers ≤ experts per token): every worker's token rows, with their top-k ids and
-  weights, go to every other worker; each computes one weighted partial sum per token for its own
-  experts and sends it back; a worker adds the partials of all workers, its own included, in rank
-  order. The rows each worker sends are known from the step (``tokens``): no counts exchange.
+  weights, go to every other worker; each runs the pairs of its own experts and sends back, per
+  token, its pairs' unweighted rows, or the token's sum where it ran all k of them; the token's
+  worker sums each token's rows. The rows each worker sends and gets back are known from the step
+  (``tokens``) and the top-k ids: no counts exchange.
 - ``sparse``: the (token, expert) pairs go only where their expert lives — a counts exchange, the
   rows, the unweighted rows back.
+
+Either way each token's routed output is :func:`model.moe.weighted_sum` of its k rows, the single
+process's sum: for the same expert rows, the same bits whatever W, the format or the placement
+(docs/architecture.md, "Exactness").
 
 :meth:`ColocatedExchange.issue` posts what can be posted (the dense dispatch, the sparse counts) and
 returns; :meth:`ColocatedExchange.collect` serves and combines. So a worker computes one
@@ -18,7 +23,8 @@ makes the same exchanges in the same order: layer-major, micro-batch minor.
 
 Owns: one epoch's exchange state of one worker (the step's token counts per micro-batch, the pairs
 counted for the statistics, the rows its experts computed). Never: decides placement (the epoch's
-table does), or waits without the group's timeout (errors name the worker, step, layer and phase).
+table does), waits without the group's timeout (errors name the worker, step, layer and phase), or
+guesses a peer's token count (a step without them is refused before anything is sent).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 from model.moe import RoutedExperts
 
-from .dispatch import _Collectives, _PairCounts, _view
+from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _serve_dense, _sum_pairs, _view
 from .messages import PlacementTable
 
 
@@ -47,7 +53,7 @@ class _Posted:
     recv: torch.Tensor | None = None  # dense: the other workers' packed rows, in rank order
     payload: torch.Tensor | None = None  # dense: this worker's packed rows
     counts_in: torch.Tensor | None = None  # sparse: [workers, local slots] pairs each worker sends here
-    order: torch.Tensor | None = None  # sparse: this worker's pairs sorted by (worker, local slot)
+    order: torch.Tensor | None = None  # sparse: this worker's pairs (token · k + slot) sorted by (worker, local slot)
     send_counts: torch.Tensor | None = None  # sparse: [workers, local slots] pairs this worker sends
 
 
@@ -71,12 +77,10 @@ class ColocatedExchange(_Collectives, _PairCounts):
 
     # ---- attention side ----------------------------------------------------------------------
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> _Posted:
-        idx = topk_idx.to(self.device)
         micro = self._issued % max(1, len(self.tokens))
+        tokens = self._tokens(micro, x.shape[0])
         self._issued += 1
-        tokens = list(self.tokens[micro]) if self.tokens else [x.shape[0]] * self.world
-        assert tokens[self.rank] == x.shape[0], \
-            f"{self.actor}: {x.shape[0]} tokens in micro-batch {micro}, the step said {tokens[self.rank]}"
+        idx = topk_idx.to(self.device)
         if self.mode == "dense":
             slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
             self.count(layer, idx, slots)
@@ -84,6 +88,24 @@ class ColocatedExchange(_Collectives, _PairCounts):
         actor, local = self.routing.assign(layer, idx)
         self.count(layer, idx, self._slot(actor, local))
         return self._issue_sparse(layer, x, idx, topk_w, tokens, actor, local)
+
+    def _tokens(self, micro: int, mine: int) -> list[int]:
+        """Every worker's token count in micro-batch ``micro`` (``mine`` this worker's rows), from the
+        step: a peer's count cannot be guessed, and a wrong one would mis-size the exchange."""
+        if not self.tokens:
+            if self.world == 1:
+                return [mine]
+            raise ValueError(f"{self.actor}: step {self.step} began without every worker's token counts "
+                             f"(begin_step(step, tokens), from StepRequest.peer_tokens); a colocated exchange of "
+                             f"{self.world} workers needs them to size what it sends and receives")
+        tokens = list(self.tokens[micro])
+        if len(tokens) != self.world:
+            raise ValueError(f"{self.actor}: step {self.step}'s token counts name {len(tokens)} workers, "
+                             f"{self.world} in this epoch")
+        if tokens[self.rank] != mine:
+            raise ValueError(f"{self.actor}: {mine} tokens in micro-batch {micro} of step {self.step}, "
+                             f"the step said {tokens[self.rank]}")
+        return tokens
 
     def collect(self, p: _Posted) -> torch.Tensor:
         """Serve the rows sent here for this worker's experts, send their results back, and return this
@@ -131,29 +153,28 @@ class ColocatedExchange(_Collectives, _PairCounts):
             actor, local = self.routing.assign(p.layer, flat, sender, self.world)
         else:
             actor, local = self.routing.assign(p.layer, flat)
-        mine = (actor == r).nonzero().squeeze(1)
-        tok, local, wm = mine // k, local[mine], w.reshape(-1)[mine]
-        experts = self.experts[p.layer]
-        y = experts.grouped(x[tok].to(experts.device), local.to(experts.device)).to(self.device, torch.float32)
-        partial = torch.zeros(N, self.hidden, dtype=torch.float32, device=self.device)
-        partial = partial.index_add_(0, tok, y * wm[:, None]).to(self.dtype)
-        self.rows_served[self.table.layer_index(p.layer)] += torch.bincount(local, minlength=self.table.max_local).cpu()
-        # send each worker the partials of its tokens; get this worker's from each
+        actor = actor.view(N, k)
+        y, per_token, served = _serve_dense(self.experts[p.layer], x, w, actor, local.view(N, k), r, self.device)
+        served = torch.bincount(served, minlength=self.table.max_local)
+        self.rows_served[self.table.layer_index(p.layer)] += served.cpu()
+        # send each worker the rows of its tokens; get this worker's tokens' rows from each
+        to = _per_sender(per_token, tokens)  # rows for each worker's tokens, in y's order
         bounds = [sum(tokens[:s]) for s in range(len(tokens) + 1)]
-        mine_rows = partial[bounds[r]: bounds[r + 1]]
-        others = torch.cat([partial[bounds[s]: bounds[s + 1]] for s in range(len(tokens)) if s != r]) \
-            if len(tokens) > 1 else partial[:0]
-        T = tokens[r]
-        back = torch.empty((len(tokens) - 1) * T, self.hidden, dtype=self.dtype, device=self.device)
-        self.a2a(back, others.contiguous(), self._others([T] * self.world), self._others(tokens), p.layer, "combine")
-        stacked, at = [], 0
-        for s in range(len(tokens)):  # added in rank order, as the disaggregated dense format adds actors
+        dense = _DenseBack.expect(actor[bounds[r]: bounds[r + 1]], self.world)  # what comes back, from whom
+        starts = [sum(to[:s]) for s in range(len(to) + 1)]
+        own = y[starts[r]: starts[r + 1]]
+        others = torch.cat([y[starts[s]: starts[s + 1]] for s in range(self.world) if s != r]) \
+            if self.world > 1 else y[:0]
+        back = torch.empty(sum(self._others(dense.counts)), self.hidden, dtype=self.dtype, device=self.device)
+        self.a2a(back, others.contiguous(), self._others(dense.counts), self._others(to), p.layer, "combine")
+        arrived, at = [], 0
+        for s, n in enumerate(dense.counts):  # in worker order, as _DenseBack expects; this worker's own in place
             if s == r:
-                stacked.append(mine_rows)
+                arrived.append(own)
             else:
-                stacked.append(back[at: at + T])
-                at += T
-        return torch.stack(stacked).float().sum(0) if len(stacked) > 1 else stacked[0]
+                arrived.append(back[at: at + n])
+                at += n
+        return dense.combine(torch.cat(arrived) if len(arrived) > 1 else arrived[0], p.w.to(self.device, torch.float32))
 
     # ---- sparse --------------------------------------------------------------------------------
     def _issue_sparse(self, layer, x, idx, w, tokens, actor, local) -> _Posted:
@@ -179,8 +200,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
         for i, s in enumerate(others):
             p.counts_in[s] = p.recv[i * n_local: (i + 1) * n_local]
         T, k = p.idx.shape
-        tok = torch.arange(T, device=self.device).repeat_interleave(k)[p.order]
-        rows_out = p.x.to(self.device, self.dtype)[tok]  # this worker's pairs, sorted by (worker, local slot)
+        rows_out = p.x.to(self.device, self.dtype)[p.order // k]  # this worker's pairs, sorted by (worker, local slot)
         to = p.send_counts.sum(1).tolist()  # pairs to each worker
         frm = p.counts_in.sum(1).tolist()  # pairs from each worker
         starts = [sum(to[:s]) for s in range(W + 1)]
@@ -212,7 +232,4 @@ class ColocatedExchange(_Collectives, _PairCounts):
             else:
                 results.append(back[at: at + to[s]])
                 at += to[s]
-        rows = torch.cat(results)
-        weights = p.w.reshape(-1).to(self.device)[p.order]
-        out = torch.zeros(T, self.hidden, dtype=torch.float32, device=self.device)
-        return out.index_add_(0, tok, rows.float() * weights[:, None]).to(self.dtype)
+        return _sum_pairs(torch.cat(results), p.order, p.w.to(self.device, torch.float32))

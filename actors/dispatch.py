@@ -11,13 +11,20 @@ replicas of a hot expert share its pairs) and combines the weighted results. Two
 
   - ``dense`` (when there are no more expert actors than experts per token): every attention rank
     sends its T token rows, with their top-k ids and weights packed in the same bytes, to every
-    expert actor; each expert actor routes them, runs its pairs and returns one weighted partial
-    sum per token; the attention rank adds the partials. Two collectives per layer, their sizes
-    known from the step (no counts exchange, no host sync), and no more bytes than the sparse
-    format moves while expert actors ≤ k.
+    expert actor; each expert actor routes them and runs its pairs. Back comes, per token, its
+    pairs' unweighted rows (one per pair, from the actor that ran it), or one row — the token's
+    sum — from an actor that ran all k of its pairs; the attention rank sums each token's rows
+    (:func:`model.moe.weighted_sum`). Both sides know every size from the top-k ids they hold (no
+    counts exchange; a host sync on each side for the combine's sizes), and the dispatch moves no
+    more bytes than the sparse format while expert actors ≤ k.
   - ``sparse``: the (token, expert) pairs go only where their expert lives — a counts exchange,
     the rows, and the unweighted rows back. For many expert actors (> k), where the dense format
     would send every token to every actor.
+
+  Either way a token's routed output is the one sum of :func:`model.moe.weighted_sum`, made by
+  whoever holds all of its k rows: the single process's bits for the same expert rows, whatever the
+  format, the number of expert actors or the placement. (A per-actor partial sum cannot be: fp32
+  addition is not associative, so the partials' grouping would change the bits.)
 
   Each exchange is ``all_to_all_single``-shaped (rows to and from each rank by split sizes). On
   NCCL it is that call; on gloo it is point-to-point sends and receives with just the ranks that
@@ -43,7 +50,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from model.moe import RoutedExperts
+from model.moe import RoutedExperts, weighted_sum
 
 from .group import current_mesh
 from .messages import PlacementTable
@@ -133,18 +140,95 @@ class LocalDispatcher:
 
     def for_layer(self, layer: int) -> Callable:
         def routed(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-            k = topk_idx.shape[1]
-            order, actor, local = self.routing.route(layer, topk_idx)
-            tok = (torch.arange(x.shape[0]).repeat_interleave(k))[order]
-            rows = torch.empty(order.numel(), x.shape[1], dtype=x.dtype)
+            T, k = topk_idx.shape
+            actor, local = self.routing.assign(layer, topk_idx)
+            rows = torch.empty(T * k, x.shape[1], dtype=x.dtype)  # [T·k, H]: each pair's unweighted row
             for j, shard in enumerate(self.shards[layer]):
-                sel = actor[order] == j
-                rows[sel] = shard.grouped(x[tok[sel]], local[order][sel])
-            out = torch.zeros_like(x)
-            out.index_add_(0, tok, rows * topk_w.reshape(-1)[order, None].to(rows.dtype))
-            return out
+                sel = (actor == j).nonzero().squeeze(1)  # shard j's pairs, in batch order
+                rows[sel] = shard.grouped(x[sel // k], local[sel])
+            return weighted_sum(rows.view(T, k, x.shape[1]), topk_w)
 
         return routed
+
+
+def _returned(actor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense combine's rows, from each pair's expert actor ``actor`` [T, k]: a token whose k pairs
+    one actor runs comes back as one row, its sum (carried by slot 0); any other token as one
+    unweighted row per pair. → (whole [T]: tokens summed where they ran, returned [T, k]: pairs with a
+    row back)."""
+    whole = (actor == actor[:, :1]).all(1)  # [T]
+    returned = torch.ones_like(actor, dtype=torch.bool)
+    returned[:, 1:] = ~whole[:, None]
+    return whole, returned
+
+
+def _serve_dense(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor: torch.Tensor, local: torch.Tensor,
+                 me: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert actor ``me``'s side of the dense format: the pairs it runs of N tokens (``x`` [N, H],
+    weights ``w`` [N, k] fp32, each pair's expert actor ``actor`` and local slot ``local`` [N, k]).
+    Returns (rows [R, H] back, in batch order — each sender's a contiguous run; rows per token [N];
+    the local slot of every pair run [P])."""
+    N, k = actor.shape
+    mine = actor == me  # [N, k]
+    pairs = mine.reshape(-1).nonzero().squeeze(1)  # [P] this actor's pairs, in batch order
+    if pairs.numel() == N * k:  # every pair here (one actor): each token's sum goes back, one row
+        served = local.reshape(-1)
+        y = experts.grouped(x[pairs // k].to(experts.device), served.to(experts.device)).to(device)  # [N·k, H]
+        return weighted_sum(y.view(N, k, x.shape[1]), w), torch.ones(N, dtype=torch.long, device=device), served
+    whole, returned = _returned(actor)
+    served = local.reshape(-1)[pairs]
+    y = experts.grouped(x[pairs // k].to(experts.device), served.to(experts.device)).to(device)  # [P, H] unweighted
+    summed = (whole & mine[:, 0]).nonzero().squeeze(1)  # [n] tokens whose k pairs all ran here
+    if summed.numel():
+        at = (torch.cumsum(mine.reshape(-1), 0) - 1).view(N, k)[summed]  # [n, k] their rows in y
+        y[at[:, 0]] = weighted_sum(y[at], w[summed])  # slot 0's row carries the token's sum
+    back = mine & returned  # [N, k]
+    return y[back.reshape(-1)[pairs]], back.sum(1), served
+
+
+def _per_sender(per_token: torch.Tensor, tokens) -> list[int]:
+    """Rows per sender, from rows per token [N] and each sender's token count (in rank order)."""
+    if not len(per_token):
+        return [0] * len(tokens)
+    return torch.stack([c.sum() for c in per_token.split(list(tokens))]).tolist()
+
+
+@dataclass
+class _DenseBack:
+    """What a rank's tokens get back in the dense format: ``counts[s]`` rows from expert actor s,
+    arriving in actor order and within each in batch order, the returned pairs in that order
+    (``order`` [R], pair = token · k + slot), and ``whole`` [T], the tokens that come back summed."""
+
+    counts: list[int]
+    order: torch.Tensor | None = None  # None: one actor, every token summed there
+    whole: torch.Tensor | None = None
+
+    @classmethod
+    def expect(cls, actor: torch.Tensor, n_actors: int) -> _DenseBack:
+        """From the tokens' pairs' expert actors ``actor`` [T, k] (host sync: the counts)."""
+        if n_actors == 1:
+            return cls([actor.shape[0]])
+        whole, returned = _returned(actor)
+        pairs = returned.reshape(-1).nonzero().squeeze(1)  # [R], batch order
+        by = actor.reshape(-1)[pairs]
+        order = pairs[torch.argsort(by, stable=True)]
+        return cls(torch.bincount(by, minlength=n_actors).tolist(), order, whole)
+
+    def combine(self, back: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The tokens' routed rows [T, H] from the rows that came back ``back`` [R, H] (in arrival
+        order) and the weights ``w`` [T, k]: a whole token's row as it came, any other's summed here."""
+        if self.order is None:
+            return back
+        T, k = w.shape
+        rows = back.new_empty(T * k, back.shape[1])  # [T·k, H]; a whole token's slots past 0 stay unread
+        rows[self.order] = back
+        rows = rows.view(T, k, back.shape[1])
+        split = (~self.whole).nonzero().squeeze(1)  # tokens summed here
+        if split.numel() == T:
+            return weighted_sum(rows, w)
+        out = rows[:, 0].clone()  # [T, H]
+        out[split] = weighted_sum(rows[split], w[split])
+        return out
 
 
 class _Collectives:
@@ -250,9 +334,9 @@ class Pending:
     keep: tuple  # tensors the posted collectives read or write, alive until they finish
     x_dtype: torch.dtype
     x_device: torch.device
-    tokens: int
-    weights: torch.Tensor | None = None  # sparse: per sorted pair
-    tok: torch.Tensor | None = None  # sparse: the token of each sorted pair
+    weights: torch.Tensor  # [T, k] fp32, on the exchange's device
+    order: torch.Tensor | None = None  # sparse: the pair (token · k + slot) of each row sent, in order
+    dense: _DenseBack | None = None  # dense: what comes back
 
 
 class _PairCounts:
@@ -352,30 +436,30 @@ class DistDispatcher(_Collectives, _PairCounts):
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Pending:
         """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
         idx = topk_idx.to(self.device)
+        actor, local = self.routing.assign(layer, idx)
         if self.mode == "dense":
-            pending = self._issue_dense(layer, x, idx, topk_w)
-            slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
+            pending = self._issue_dense(layer, x, idx, topk_w, actor.view(idx.shape))
         else:
-            actor, local = self.routing.assign(layer, idx)
             pending = self._issue_sparse(layer, x, idx, topk_w, actor, local)
-            slots = self._slot(actor, local)
-        self.count(layer, idx, slots)
+        self.count(layer, idx, None if layer in self.slot_of else self._slot(actor, local))
         return pending
 
-    def _issue_dense(self, layer, x, idx, w) -> Pending:
+    def _issue_dense(self, layer, x, idx, w, actor) -> Pending:
         T, A, n_actors, dev = x.shape[0], self.num_attention, self.num_expert_actors, self.device
+        w = w.to(dev, torch.float32)
         payload = torch.cat([x.to(dev, self.dtype).contiguous().view(torch.uint8),
                              idx.to(torch.int32).contiguous().view(torch.uint8),
-                             w.to(dev, torch.float32).contiguous().view(torch.uint8)], 1)  # [T, row bytes]
+                             w.contiguous().view(torch.uint8)], 1)  # [T, row bytes]
         if n_actors > 1:
             payload = payload.repeat(n_actors, 1)  # the same rows to every expert actor: [n_actors × T, row bytes]
         none, each = [0] * self.world, [0] * A + [T] * n_actors
+        dense = _DenseBack.expect(actor, n_actors)
         sent = torch.empty(0, payload.shape[1], dtype=torch.uint8, device=dev)
-        back = torch.empty(n_actors * T, self.hidden, dtype=self.dtype, device=dev)  # one partial sum per actor
+        back = torch.empty(sum(dense.counts), self.hidden, dtype=self.dtype, device=dev)  # by actor, then batch order
         empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
         works = [self.a2a(sent, payload, none, each, layer, "dispatch", async_op=True),
-                 self.a2a(back, empty, each, none, layer, "dispatch", async_op=True)]
-        return Pending(layer, works, back, (payload, sent, empty), x.dtype, x.device, T)
+                 self.a2a(back, empty, [0] * A + dense.counts, none, layer, "dispatch", async_op=True)]
+        return Pending(layer, works, back, (payload, sent, empty), x.dtype, x.device, w, dense=dense)
 
     def _issue_sparse(self, layer, x, idx, w, actor, local) -> Pending:
         T, k = idx.shape
@@ -384,30 +468,37 @@ class DistDispatcher(_Collectives, _PairCounts):
         send = torch.zeros(self.world, n_local, dtype=torch.long, device=dev)  # [ranks, local slots] pair counts
         send[A:].index_put_((actor, local), torch.ones_like(actor), accumulate=True)
         rows_to = send.sum(1).tolist()
-        tok = torch.arange(T, device=dev).repeat_interleave(k)[order]
-        payload = x.to(dev, self.dtype)[tok].contiguous()
+        payload = x.to(dev, self.dtype)[order // k].contiguous()
         none = [0] * self.world
         empty = torch.empty(0, self.hidden, dtype=self.dtype, device=dev)
-        back = torch.empty(len(tok), self.hidden, dtype=self.dtype, device=dev)
+        back = torch.empty(order.numel(), self.hidden, dtype=self.dtype, device=dev)
         counts = send[A:].reshape(-1)  # [expert actors × local slots] to the expert actors only
         works = [self.a2a(counts[:0], counts, none, [0] * A + [n_local] * self.num_expert_actors, layer, "counts",
                           async_op=True),
                  self.a2a(empty, payload, none, rows_to, layer, "dispatch", async_op=True),
                  self.a2a(back, empty, rows_to, none, layer, "dispatch", async_op=True)]
-        return Pending(layer, works, back, (send, counts, payload, empty), x.dtype, x.device, T,
-                       weights=w.reshape(-1).to(dev)[order], tok=tok)
+        return Pending(layer, works, back, (send, counts, payload, empty), x.dtype, x.device,
+                       w.to(dev, torch.float32), order=order)
 
     def collect(self, p: Pending) -> torch.Tensor:
-        """Wait for ``p``'s results; returns the routed rows [T, hidden], weighted and summed per token."""
+        """Wait for ``p``'s results; returns the routed rows [T, hidden], weighted and summed per token
+        (:func:`model.moe.weighted_sum`)."""
         for work in p.works:
             self.wait(work, p.layer, "combine")
-        if self.mode == "dense":  # one weighted partial sum per expert actor, added in actor order
-            n_actors = self.num_expert_actors
-            out = p.back if n_actors == 1 else p.back.view(n_actors, p.tokens, self.hidden).float().sum(0)
-            return out.to(p.x_device, p.x_dtype)
-        out = torch.zeros(p.tokens, self.hidden, dtype=p.x_dtype, device=p.x_device)
-        rows = p.back.to(p.x_device, p.x_dtype) * p.weights[:, None].to(p.x_device, p.x_dtype)
-        return out.index_add_(0, p.tok.to(p.x_device), rows)
+        if self.mode == "dense":
+            out = p.dense.combine(p.back, p.weights)
+        else:
+            out = _sum_pairs(p.back, p.order, p.weights)
+        return out.to(p.x_device, p.x_dtype)
+
+
+def _sum_pairs(rows: torch.Tensor, order: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The sparse format's combine: ``rows`` [T·k, H], row i the result of pair ``order[i]``
+    (token · k + slot), weights ``w`` [T, k] → the tokens' routed rows [T, H]."""
+    T, k = w.shape
+    by_pair = torch.empty_like(rows)
+    by_pair[order] = rows
+    return weighted_sum(by_pair.view(T, k, rows.shape[1]), w)
 
 
 class ExpertExchange(_Collectives):
@@ -459,23 +550,20 @@ class ExpertExchange(_Collectives):
         x, idx, w = _view(rows[:, :hb], dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
             _view(rows[:, hb + 4 * k:], torch.float32)  # views of the packed rows where strides allow
         flat = idx.long().reshape(-1)
-        if layer in self.routing.identity:  # one actor holding every expert in order: local slot = expert
-            tok, local, wm = self._pair_tokens(N, k), flat, w.reshape(-1)
+        edev = experts.device  # the exchange may be staged in host memory (gloo)
+        if self.num_expert_actors == 1:  # every pair is this actor's: each token's sum goes back, one row
+            local = flat if layer in self.routing.identity else self.routing.assign(layer, flat)[1]
+            y = experts.grouped(x[self._pair_tokens(N, k)].to(edev), local.to(edev)).to(dev)  # [N·k, H]
+            back, splits = weighted_sum(y.view(N, k, hidden), w), list(tokens)
         else:
             if self.routing.replicated(layer):
                 sender = torch.repeat_interleave(torch.arange(A, device=dev), torch.tensor(tokens, device=dev) * k)
                 actor, local = self.routing.assign(layer, flat, sender, A)
             else:
                 actor, local = self.routing.assign(layer, flat)
-            if self.num_expert_actors == 1 and not self.routing.replicated(layer):  # every pair is this actor's
-                tok, wm = self._pair_tokens(N, k), w.reshape(-1)
-            else:
-                mine = (actor == self.index).nonzero().squeeze(1)
-                tok, local, wm = mine // k, local[mine], w.reshape(-1)[mine]
-        edev = experts.device  # the exchange may be staged in host memory (gloo)
-        y = experts.grouped(x[tok].to(edev), local.to(edev)).to(dev, torch.float32) * wm[:, None]
-        partial = torch.zeros(N, hidden, dtype=torch.float32, device=dev).index_add_(0, tok, y).to(dtype)
-        self._send_back(layer, partial, each)
+            back, per_token, local = _serve_dense(experts, x, w, actor.view(N, k), local.view(N, k), self.index, dev)
+            splits = _per_sender(per_token, tokens)
+        self._send_back(layer, back.contiguous(), splits + [0] * self.num_expert_actors)
         return torch.bincount(local, minlength=n_local)
 
     def _serve_sparse(self, layer, experts, hidden, dtype) -> torch.Tensor:

@@ -282,8 +282,9 @@ def exchange_cost(cfg: ModelConfig, gpu: GPU, *, tokens: int, attention_ranks: i
     ``sparse``: a counts collective (X·⌈E/X⌉ int64 per attention rank), each token's hidden vector
     to its k experts (T·k·He·dtype_bytes out) and the rows back (the same in); an expert rank
     moves A·T·k/X rows each way (uniform routing). ``dense`` (moeray's choice while X ≤ k): every
-    token to every expert rank with its k ids and weights (X·T·(He·dtype_bytes + 8k) out) and one
-    partial sum per expert rank back (X·T·He·dtype_bytes in). ``bytes`` is the busiest endpoint's;
+    token to every expert rank with its k ids and weights (X·T·(He·dtype_bytes + 8k) out) and each
+    token's k pair rows back, for its owner to sum in top-k order (T·k·He·dtype_bytes in; one row per
+    token with one expert rank, which sums them itself). ``bytes`` is the busiest endpoint's;
     each collective costs one link latency + bytes / (link · EFFICIENCY["all_to_all"]), over NVLink
     or, ``across_nodes``, the NIC: every peer's send and receive are posted together (NCCL groups
     them), so the messages are in flight at once, not one latency per peer. (DeepEP's published
@@ -304,7 +305,8 @@ def exchange_cost(cfg: ModelConfig, gpu: GPU, *, tokens: int, attention_ranks: i
         phases = [("counts", X * n_local * 8, A * n_local * 8), ("dispatch", T * k * row, A * T * k * row / X),
                   ("combine", T * k * row, A * T * k * row / X)]
     else:
-        phases = [("dispatch", X * T * (row + 8 * k), A * T * (row + 8 * k)), ("combine", X * T * row, A * T * row)]
+        back = T * (1 if X == 1 else k) * row  # rows back per attention rank
+        phases = [("dispatch", X * T * (row + 8 * k), A * T * (row + 8 * k)), ("combine", back, A * back / X)]
     link = (gpu.nic_bytes_per_s, gpu.nic_latency_s), (gpu.nvlink_bytes_per_s, gpu.nvlink_latency_s)
     bw, lat = link[0] if across_nodes else link[1]
     parts = []

@@ -97,9 +97,13 @@ def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
     """:func:`grouped_ffn` over stacked dense weights: one GEMM pair per expert with rows.
 
     On CPU the pairs run as two grouped GEMMs (``torch._grouped_mm``, no Python loop over experts),
-    which give every row bit for bit what its expert's own GEMM gives: a row's result never depends
-    on which other experts or rows share the call, so an expert actor holding a shard computes what
-    the single process computes. With ``threads`` (w of them) the experts are cut into w contiguous
+    which give every row bit for bit what its expert's own GEMM over the same rows gives: a row's
+    result does not depend on the other experts in the call, nor on its position among its expert's
+    rows, so an expert actor holding a shard computes what the single process computes for the same
+    rows. It can depend on how many rows its expert has (the BLAS blocks a GEMM by its row count:
+    MKL's fp32 GEMMs round a row differently at 1 row than at 2, bf16 ones past ~32 rows at larger
+    hidden sizes) and on the intra-op thread count (docs/architecture.md, "Exactness"). With
+    ``threads`` (w of them) the experts are cut into w contiguous
     ranges whose grouped GEMMs run at once, this thread running the first: the
     weights are read on w cores (a decode batch's expert GEMMs are bound by reading them), and
     torch releases the GIL inside each GEMM. Each row still meets its own expert's GEMM alone."""
@@ -209,20 +213,50 @@ class RoutedExperts(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """Σ_j w_j · E_{idx_j}(x) over the selected experts that live here. x [T, H] → [T, H]."""
+        """Σ_j w_j · E_{idx_j}(x) over the selected experts that live here, summed as
+        :func:`weighted_sum` sums (an expert held elsewhere adds nothing). x [T, H] → [T, H]."""
         T, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
         ids = torch.tensor(self.expert_ids, dtype=torch.long, device=flat.device)
         lut = torch.full((max(self.expert_ids, default=-1) + 2,), -1, dtype=torch.long, device=flat.device)
         lut[ids] = torch.arange(len(ids), device=flat.device)  # logical → local slot, -1: not here
-        local = lut[flat.clamp(max=lut.numel() - 1)]
+        local = lut[flat.clamp(max=lut.numel() - 1)]  # [T·k]
         pair = (local >= 0).nonzero().squeeze(1)  # (token, slot) pairs handled here
-        tok = pair // k
-        y = self.grouped(x[tok], local[pair])
-        y = y * topk_w.reshape(-1)[pair, None].to(y.dtype)
-        out = torch.zeros_like(x)
-        out.index_add_(0, tok, y)
-        return out
+        if pair.numel() == T * k:  # every pair here: the rows in (token, slot) order as they are
+            rows = self.grouped(x[pair // k], local)  # [T·k, H]
+        else:
+            rows = x.new_zeros(T * k, x.shape[1])  # a pair held elsewhere: a zero row, which adds nothing
+            rows[pair] = self.grouped(x[pair // k], local[pair])
+        return weighted_sum(rows.view(T, k, x.shape[1]), topk_w).to(x.dtype)
+
+
+def weighted_sum(rows: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    """Each token's routed output, summed in the one order every path uses: ``rows`` [T, k, H] (the k
+    experts' unweighted rows, top-k slot order), ``topk_w`` [T, k] → [T, H] in ``rows``' dtype.
+
+    y = Σ_j w_j · rows_j for j = 0 … k-1 in top-k order: each product in fp32 (a bf16 row widens
+    exactly), added left to right from the j = 0 term in fp32, then cast to the compute dtype once.
+    The single process, the in-process dispatcher and both layouts' combines (dense and sparse, any
+    number of workers, replicated experts) all end here, so a token's sum does not depend on where its
+    rows were computed: given the same expert rows, the same bits. Elementwise ops only (no
+    ``index_add_``, no atomics), so also run to run deterministic on GPUs. A loop over k, not tokens."""
+    T, k, H = rows.shape
+    if k == 0:
+        return rows.new_zeros(T, H)
+    w = topk_w.to(rows.device, torch.float32)[..., None]  # [T, k, 1]
+    if rows.numel() <= SMALL_SUM:  # the k products in one op (fewer ops: decode's batches)
+        terms = rows.float() * w  # [T, k, H], each product rounded once, as below
+        acc = terms[:, 0]  # [T, H] fp32
+        for j in range(1, k):
+            acc = acc + terms[:, j]
+    else:  # a product at a time: [T, H] fp32 temporaries, not [T, k, H] (prefill's batches)
+        acc = rows[:, 0].float() * w[:, 0]
+        for j in range(1, k):
+            acc = acc + rows[:, j].float() * w[:, j]
+    return acc.to(rows.dtype)
+
+
+SMALL_SUM = 1 << 18  # rows' elements up to which weighted_sum forms all k products at once (same bits either way)
 
 
 def gather_experts(parts: Sequence[tuple[RoutedExperts, int]]) -> RoutedExperts:

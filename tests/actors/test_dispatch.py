@@ -1,6 +1,7 @@
-"""The torch.distributed dispatcher over a real gloo process group == the in-process dispatcher,
-and a collective whose peer is gone or stuck raises a clear error instead of hanging: over the
-group's direct sockets (actors/wire.py, the default transport) and over gloo's own sends."""
+"""The torch.distributed dispatcher over a real gloo process group == the in-process dispatcher and
+the single process bit for bit (1, 2 and 4 expert actors, both formats, bf16 and fp32), and a
+collective whose peer is gone or stuck raises a clear error instead of hanging: over the group's
+direct sockets (actors/wire.py, the default transport) and over gloo's own sends."""
 
 import multiprocessing as mp
 import queue
@@ -18,6 +19,7 @@ from actors.messages import GroupInfo, PlacementTable
 from actors.router import balanced_layer
 from model.layers import silu_glu
 from model.moe import RoutedExperts
+from tests.actors import exact
 
 H, I, E, K = 16, 8, 10, 3
 TOKEN = b"e" * TOKEN_BYTES  # the epoch's token, the same in every process
@@ -206,6 +208,27 @@ def test_gloo_exchange_equals_local_dispatch(gloo_answers, slots, exchange_forma
     assert (max(split, default=0) > 0) == (slots is REPLICATED)  # some replicated expert's rows really were split
 
 
+@pytest.mark.parametrize("dtype", exact.DTYPES)
+def test_local_dispatch_equals_the_single_process_bit_for_bit(dtype):
+    """In one process: any placement (1, 2 or 4 shards, replicated hot experts) gives the single
+    process's routed rows bit for bit; the replicated ones with one-row GEMMs (exact.row_by_row)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, H, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(40)])
+    w = torch.rand(40, K, generator=g)
+    for X, placements in EXACT.items():
+        for name, slots in placements.items():
+            table = _table(slots, 1)
+            replicated = name == "replicated"
+            shards = {layer: [exact.experts(ids, layer, dtype, replicated) for ids in table.slots[table.layer_index(layer)]]
+                      for layer in (1, 2)}
+            local = LocalDispatcher(table, shards)
+            with torch.no_grad():
+                for layer in (1, 2):
+                    want = exact.experts(range(E), layer, dtype, replicated)(x, idx, w)
+                    assert torch.equal(local.for_layer(layer)(x, idx, w), want), (X, name, layer)
+
+
 def test_replica_split_is_even_and_follows_batch_order():
     table = _table(REPLICATED, 1)
     routing = Routing(table)
@@ -239,3 +262,109 @@ def test_peer_gone_or_stuck_raises_clear_error(mode, exchange_format, transport)
     assert rank == 0 and msg not in ("no error", "crash"), res
     assert "attention[0]" in msg and "step 42" in msg and "MoE layer 1" in msg, msg
     assert seconds < 30
+
+
+# per number of expert actors: placements, with replicated hot experts where there are two or more
+EXACT = {
+    1: {"whole": [[tuple(range(E))]] * 2},
+    2: {"even": [[(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]] * 2, "replicated":
+        [[(3, 0, 1, 2, 4, 5), (3, 5, 6, 7, 8, 9)], [(0, 1, 2, 9, 4), (0, 3, 5, 6, 7, 8)]]},
+    4: {"uneven": [[(0, 1, 2), (3, 4), (5, 6, 7), (8, 9)]] * 2,
+        "replicated": [[(3, 0, 1), (3, 2, 4), (5, 6, 7), (8, 9, 0)], [(0, 1, 9), (2, 3, 4), (5, 6, 9), (7, 8)]]},
+}
+EXACT_A = 3  # attention ranks: 7, 0 and 13 tokens
+
+
+def _exact_inputs(rank: int, layer: int, dtype: torch.dtype, m: int | None = None):
+    """An attention rank's tokens in ``dtype`` (fp32 weights), whole or micro-batch m of 2."""
+    x, idx, w = _inputs(rank, layer)
+    if m is not None:
+        x, idx, w = _micro(rank, layer, m)
+    return x.to(dtype), idx, w
+
+
+@torch.no_grad()
+def _exact(rank, X, port, q):
+    """Every placement, format and dtype of ``EXACT[X]``: the attention ranks compare their routed rows
+    with the single process's over all attention ranks' tokens (one exchange per layer, then two
+    micro-batches posted before collected) and answer (key, rank, rows that differ, rows, max diff)."""
+    A = EXACT_A
+    try:
+        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60), rank, A + X, num_attention=A)
+        for name, slots in EXACT[X].items():
+            table = _table(slots, A)
+            for fmt in exact.FORMATS:
+                for dtype in exact.DTYPES:
+                    row_gemms = name == "replicated"  # its copies' GEMMs a row at a time (exact.row_by_row)
+                    key = (name, fmt, str(dtype))
+                    if rank < A:
+                        whole = {layer: exact.experts(range(E), layer, dtype, row_gemms) for layer in (1, 2)}
+                        d = DistDispatcher(f"attention[{rank}]", table, H, dtype, K, fmt)
+                        tally = exact.Tally()
+                        d.begin_step(1)
+                        for layer in (1, 2):
+                            parts = [_exact_inputs(r, layer, dtype) for r in range(A)]
+                            tally.check(d.exchange(layer, *parts[rank]), exact.single(whole[layer], parts, rank))
+                        d.begin_step(2)
+                        for layer in (1, 2):
+                            parts = [[_exact_inputs(r, layer, dtype, m) for r in range(A)] for m in (0, 1)]
+                            pending = [d.issue(layer, *parts[m][rank]) for m in (0, 1)]
+                            for m, p in enumerate(pending):
+                                tally.check(d.collect(p), exact.single(whole[layer], parts[m], rank))
+                        q.put((key, rank, d.mode) + tally.answer())
+                    else:
+                        j = rank - A
+                        mine = {layer: exact.experts(table.slots[table.layer_index(layer)][j], layer, dtype,
+                                                     row_gemms) for layer in (1, 2)}
+                        ex = ExpertExchange(f"expert[{j}]", j, table, K, fmt)
+                        ex.reset_timers(1)  # the step's calls counted from 0, as the attention side's
+                        for layer in (1, 2):
+                            ex.serve(layer, mine[layer], H, dtype, tuple(len(_inputs(r, layer)[0]) for r in range(A)))
+                        ex.drain()
+                        ex.reset_timers(2)
+                        for layer in (1, 2):
+                            for m in (0, 1):
+                                tokens = tuple(len(_micro(r, layer, m)[0]) for r in range(A))
+                                ex.serve(layer, mine[layer], H, dtype, tokens)
+                        ex.drain()
+    except Exception:
+        q.put(("crash", rank, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("X", sorted(EXACT))
+def test_the_exchange_equals_the_single_process_bit_for_bit(X):
+    """Each expert actor count, placement, format and dtype: every attention rank's routed rows are the
+    single process's bit for bit, so they do not change with the number of expert actors, the format
+    or a replicated placement."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_exact, args=(r, X, port, q), daemon=True) for r in range(EXACT_A + X)]
+    for p in procs:
+        p.start()
+    keys = [(name, fmt, str(dtype)) for name in EXACT[X] for fmt in exact.FORMATS for dtype in exact.DTYPES]
+    out = []
+    try:
+        for _ in range(EXACT_A * len(keys)):
+            out.append(q.get(timeout=90))
+            if out[-1][0] == "crash":
+                break
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    crashes = [o for o in out if o[0] == "crash"]
+    assert not crashes, crashes[0][2]
+    assert len(out) == EXACT_A * len(keys), out
+    failed = []
+    for key in keys:
+        answers = [o for o in out if o[0] == key]
+        assert sorted(a[1] for a in answers) == list(range(EXACT_A)) and all(a[2] == key[1] for a in answers), answers
+        unequal, rows = sum(a[3] for a in answers), sum(a[4] for a in answers)
+        assert rows > 0
+        if unequal:
+            failed.append(f"X={X} {' '.join(key)}: {unequal}/{rows} rows differ, max {max(a[5] for a in answers):.3g}")
+    assert not failed, "\n".join(failed)

@@ -101,11 +101,15 @@ def test_chunks_and_dense_wire_by_hand():
     decode = attention_cost(K2, H200, chunks=[(1, 100), (1, 300)])
     assert decode == attention_cost(K2, H200, tokens=2, context=[100, 300])
     # dense wire (moeray's choice for ≤ k expert ranks): every token to each of 4 expert ranks with
-    # 8 int32 ids and 8 fp32 weights; one partial sum per expert rank back
+    # 8 int32 ids and 8 fp32 weights; each token's 8 pair rows back (its owner sums them in top-k order)
     dense = exchange_cost(K2, H200, tokens=64, attention_ranks=2, expert_ranks=4, across_nodes=False, wire="dense")
-    out, back = 4 * 64 * (7168 * 2 + 8 * 8), 4 * 64 * 7168 * 2
+    out, back = 4 * 64 * (7168 * 2 + 8 * 8), 64 * 8 * 7168 * 2
     assert [(p.name, p.bytes) for p in dense.parts] == [("dispatch", out), ("combine", back)]
     assert dense.seconds == pytest.approx(2 * NVL_LAT + (out + back) / (NVL_BW * A2A), rel=1e-12)
+    # one expert rank sums each token itself: one row per token back
+    one = exchange_cost(K2, H200, tokens=64, attention_ranks=2, expert_ranks=1, across_nodes=False, wire="dense")
+    assert [(p.name, p.bytes) for p in one.parts] == [("dispatch", 64 * (7168 * 2 + 8 * 8) * 2),
+                                                      ("combine", 2 * 64 * 7168 * 2)]
 
 
 @pytest.mark.parametrize("name", ["a100", "h100", "h200", "b200"])

@@ -106,3 +106,74 @@ def test_expert_threads_give_the_one_thread_results_bit_for_bit(dtype, count):
         threads.close()
     with pytest.raises(ValueError, match="expert threads must be an integer >= 2"):
         ExpertThreads(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_its_position_among_its_experts_rows(dtype):
+    """What the exchange's exactness rests on (docs/architecture.md, "Exactness"): rows reordered
+    within each expert, and other experts' rows added or removed, leave every row's bits unchanged.
+    (How many rows an expert has may change them: the BLAS blocks a GEMM by its row count.)"""
+    from model.layers import silu_glu
+    from model.moe import grouped_expert_ffn
+
+    g = torch.Generator().manual_seed(11)
+    E, H, inter = 8, 64, 32
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) / 8).to(dtype)
+    for n in (1, 9, 70, 300):
+        x, ids = torch.randn(n, H, generator=g).to(dtype), torch.randint(0, E - 1, (n,), generator=g)
+        got = grouped_expert_ffn(x, ids, w13, w2, silu_glu)
+        perm = torch.randperm(n, generator=g)
+        assert torch.equal(grouped_expert_ffn(x[perm], ids[perm], w13, w2, silu_glu), got[perm])
+        extra = torch.randn(5, H, generator=g).to(dtype)  # rows of the expert that had none
+        both = grouped_expert_ffn(torch.cat([extra, x]), torch.cat([torch.full((5,), E - 1), ids]), w13, w2, silu_glu)
+        assert torch.equal(both[5:], got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_sum_each_token_in_top_k_order_in_fp32(dtype):
+    """RoutedExperts.forward is the canonical sum: for each token, w_j · E_{idx_j}(x) in fp32, added
+    in top-k order from slot 0, cast once; a shard adds only its own experts' terms (a zero row for
+    the others adds nothing)."""
+    from model.layers import silu_glu
+    from model.moe import RoutedExperts, weighted_sum
+
+    g = torch.Generator().manual_seed(13)
+    E, H, inter, k, T = 8, 32, 16, 4, 37
+    whole = RoutedExperts(H, inter, range(E), silu_glu).to(dtype)
+    with torch.no_grad():
+        whole.w13.copy_(torch.randn(E, 2 * inter, H, generator=g) / 4)
+        whole.w2.copy_(torch.randn(E, H, inter, generator=g) / 4)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g) * 2.5
+    with torch.no_grad():
+        got = whole(x, idx, w)
+        rows = whole.grouped(x.repeat_interleave(k, 0), idx.reshape(-1)).view(T, k, H)  # the same GEMMs
+        want = torch.empty(T, H, dtype=dtype)
+        for t in range(T):  # the definition, token by token
+            acc = rows[t, 0].float() * w[t, 0]
+            for j in range(1, k):
+                acc = acc + rows[t, j].float() * w[t, j]
+            want[t] = acc.to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(weighted_sum(rows, w), want)
+        shard = RoutedExperts(H, inter, (5, 1, 6), silu_glu).to(dtype)  # any experts, any order
+        shard.w13.copy_(whole.w13[[5, 1, 6]])
+        shard.w2.copy_(whole.w2[[5, 1, 6]])
+        here = (idx == 5) | (idx == 1) | (idx == 6)  # [T, k]
+        assert torch.equal(shard(x, idx, w), weighted_sum(rows * here[..., None].to(dtype), w))
+
+
+def test_the_weighted_sum_gives_the_same_bits_in_one_op_and_a_product_at_a_time(monkeypatch):
+    """weighted_sum forms the k products at once for small batches and one at a time for large ones:
+    the same fp32 products added in the same order, so the same bits."""
+    import model.moe as moe
+
+    g = torch.Generator().manual_seed(17)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows, w = torch.randn(33, 8, 48, generator=g).to(dtype), torch.rand(33, 8, generator=g) * 3
+        monkeypatch.setattr(moe, "SMALL_SUM", 1 << 30)
+        at_once = moe.weighted_sum(rows, w)
+        monkeypatch.setattr(moe, "SMALL_SUM", 0)
+        assert torch.equal(moe.weighted_sum(rows, w), at_once)
