@@ -33,7 +33,8 @@ from .config import EngineConfig
 from .epochs import EpochChange, Epochs, Transition
 from .errors import EngineError, NoCapacity, RequestsFailed, StepFailed
 from .executor import Executor, Sent
-from .scheduler import Plan, Scheduler, SchedulerSnapshot, Seq
+from .scheduler import Plan, Scheduler, SchedulerSnapshot
+from .seq import Seq
 from .stats import EngineStats, StepRecord
 from .spec import ClusterSpec
 

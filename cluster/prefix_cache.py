@@ -23,30 +23,14 @@ hands the scheduler blocks, slots and refresh jobs to place); touches tensors or
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from actors.messages import SeqChunk
 
 from .block_pool import BlockPool, SnapshotPool
+from .seq import CacheHold, Seq
 
-if TYPE_CHECKING:
-    from .scheduler import Seq
-
-
-@dataclass
-class CacheHold:
-    """One sequence's standing with the prefix cache; created with the sequence, written only by
-    :class:`PrefixCache`."""
-
-    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (a memo)
-    snapshot: int | None = None  # the KDA snapshot it holds: its state after its first snapshot_at tokens
-    snapshot_at: int = 0
-    pending_snapshot: tuple[int, int] | None = None  # (snapshot, boundary) a step in flight saves into
-    on_grid: bool = True  # every chunk so far ended on the snapshot grid (its snapshots are exact)
-    num_registered_blocks: int = 0  # its first blocks whose content is registered (each once)
-    branch_point: int = 0  # hybrid: a grid boundary where its prompt leaves a cached prefix with no snapshot yet
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ sequence goes to the replica with most of it cached, weighed against load (:meth
 A step's sampled tokens come back through :meth:`Scheduler.apply` (append, stop checks); a failed
 step is undone through :meth:`Scheduler.rewind`.
 Never: touches tensors or talks to actors — the engine turns a :class:`Plan` into messages; writes a
-sequence's :class:`~cluster.prefix_cache.CacheHold` (the prefix cache does).
+sequence's :class:`~cluster.seq.CacheHold` (the prefix cache does).
 """
 
 from __future__ import annotations
@@ -25,30 +25,17 @@ from dataclasses import dataclass, field
 
 from actors.messages import SampledToken, SeqChunk
 from model.logits import stateful
-from model.runner import Sequence, banned_ids, check_stop
+from model.runner import banned_ids, check_stop
 
 from .config import SpeculativeConfig, snapshot_plan
 from .drafts import make_drafter
 from .errors import StepFailed
-from .prefix_cache import CacheHold, Hit, PrefixCache
+from .prefix_cache import Hit, PrefixCache
+from .seq import Seq
 
 
 DRAFT_FLOOR = 0.15  # a sequence whose drafts' acceptance rate is below this drafts nothing for a while
 DRAFT_PROBE = 0.02  # … its rate climbing back by this each step, so that it tries again
-
-
-@dataclass(eq=False)
-class Seq(Sequence):
-    """A sequence as the scheduler sees it: the runner's sequence plus where it lives."""
-
-    replica: int | None = None  # the attention replica it is pinned to while it has cache
-    num_preemptions: int = 0
-    cache_salt: str | None = None  # its blocks are shared only with sequences of the same salt
-    num_hit: int | None = None  # prompt tokens found cached at its first admission (usage's cached_tokens)
-    is_refresh: bool = False  # a refresh of a finished sequence's cache (no request, never samples)
-    reset_state_next: bool = False  # its next chunk is its first on its replica: zero or restore its KDA state
-    cache: CacheHold = field(default_factory=CacheHold)  # its standing with the prefix cache (the cache's)
-    draft_rate: float = 1.0  # speculative decoding: its drafts' recent acceptance (a moving average)
 
 
 @dataclass

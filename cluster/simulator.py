@@ -31,7 +31,8 @@ from model.config import ModelConfig
 from model.sampling import SamplingParams
 
 from .config import EngineConfig
-from .scheduler import Plan, Scheduler, Seq
+from .scheduler import Plan, Scheduler
+from .seq import Seq
 
 
 # ---- workload ---------------------------------------------------------------------------------

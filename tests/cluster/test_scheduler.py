@@ -1,6 +1,7 @@
 """The scheduler alone (no actors): budget, chunked prefill, decode-first, balance, preemption."""
 
-from cluster.scheduler import Scheduler, Seq
+from cluster.scheduler import Scheduler
+from cluster.seq import Seq
 from model.sampling import SamplingParams
 
 

@@ -19,7 +19,8 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.inprocess import InProcessExecutor
-from cluster.scheduler import Scheduler, Seq
+from cluster.scheduler import Scheduler
+from cluster.seq import Seq
 from cluster.spec import ClusterSpec
 from model.config import load_config
 from model.presets import build_preset

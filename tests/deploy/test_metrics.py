@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.messages import ExpertStepResult, StepResult
 from actors.router import Router, even_table
-from cluster.scheduler import Scheduler, Seq
+from cluster.scheduler import Scheduler
+from cluster.seq import Seq
 from cluster.stats import EngineStats, StepRecord
 from deploy.metrics import CONTENT_TYPE, EngineMetrics
 from model.sampling import SamplingParams
