@@ -278,7 +278,9 @@ class Engine:
         chunks = [c for replica in current.plan.chunks for c in replica]
         if not chunks or not all(c.sample and not c.draft for c in chunks):
             return None  # (a sequence with drafts: where its next token sits depends on how many are accepted)
-        if self.scheduler.may_draft([s for c in chunks if (s := self.scheduler.seqs.get(c.seq_id)) is not None]):
+        drafts = self.scheduler.drafts
+        if drafts is not None and drafts.may_draft(
+                [s for c in chunks if (s := self.scheduler.seqs.get(c.seq_id)) is not None]):
             return None  # speculation pauses async scheduling: the next step's drafts follow this one's tokens
         max_ctx, nxt = self.model_cfg.max_position_embeddings, []
         for c in chunks:
@@ -331,7 +333,7 @@ class Engine:
         if not self.config.mtp:
             return ()
         seqs = [s for r in plan.chunks for c in r if (s := self.scheduler.seqs.get(c.seq_id)) is not None]
-        return () if self.scheduler.may_draft(seqs) else (self.model_cfg.num_hidden_layers,)
+        return () if self.scheduler.drafts.may_draft(seqs) else (self.model_cfg.num_hidden_layers,)
 
     def finish(self) -> list[TokenEvent]:
         """Wait for the oldest step in flight and apply its tokens; its statistics wait for
@@ -361,7 +363,7 @@ class Engine:
         if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts (not of sequences ended meanwhile)
             seqs = self.scheduler.seqs
             for r in attn:
-                self.scheduler.drafter.record([d for d in r.drafts if d[0] in seqs])
+                self.scheduler.drafts.drafter.record([d for d in r.drafts if d[0] in seqs])
         self.scheduler.completed(launched.plan, verified)  # what it wrote may be shared from now on
         events = self._apply(tokens)
         self.stats.observe_drafts(verified)

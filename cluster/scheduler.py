@@ -28,14 +28,12 @@ from model.logits import stateful
 from model.runner import banned_ids, check_stop
 
 from .config import SpeculativeConfig, snapshot_plan
-from .drafts import make_drafter
+from .drafts import DraftPolicy
 from .errors import StepFailed
 from .prefix_cache import Hit, PrefixCache
 from .seq import Seq
 
 
-DRAFT_FLOOR = 0.15  # a sequence whose drafts' acceptance rate is below this drafts nothing for a while
-DRAFT_PROBE = 0.02  # … its rate climbing back by this each step, so that it tries again
 
 
 @dataclass
@@ -96,7 +94,7 @@ class Scheduler:
                                  step_budget=max_tokens_per_step)
         self.load_weight = load_weight
         self.speculative = speculative
-        self.drafter = make_drafter(speculative) if speculative is not None else None
+        self.drafts = DraftPolicy(speculative, stop_ids, max_context) if speculative is not None else None
         self.lookahead = speculative is not None and speculative.method == "mtp"  # chunks say the token after them
         self.admitted: dict[int, int] = {}  # per replica index, over the engine's life: sequences placed there
         self.stop_ids, self.max_context = frozenset(stop_ids), max_context  # the model's stop tokens and context
@@ -209,14 +207,14 @@ class Scheduler:
             if len(seq.block_table) > keep:
                 self.cache.free_tail(seq, keep)
                 del seq.block_table[keep:]
-            seq.draft_rate = 0.5 * seq.draft_rate + 0.5 * (len(tokens) - 1) / c.draft
+            self.drafts.verified(seq, c.draft, len(tokens) - 1)
             out.append(Verified(c.seq_id, c.draft, accepted))
         return out
 
     def _kept(self, seq: Seq, tokens: list[int]) -> int:
         """Of a step's ``tokens`` for ``seq``, how many :meth:`apply` keeps: up to its first stop token
         (the tokens after it are dropped). Length limits need no check here: drafts never pass them
-        (:meth:`_draft`), and drafts are never made while stops are banned (``min_tokens``)."""
+        (:meth:`DraftPolicy.propose <cluster.drafts.DraftPolicy.propose>`), and drafts are never made while stops are banned (``min_tokens``)."""
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)
         return next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
@@ -272,8 +270,8 @@ class Scheduler:
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
-        if self.drafter is not None and not seq.is_refresh:
-            self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, salt=seq.cache_salt)
+        if self.drafts is not None and not seq.is_refresh:
+            self.drafts.finished(seq)
         if seq in self.running:
             self.running.remove(seq)
             job = self._refresh_job(seq) if reason != "abort" else None
@@ -310,7 +308,7 @@ class Scheduler:
         plan = Plan([[] for _ in range(self.num_replicas)])
         budget = self.budget
         decodes = [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]
-        k = self.draft_length(len(decodes))
+        k = self.drafts.length(len(decodes)) if self.drafts is not None else 0
         grown = []
         for seq in decodes:  # decodes first, each its one token (preempting the newest where it must) ...
             if budget == 0:
@@ -322,7 +320,7 @@ class Scheduler:
         for seq in grown:  # ... then drafts, from the room and budget left: drafts never preempt anything
             if seq.replica is None:  # preempted by a later decode's token
                 continue
-            draft = self._draft(seq, min(k, budget))
+            draft = self.drafts.propose(seq, min(k, budget)) if k else []
             if draft and not self.cache.fits(seq.replica, seq, len(draft)):
                 draft = []
             self._take(seq, len(draft))
@@ -362,8 +360,8 @@ class Scheduler:
             return None
         chunks = []
         for seq in seqs:
-            if self.drafter is not None:
-                self._resting(seq)  # a step without drafts: a resting sequence comes closer to its probe
+            if self.drafts is not None:
+                self.drafts.rest(seq)  # a step without drafts: a resting sequence comes closer to its probe
             start = seq.num_cached
             self._take(seq, 1)
             chunks.append(SeqChunk(seq.seq_id, (token,), start, tuple(seq.block_table), seq.state_slot,
@@ -375,45 +373,6 @@ class Scheduler:
         """The sequences that left ``replica`` since this was last asked (its next step says so)."""
         out, self.released[replica] = tuple(self.released[replica]), []
         return out
-
-    def draft_length(self, decoding: int) -> int:
-        """The adaptive length's batch half: the most drafts one sequence may carry in a step where
-        ``decoding`` sequences decode. Up to ``full_draft_batch`` sequences draft the full
-        ``num_speculative_tokens``; beyond, the step's drafts stay at that many sequences' worth,
-        shared (so a large batch, which is already compute-bound, spends nothing on drafts)."""
-        return 0 if self.speculative is None else self.speculative.draft_length(decoding)
-
-    def may_draft(self, seqs: list[Seq]) -> bool:
-        """Whether some of ``seqs`` (the whole batch decoding) may carry drafts in their next step."""
-        return self.draft_length(len(seqs)) > 0 and any(s.draft_rate >= DRAFT_FLOOR for s in seqs)
-
-    def _draft(self, seq: Seq, k: int) -> list[int]:
-        """Up to ``k`` draft tokens for ``seq``'s next step: fewer as its drafts were recently
-        rejected (its acceptance rate's share of ``k``, at least one; none for a few steps once
-        the rate is under DRAFT_FLOOR, the rate climbing back by DRAFT_PROBE each), none while its stop ids are
-        banned (before ``min_tokens``), and never past its length limits (its token after the
-        drafts counts). A decode chunk never ends at a KDA snapshot boundary (those are at or
-        before its last known token), so drafts and snapshots never meet."""
-        if k <= 0 or self.drafter is None or seq.is_refresh:
-            return []
-        if self._resting(seq):
-            return []
-        k = min(k, max(1, math.ceil(k * seq.draft_rate)), seq.params.max_tokens - len(seq.output_ids) - 1,
-                self.max_context - len(seq.token_ids) - 1)
-        if k <= 0 or banned_ids(seq, len(seq.token_ids), self.stop_ids):
-            return []
-        return self.drafter.propose(seq.seq_id, seq.token_ids, k, salt=seq.cache_salt)
-
-    @staticmethod
-    def _resting(seq: Seq) -> bool:
-        """Whether ``seq``'s drafts rest this step: its drafts kept failing (its acceptance rate is
-        under DRAFT_FLOOR), so it decodes without them, its rate climbing back by DRAFT_PROBE each
-        such step until it probes again. Every decode step of a sequence that may draft counts:
-        those :meth:`schedule` plans and those async scheduling sends ahead (:meth:`decode_ahead`)."""
-        if seq.draft_rate < DRAFT_FLOOR:
-            seq.draft_rate += DRAFT_PROBE
-            return True
-        return False
 
     def _chunk(self, seq: Seq, n: int, draft: list[int] = ()) -> SeqChunk:
         """``seq``'s next ``n`` tokens (``_take`` already advanced ``num_cached``), the last

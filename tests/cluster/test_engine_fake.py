@@ -410,7 +410,7 @@ def test_a_sequence_whose_drafts_missed_probes_again(model_dir, async_scheduling
     stay the oracle's."""
     eng, fake = make(model_dir, attention=1, async_scheduling=async_scheduling,
                      speculative={"method": "ngram", "num_speculative_tokens": 4})
-    eng.scheduler.drafter = drafter = Missing(eng.model_cfg.vocab_size)
+    eng.scheduler.drafts.drafter = drafter = Missing(eng.model_cfg.vocab_size)
     params = SamplingParams(max_tokens=120, ignore_eos=True)
     (seq,) = run(eng, [[5, 6, 7]], params)
     assert seq.output_ids == oracle(eng, [[5, 6, 7]], params)[0]
@@ -445,10 +445,10 @@ def test_mtp_guesses_of_a_sequence_aborted_mid_step_are_not_kept(mtp_dir):
     eng.launch()
     eng.abort(a)
     eng.finish()
-    assert a not in eng.scheduler.drafter.guesses and b in eng.scheduler.drafter.guesses
+    assert a not in eng.scheduler.drafts.drafter.guesses and b in eng.scheduler.drafts.drafter.guesses
     drain(eng)
     assert eng.release(b).seq.output_ids == oracle(eng, prompts(2, seed=3), LONG)[1]
-    assert not eng.scheduler.drafter.guesses and _all_free(eng)
+    assert not eng.scheduler.drafts.drafter.guesses and _all_free(eng)
 
 
 def test_an_answer_that_contradicts_its_drafts_fails_the_step_into_recovery(mtp_dir, monkeypatch):

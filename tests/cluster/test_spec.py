@@ -75,7 +75,7 @@ def run(path, ps, params, speculative=None, drafter=None, **knobs):
     eng = engine(path, speculative, **knobs)
     try:
         if drafter is not None:
-            eng.scheduler.drafter = drafter
+            eng.scheduler.drafts.drafter = drafter
         seqs = eng.generate(ps, params)
         return [s.token_ids for s in seqs], eng.stats, sum(eng.scheduler.cache.hits.values())
     finally:
@@ -254,7 +254,7 @@ def decoding_scheduler(n: int) -> Scheduler:
 
     s = Scheduler(num_replicas=2, num_blocks=512, block_size=16, num_slots=None, max_num_seqs=64,
                   max_tokens_per_step=1024, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s.drafts.drafter = Always()
     for i in range(n):
         s.add(Seq(i, [1, 2, 3], 3, SamplingParams(max_tokens=100)))
     plan = s.schedule()  # the prefills
@@ -317,7 +317,7 @@ def test_drafts_never_preempt_another_sequences_token():
 
     s = Scheduler(num_replicas=1, num_blocks=5, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
                   speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s.drafts.drafter = Always()
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
     plan = s.schedule()  # the prefills: 2 + 2 blocks
@@ -329,7 +329,7 @@ def test_drafts_never_preempt_another_sequences_token():
     # with room for them, drafts come back: a sixth block, and sequence 0's four drafts fit in it
     s = Scheduler(num_replicas=1, num_blocks=6, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
                   speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s.drafts.drafter = Always()
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
     plan = s.schedule()
@@ -357,7 +357,7 @@ def test_drafts_accepted_past_a_stop_token_are_neither_counted_nor_cached():
         def finished(self, *a, **kw):
             pass
 
-    s.drafter = Proposes()
+    s.drafts.drafter = Proposes()
     s.add(Seq(0, [1, 3, 4, 5], 4, SamplingParams(max_tokens=20)))
     plan = s.schedule()
     s.completed(plan)
@@ -497,7 +497,7 @@ def test_accepted_drafts_are_registered_for_prefix_hits():
 
     s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
                   prefix_caching=True, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s.drafts.drafter = Always()
     s.add(Seq(0, [1, 2, 3, 4, 5, 6], 6, SamplingParams(max_tokens=6)))
     plan = s.schedule()
     toks = [_tok(0, 7)]

@@ -42,7 +42,7 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
     eng = Engine(cfg, ClusterSpec(attention=2, experts=2)).start()
     stopped = []
     try:
-        eng.scheduler.drafter = OracleDrafter(want, load_config(k2).vocab_size)
+        eng.scheduler.drafts.drafter = OracleDrafter(want, load_config(k2).vocab_size)
         fleet = eng.executor.fleet
         nodes = {ray.get(m.actor.node_id.remote(), timeout=30) for m in fleet.attention + fleet.experts}
         assert len(nodes) >= 2, nodes  # over several nodes
