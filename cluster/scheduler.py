@@ -10,8 +10,8 @@ later from its prompt plus the tokens it has already produced. Where the cache l
 can be shared is the :class:`~cluster.prefix_cache.PrefixCache`'s, which the scheduler asks: a new
 sequence goes to the replica with most of it cached, weighed against load (:meth:`Scheduler._place`).
 
-A step's sampled tokens come back through :meth:`Scheduler.apply` (append, stop checks); a failed
-step is undone through :meth:`Scheduler.rewind`.
+A step's results come back through :meth:`Scheduler.update` (drafts verified, blocks registered,
+tokens appended and the stop checks run); a failed step is undone through :meth:`Scheduler.rewind`.
 Never: touches tensors or talks to actors — the engine turns a :class:`Plan` into messages; writes a
 sequence's :class:`~cluster.seq.CacheHold` (the prefix cache does).
 """
@@ -59,6 +59,23 @@ class Verified:
     seq_id: int
     drafted: int
     accepted: int
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One sampled token appended to its sequence, and the reason the sequence finished there, if it did."""
+
+    seq: Seq
+    token: SampledToken
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What a finished step changed (:meth:`Scheduler.update`): the drafts verified, the tokens applied."""
+
+    verified: list[Verified]
+    applied: list[Applied]
 
 
 @dataclass(frozen=True)
@@ -164,10 +181,20 @@ class Scheduler:
                 self._free(seq)
                 self.waiting.appendleft(seq)
 
-    def apply(self, sampled: list[SampledToken]) -> list[tuple[Seq, SampledToken, str | None]]:
+    def update(self, plan: Plan, sampled: list[SampledToken]) -> StepUpdate:
+        """A finished step's results, whole (vLLM's ``update_from_output``): its drafts verified
+        (an answer that contradicts them raises :class:`~cluster.errors.StepFailed` before anything
+        changes), what it wrote registered with the prefix cache, then its tokens applied — in that
+        order, so that a sequence finishing in this step leaves its blocks, accepted drafts
+        included, cached."""
+        verified = self._verified(plan, sampled)
+        self._completed(plan, verified)
+        return StepUpdate(verified, self._apply(sampled))
+
+    def _apply(self, sampled: list[SampledToken]) -> list[Applied]:
         """A finished step's sampled tokens: each is appended to its sequence and the stop checks run
         (a stopped sequence is finished and its cache freed). Tokens of sequences finished or
-        aborted meanwhile are dropped. Returns (sequence, token, finish reason or None) per token."""
+        aborted meanwhile are dropped."""
         out = []
         for tok in sampled:
             seq = self.seqs.get(tok.seq_id)
@@ -177,14 +204,14 @@ class Scheduler:
             reason = check_stop(seq, self.stop_ids, self.max_context)
             if reason:
                 self.finish(seq, reason)
-            out.append((seq, tok, reason))
+            out.append(Applied(seq, tok, reason))
         return out
 
-    def verified(self, plan: Plan, sampled: list[SampledToken]) -> list[Verified]:
+    def _verified(self, plan: Plan, sampled: list[SampledToken]) -> list[Verified]:
         """A finished step's drafts: each sequence that carried some keeps the cache of its input
         token and of the drafts accepted (the attention actor returned them and one more token);
         the positions of the rejected ones are given back (overwritten later) and its acceptance
-        rate moves. Call before :meth:`apply`. Returns what each sequence drafted and got accepted."""
+        rate moves. Returns what each sequence drafted and got accepted."""
         if self.speculative is None:
             return []
         got: dict[int, list[int]] = {}
@@ -219,11 +246,10 @@ class Scheduler:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)
         return next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
 
-    def completed(self, plan: Plan, verified: list[Verified] = ()) -> None:
+    def _completed(self, plan: Plan, verified: list[Verified]) -> None:
         """A step came back whole: what its chunks wrote may now be shared (the prefix cache
-        registers it), and the refresh jobs it finished end. Call before :meth:`apply`, so that a
-        sequence finishing there leaves its blocks cached. Of a chunk's drafts, only those accepted
-        count (``verified``: :meth:`verified`'s answer for the step)."""
+        registers it), and the refresh jobs it finished end. Of a chunk's drafts, only those
+        accepted count (``verified``: :meth:`_verified`'s answer for the step)."""
         accepted = {v.seq_id: v.accepted for v in verified}
         for r, chunks in enumerate(plan.chunks):
             for c in chunks:

@@ -409,11 +409,10 @@ class Simulator:
                 decode_steps += 1
             if record_steps:
                 steps.append([[(c.seq_id, len(c.token_ids)) for c in chunks] for chunks in plan.chunks])
-            sched.completed(plan)
             sampled = [SampledToken(c.seq_id, vocab_token) for chunks in plan.chunks for c in chunks if c.sample]
-            for seq, _tok, _reason in sched.apply(sampled):
+            for applied in sched.update(plan, sampled).applied:
                 out_tokens += 1
-                sid = seq.seq_id
+                sid = applied.seq.seq_id
                 if sid not in first:
                     first[sid] = t
                     ttft.append(t - arrival[sid])
@@ -464,11 +463,10 @@ class Simulator:
             if plan.empty:
                 raise RuntimeError("the scheduler placed none of the sequences: is max_num_seqs or the cache too small?")
             t += self._step_time(plan, gen, context_offset=context - 1, copies=A // held).seconds
-            sched.completed(plan)
             sampled = [SampledToken(c.seq_id, 0) for chunks in plan.chunks for c in chunks if c.sample]
             done = 0
-            for seq, _tok, reason in sched.apply(sampled):
-                sid = seq.seq_id
+            for applied in sched.update(plan, sampled).applied:
+                sid, reason = applied.seq.seq_id, applied.reason
                 if k >= warmup:
                     tokens += A // held
                     if sid in last:

@@ -49,7 +49,6 @@ def _run(eng: Engine, prompts, params, at=None) -> list[list[int]]:
         if at is not None:
             at(turn)
         eng.pipelined()
-        eng.record()
     return [eng.release(i).seq.output_ids for i in ids]
 
 

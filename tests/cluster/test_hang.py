@@ -48,7 +48,6 @@ def _run_with(eng: Engine, prompts, params, at_turn: int, act) -> tuple[float, l
         if turn == at_turn:
             act()
         events = eng.pipelined()
-        eng.record()
         if events:
             now = time.monotonic()
             gap, last = max(gap, now - last), now

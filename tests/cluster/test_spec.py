@@ -258,8 +258,7 @@ def decoding_scheduler(n: int) -> Scheduler:
     for i in range(n):
         s.add(Seq(i, [1, 2, 3], 3, SamplingParams(max_tokens=100)))
     plan = s.schedule()  # the prefills
-    s.completed(plan)
-    s.apply([_tok(c.seq_id) for r in plan.chunks for c in r])
+    s.update(plan, [_tok(c.seq_id) for r in plan.chunks for c in r])
     return s
 
 
@@ -292,9 +291,7 @@ def test_drafts_shrink_with_rejections_and_come_back():
         seen.append(c.draft)
         a = c.draft if accept else 0
         toks = [_tok(0, 7)] * a + [_tok(0, 9)]
-        assert [v.accepted for v in s.verified(plan, toks)] == ([a] if c.draft else [])
-        s.completed(plan)
-        s.apply(toks)
+        assert [v.accepted for v in s.update(plan, toks).verified] == ([a] if c.draft else [])
         # the rejected drafts' positions are given back: the next chunk starts right after the accepted
         seq = s.seqs[0]
         assert seq.num_cached == len(seq.token_ids) - 1
@@ -321,8 +318,7 @@ def test_drafts_never_preempt_another_sequences_token():
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
     plan = s.schedule()  # the prefills: 2 + 2 blocks
-    s.completed(plan)
-    s.apply([_tok(0), _tok(1)])
+    s.update(plan, [_tok(0), _tok(1)])
     plan = s.schedule()
     assert plan.preempted == []
     assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 0), (1, 0)]
@@ -333,8 +329,7 @@ def test_drafts_never_preempt_another_sequences_token():
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
     plan = s.schedule()
-    s.completed(plan)
-    s.apply([_tok(0), _tok(1)])
+    s.update(plan, [_tok(0), _tok(1)])
     plan = s.schedule()
     assert plan.preempted == []
     assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 4), (1, 0)]
@@ -360,16 +355,14 @@ def test_drafts_accepted_past_a_stop_token_are_neither_counted_nor_cached():
     s.drafts.drafter = Proposes()
     s.add(Seq(0, [1, 3, 4, 5], 4, SamplingParams(max_tokens=20)))
     plan = s.schedule()
-    s.completed(plan)
-    s.apply([_tok(0, 8)])  # [1, 3, 4, 5, 8]: next, the input 8 and drafts 7, EOS, 9 (positions 4-7: one block)
+    s.update(plan, [_tok(0, 8)])  # [1, 3, 4, 5, 8]: next, the input 8 and drafts 7, EOS, 9 (positions 4-7: one block)
     plan = s.schedule()
     (c,) = [c for r in plan.chunks for c in r]
     assert c.token_ids == (8, 7, EOS, 9)
     toks = [_tok(0, 7), _tok(0, EOS), _tok(0, 9), _tok(0, 11)]
-    verified = s.verified(plan, toks)
-    assert [v.accepted for v in verified] == [2]
-    s.completed(plan, verified)
-    assert [r[2] for r in s.apply(toks)] == [None, "stop"]  # EOS ends it; 9 and 11 dropped
+    update = s.update(plan, toks)
+    assert [v.accepted for v in update.verified] == [2]
+    assert [a.reason for a in update.applied] == [None, "stop"]  # EOS ends it; 9 and 11 dropped
     probe = Seq(1, [1, 3, 4, 5, 8, 7, EOS, 9, 11, 12], 10, SamplingParams())
     assert s.cache.hit(probe, 0).tokens == 4  # [1, 3, 4, 5]; not [8, 7, EOS, 9], which holds a draft past EOS
 
@@ -421,8 +414,7 @@ def _suffix_drafts(finished_salt, salt) -> list[int]:
     s.finish(Seq(0, [9, 9, 40, 41, 42, 43, 44], 2, SamplingParams(), cache_salt=finished_salt), "stop")
     s.add(Seq(1, [7, 7, 40], 3, SamplingParams(max_tokens=10), cache_salt=salt))
     plan = s.schedule()  # the prefill
-    s.completed(plan)
-    s.apply([_tok(1, 41)])
+    s.update(plan, [_tok(1, 41)])
     (c,) = [c for r in s.schedule().chunks for c in r]
     return list(c.token_ids[len(c.token_ids) - c.draft:]) if c.draft else []
 
@@ -501,14 +493,12 @@ def test_accepted_drafts_are_registered_for_prefix_hits():
     s.add(Seq(0, [1, 2, 3, 4, 5, 6], 6, SamplingParams(max_tokens=6)))
     plan = s.schedule()
     toks = [_tok(0, 7)]
-    s.completed(plan)
-    s.apply(toks)  # [1..6, 7]: next, drafts 7 7 7 7 (all accepted) and one more: max_tokens reached
+    s.update(plan, toks)  # [1..6, 7]: next, drafts 7 7 7 7 (all accepted) and one more: max_tokens reached
     plan = s.schedule()
     (c,) = [c for r in plan.chunks for c in r]
     assert c.draft == 4
     toks = [_tok(0, 7)] * 4 + [_tok(0, 9)]
-    s.completed(plan, s.verified(plan, toks))
-    s.apply(toks)
+    s.update(plan, toks)
     assert not s.seqs  # finished: 6 tokens generated
     probe = Seq(1, [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 9, 1], 13, SamplingParams())
     assert s.cache.hit(probe, 0).tokens == 8  # blocks [1..4], [5, 6, 7, 7] — the second holds two accepted drafts

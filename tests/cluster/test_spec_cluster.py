@@ -66,7 +66,6 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
                 assert all(eng.requests[i].seq.finish_reason is None for i in ids), turn
                 faults[turn]()
             eng.pipelined()
-            eng.record()
         got = [eng.release(i).seq.token_ids for i in ids]
         assert [c.kind for c in eng.epochs.changes] == ["recovery"] * 3
         assert eng.stats.actor_failures.get("expert") == 1 and eng.stats.actor_failures.get("attention", 0) >= 1
