@@ -41,6 +41,18 @@ def test_import_arrows(pkg, path):
         assert "os.environ" not in src and "getenv" not in src, f"{path.relative_to(ROOT)} reads the environment"
 
 
+def test_the_runtime_never_imports_the_capacity_wing():
+    """cluster/capacity/ (the simulator, its costs and the capacity search) sits above the engine: used by
+    `moeray simulate` / `plan` and the benchmarks, never by the runtime in cluster/."""
+    found = []
+    for f in sorted((ROOT / "cluster").rglob("*.py")):
+        if "capacity" in f.relative_to(ROOT / "cluster").parts:
+            continue
+        names = set(_local_imports(ast.parse(f.read_text()), "cluster." + f.stem, "cluster"))
+        found += [(f.name, n) for n in names if n.startswith("cluster.capacity")]
+    assert not found, found
+
+
 def test_walk_sees_every_package():
     assert {p for p, _ in _modules()} >= {"model", "deploy"}
 
