@@ -78,7 +78,7 @@ class Launched:
 
 
 @dataclass(frozen=True)
-class Finished:
+class StepResults:
     """A finished step's results, until its statistics are recorded (:meth:`Engine._record`)."""
 
     tokens: int
@@ -156,7 +156,7 @@ class Engine:
         self._ids = itertools.count()
         self.step_no = 0
         self.ping_pong = config.data_plane.ping_pong  # may be switched between steps
-        self._unrecorded: Finished | None = None  # the last finished step's results, until _record()
+        self._unrecorded: StepResults | None = None  # the last finished step's results, until _record()
         self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
         self.snapshot: SchedulerSnapshot = self.scheduler.snapshot()  # what other threads read (publish)
 
@@ -380,7 +380,7 @@ class Engine:
         events = self._events(update.applied)
         self.stats.observe_drafts(update.verified)
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
-        self._unrecorded = Finished(launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table,
+        self._unrecorded = StepResults(launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table,
                                     verifying=bool(update.verified))
         return events
 

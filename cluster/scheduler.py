@@ -27,7 +27,7 @@ from actors.messages import SampledToken, SeqChunk
 from model.logits import stateful
 from model.runner import banned_ids, check_stop
 
-from .config import SpeculativeConfig, snapshot_plan
+from .config import CacheConfig, SchedulerConfig, SnapshotPlan, SpeculativeConfig, snapshot_plan
 from .drafts import DraftPolicy
 from .errors import StepFailed
 from .prefix_cache import Hit, PrefixCache
@@ -95,21 +95,18 @@ class SchedulerSnapshot:
 
 
 class Scheduler:
-    def __init__(self, *, num_replicas: int, num_blocks: int, block_size: int, num_slots: int | None,
-                 max_num_seqs: int, max_tokens_per_step: int, stop_ids: frozenset[int] = frozenset(),
-                 max_context: int = 1 << 62, prefix_caching: bool = False, snapshot_grid: int | None = None,
-                 num_snapshots: int = 0, load_weight: float = 256.0, speculative: SpeculativeConfig | None = None):
-        """``prefix_caching``: share cached blocks between sequences. ``snapshot_grid`` (hybrid
-        models): the token grid KDA snapshots sit on (a multiple of ``block_size``), with
-        ``num_snapshots`` of them per replica. ``load_weight``: cached tokens one more running
-        sequence on a replica is worth in placement (see :meth:`_place`). ``speculative``: decoding
-        sequences carry draft tokens (see :meth:`_draft`)."""
-        if max_tokens_per_step < 1 or max_num_seqs < 1:
-            raise ValueError("max_tokens_per_step and max_num_seqs must be >= 1")
-        self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
-                                 caching=prefix_caching, grid=snapshot_grid, num_snapshots=num_snapshots,
-                                 step_budget=max_tokens_per_step)
-        self.load_weight = load_weight
+    def __init__(self, scheduler: SchedulerConfig, cache: CacheConfig, *, num_replicas: int, hybrid: bool = False,
+                 stop_ids: frozenset[int] = frozenset(), max_context: int = 1 << 62,
+                 snapshots: SnapshotPlan = SnapshotPlan(), speculative: SpeculativeConfig | None = None):
+        """``scheduler``: the budget and the running sequences' cap; ``cache``: the prefix cache's
+        (blocks, KDA slots for ``hybrid`` models, sharing) and ``prefix_load_weight``, the cached
+        tokens one more running sequence on a replica is worth in placement (see :meth:`_place`).
+        ``snapshots`` (hybrid models): the KDA snapshots' grid and count per replica.
+        ``speculative``: decoding sequences carry draft tokens (:class:`~cluster.drafts.DraftPolicy`)."""
+        max_num_seqs, max_tokens_per_step = scheduler.max_num_seqs, scheduler.max_tokens_per_step
+        block_size = cache.block_size
+        self.cache = PrefixCache(cache, hybrid=hybrid, snapshots=snapshots, step_budget=max_tokens_per_step)
+        self.load_weight = cache.prefix_load_weight
         self.speculative = speculative
         self.drafts = DraftPolicy(speculative, stop_ids, max_context) if speculative is not None else None
         self.lookahead = speculative is not None and speculative.method == "mtp"  # chunks say the token after them
@@ -127,13 +124,9 @@ class Scheduler:
     def for_engine(cls, config, model_cfg, num_replicas: int, stop_ids=frozenset()) -> "Scheduler":
         """The scheduler an engine with ``config`` (an :class:`~cluster.config.EngineConfig`) runs
         for ``model_cfg`` (the engine's, and the simulator's: the same decisions)."""
-        grid, num_snapshots, _ = snapshot_plan(config, model_cfg)
-        return cls(num_replicas=num_replicas, num_blocks=config.cache.num_blocks, block_size=config.cache.block_size,
-                   num_slots=config.cache.num_slots if model_cfg.kda_layers else None, max_num_seqs=config.scheduler.max_num_seqs,
-                   max_tokens_per_step=config.scheduler.max_tokens_per_step,
+        return cls(config.scheduler, config.cache, num_replicas=num_replicas, hybrid=bool(model_cfg.kda_layers),
                    stop_ids=frozenset(stop_ids) | frozenset(model_cfg.eos_token_ids),
-                   max_context=model_cfg.max_position_embeddings, prefix_caching=config.cache.prefix_caching,
-                   load_weight=config.cache.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots,
+                   max_context=model_cfg.max_position_embeddings, snapshots=snapshot_plan(config, model_cfg),
                    speculative=config.speculative)
 
     @property

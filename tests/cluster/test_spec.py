@@ -239,6 +239,17 @@ def test_chi2_p_tells_distributions_apart():
 
 # ---- the draft-length policy, on the scheduler's plans ------------------------------------------
 
+def scheduler(method: str, k: int, *, num_blocks=64, block_size=4, replicas=1, caching=False, max_num_seqs=8,
+              budget=64, **kw) -> Scheduler:
+    """A scheduler alone (no engine) drafting with ``method``, up to ``k`` drafts."""
+    from cluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=budget),
+                     CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=caching),
+                     num_replicas=replicas, speculative=SpeculativeConfig(method=method, num_speculative_tokens=k),
+                     **kw)
+
+
 class Always:
     """Proposes k copies of token 7, whatever the context."""
 
@@ -250,10 +261,7 @@ class Always:
 
 
 def decoding_scheduler(n: int) -> Scheduler:
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=2, num_blocks=512, block_size=16, num_slots=None, max_num_seqs=64,
-                  max_tokens_per_step=1024, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s = scheduler("ngram", 4, num_blocks=512, block_size=16, replicas=2, max_num_seqs=64, budget=1024)
     s.drafts.drafter = Always()
     for i in range(n):
         s.add(Seq(i, [1, 2, 3], 3, SamplingParams(max_tokens=100)))
@@ -310,10 +318,7 @@ def test_drafts_never_preempt_another_sequences_token():
     """One replica of 5 blocks of 4: sequence 0 decodes its 8th token, sequence 1 its 9th (2 + 3
     blocks). Drafts for sequence 0 would take the block sequence 1's one token needs: every decode
     grows by its token first, drafts take what is left (here, nothing)."""
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=1, num_blocks=5, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s = scheduler("ngram", 4, num_blocks=5)
     s.drafts.drafter = Always()
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
@@ -323,8 +328,7 @@ def test_drafts_never_preempt_another_sequences_token():
     assert plan.preempted == []
     assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 0), (1, 0)]
     # with room for them, drafts come back: a sixth block, and sequence 0's four drafts fit in it
-    s = Scheduler(num_replicas=1, num_blocks=6, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s = scheduler("ngram", 4, num_blocks=6)
     s.drafts.drafter = Always()
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
@@ -338,12 +342,8 @@ def test_drafts_never_preempt_another_sequences_token():
 def test_drafts_accepted_past_a_stop_token_are_neither_counted_nor_cached():
     """Drafts [x, EOS, y], all accepted (4 tokens back): the sequence ends at EOS, so two drafts
     count as accepted (x and EOS) and the blocks registered for prefix hits end at EOS's position."""
-    from cluster.config import SpeculativeConfig
-
     EOS = 2
-    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  stop_ids=frozenset({EOS}), prefix_caching=True,
-                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    s = scheduler("ngram", 3, caching=True, stop_ids=frozenset({EOS}))
 
     class Proposes:
         def propose(self, seq_id, token_ids, k, salt=None):
@@ -407,10 +407,7 @@ def test_suffix_drafts_from_the_sequence_and_from_recent_outputs():
 def _suffix_drafts(finished_salt, salt) -> list[int]:
     """The drafts a decode of [7, 7, 40, 41] under ``salt`` carries, in a scheduler whose suffix
     proposer saw [40 … 44] finish under ``finished_salt``."""
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=3))
+    s = scheduler("suffix", 3)
     s.finish(Seq(0, [9, 9, 40, 41, 42, 43, 44], 2, SamplingParams(), cache_salt=finished_salt), "stop")
     s.add(Seq(1, [7, 7, 40], 3, SamplingParams(max_tokens=10), cache_salt=salt))
     plan = s.schedule()  # the prefill
@@ -485,10 +482,7 @@ def test_accepted_drafts_are_registered_for_prefix_hits():
     """A sequence that finishes in the step that accepted its drafts leaves their blocks cached: a
     later request sharing the whole answer finds it (the live K2 app's five-turn test caught a block
     lost there)."""
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  prefix_caching=True, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    s = scheduler("ngram", 4, caching=True)
     s.drafts.drafter = Always()
     s.add(Seq(0, [1, 2, 3, 4, 5, 6], 6, SamplingParams(max_tokens=6)))
     plan = s.schedule()
