@@ -171,6 +171,7 @@ def test_fake_tests_need_no_ray(tmp_path):
     _passed(_run_without_ray(tmp_path, files, 300))
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(1500)
 def test_inprocess_tests_need_no_ray(tmp_path):
     """Every tests/**/test_*inproc*.py (the serving app in one process: HTTP semantics) passes with

@@ -8,6 +8,7 @@ import queue
 import socket
 import traceback
 
+import pytest
 import torch
 
 from actors.colocated import ColocatedExchange
@@ -17,6 +18,8 @@ from actors.group import current_mesh, join_group
 from actors.messages import GroupInfo, PlacementTable
 from model.layers import silu_glu
 from model.moe import RoutedExperts
+
+pytestmark = pytest.mark.operator
 
 H, I, E, K = 16, 8, 10, 3
 TOKEN = b"c" * TOKEN_BYTES

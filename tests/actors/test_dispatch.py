@@ -183,6 +183,7 @@ def gloo_answers(request):
     return _spawn(world=2 + 3, A=2, configs=CASES, mode="ok", wait_for=5 * len(CASES), transport=request.param)
 
 
+@pytest.mark.operator
 @pytest.mark.parametrize("exchange_format", ["dense", "sparse"])
 @pytest.mark.parametrize("slots", [UNEVEN, REPLICATED], ids=["uneven", "replicated"])
 def test_gloo_exchange_equals_local_dispatch(gloo_answers, slots, exchange_format):
@@ -230,6 +231,7 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
     assert max(per_actor) / (sum(per_actor) / 3) < max(contiguous) / (sum(contiguous) / 3)
 
 
+@pytest.mark.operator
 @pytest.mark.parametrize("transport", ["auto", "group"])
 @pytest.mark.parametrize("mode,exchange_format", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
 def test_peer_gone_or_stuck_raises_clear_error(mode, exchange_format, transport):

@@ -209,6 +209,7 @@ def test_gpu_expert_cost_over_every_actor_at_once_is_the_cost_models():
             assert got[i, j] == pytest.approx(max(flops / (H200.fp8_flops_per_s * 0.60), want.bytes / (H200.hbm_bytes_per_s * 0.80)))
 
 
+@pytest.mark.operator
 def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     """`moeray simulate --profile` times the real engine and actors on this machine (its own
     one-node Ray cluster) and saves the fits; `--gpu cpu` simulates from them."""

@@ -26,6 +26,8 @@ from model.config import load_config
 from model.presets import build_preset
 from model.sampling import SamplingParams
 
+pytestmark = pytest.mark.ray_queue
+
 
 
 def prompts(n, lo=3, hi=30, seed=0) -> list[list[int]]:

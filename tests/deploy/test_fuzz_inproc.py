@@ -12,7 +12,7 @@ Prometheus scraping it has data for every query of vLLM's own Grafana dashboard.
 In one process (tests/deploy/inproc.py, no Ray): the same Ingress and engine server as under Serve,
 the engine on the in-process executor, served by uvicorn on a loopback port; schemathesis and
 Prometheus are the real tools, each a subprocess talking HTTP to that port. The Prometheus test
-starts a process, so tests/conftest.py lists it in CLUSTER_TESTS (out of the fast subset)."""
+starts a process, so it is marked `cluster` (out of the fast subset)."""
 
 import json
 import math
@@ -166,6 +166,7 @@ def _drive(url: str, i: int) -> None:
         assert any(line == "data: [DONE]" for line in r.iter_lines()), "the stream never ended with [DONE]"
 
 
+@pytest.mark.cluster
 def test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard(server, tmp_path):
     """metrics_prefix: vllm, end to end: a real Prometheus scrapes the app's /metrics (with the bearer
     key) every second while completions, some streamed, run; every query of vLLM's own Grafana dashboard

@@ -28,6 +28,8 @@ from dashboards import wait_for as _wait
 from hostprocs import listening
 from rayup import ROOT, SHIPPED_HEAD_IP, SHIPPED_WORKER_IP, RayUpCluster, node_ips
 
+pytestmark = pytest.mark.operator
+
 MODEL = "kimi-k2-tiny"  # the shipped serve config's model (a preset: built on the node that builds the app)
 
 
