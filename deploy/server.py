@@ -145,6 +145,14 @@ def ensure_not_running(root: Path, host: str | None = None, port: int | None = N
                 raise ValueError(f"something is already listening on {host}:{port}; choose another --port")
 
 
+def healthy(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether the app at ``url`` answers its ``/health`` with 200 within ``timeout_s``."""
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = None,
                stop: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout_s
@@ -153,11 +161,8 @@ def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = No
             return
         if proc is not None and proc.poll() is not None:
             raise ValueError(f"the server exited during start-up (code {proc.returncode})")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if healthy(url, 2):
+            return
         time.sleep(0.5)
     raise ValueError(f"the server did not become healthy at {url} within {timeout_s:.0f}s")
 

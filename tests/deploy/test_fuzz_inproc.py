@@ -18,7 +18,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,7 @@ from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, Deto
 
 from dashboards import VLLM_DASHBOARD_QUERIES, prom_query, prometheus, wait_for
 from inproc import preset, serve
+from deploy.server import wait_ready
 
 KEY = "fuzz-key"
 NAME = "k2"
@@ -61,10 +61,7 @@ def server():
     with serve(path, served_model_name=NAME, attention=1, experts=2, api_key=KEY, max_queue=32, max_num_seqs=16,
                max_body_bytes=64 * 1024, max_tokens_per_step=128, max_model_len=CONTEXT,
                metrics_prefix="vllm") as app:
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{app.url}/health", timeout=30).status_code != 200:
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.5)
+        wait_ready(app.url, timeout_s=120)
         yield app.url
 
 

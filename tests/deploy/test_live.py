@@ -64,7 +64,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
-from deploy.server import admin_token_file, with_loopback_admin_token
+from deploy.server import admin_token_file, healthy, with_loopback_admin_token
 from model.loader import load_model
 from model.presets import build_preset
 from model.runner import ModelRunner, generate
@@ -113,12 +113,6 @@ def _status(url) -> dict:
     return httpx.get(f"{url}/status", headers=AUTH, timeout=30).json()
 
 
-def _healthy(url) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=30).status_code == 200
-    except httpx.HTTPError:
-        return False
-
 
 def _failures(url, kind) -> float:
     return next(v for (name, labels), v in series(url).items()
@@ -150,7 +144,7 @@ def _kill(app: App, kind: str, index: int) -> float:
 
 def _as_found(app: App, shape: str = SHAPE) -> None:
     """The app as every test finds it: healthy, the shape, no change in progress, nothing running."""
-    assert _healthy(app.url), f"{app.name} is not healthy"
+    assert healthy(app.url), f"{app.name} is not healthy"
     deadline = time.monotonic() + 30  # an aborted request's sequence is freed at a later step
     while True:
         st = _status(app.url)
@@ -609,7 +603,7 @@ class TestK2:
             assert s.ended is not None, "a stream hung after its engine died"
             assert s.error_event is not None and s.error_event["code"] == "engine_failed", (s.error, s.pieces[-3:])
         deadline = time.monotonic() + 240
-        while not _healthy(url):  # Serve starts a new replica by itself
+        while not healthy(url):  # Serve starts a new replica by itself
             assert time.monotonic() < deadline, "the app did not heal by itself"
             time.sleep(0.25)
         assert _status(url)["pid"] != pid
