@@ -23,8 +23,8 @@ from cluster.scheduler import Scheduler
 from cluster.seq import Seq
 from cluster.spec import ClusterSpec
 from model.config import load_config
-from model.presets import build_preset
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 pytestmark = pytest.mark.ray_queue
 
@@ -36,9 +36,8 @@ def prompts(n, lo=3, hi=30, seed=0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    return {name: build_preset(name, root / name, seed=2, dtype="float32", progress=False)
+def models():
+    return {name: preset(name, seed=2, dtype="float32")
             for name in ("kimi-k2-tiny", "kimi-k3-tiny", "deepseek-v3-tiny")}
 
 
@@ -114,7 +113,7 @@ def test_drafts_change_no_token(models, name):
     assert st.preemptions > 0 and hits > 0 and off_stats.preemptions > 0
 
 
-def test_mtp_drafts_change_no_token(models, tmp_path_factory):
+def test_mtp_drafts_change_no_token(models):
     """The MTP layer drafts (DeepSeek-V3 tiny's random one, so nearly all rejected) with chunked prefill,
     preemption and prefix caching: outputs equal; the trained preset's MTP layer gets most accepted."""
     path = models["deepseek-v3-tiny"]
@@ -127,7 +126,7 @@ def test_mtp_drafts_change_no_token(models, tmp_path_factory):
     assert got == want and st.spec_draft_tokens > 0 and st.preemptions > 0 and hits > 0
     from model.tokenizer import Tokenizer
 
-    mini = build_preset("kimi-k2-mini", tmp_path_factory.mktemp("mini") / "m", dtype="float32", progress=False)
+    mini = preset("kimi-k2-mini", dtype="float32")
     tok = Tokenizer.from_dir(mini)
     ps = [tok.encode(t) for t in ("The weather in Paris is", "def add(a, b):\n    return", "Once upon a time")]
     want, _, _ = run(mini, ps, SamplingParams(max_tokens=40))

@@ -16,17 +16,16 @@ from ray import serve
 
 from deploy.app import build_app
 from deploy.config import ServeConfig
-from model.presets import build_preset
 from quant_bytes import expert_checkpoint_bytes
 from deploy.server import wait_ready
+from tests.presets import preset
 
 BLOCKS, BLOCK = 6, 16  # 96 tokens of cache per replica, against a 4096-token context
 
 
 @pytest.fixture(scope="module")
-def server(serve_port, tmp_path_factory):
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("qserve") / "k2", quant="fp8", seed=6,
-                        progress=False)
+def server(serve_port):
+    path = preset("kimi-k2-tiny", quant="fp8", seed=6)
     port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name="k2", attention=1, experts=2, port=port,
                       num_blocks=BLOCKS, block_size=BLOCK, max_num_seqs=4)

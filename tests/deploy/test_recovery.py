@@ -18,7 +18,7 @@ from live import KEY, deploy, finish, oracle_soon, start_streams
 from ray import serve
 
 from deploy.server import healthy
-from model.presets import build_preset
+from tests.presets import preset
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -39,7 +39,7 @@ def test_no_capacity_answers_503_with_retry_after_and_heals_when_a_node_returns(
     why; the node comes back and the app serves again, by itself."""
     ip = "127.0.0.9"
     node = ray_cluster.add_node(ip, num_cpus=2)
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("cap") / "cap", seed=13, progress=False)
+    path = preset("kimi-k2-tiny", seed=13)
     try:
         expected = oracle_soon(path, _prompts(2), 30)
         url = deploy(serve_port, path, "cap", serve_on=0, attention=1, experts=2, expert_nodes=[ip],
