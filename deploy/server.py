@@ -103,25 +103,7 @@ def read_state(root: Path) -> dict | None:
 def _up_alive(state: dict) -> bool:
     """The `up` process of ``state`` runs (the same process: a PID reused since is not it)."""
     start = state.get("pid_start")
-    return _alive(state.get("pid")) and (start is None or owned.start_time(state["pid"]) in (start, None))
-
-
-def _alive(pid) -> bool:
-    """The process runs. A zombie (exited, not yet reaped by its parent, e.g. a `moeray up` started
-    by a script that has not waited for it yet) counts as gone."""
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no procfs: trust kill(0)
-        return True
+    return owned.running(state.get("pid")) and (start is None or owned.start_time(state["pid"]) in (start, None))
 
 
 def ensure_not_running(root: Path, host: str | None = None, port: int | None = None) -> None:
@@ -411,13 +393,13 @@ def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
     if _up_alive(state):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while owned.running(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
             try:  # reap it if it is our child (detached runs are not)
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
-        if _alive(pid):
+        if owned.running(pid):
             os.kill(pid, signal.SIGKILL)
         try:  # what it recorded last (a head node it started again since this was read)
             state["pids"] = json.loads(state_file(root).read_text()).get("pids", state.get("pids", []))
