@@ -69,7 +69,6 @@ def workload(convs: int, turns: int, system: int, seed: int = 26) -> tuple[list[
 def _drain(eng: Engine) -> None:
     while eng.busy:  # the async engine's loop; refresh jobs (K3) run here too
         eng.pipelined()
-        eng.record()
 
 
 def _prefix_counters(eng: Engine) -> tuple[int, int]:
@@ -174,7 +173,8 @@ def bench_preset(preset: str, args, lc_dir: str) -> dict:
             print(json.dumps({"preset": preset, "round": r, "phase": "random",
                               **{f"tok_s_{m}": round(rand[m][-1]["tok_s"], 1) for m in MODES}}), flush=True)
         on = engines["on"]
-        grid, cap_count, each = snapshot_plan(on.config, on.model_cfg)
+        plan = snapshot_plan(on.config, on.model_cfg)
+        grid, cap_count, each = plan.grid, plan.count, plan.bytes_each
         snap_end = snapshots_in_use(on)
         evicted = sum(p.num_evicted for p in on.scheduler.cache.snaps) if on.scheduler.cache.snaps else 0
     finally:

@@ -19,46 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from model.sampling import SamplingParams, draw_seed, sample
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the tests' reference
+from tests.model.test_sampling import old_sample  # noqa: E402  (the sampler before issue 10, kept frozen there)
+
 HIDDEN = 7168  # Kimi K2 / DeepSeek-V3
 
 
-# ---- the sampler before issue 10, verbatim: the reference ----------------------------------------
-def _old_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits [B, V] outside each row's top-k (0 = all) and nucleus top-p."""
-    V = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    drop = rank >= k
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass strictly above this token
-    drop |= before >= top_p[:, None]
-    drop[:, 0] = False  # always keep the best token
-    return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf")))
-
-
-def old_sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
-    """logits [B, V] fp32 → next token ids [B]. ``seeds[b]`` from :func:`draw_seed` (None: unseeded)."""
-    out = logits.argmax(-1)
-    rows = [b for b, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return out
-    sub = logits[rows]
-    temp = torch.tensor([params[b].temperature for b in rows], dtype=sub.dtype)
-    top_k = torch.tensor([params[b].top_k for b in rows])
-    top_p = torch.tensor([params[b].top_p for b in rows], dtype=sub.dtype)
-    probs = _old_filter(sub / temp[:, None], top_k, top_p).softmax(-1)
-    for i, b in enumerate(rows):  # one draw per sequence, each from its own generator
-        gen = None if seeds[b] is None else torch.Generator().manual_seed(seeds[b])
-        out[b] = torch.multinomial(probs[i], 1, generator=gen).item()
-    return out
-# ---------------------------------------------------------------------------------------------------
 
 
 MODES = {  # name: (SamplingParams, seeded, logits std)

@@ -8,7 +8,7 @@ then run the real cluster (a local Ray cluster of 3 nodes, kimi-k2-tiny) for sev
 slots — and predict each with the simulator (the profile's costs, the run's own measured routing
 counts). Reports the measured and predicted output tokens/s and ITL p50 and the error of each.
 
-paper — the published figures at steady state (cluster.simulator.shape_capacity), with the one set
+paper — the published figures at steady state (cluster.capacity.search.shape_capacity), with the one set
 of GPU factors (cluster/costmodel.py), each in the anchor's own layout (data-parallel attention and
 expert parallelism on every device: colocated), with the anchor systems' decode exchange (`fp8-ll`,
 DeepEP's low-latency kernels), with `fp8-dedup` and with moeray's: SGLang's DeepSeek-V3 decode on 9 × 8 H100 (22.3k output tokens/s per node, 2k input,
@@ -33,8 +33,10 @@ from pathlib import Path
 
 from cluster.config import EngineConfig
 from cluster.costmodel import load_gpu
-from cluster.simulator import Recovery, Routing, Shape, Simulator, SimRequest, capacity_search, shape_capacity
-from cluster.stepcost import CpuCost, GpuCost
+from cluster.capacity.search import capacity_search, shape_capacity
+from cluster.capacity.simulator import Recovery, Routing, Simulator
+from cluster.capacity.stepcost import CpuCost, GpuCost, Shape
+from cluster.capacity.workload import SimRequest
 from model.config import load_config
 
 ROOT = Path(__file__).parents[1]
@@ -49,7 +51,7 @@ def plan_for(cfg, gpu: str, context: int):
 
 def capacity(cfg, gpu_name: str, shape: Shape, context: int, output: int, tpot_ms: float | None, *,
              exchange: str, routing: Routing | None = None) -> dict:
-    """One shape at steady state (cluster.simulator.shape_capacity): the largest batch per attention
+    """One shape at steady state (cluster.capacity.search.shape_capacity): the largest batch per attention
     replica within its layout's room whose decode step meets ``tpot_ms`` (None: the room), its
     tokens/s per GPU, the batch actually decoded and the ITL."""
     plan = plan_for(cfg, gpu_name, context + output)(shape)
@@ -178,7 +180,7 @@ def machine(quick: bool, runs: int) -> list[dict]:
 
     from cluster.engine import Engine
     from cluster.local import LocalCluster
-    from cluster.profile import profile
+    from cluster.capacity.profile import profile
     from cluster.spec import ClusterSpec
     from cluster.stats import TokenTiming
     from model.presets import build_preset

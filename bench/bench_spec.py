@@ -143,10 +143,10 @@ def main() -> int:
 
 def step_time(eng: Engine, params: SamplingParams, k: int | None) -> float:
     """The median wall time of one engine step of one decoding stream (drafting ``k``)."""
-    sched = eng.scheduler
+    policy = eng.scheduler.drafts
     if k is not None:  # every step carries k drafts, past the policies (a proposer that always proposes)
-        sched._draft = lambda seq, _k: [7] * min(k, seq.params.max_tokens - len(seq.output_ids) - 1)
-        sched.draft_length = lambda n: k
+        policy.propose = lambda seq, _k: [7] * min(k, seq.params.max_tokens - len(seq.output_ids) - 1)
+        policy.length = lambda n: k
     try:
         times = []
         for _ in range(3):
@@ -158,8 +158,8 @@ def step_time(eng: Engine, params: SamplingParams, k: int | None) -> float:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
     finally:
-        sched.__dict__.pop("_draft", None)
-        sched.__dict__.pop("draft_length", None)
+        policy.__dict__.pop("propose", None)
+        policy.__dict__.pop("length", None)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,6 @@ class AsyncEngine:
                     engine.advance()  # an epoch change can happen while idle too
                     continue
                 events = engine.pipelined()
-                engine.record()
                 t0 = time.perf_counter()
                 for ev in events:
                     self._deliver(ev)

@@ -263,9 +263,19 @@ def serve_knobs() -> list[tuple[str, dataclasses.Field, type]]:
     return out
 
 
-def snapshot_plan(config: EngineConfig, model_cfg) -> tuple[int | None, int, int]:
-    """(grid, count, bytes each) of an attention replica's KDA state snapshots: None, 0, 0 unless
-    the model has KDA layers and prefix caching is on. The grid is the least common multiple of
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """An attention replica's KDA state snapshots (:func:`snapshot_plan`): the token grid they sit
+    on, how many, and the bytes of each; none without KDA layers or prefix caching."""
+
+    grid: int | None = None
+    count: int = 0
+    bytes_each: int = 0
+
+
+def snapshot_plan(config: EngineConfig, model_cfg) -> SnapshotPlan:
+    """An attention replica's KDA state snapshots: none unless the model has KDA layers and prefix
+    caching is on. The grid is the least common multiple of
     the block size and the KDA chunk, so that a prefill split on it computes what an unsplit one
     does; the count is what ``snapshot_bytes`` holds, and no more than the grid boundaries the
     cache has blocks for."""
@@ -275,7 +285,7 @@ def snapshot_plan(config: EngineConfig, model_cfg) -> tuple[int | None, int, int
 
     cache = config.cache
     if not (cache.prefix_caching and model_cfg.kda_layers):
-        return None, 0, 0
+        return SnapshotPlan()
     grid = math.lcm(cache.block_size, KDA_CHUNK)
     each = state_bytes_per_sequence(model_cfg, parse_dtype(config.dtype).itemsize)["total"]
-    return grid, min(cache.snapshot_bytes // each, cache.num_blocks * cache.block_size // grid), each
+    return SnapshotPlan(grid, min(cache.snapshot_bytes // each, cache.num_blocks * cache.block_size // grid), each)

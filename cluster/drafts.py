@@ -20,16 +20,31 @@ closes for the prefix cache. The window is one, over all salts (``max_cached_req
 all, the oldest leaving first, whatever its salt), each output in its own salt's trie, and a salt's
 trie goes when its last output leaves: memory stays bounded however many salts come.
 
-Owns: per sequence, its index (built incrementally: each token is indexed once, O(depth) work,
-never a scan of the sequence), and the window of finished outputs, per salt. Never: decides how
-many drafts a sequence may carry (the scheduler's policy does), or sees a tensor.
+How many drafts a decoding sequence carries is :class:`DraftPolicy`'s: the adaptive length's batch
+half (:meth:`~cluster.config.SpeculativeConfig.draft_length`) times the sequence's recent acceptance,
+resting a sequence whose drafts keep failing, never past its limits. The scheduler asks it while
+planning a step and tells it what each step accepted.
+
+Owns: the proposer, per sequence its index (built incrementally: each token is indexed once,
+O(depth) work, never a scan of the sequence) and its recent acceptance rate, and the window of
+finished outputs, per salt. Never: allocates cache or decides which sequences run (the scheduler
+does), or sees a tensor.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from model.runner import Sequence, banned_ids
+
+if TYPE_CHECKING:
+    from .config import SpeculativeConfig
+
+DRAFT_FLOOR = 0.15  # a sequence whose drafts' acceptance rate is below this drafts nothing for a while
+DRAFT_PROBE = 0.02  # … its rate climbing back by this each step, so that it tries again
 
 
 class Drafter(Protocol):
@@ -245,3 +260,57 @@ def make_drafter(spec) -> Drafter:
         return SuffixDrafter(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                              spec.suffix_decoding_min_token_prob)
     raise ValueError(f"speculative: unknown method {spec.method!r}")
+
+
+class DraftPolicy:
+    """How many drafts each decoding sequence carries, and which (docs/architecture.md "Speculative
+    decoding", "In the plan"): the scheduler asks :meth:`length` for the step's batch and
+    :meth:`propose` for each sequence, reports each step's acceptance (:meth:`verified`) and each
+    step a sequence decodes without drafts (:meth:`rest`, async scheduling's steps sent ahead), and
+    hands it every finished sequence (:meth:`finished`)."""
+
+    def __init__(self, speculative: SpeculativeConfig, stop_ids: frozenset[int], max_context: int):
+        self.speculative, self.stop_ids, self.max_context = speculative, stop_ids, max_context
+        self.drafter: Drafter = make_drafter(speculative)
+        self.rates: dict[int, float] = {}  # seq id → its drafts' recent acceptance (a moving average; 1 at first)
+
+    def length(self, decoding: int) -> int:
+        """The most drafts one sequence may carry in a step where ``decoding`` sequences decode."""
+        return self.speculative.draft_length(decoding)
+
+    def may_draft(self, seqs: list[Sequence]) -> bool:
+        """Whether some of ``seqs`` (the whole batch decoding) may carry drafts in their next step."""
+        return self.length(len(seqs)) > 0 and any(self.rates.get(s.seq_id, 1.0) >= DRAFT_FLOOR for s in seqs)
+
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to ``k`` draft tokens for ``seq``'s next step: fewer as its drafts were recently
+        rejected (its acceptance rate's share of ``k``, at least one; none while it rests), none
+        while its stop ids are banned (before ``min_tokens``), and never past its length limits (its
+        token after the drafts counts). A decode chunk never ends at a KDA snapshot boundary (those
+        are at or before its last known token), so drafts and snapshots never meet."""
+        if k <= 0 or seq.is_refresh or self.rest(seq):
+            return []
+        k = min(k, max(1, math.ceil(k * self.rates.get(seq.seq_id, 1.0))),
+                seq.params.max_tokens - len(seq.output_ids) - 1, self.max_context - len(seq.token_ids) - 1)
+        if k <= 0 or banned_ids(seq, len(seq.token_ids), self.stop_ids):
+            return []
+        return self.drafter.propose(seq.seq_id, seq.token_ids, k, salt=seq.cache_salt)
+
+    def rest(self, seq) -> bool:
+        """Whether ``seq``'s drafts rest this step: they kept failing (its acceptance rate is under
+        DRAFT_FLOOR), so it decodes without them, its rate climbing back by DRAFT_PROBE in each such
+        step until it probes again. Every decode step of a sequence counts: those the scheduler
+        plans and those async scheduling sends ahead."""
+        rate = self.rates.get(seq.seq_id, 1.0)
+        if rate < DRAFT_FLOOR:
+            self.rates[seq.seq_id] = rate + DRAFT_PROBE
+            return True
+        return False
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        """A step verified ``drafted`` drafts of ``seq`` and the actor accepted ``accepted``."""
+        self.rates[seq.seq_id] = 0.5 * self.rates.get(seq.seq_id, 1.0) + 0.5 * accepted / drafted
+
+    def finished(self, seq) -> None:
+        self.rates.pop(seq.seq_id, None)
+        self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, salt=seq.cache_salt)

@@ -33,7 +33,8 @@ from .config import EngineConfig
 from .epochs import EpochChange, Epochs, Transition
 from .errors import EngineError, NoCapacity, RequestsFailed, StepFailed
 from .executor import Executor, Sent
-from .scheduler import Plan, Scheduler, SchedulerSnapshot, Seq
+from .scheduler import Applied, Plan, Scheduler, SchedulerSnapshot
+from .seq import Seq
 from .stats import EngineStats, StepRecord
 from .spec import ClusterSpec
 
@@ -74,6 +75,18 @@ class Launched:
     sent: Sent  # where it went, from Executor.launch
     t0: float
     table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
+
+
+@dataclass(frozen=True)
+class StepResults:
+    """A finished step's results, until its statistics are recorded (:meth:`Engine._record`)."""
+
+    tokens: int
+    attn: list  # [StepResult]
+    expert: list  # [ExpertStepResult]
+    step_s: float
+    table: PlacementTable  # the epoch it ran in
+    verifying: bool  # it verified drafts
 
 
 @dataclass(frozen=True)
@@ -143,8 +156,7 @@ class Engine:
         self._ids = itertools.count()
         self.step_no = 0
         self.ping_pong = config.data_plane.ping_pong  # may be switched between steps
-        self._unrecorded: tuple | None = None  # the last finished step's results, until record()
-        self._verifying = False  # the last finished step verified drafts
+        self._unrecorded: StepResults | None = None  # the last finished step's results, until _record()
         self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
         self.snapshot: SchedulerSnapshot = self.scheduler.snapshot()  # what other threads read (publish)
 
@@ -230,20 +242,22 @@ class Engine:
         if not self.inflight and self.launch() is None:
             return []
         events = self.finish()
-        self.record()
+        self._record()
         return events
 
     def pipelined(self) -> list[TokenEvent]:
         """One turn of the pipelined loop (the async engine's and :meth:`generate`'s): finish the
         oldest step in flight (launched now if none is), with the next step sent ahead of its
-        results where it can be (:meth:`launch_ahead`), else launched once they are applied.
-        Returns the finished step's events; its statistics wait for :meth:`record`."""
+        results where it can be (:meth:`launch_ahead`), else launched once they are applied; the
+        finished step's statistics are recorded last, while the actors run the next one. Returns
+        the finished step's events."""
         if not self.inflight and self.launch() is None:
             return []
         self.launch_ahead()
         events = self.finish()
         if not self.inflight and self.has_work:
             self.launch()
+        self._record()
         return events
 
     def launch(self) -> Launched | None:
@@ -277,7 +291,9 @@ class Engine:
         chunks = [c for replica in current.plan.chunks for c in replica]
         if not chunks or not all(c.sample and not c.draft for c in chunks):
             return None  # (a sequence with drafts: where its next token sits depends on how many are accepted)
-        if self.scheduler.may_draft([s for c in chunks if (s := self.scheduler.seqs.get(c.seq_id)) is not None]):
+        drafts = self.scheduler.drafts
+        if drafts is not None and drafts.may_draft(
+                [s for c in chunks if (s := self.scheduler.seqs.get(c.seq_id)) is not None]):
             return None  # speculation pauses async scheduling: the next step's drafts follow this one's tokens
         max_ctx, nxt = self.model_cfg.max_position_embeddings, []
         for c in chunks:
@@ -330,12 +346,12 @@ class Engine:
         if not self.config.mtp:
             return ()
         seqs = [s for r in plan.chunks for c in r if (s := self.scheduler.seqs.get(c.seq_id)) is not None]
-        return () if self.scheduler.may_draft(seqs) else (self.model_cfg.num_hidden_layers,)
+        return () if self.scheduler.drafts.may_draft(seqs) else (self.model_cfg.num_hidden_layers,)
 
     def finish(self) -> list[TokenEvent]:
         """Wait for the oldest step in flight and apply its tokens; its statistics wait for
-        :meth:`record`. A failed step is undone, with the step sent ahead of it, and the dead actors
-        replaced (raises NoCapacity when that is impossible). After ``max_step_retries`` failed
+        :meth:`_record` (the loops call it). A failed step is undone, with the step sent ahead of
+        it, and the dead actors replaced (raises NoCapacity when that is impossible). After ``max_step_retries`` failed
         redos in a row the failed step's sequences are dropped instead (raises RequestsFailed)."""
         if not self.inflight:
             return []
@@ -343,10 +359,9 @@ class Engine:
         t0 = time.perf_counter()
         try:
             attn, expert = self.executor.collect(launched.step, launched.sent)
-            tokens = [t for r in attn for t in r.tokens]
-            # drafts accepted, the rest's cache given back; an answer that contradicts the step's drafts
-            # (an actor's bug, a version skew) fails the step as a failed collective does
-            verified = self.scheduler.verified(launched.plan, tokens)
+            # the step's results into the scheduler; an answer that contradicts the step's drafts (an
+            # actor's bug, a version skew) fails the step as a failed collective does
+            update = self.scheduler.update(launched.plan, [t for r in attn for t in r.tokens])
         except StepFailed as failure:
             # a step sent ahead read this one's samples: it is undone too (its actors refuse it)
             failed = [s.plan for s in reversed(self.inflight)] + [launched.plan]
@@ -357,16 +372,16 @@ class Engine:
         t1 = time.perf_counter()
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
-        if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts (not of sequences ended meanwhile)
+        if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts (not of sequences ended)
             seqs = self.scheduler.seqs
             for r in attn:
-                self.scheduler.drafter.record([d for d in r.drafts if d[0] in seqs])
-        self.scheduler.completed(launched.plan, verified)  # what it wrote may be shared from now on
-        events = self._apply(tokens)
-        self.stats.observe_drafts(verified)
+                self.scheduler.drafts.drafter.record([d for d in r.drafts if d[0] in seqs])
+        self._record()  # a step finished before without its statistics recorded (a caller's own loop)
+        events = self._events(update.applied)
+        self.stats.observe_drafts(update.verified)
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
-        self._unrecorded = (launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table)
-        self._verifying = bool(verified)
+        self._unrecorded = StepResults(launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table,
+                                    verifying=bool(update.verified))
         return events
 
     def publish(self) -> None:
@@ -374,16 +389,16 @@ class Engine:
         the engine thread calls it between steps; nobody else reads the live scheduler."""
         self.snapshot = self.scheduler.snapshot()
 
-    def record(self) -> None:
+    def _record(self) -> None:
         """The finished step's statistics: the router's counts, the engine's, the automatic policy."""
-        results, self._unrecorded = self._unrecorded, None
-        if results is None:
+        done, self._unrecorded = self._unrecorded, None
+        if done is None:
             return
         t0 = time.perf_counter()
-        rec = StepRecord.of(*results)
+        rec = StepRecord.of(done.tokens, done.attn, done.expert, done.step_s, done.table)
         if rec.expert_tokens is not None:
             self.router.report(rec.expert_tokens, rec.actor_tokens, epoch=rec.epoch)
-            if self._verifying:
+            if done.verifying:
                 self.stats.observe_verify_experts(rec.expert_tokens)
         self.stats.record_step(rec)
         self.epochs.auto_rebalance(self.stats.steps)
@@ -405,10 +420,10 @@ class Engine:
             out.append(groups)
         return out
 
-    def _apply(self, sampled: list[SampledToken]) -> list[TokenEvent]:
-        """The scheduler applies the tokens; the engine times them and makes the streams' events."""
+    def _events(self, applied: list[Applied]) -> list[TokenEvent]:
+        """The tokens the scheduler applied, timed, as the streams' events."""
         events = []
-        for seq, tok, reason in self.scheduler.apply(sampled):
+        for seq, tok, reason in ((a.seq, a.token, a.reason) for a in applied):
             req = self.requests.get(seq.seq_id)
             now = time.monotonic()
             if req is not None:
@@ -504,13 +519,12 @@ class Engine:
         while not t.done.done():
             if self.busy:  # a change pends: nothing is sent ahead, so the loop reaches a step boundary
                 self.pipelined()
-                self.record()
             else:
                 self.advance()
                 time.sleep(0.01)
         while self.inflight:
             self.finish()
-            self.record()
+            self._record()
         return t.done.result()
 
     # ---- offline use --------------------------------------------------------------------------
@@ -521,7 +535,6 @@ class Engine:
         ids = [self.add_request(p, sp, cache_salt) for p, sp in zip(prompts, plist)]
         while self.busy:
             self.pipelined()
-            self.record()
         return [self.release(i).seq for i in ids]
 
     def speculative_status(self) -> dict | None:

@@ -369,12 +369,12 @@ class Fleet:
             return Member(RemoteWorker.options(**opts).remote(
                 self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange,
-                threads=c.data_plane.actor_threads, num_snapshots=snapshot_plan(c, self.model_cfg)[1],
+                threads=c.data_plane.actor_threads, num_snapshots=snapshot_plan(c, self.model_cfg).count,
                 expert_threads=c.data_plane.expert_threads, mtp=c.mtp), home)
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
             num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange, threads=c.data_plane.actor_threads,
-            num_snapshots=snapshot_plan(c, self.model_cfg)[1], mtp=c.mtp)
+            num_snapshots=snapshot_plan(c, self.model_cfg).count, mtp=c.mtp)
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:

@@ -42,7 +42,7 @@ class InProcessExecutor:
         for i in range(table.num_attention):
             w = AttentionWorker(c.model, index=i, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, threads=None,
-                                exchange=c.data_plane.exchange, num_snapshots=snapshot_plan(c, self.model_cfg)[1],
+                                exchange=c.data_plane.exchange, num_snapshots=snapshot_plan(c, self.model_cfg).count,
                                 local_experts=True, mtp=c.mtp)
             w.use_local_experts(table)
             self.workers.append(w)

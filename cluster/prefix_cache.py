@@ -23,30 +23,15 @@ hands the scheduler blocks, slots and refresh jobs to place); touches tensors or
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from actors.messages import SeqChunk
 
 from .block_pool import BlockPool, SnapshotPool
+from .config import CacheConfig, SnapshotPlan
+from .seq import CacheHold, Seq
 
-if TYPE_CHECKING:
-    from .scheduler import Seq
-
-
-@dataclass
-class CacheHold:
-    """One sequence's standing with the prefix cache; created with the sequence, written only by
-    :class:`PrefixCache`."""
-
-    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks (a memo)
-    snapshot: int | None = None  # the KDA snapshot it holds: its state after its first snapshot_at tokens
-    snapshot_at: int = 0
-    pending_snapshot: tuple[int, int] | None = None  # (snapshot, boundary) a step in flight saves into
-    on_grid: bool = True  # every chunk so far ended on the snapshot grid (its snapshots are exact)
-    num_registered_blocks: int = 0  # its first blocks whose content is registered (each once)
-    branch_point: int = 0  # hybrid: a grid boundary where its prompt leaves a cached prefix with no snapshot yet
 
 
 @dataclass(frozen=True)
@@ -63,21 +48,22 @@ NO_HIT = Hit()
 
 
 class PrefixCache:
-    def __init__(self, *, num_blocks: int, block_size: int, num_slots: int | None, caching: bool,
-                 grid: int | None, num_snapshots: int, step_budget: int):
-        """``num_slots``: KDA slots per replica (hybrid models; None otherwise). ``caching``: share
-        cached blocks between sequences. ``grid`` (hybrid models): the token grid KDA snapshots
-        sit on (a multiple of ``block_size``), with ``num_snapshots`` of them per replica.
-        ``step_budget``: the scheduler's tokens per step (a prefill that cannot reach the grid
-        within what is left of a step waits for the next one)."""
+    def __init__(self, cache: CacheConfig, *, hybrid: bool, snapshots: SnapshotPlan, step_budget: int):
+        """``cache``: blocks, block size, KDA slots per replica (``hybrid`` models only), whether
+        cached blocks are shared. ``snapshots`` (hybrid models): the token grid KDA snapshots sit on
+        (a multiple of the block size) and how many per replica. ``step_budget``: the scheduler's
+        tokens per step (a prefill that cannot reach the grid within what is left of a step waits
+        for the next one)."""
+        grid, block_size = snapshots.grid, cache.block_size
         if grid is not None and (grid < block_size or grid % block_size):
             raise ValueError(f"the snapshot grid ({grid}) must be a multiple of block_size ({block_size})")
-        self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
-        self.caching, self.step_budget = caching, step_budget
-        self.grid = grid if num_slots else None  # hybrid models only
-        self.num_snapshots = num_snapshots if caching and self.grid else 0
+        self.num_blocks, self.block_size = cache.num_blocks, block_size
+        self.num_slots = cache.num_slots if hybrid else None
+        self.caching, self.step_budget = cache.prefix_caching, step_budget
+        self.grid = grid if hybrid else None  # hybrid models only
+        self.num_snapshots = snapshots.count if self.caching and self.grid else 0
         self.blocks: list[BlockPool] = []
-        self.slots: list[BlockPool] | None = [] if num_slots else None
+        self.slots: list[BlockPool] | None = [] if self.num_slots else None
         self.snaps: list[SnapshotPool] | None = [] if self.num_snapshots else None
         self.jobs: dict[int, Seq] = {}  # refresh jobs, by their (negative) ids
         # per replica index, over the engine's life: prompt tokens looked up, and found cached

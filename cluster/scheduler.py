@@ -10,10 +10,10 @@ later from its prompt plus the tokens it has already produced. Where the cache l
 can be shared is the :class:`~cluster.prefix_cache.PrefixCache`'s, which the scheduler asks: a new
 sequence goes to the replica with most of it cached, weighed against load (:meth:`Scheduler._place`).
 
-A step's sampled tokens come back through :meth:`Scheduler.apply` (append, stop checks); a failed
-step is undone through :meth:`Scheduler.rewind`.
+A step's results come back through :meth:`Scheduler.update` (drafts verified, blocks registered,
+tokens appended and the stop checks run); a failed step is undone through :meth:`Scheduler.rewind`.
 Never: touches tensors or talks to actors — the engine turns a :class:`Plan` into messages; writes a
-sequence's :class:`~cluster.prefix_cache.CacheHold` (the prefix cache does).
+sequence's :class:`~cluster.seq.CacheHold` (the prefix cache does).
 """
 
 from __future__ import annotations
@@ -25,30 +25,15 @@ from dataclasses import dataclass, field
 
 from actors.messages import SampledToken, SeqChunk
 from model.logits import stateful
-from model.runner import Sequence, banned_ids, check_stop
+from model.runner import banned_ids, check_stop
 
-from .config import SpeculativeConfig, snapshot_plan
-from .drafts import make_drafter
+from .config import CacheConfig, SchedulerConfig, SnapshotPlan, SpeculativeConfig, snapshot_plan
+from .drafts import DraftPolicy
 from .errors import StepFailed
-from .prefix_cache import CacheHold, Hit, PrefixCache
+from .prefix_cache import Hit, PrefixCache
+from .seq import Seq
 
 
-DRAFT_FLOOR = 0.15  # a sequence whose drafts' acceptance rate is below this drafts nothing for a while
-DRAFT_PROBE = 0.02  # … its rate climbing back by this each step, so that it tries again
-
-
-@dataclass(eq=False)
-class Seq(Sequence):
-    """A sequence as the scheduler sees it: the runner's sequence plus where it lives."""
-
-    replica: int | None = None  # the attention replica it is pinned to while it has cache
-    num_preemptions: int = 0
-    cache_salt: str | None = None  # its blocks are shared only with sequences of the same salt
-    num_hit: int | None = None  # prompt tokens found cached at its first admission (usage's cached_tokens)
-    is_refresh: bool = False  # a refresh of a finished sequence's cache (no request, never samples)
-    reset_state_next: bool = False  # its next chunk is its first on its replica: zero or restore its KDA state
-    cache: CacheHold = field(default_factory=CacheHold)  # its standing with the prefix cache (the cache's)
-    draft_rate: float = 1.0  # speculative decoding: its drafts' recent acceptance (a moving average)
 
 
 @dataclass
@@ -77,6 +62,23 @@ class Verified:
 
 
 @dataclass(frozen=True)
+class Applied:
+    """One sampled token appended to its sequence, and the reason the sequence finished there, if it did."""
+
+    seq: Seq
+    token: SampledToken
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What a finished step changed (:meth:`Scheduler.update`): the drafts verified, the tokens applied."""
+
+    verified: list[Verified]
+    applied: list[Applied]
+
+
+@dataclass(frozen=True)
 class SchedulerSnapshot:
     """What readers on other threads see of the scheduler (``/metrics``, the queue check): taken by
     the engine thread between steps (:meth:`Scheduler.snapshot`, published by ``Engine.publish``),
@@ -93,23 +95,20 @@ class SchedulerSnapshot:
 
 
 class Scheduler:
-    def __init__(self, *, num_replicas: int, num_blocks: int, block_size: int, num_slots: int | None,
-                 max_num_seqs: int, max_tokens_per_step: int, stop_ids: frozenset[int] = frozenset(),
-                 max_context: int = 1 << 62, prefix_caching: bool = False, snapshot_grid: int | None = None,
-                 num_snapshots: int = 0, load_weight: float = 256.0, speculative: SpeculativeConfig | None = None):
-        """``prefix_caching``: share cached blocks between sequences. ``snapshot_grid`` (hybrid
-        models): the token grid KDA snapshots sit on (a multiple of ``block_size``), with
-        ``num_snapshots`` of them per replica. ``load_weight``: cached tokens one more running
-        sequence on a replica is worth in placement (see :meth:`_place`). ``speculative``: decoding
-        sequences carry draft tokens (see :meth:`_draft`)."""
-        if max_tokens_per_step < 1 or max_num_seqs < 1:
-            raise ValueError("max_tokens_per_step and max_num_seqs must be >= 1")
-        self.cache = PrefixCache(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
-                                 caching=prefix_caching, grid=snapshot_grid, num_snapshots=num_snapshots,
-                                 step_budget=max_tokens_per_step)
-        self.load_weight = load_weight
+    def __init__(self, scheduler: SchedulerConfig, cache: CacheConfig, *, num_replicas: int, hybrid: bool = False,
+                 stop_ids: frozenset[int] = frozenset(), max_context: int = 1 << 62,
+                 snapshots: SnapshotPlan = SnapshotPlan(), speculative: SpeculativeConfig | None = None):
+        """``scheduler``: the budget and the running sequences' cap; ``cache``: the prefix cache's
+        (blocks, KDA slots for ``hybrid`` models, sharing) and ``prefix_load_weight``, the cached
+        tokens one more running sequence on a replica is worth in placement (see :meth:`_place`).
+        ``snapshots`` (hybrid models): the KDA snapshots' grid and count per replica.
+        ``speculative``: decoding sequences carry draft tokens (:class:`~cluster.drafts.DraftPolicy`)."""
+        max_num_seqs, max_tokens_per_step = scheduler.max_num_seqs, scheduler.max_tokens_per_step
+        block_size = cache.block_size
+        self.cache = PrefixCache(cache, hybrid=hybrid, snapshots=snapshots, step_budget=max_tokens_per_step)
+        self.load_weight = cache.prefix_load_weight
         self.speculative = speculative
-        self.drafter = make_drafter(speculative) if speculative is not None else None
+        self.drafts = DraftPolicy(speculative, stop_ids, max_context) if speculative is not None else None
         self.lookahead = speculative is not None and speculative.method == "mtp"  # chunks say the token after them
         self.admitted: dict[int, int] = {}  # per replica index, over the engine's life: sequences placed there
         self.stop_ids, self.max_context = frozenset(stop_ids), max_context  # the model's stop tokens and context
@@ -125,13 +124,9 @@ class Scheduler:
     def for_engine(cls, config, model_cfg, num_replicas: int, stop_ids=frozenset()) -> "Scheduler":
         """The scheduler an engine with ``config`` (an :class:`~cluster.config.EngineConfig`) runs
         for ``model_cfg`` (the engine's, and the simulator's: the same decisions)."""
-        grid, num_snapshots, _ = snapshot_plan(config, model_cfg)
-        return cls(num_replicas=num_replicas, num_blocks=config.cache.num_blocks, block_size=config.cache.block_size,
-                   num_slots=config.cache.num_slots if model_cfg.kda_layers else None, max_num_seqs=config.scheduler.max_num_seqs,
-                   max_tokens_per_step=config.scheduler.max_tokens_per_step,
+        return cls(config.scheduler, config.cache, num_replicas=num_replicas, hybrid=bool(model_cfg.kda_layers),
                    stop_ids=frozenset(stop_ids) | frozenset(model_cfg.eos_token_ids),
-                   max_context=model_cfg.max_position_embeddings, prefix_caching=config.cache.prefix_caching,
-                   load_weight=config.cache.prefix_load_weight, snapshot_grid=grid, num_snapshots=num_snapshots,
+                   max_context=model_cfg.max_position_embeddings, snapshots=snapshot_plan(config, model_cfg),
                    speculative=config.speculative)
 
     @property
@@ -179,10 +174,20 @@ class Scheduler:
                 self._free(seq)
                 self.waiting.appendleft(seq)
 
-    def apply(self, sampled: list[SampledToken]) -> list[tuple[Seq, SampledToken, str | None]]:
+    def update(self, plan: Plan, sampled: list[SampledToken]) -> StepUpdate:
+        """A finished step's results, whole (vLLM's ``update_from_output``): its drafts verified
+        (an answer that contradicts them raises :class:`~cluster.errors.StepFailed` before anything
+        changes), what it wrote registered with the prefix cache, then its tokens applied — in that
+        order, so that a sequence finishing in this step leaves its blocks, accepted drafts
+        included, cached."""
+        verified = self._verified(plan, sampled)
+        self._completed(plan, verified)
+        return StepUpdate(verified, self._apply(sampled))
+
+    def _apply(self, sampled: list[SampledToken]) -> list[Applied]:
         """A finished step's sampled tokens: each is appended to its sequence and the stop checks run
         (a stopped sequence is finished and its cache freed). Tokens of sequences finished or
-        aborted meanwhile are dropped. Returns (sequence, token, finish reason or None) per token."""
+        aborted meanwhile are dropped."""
         out = []
         for tok in sampled:
             seq = self.seqs.get(tok.seq_id)
@@ -192,14 +197,14 @@ class Scheduler:
             reason = check_stop(seq, self.stop_ids, self.max_context)
             if reason:
                 self.finish(seq, reason)
-            out.append((seq, tok, reason))
+            out.append(Applied(seq, tok, reason))
         return out
 
-    def verified(self, plan: Plan, sampled: list[SampledToken]) -> list[Verified]:
+    def _verified(self, plan: Plan, sampled: list[SampledToken]) -> list[Verified]:
         """A finished step's drafts: each sequence that carried some keeps the cache of its input
         token and of the drafts accepted (the attention actor returned them and one more token);
         the positions of the rejected ones are given back (overwritten later) and its acceptance
-        rate moves. Call before :meth:`apply`. Returns what each sequence drafted and got accepted."""
+        rate moves. Returns what each sequence drafted and got accepted."""
         if self.speculative is None:
             return []
         got: dict[int, list[int]] = {}
@@ -222,23 +227,22 @@ class Scheduler:
             if len(seq.block_table) > keep:
                 self.cache.free_tail(seq, keep)
                 del seq.block_table[keep:]
-            seq.draft_rate = 0.5 * seq.draft_rate + 0.5 * (len(tokens) - 1) / c.draft
+            self.drafts.verified(seq, c.draft, len(tokens) - 1)
             out.append(Verified(c.seq_id, c.draft, accepted))
         return out
 
     def _kept(self, seq: Seq, tokens: list[int]) -> int:
         """Of a step's ``tokens`` for ``seq``, how many :meth:`apply` keeps: up to its first stop token
         (the tokens after it are dropped). Length limits need no check here: drafts never pass them
-        (:meth:`_draft`), and drafts are never made while stops are banned (``min_tokens``)."""
+        (:meth:`DraftPolicy.propose <cluster.drafts.DraftPolicy.propose>`), and drafts are never made while stops are banned (``min_tokens``)."""
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids)
         return next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
 
-    def completed(self, plan: Plan, verified: list[Verified] = ()) -> None:
+    def _completed(self, plan: Plan, verified: list[Verified]) -> None:
         """A step came back whole: what its chunks wrote may now be shared (the prefix cache
-        registers it), and the refresh jobs it finished end. Call before :meth:`apply`, so that a
-        sequence finishing there leaves its blocks cached. Of a chunk's drafts, only those accepted
-        count (``verified``: :meth:`verified`'s answer for the step)."""
+        registers it), and the refresh jobs it finished end. Of a chunk's drafts, only those
+        accepted count (``verified``: :meth:`_verified`'s answer for the step)."""
         accepted = {v.seq_id: v.accepted for v in verified}
         for r, chunks in enumerate(plan.chunks):
             for c in chunks:
@@ -285,8 +289,8 @@ class Scheduler:
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
-        if self.drafter is not None and not seq.is_refresh:
-            self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, salt=seq.cache_salt)
+        if self.drafts is not None and not seq.is_refresh:
+            self.drafts.finished(seq)
         if seq in self.running:
             self.running.remove(seq)
             job = self._refresh_job(seq) if reason != "abort" else None
@@ -323,7 +327,7 @@ class Scheduler:
         plan = Plan([[] for _ in range(self.num_replicas)])
         budget = self.budget
         decodes = [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]
-        k = self.draft_length(len(decodes))
+        k = self.drafts.length(len(decodes)) if self.drafts is not None else 0
         grown = []
         for seq in decodes:  # decodes first, each its one token (preempting the newest where it must) ...
             if budget == 0:
@@ -335,7 +339,7 @@ class Scheduler:
         for seq in grown:  # ... then drafts, from the room and budget left: drafts never preempt anything
             if seq.replica is None:  # preempted by a later decode's token
                 continue
-            draft = self._draft(seq, min(k, budget))
+            draft = self.drafts.propose(seq, min(k, budget)) if k else []
             if draft and not self.cache.fits(seq.replica, seq, len(draft)):
                 draft = []
             self._take(seq, len(draft))
@@ -375,8 +379,8 @@ class Scheduler:
             return None
         chunks = []
         for seq in seqs:
-            if self.drafter is not None:
-                self._resting(seq)  # a step without drafts: a resting sequence comes closer to its probe
+            if self.drafts is not None:
+                self.drafts.rest(seq)  # a step without drafts: a resting sequence comes closer to its probe
             start = seq.num_cached
             self._take(seq, 1)
             chunks.append(SeqChunk(seq.seq_id, (token,), start, tuple(seq.block_table), seq.state_slot,
@@ -388,45 +392,6 @@ class Scheduler:
         """The sequences that left ``replica`` since this was last asked (its next step says so)."""
         out, self.released[replica] = tuple(self.released[replica]), []
         return out
-
-    def draft_length(self, decoding: int) -> int:
-        """The adaptive length's batch half: the most drafts one sequence may carry in a step where
-        ``decoding`` sequences decode. Up to ``full_draft_batch`` sequences draft the full
-        ``num_speculative_tokens``; beyond, the step's drafts stay at that many sequences' worth,
-        shared (so a large batch, which is already compute-bound, spends nothing on drafts)."""
-        return 0 if self.speculative is None else self.speculative.draft_length(decoding)
-
-    def may_draft(self, seqs: list[Seq]) -> bool:
-        """Whether some of ``seqs`` (the whole batch decoding) may carry drafts in their next step."""
-        return self.draft_length(len(seqs)) > 0 and any(s.draft_rate >= DRAFT_FLOOR for s in seqs)
-
-    def _draft(self, seq: Seq, k: int) -> list[int]:
-        """Up to ``k`` draft tokens for ``seq``'s next step: fewer as its drafts were recently
-        rejected (its acceptance rate's share of ``k``, at least one; none for a few steps once
-        the rate is under DRAFT_FLOOR, the rate climbing back by DRAFT_PROBE each), none while its stop ids are
-        banned (before ``min_tokens``), and never past its length limits (its token after the
-        drafts counts). A decode chunk never ends at a KDA snapshot boundary (those are at or
-        before its last known token), so drafts and snapshots never meet."""
-        if k <= 0 or self.drafter is None or seq.is_refresh:
-            return []
-        if self._resting(seq):
-            return []
-        k = min(k, max(1, math.ceil(k * seq.draft_rate)), seq.params.max_tokens - len(seq.output_ids) - 1,
-                self.max_context - len(seq.token_ids) - 1)
-        if k <= 0 or banned_ids(seq, len(seq.token_ids), self.stop_ids):
-            return []
-        return self.drafter.propose(seq.seq_id, seq.token_ids, k, salt=seq.cache_salt)
-
-    @staticmethod
-    def _resting(seq: Seq) -> bool:
-        """Whether ``seq``'s drafts rest this step: its drafts kept failing (its acceptance rate is
-        under DRAFT_FLOOR), so it decodes without them, its rate climbing back by DRAFT_PROBE each
-        such step until it probes again. Every decode step of a sequence that may draft counts:
-        those :meth:`schedule` plans and those async scheduling sends ahead (:meth:`decode_ahead`)."""
-        if seq.draft_rate < DRAFT_FLOOR:
-            seq.draft_rate += DRAFT_PROBE
-            return True
-        return False
 
     def _chunk(self, seq: Seq, n: int, draft: list[int] = ()) -> SeqChunk:
         """``seq``'s next ``n`` tokens (``_take`` already advanced ``num_cached``), the last

@@ -48,21 +48,17 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
 SIGNATURE = "moeray"  # thinking blocks carry one (clients send it back); nothing is signed here
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
 _IGNORED = "Accepted and ignored."
 
 
-class _Block(_Strict):
+class _Block(Strict):
     """A content block: the fields of Anthropic's block params (what the SDK's response blocks dump to,
     ``None`` values included), unknown ones a 400 as at Anthropic."""
 
     cache_control: dict[str, Any] | None = Field(None, description="Accepted and ignored: caching is automatic.")
 
 
-class Caller(_Strict):
+class Caller(Strict):
     """Who made a tool call: ``direct`` (the model) or a code-execution tool (``tool_id``)."""
 
     type: StrictStr
@@ -106,13 +102,13 @@ class ToolResultBlock(_Block):
     toolset_name: StrictStr | None = Field(None, description=_IGNORED)
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: StrictStr
     signature: StrictStr | None = Field(None, description=_IGNORED)
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(Strict):
     """Not rendered: its ``data`` is Anthropic's encryption."""
 
     type: Literal["redacted_thinking"]
@@ -158,12 +154,12 @@ Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
 UNRENDERED = (RedactedThinkingBlock, ServerToolUseBlock, ServerToolResultBlock, ContainerUploadBlock)
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["user", "assistant"]
     content: Annotated[list[Block], BeforeValidator(_as_blocks, json_schema_input_type=Union[str, list[Block]])]
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["custom"] | None = None
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     description: StrictStr | None = None
@@ -171,28 +167,28 @@ class Tool(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: StrictStr | None = None
     disable_parallel_tool_use: StrictBool | None = None
 
 
-class Thinking(_Strict):
+class Thinking(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: StrictInt | None = Field(None, description=_IGNORED)
 
 
-class OutputFormat(_Strict):
+class OutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     format: OutputFormat | None = None
     effort: StrictStr | None = Field(None, description=_IGNORED)
 
 
-class _Request(_Strict):
+class _Request(Strict):
     """The fields both routes take (Anthropic's count_tokens params); any other top-level field is a 400
     naming it, as Anthropic's ``Extra inputs are not permitted``."""
 

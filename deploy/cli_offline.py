@@ -228,7 +228,7 @@ def simulate(
         slots = tuple(int(x) for x in redundant_slots.split(","))
     except ValueError:
         raise ValueError(f"--redundant-slots must be integers separated by commas, got {redundant_slots!r}") from None
-    from cluster.stepcost import EXCHANGES
+    from cluster.capacity.stepcost import EXCHANGES
 
     if exchange not in EXCHANGES:
         raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
@@ -254,7 +254,7 @@ def simulate(
 
 def _profile_cpu(model: str, profile_path: Path) -> None:
     """``simulate --profile``: time the real engine and actors on ``model`` here; save the table."""
-    from cluster.profile import profile as run_profile
+    from cluster.capacity.profile import profile as run_profile
 
     table = run_profile(str(resolve_model(model)), progress=lambda m: err.print(m))
     profile_path.parent.mkdir(parents=True, exist_ok=True)

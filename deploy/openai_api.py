@@ -1,11 +1,12 @@
 """The OpenAI protocol between HTTP bytes and the engine: errors in OpenAI's envelope, request
-parsing, request → :class:`SamplingParams`, prompts → token ids, stop strings over streamed
-text, and response / SSE chunk builders.
+parsing, request → :class:`SamplingParams`, prompts → token ids, response / SSE chunk builders,
+and the two renderers of OpenAI answers (:class:`CompletionStream`, :class:`ChatStream`: the output
+processor's pieces → chunks, or the whole body).
 
-Pure protocol: no Ray, no engine, no FastAPI app. The app module owns the routes and the one
-exception handler that turns :class:`APIError` into a response (``err.status``,
-``err.body()``, ``err.headers``). Nothing here may raise anything but :class:`APIError` for
-user input: a 500 is never the answer to a bad request.
+Pure protocol: no Ray, no engine, no FastAPI app. deploy/routes.py owns the one exception handler
+that turns :class:`APIError` into a response (``err.status``, ``err.body()``, ``err.headers``).
+Nothing here may raise anything but :class:`APIError` for user input: a 500 is never the answer to
+a bad request. Text (stop strings, logprobs' shape) is the output processor's (deploy/output.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from actors.messages import SampledToken
 from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                   TokenizeCompletionRequest)
 from model.chat_template import check_template_kwargs
@@ -29,18 +29,16 @@ from model.tokenizer import Tokenizer
 
 __all__ = [
     "APIError", "error_body", "from_validation_error", "parse_request", "resolve_model",
-    "sampling_params", "choice_params", "prompt_token_lists", "chat_prompt_ids", "StopStrings",
-    "ChoiceResult", "usage", "new_request_id", "completion_logprobs", "chat_logprobs",
-    "completion_response", "chat_response", "completion_chunk", "chat_chunk", "usage_chunk",
-    "models_response", "sse", "SSE_DONE", "CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest",
-    "TokenizeChatRequest", "DetokenizeRequest", "parse_tokenize", "tokenize_ids", "tokenize_response",
-    "detokenize_text", "text_lengths",
+    "sampling_params", "choice_params", "prompt_token_lists", "chat_prompt_ids", "usage", "new_request_id",
+    "completion_response", "chat_response", "completion_chunk", "chat_chunk", "usage_chunk", "CompletionStream",
+    "ChatStream", "models_response", "sse", "SSE_DONE", "CompletionRequest", "ChatCompletionRequest",
+    "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest", "parse_tokenize", "tokenize_ids",
+    "tokenize_response", "detokenize_text",
 ]
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 503: "service_unavailable"}
 SSE_DONE = "data: [DONE]\n\n"
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's floor
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -267,58 +265,7 @@ def chat_prompt_ids(req: ChatCompletionRequest | TokenizeChatRequest, tokenizer:
     return tokenizer.encode(text, allow_special=True)
 
 
-# ---------------------------------------------------------------- stop strings
-
-
-class StopStrings:
-    """Per-choice stop-string matcher over streamed text. Owns the text held back because it may
-    be the start of a stop string; never emits anything after a stop string, nor the stop string
-    itself (OpenAI excludes it) unless ``include`` (vLLM's ``include_stop_str_in_output``)."""
-
-    def __init__(self, stops: list[str], include: bool = False):
-        if any(not s for s in stops):
-            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
-        self.stops, self.include = list(stops), include
-        self.held = ""
-        self.stopped = False
-        self.matched: str | None = None  # the stop string that stopped the text
-
-    def push(self, delta: str) -> tuple[str, bool]:
-        """New text → (text safe to emit now, whether a stop string was reached)."""
-        if self.stopped:
-            return "", True
-        if not self.stops:
-            return delta, False
-        text = self.held + delta
-        hits = [(i, i + len(s), s) for s in self.stops if (i := text.find(s)) >= 0]
-        if hits:
-            self.stopped, self.held = True, ""
-            start, end, self.matched = min(hits)
-            return text[:end if self.include else start], True
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
-
-    def flush(self) -> str:
-        """End of the stream without a stop: the held-back text is output after all."""
-        held, self.held = ("" if self.stopped else self.held), ""
-        return held
-
-
 # ---------------------------------------------------------------- responses
-
-
-@dataclass
-class ChoiceResult:
-    """One finished choice, filled by the app. ``logprobs`` is None when not requested."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[SampledToken] | None = None
-    message: dict | None = None  # chat: the assembled assistant message (content, reasoning, tool calls)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -333,71 +280,30 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _lp(value: float | None) -> float:
-    return MIN_LOGPROB if value is None or math.isnan(value) else max(float(value), MIN_LOGPROB)
-
-
-def text_lengths(sampled: list[SampledToken], tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> list[int]:
-    """How far each token moves a choice's text offset: its text's length, 0 for a special token
-    left out of the text."""
-    skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-    return [0 if s.token_id in skip else len(tokenizer.decode([s.token_id])) for s in sampled]
-
-
-def completion_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer, *, text_offset: int = 0,
-                        skip_special_tokens: bool = True) -> dict:
-    """Legacy completions format. ``text_offset``: where the first of these tokens starts in the
-    choice's text (a stream's chunk continues from the tokens before it, so the streamed offsets
-    are the non-streamed ones); the offsets then advance by :func:`text_lengths`."""
-    assert tokenizer is not None, "rendering logprobs needs the tokenizer"
-    tokens = [tokenizer.decode([s.token_id]) for s in sampled]
-    offsets = []
-    for length in text_lengths(sampled, tokenizer, skip_special_tokens=skip_special_tokens):
-        offsets.append(text_offset)
-        text_offset += length
-    return {"tokens": tokens, "token_logprobs": [_lp(s.logprob) for s in sampled],
-            "top_logprobs": [{tokenizer.decode([i]): _lp(lp) for i, lp in s.top_logprobs} for s in sampled],
-            "text_offset": offsets}
-
-
-def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> dict:
-    return {"token": tokenizer.decode([token_id]), "logprob": _lp(logprob),
-            "bytes": list(tokenizer.token_bytes(token_id))}
-
-
-def chat_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer) -> dict:
-    assert tokenizer is not None, "rendering logprobs needs the tokenizer"
-    return {"content": [{**_chat_token(tokenizer, s.token_id, s.logprob),
-                         "top_logprobs": [_chat_token(tokenizer, i, lp) for i, lp in s.top_logprobs]}
-                        for s in sampled]}
-
-
-def completion_response(model: str, choices: list[ChoiceResult], usage: dict, *, tokenizer: Tokenizer | None = None,
-                        request_id: str | None = None, created: int | None = None,
-                        skip_special_tokens: bool = True) -> dict:
+def completion_response(model: str, choices: list, usage: dict, *, request_id: str | None = None,
+                        created: int | None = None) -> dict:
+    """``choices``: :class:`~deploy.output.ChoiceResult`\ s, their logprobs already shaped."""
     return {"id": request_id or new_request_id("cmpl"), "object": "text_completion",
             "created": created or int(time.time()), "model": model,
-            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": None if c.logprobs is None else completion_logprobs(
-                             c.logprobs, tokenizer, skip_special_tokens=skip_special_tokens)}
+            "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
                         for c in choices],
             "usage": usage}
 
 
-def chat_response(model: str, choices: list[ChoiceResult], usage: dict, *, tokenizer: Tokenizer | None = None,
-                  request_id: str | None = None, created: int | None = None) -> dict:
+def chat_response(model: str, choices: list, usage: dict, *, request_id: str | None = None,
+                  created: int | None = None) -> dict:
+    """``choices``: :class:`~deploy.output.ChoiceResult`\ s, their logprobs already shaped."""
     return {"id": request_id or new_request_id("chatcmpl"), "object": "chat.completion",
             "created": created or int(time.time()), "model": model,
             "choices": [{"index": c.index, "message": c.message or {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason,
-                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, tokenizer)}
+                         "finish_reason": c.finish_reason, "logprobs": c.logprobs}
                         for c in choices],
             "usage": usage}
 
 
 def completion_chunk(request_id: str, model: str, created: int, *, index: int, text: str,
                      finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-    """One streamed piece of one choice; ``logprobs`` from :func:`completion_logprobs`."""
+    """One streamed piece of one choice; ``logprobs`` from :func:`~deploy.output.completion_logprobs`."""
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
@@ -422,6 +328,82 @@ def usage_chunk(request_id: str, model: str, created: int, usage: dict, *, chat:
     """The last chunk before [DONE] with ``stream_options.include_usage``: no choices, only usage."""
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [], "usage": usage}
+
+
+class CompletionStream:
+    """A completion request's answer (``n`` choices per prompt), rendered from the output processor
+    (the renderer protocol of deploy/ingress.py): each piece is a chunk, the end the usage chunk (if
+    asked) and ``[DONE]``; :meth:`whole` is the non-streamed body of the same choices."""
+
+    chat = False
+
+    def __init__(self, model: str, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]):
+        self.model, self.req, self.prompts = model, req, prompts
+        self.id, self.created = new_request_id("chatcmpl" if self.chat else "cmpl"), int(time.time())
+        self.cached_tokens = 0
+        self.results: list = []  # every choice's ChoiceResult, once all ended
+
+    def start(self, cached_tokens: int) -> list:
+        self.cached_tokens = cached_tokens
+        return []
+
+    def feed(self, out, piece) -> list[dict]:
+        return [completion_chunk(self.id, self.model, self.created, index=out.index, text=piece.text,
+                                 finish_reason=piece.finish_reason, logprobs=piece.logprobs)]
+
+    def finish(self, outs: list) -> list:
+        self.results = [o.result() for o in outs]
+        if not self.req.include_usage:
+            return [SSE_DONE]
+        return [usage_chunk(self.id, self.model, self.created, self._usage(), chat=self.chat), SSE_DONE]
+
+    def _usage(self) -> dict:
+        return usage(sum(len(p) for p in self.prompts), sum(len(r.token_ids) for r in self.results),
+                     self.cached_tokens)
+
+    def whole(self) -> dict:
+        body = completion_response(self.model, self.results, self._usage(), request_id=self.id, created=self.created)
+        if self.req.return_token_ids:  # vLLM's fields: per choice, its ids and its prompt's
+            for choice, result in zip(body["choices"], self.results):
+                choice["token_ids"] = list(result.token_ids)
+                choice["prompt_token_ids"] = list(self.prompts[result.index // self.req.n])
+        return body
+
+    def failed(self, message: str) -> list:
+        return [error_body(503, message, code="engine_failed"), SSE_DONE]
+
+    def sse(self, event: dict | str) -> str:
+        return event if event == SSE_DONE else sse(event)
+
+
+class ChatStream(CompletionStream):
+    """A chat request's answer: each piece's deltas are chunks, one each, as OpenAI sends them (the
+    first of a choice carries the role, a piece's logprobs ride on its first, the finish reason on
+    its last)."""
+
+    chat = True
+
+    def __init__(self, model: str, req: ChatCompletionRequest, prompts: list[list[int]]):
+        super().__init__(model, req, prompts)
+        self.role_sent: set[int] = set()  # the choices whose first chunk is out
+
+    def feed(self, out, piece) -> list[dict]:
+        first = out.index not in self.role_sent
+        if not piece.deltas and piece.finish_reason is None and piece.logprobs is None and not first:
+            return []  # nothing to say yet (a call id or a split character held back)
+        self.role_sent.add(out.index)
+        deltas = piece.deltas or ({},)
+        return [chat_chunk(self.id, self.model, self.created, index=out.index, first=first and i == 0, delta=delta,
+                           finish_reason=piece.finish_reason if i == len(deltas) - 1 else None,
+                           logprobs=piece.logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
+
+    def whole(self) -> dict:
+        body = chat_response(self.model, self.results, self._usage(), request_id=self.id, created=self.created)
+        if self.req.return_token_ids:  # vLLM's fields: each choice's ids, the prompt's on the response
+            for choice, result in zip(body["choices"], self.results):
+                choice["token_ids"] = list(result.token_ids)
+            body["prompt_token_ids"] = list(self.prompts[0])
+        return body
 
 
 def models_response(model_names: list[str], created: int, *, max_model_len: int | None = None) -> dict:
@@ -456,5 +438,8 @@ def detokenize_text(req: DetokenizeRequest, tokenizer: Tokenizer) -> str:
     return tokenizer.decode(req.tokens)
 
 
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: dict, event: str | None = None) -> str:
+    """One server-sent event: OpenAI's chunks are bare ``data``; Anthropic's and the Responses API's
+    events are named."""
+    data = f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return data if event is None else f"event: {event}\n{data}"

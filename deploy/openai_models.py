@@ -90,21 +90,23 @@ StopTokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]] | None, Field(d
 NullOnly = WithJsonSchema({"type": "null", "description": "Not supported: only null is accepted."})
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A request model of any front door: an unknown field is a 400 naming it."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: StrictBool = False
     include_obfuscation: StrictBool | None = Field(None, description=_ignored("no obfuscation field is sent"))
 
 
-class CacheBreakpoint(_Strict):
+class CacheBreakpoint(Strict):
     mode: Literal["explicit"]
     ttl: Literal["30m", "12h"] | None = None
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: StrictStr
     prompt_cache_breakpoint: CacheBreakpoint | None = Field(None, description=_ignored(
@@ -115,12 +117,12 @@ Content = Annotated[StrictStr | list[TextPart] | None, _one_message(
     "must be a string, null, or a list of {'type': 'text', 'text': str} parts (only text is supported)")]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: StrictStr
     arguments: StrictStr | dict[str, Any] = ""
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """An assistant turn's call, as OpenAI returns it (and clients send back in the history)."""
 
     id: StrictStr | None = None
@@ -140,7 +142,7 @@ _MESSAGE_RULES = {"anyOf": [
      "required": ["tool_calls"]}]}
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -164,43 +166,43 @@ class ChatMessage(_Strict):
 # Validated here; what they do to the prompt and the sampling is the app's (deploy.openai_api).
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = Field(None, description="The arguments as a JSON Schema object.")
     strict: StrictBool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ToolName(_Strict):
+class ToolName(Strict):
     name: StrictStr
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: ToolName
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
     description: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="The output's JSON Schema.")
     strict: StrictBool | None = None
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(Strict):
     type: Literal["json_object"]
 
 
-class JsonSchemaResponseFormat(_Strict):
+class JsonSchemaResponseFormat(Strict):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
@@ -211,57 +213,57 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFor
 # ---------------------------------------------------------------- fields accepted and ignored
 
 
-class Prediction(_Strict):
+class Prediction(Strict):
     type: Literal["content"]
     content: StrictStr | list[TextPart]
 
 
-class VoiceId(_Strict):
+class VoiceId(Strict):
     id: StrictStr
 
 
-class AudioOutput(_Strict):
+class AudioOutput(Strict):
     format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
     voice: StrictStr | VoiceId
 
 
-class ApproximateLocation(_Strict):
+class ApproximateLocation(Strict):
     city: StrictStr | None = None
     country: StrictStr | None = None
     region: StrictStr | None = None
     timezone: StrictStr | None = None
 
 
-class UserLocation(_Strict):
+class UserLocation(Strict):
     type: Literal["approximate"]
     approximate: ApproximateLocation
 
 
-class WebSearchOptions(_Strict):
+class WebSearchOptions(Strict):
     search_context_size: Literal["low", "medium", "high"] | None = None
     user_location: UserLocation | None = None
 
 
-class ModerationPolicyMode(_Strict):
+class ModerationPolicyMode(Strict):
     mode: Literal["score", "block"]
 
 
-class ModerationPolicy(_Strict):
+class ModerationPolicy(Strict):
     input: ModerationPolicyMode | None = None
     output: ModerationPolicyMode | None = None
 
 
-class Moderation(_Strict):
+class Moderation(Strict):
     model: StrictStr
     policy: ModerationPolicy | None = None
 
 
-class PromptCacheOptions(_Strict):
+class PromptCacheOptions(Strict):
     mode: Literal["implicit", "explicit"] | None = None
     ttl: Literal["30m"] | None = None
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: StrictStr
 
 
@@ -269,7 +271,7 @@ def _fail(kind: str, message: str):
     raise PydanticCustomError(kind, message)
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(Strict):
     """Fields both endpoints share, in OpenAI's meaning (vLLM's for its extensions)."""
 
     model: StrictStr
@@ -462,7 +464,7 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---------------------------------------------------------------- /tokenize and /detokenize (vLLM's)
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(Strict):
     """POST /tokenize with a prompt: its token ids, as /v1/completions encodes it."""
 
     model: StrictStr | None = Field(None, description="The served model's name; may be left out.")
@@ -471,7 +473,7 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: StrictBool | None = Field(False, description="Also return each token as a string.")
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(Strict):
     """POST /tokenize with messages: the ids of the rendered chat template, as /v1/chat/completions
     encodes it."""
 
@@ -484,7 +486,7 @@ class TokenizeChatRequest(_Strict):
     return_token_strs: StrictBool | None = Field(False, description="Also return each token as a string.")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """POST /detokenize: token ids back to text (special tokens included)."""
 
     model: StrictStr | None = Field(None, description="The served model's name; may be left out.")

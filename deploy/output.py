@@ -3,30 +3,123 @@
 The engine streams ids (:class:`~cluster.aengine.StreamChunk`); text exists only here, on the
 Ingress, as in vLLM's front-end ``OutputProcessor``. :class:`ChoiceOutput` owns, for one choice:
 incremental decoding (special tokens left out unless ``skip_special_tokens`` is off; a UTF-8
-character split over tokens held back), stop strings (:class:`~deploy.openai_api.StopStrings`),
-for a chat turn with K2's markers the tool-call and reasoning parser
-(:class:`~deploy.tool_parser.ToolCallStream`), the streamed logprobs' text offsets, and the whole
-answer the pieces assemble into — so a non-streamed answer is always the assembly of the stream.
+character split over tokens held back), stop strings (:class:`StopStrings`), for a chat turn with
+K2's markers the tool-call and reasoning parser (:class:`~deploy.tool_parser.ToolCallStream`), the
+logprobs in OpenAI's two shapes (a completion's text offsets run on from piece to piece), and the
+whole answer the pieces assemble into (:class:`ChoiceResult`) — so a non-streamed answer is always
+the assembly of the stream.
 
 A sequence ended by its stop token (``finish_reason`` "stop" from the engine) has that token's text
 left out unless ``include_stop_str_in_output`` (vLLM's meaning); a stop string ends the choice here,
 and the caller then stops its sequence in the engine.
 
-Owns: the per-choice decode, parse and stop state. Never: talks to the engine, builds HTTP
-responses or SSE (deploy/ingress.py and deploy/openai_api.py do), or decides what the model may
-generate (the grammar is planned in deploy/chat_turn.py and applied on the attention actors).
+Owns: the per-choice decode, parse and stop state. Never: talks to the engine, imports a protocol
+module, builds HTTP responses or SSE (each API's renderer does, served by deploy/ingress.py), or
+decides what the model may generate (the grammar is planned in deploy/chat_turn.py and applied on
+the attention actors).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from actors.messages import SampledToken
 from cluster.aengine import StreamChunk
 from model.tokenizer import IncrementalDecoder, Tokenizer
 
 from .chat_turn import ChatPlan
-from .openai_api import ChoiceResult, StopStrings, chat_logprobs, completion_logprobs, text_lengths
 from .tool_parser import ToolCallStream
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's floor
+
+
+class StopStrings:
+    """Per-choice stop-string matcher over streamed text. Owns the text held back because it may
+    be the start of a stop string; never emits anything after a stop string, nor the stop string
+    itself (OpenAI excludes it) unless ``include`` (vLLM's ``include_stop_str_in_output``)."""
+
+    def __init__(self, stops: list[str], include: bool = False):
+        if any(not s for s in stops):
+            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
+        self.stops, self.include = list(stops), include
+        self.held = ""
+        self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """New text → (text safe to emit now, whether a stop string was reached)."""
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return delta, False
+        text = self.held + delta
+        hits = [(i, i + len(s), s) for s in self.stops if (i := text.find(s)) >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            start, end, self.matched = min(hits)
+            return text[:end if self.include else start], True
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """End of the stream without a stop: the held-back text is output after all."""
+        held, self.held = ("" if self.stopped else self.held), ""
+        return held
+
+
+# ---- logprobs, in OpenAI's two shapes ------------------------------------------------------------
+def _lp(value: float | None) -> float:
+    return MIN_LOGPROB if value is None or math.isnan(value) else max(float(value), MIN_LOGPROB)
+
+
+def text_lengths(sampled: list[SampledToken], tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> list[int]:
+    """How far each token moves a choice's text offset: its text's length, 0 for a special token
+    left out of the text."""
+    skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+    return [0 if s.token_id in skip else len(tokenizer.decode([s.token_id])) for s in sampled]
+
+
+def completion_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer, *, text_offset: int = 0,
+                        skip_special_tokens: bool = True) -> dict:
+    """Legacy completions format. ``text_offset``: where the first of these tokens starts in the
+    choice's text (a stream's chunk continues from the tokens before it, so the streamed offsets
+    are the non-streamed ones); the offsets then advance by :func:`text_lengths`."""
+    tokens = [tokenizer.decode([s.token_id]) for s in sampled]
+    offsets = []
+    for length in text_lengths(sampled, tokenizer, skip_special_tokens=skip_special_tokens):
+        offsets.append(text_offset)
+        text_offset += length
+    return {"tokens": tokens, "token_logprobs": [_lp(s.logprob) for s in sampled],
+            "top_logprobs": [{tokenizer.decode([i]): _lp(lp) for i, lp in s.top_logprobs} for s in sampled],
+            "text_offset": offsets}
+
+
+def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float | None) -> dict:
+    return {"token": tokenizer.decode([token_id]), "logprob": _lp(logprob),
+            "bytes": list(tokenizer.token_bytes(token_id))}
+
+
+def chat_logprobs(sampled: list[SampledToken], tokenizer: Tokenizer) -> dict:
+    return {"content": [{**_chat_token(tokenizer, s.token_id, s.logprob),
+                         "top_logprobs": [_chat_token(tokenizer, i, lp) for i, lp in s.top_logprobs]}
+                        for s in sampled]}
+
+
+# ---- one choice's output ---------------------------------------------------------------------------
+@dataclass
+class ChoiceResult:
+    """One finished choice, as :meth:`ChoiceOutput.result` assembles it. ``logprobs`` is None when not
+    requested, else already in the choice's shape (:func:`chat_logprobs` or :func:`completion_logprobs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: dict | None = None
+    message: dict | None = None  # chat: the assembled assistant message (content, reasoning, tool calls)
 
 
 @dataclass(frozen=True)
@@ -179,12 +272,16 @@ class ChoiceOutput:
         before them (as the non-streamed answer counts them)."""
         if not self.options.logprobs or not sampled:
             return None
+        lp = self._shaped(sampled, self._text_offset)
+        if not self.chat:
+            self._text_offset += sum(text_lengths(sampled, self.tok, skip_special_tokens=self.options.skip_special_tokens))
+        return lp
+
+    def _shaped(self, sampled: list, text_offset: int = 0) -> dict:
         if self.chat:
             return chat_logprobs(sampled, self.tok)
-        skip = self.options.skip_special_tokens
-        lp = completion_logprobs(sampled, self.tok, text_offset=self._text_offset, skip_special_tokens=skip)
-        self._text_offset += sum(text_lengths(sampled, self.tok, skip_special_tokens=skip))
-        return lp
+        return completion_logprobs(sampled, self.tok, text_offset=text_offset,
+                                   skip_special_tokens=self.options.skip_special_tokens)
 
     @property
     def stop_string(self) -> str | None:
@@ -194,5 +291,5 @@ class ChoiceOutput:
     # ---- the whole answer ------------------------------------------------------------------------
     def result(self) -> ChoiceResult:
         return ChoiceResult(self.index, self.text, self.token_ids, self.finish_reason,
-                            self.sampled if self.options.logprobs else None,
+                            self._shaped(self.sampled) if self.options.logprobs else None,
                             self.assembled.message() if self.chat else None)

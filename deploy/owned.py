@@ -60,6 +60,24 @@ def with_descendants(pids) -> set[int]:
     return out
 
 
+def running(pid) -> bool:
+    """The process runs. A zombie (exited, not yet reaped by its parent, e.g. a `moeray up` started
+    by a script that has not waited for it yet) counts as gone."""
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs: trust kill(0)
+        return True
+
+
 def alive(records) -> list[list[int]]:
     """The records whose process still runs (the same process: its start time matches)."""
     return [[pid, start] for pid, start in records if start_time(pid) == start]

@@ -46,11 +46,7 @@ BUILT_IN_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_0
                   "shell", "apply_patch", "custom"}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text", "json_schema", "json_object"]
     name: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -58,18 +54,18 @@ class TextFormat(_Strict):
     strict: StrictBool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description="Accepted and ignored.")
 
 
-class Reasoning(_Strict):
+class Reasoning(Strict):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="Accepted and ignored.")
     generate_summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="Accepted and ignored.")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     """POST /v1/responses."""
 
     model: StrictStr

@@ -103,25 +103,7 @@ def read_state(root: Path) -> dict | None:
 def _up_alive(state: dict) -> bool:
     """The `up` process of ``state`` runs (the same process: a PID reused since is not it)."""
     start = state.get("pid_start")
-    return _alive(state.get("pid")) and (start is None or owned.start_time(state["pid"]) in (start, None))
-
-
-def _alive(pid) -> bool:
-    """The process runs. A zombie (exited, not yet reaped by its parent, e.g. a `moeray up` started
-    by a script that has not waited for it yet) counts as gone."""
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no procfs: trust kill(0)
-        return True
+    return owned.running(state.get("pid")) and (start is None or owned.start_time(state["pid"]) in (start, None))
 
 
 def ensure_not_running(root: Path, host: str | None = None, port: int | None = None) -> None:
@@ -145,6 +127,14 @@ def ensure_not_running(root: Path, host: str | None = None, port: int | None = N
                 raise ValueError(f"something is already listening on {host}:{port}; choose another --port")
 
 
+def healthy(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether the app at ``url`` answers its ``/health`` with 200 within ``timeout_s``."""
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = None,
                stop: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout_s
@@ -153,11 +143,8 @@ def wait_ready(url: str, *, timeout_s: float, proc: subprocess.Popen | None = No
             return
         if proc is not None and proc.poll() is not None:
             raise ValueError(f"the server exited during start-up (code {proc.returncode})")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if healthy(url, 2):
+            return
         time.sleep(0.5)
     raise ValueError(f"the server did not become healthy at {url} within {timeout_s:.0f}s")
 
@@ -406,13 +393,13 @@ def stop_running(root: Path, *, timeout_s: float = 180) -> dict | None:
     if _up_alive(state):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while owned.running(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
             try:  # reap it if it is our child (detached runs are not)
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
-        if _alive(pid):
+        if owned.running(pid):
             os.kill(pid, signal.SIGKILL)
         try:  # what it recorded last (a head node it started again since this was read)
             state["pids"] = json.loads(state_file(root).read_text()).get("pids", state.get("pids", []))

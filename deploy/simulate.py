@@ -1,4 +1,4 @@
-"""`moeray simulate`: the simulator (cluster/simulator.py) from the command line — one shape, or a
+"""`moeray simulate`: the simulator (cluster/capacity/simulator.py) from the command line — one shape, or a
 search over the splits of N devices for a latency target — printed as a table, as JSON, or drawn
 (tokens/s per GPU against ITL, the Pareto front marked). On ``--gpu cpu`` the step costs come from
 this machine's profile (``--profile`` makes it)."""
@@ -101,9 +101,10 @@ def lengths(text: str, flag: str) -> int | tuple[int, int]:
 def run(model_cfg, a: SimArgs) -> list[dict]:
     """Simulate what the arguments ask; one summary per shape (with ``ok`` and ``pareto`` on a search)."""
     from cluster.costmodel import load_gpu
-    from cluster.simulator import (Routing, Shape, Simulator, capacity_search, poisson_failures, poisson_workload,
-                                   search, trace_workload)
-    from cluster.stepcost import CpuCost, GpuCost
+    from cluster.capacity.search import capacity_search, search
+    from cluster.capacity.simulator import Routing, Simulator
+    from cluster.capacity.stepcost import CpuCost, GpuCost, Shape
+    from cluster.capacity.workload import poisson_failures, poisson_workload, trace_workload
 
     cpu = a.gpu == "cpu"
     if cpu:

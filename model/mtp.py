@@ -22,14 +22,13 @@ from torch import nn
 
 from .cache import AttnMeta, ModelCache
 from .config import ModelConfig
+from .decoder import DecoderLayer, embedding
 from .layers import RMSNorm, RotaryEmbedding
 from .moe import run_stages
 
 
 class MTPLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding | None, experts: range | None):
-        from .model import DecoderLayer, _embedding  # model.py imports this module
-
         super().__init__()
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("the config declares no MTP layer (num_nextn_predict_layers is 0)")
@@ -37,7 +36,7 @@ class MTPLayer(nn.Module):
             raise ValueError(f"an MTP layer is DeepSeek-V3's (MLA decoder layers); this config is {cfg.model_type!r}")
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.index = cfg.num_hidden_layers
-        self.embed_tokens = _embedding(cfg.vocab_size, H)
+        self.embed_tokens = embedding(cfg.vocab_size, H)
         self.enorm = RMSNorm(H, eps)
         self.hnorm = RMSNorm(H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)

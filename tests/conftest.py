@@ -1,5 +1,5 @@
-"""Shared Ray fixtures for cluster tests, the `cluster` mark that the fast subset
-(``python -m pytest -q -m "not cluster" -n 2``) leaves out, and the in-process tests run once with Ray
+"""Shared Ray fixtures for cluster tests, the tiers (the `cluster` mark that the fast subset
+(``python -m pytest -q -m "not cluster" -n 2``) leaves out, `operator`, `ray_queue`), and the in-process tests run once with Ray
 blocked (:func:`pytest_ignore_collect`)."""
 
 import fnmatch
@@ -77,28 +77,11 @@ def serve_port(ray_cluster):
     return port
 
 
-# ---- the `cluster` mark: tests that start Ray, Serve, `moeray up`, sshd or Prometheus ----------------
-CLUSTER_FIXTURES = {"ray_cluster", "idle_cluster", "serve_port"}  # and whatever uses them, transitively
-# Tests that start their own cluster or server rather than through those fixtures: a path marks the
-# whole module, "path::test" one test (every parametrisation of it).
-CLUSTER_TESTS = frozenset({
-    "tests/test_readme.py::test_readme_quick_start_serves_and_stops",  # `moeray up --detach`
-    "tests/deploy/test_down.py",  # a foreground `moeray up`
-    "tests/deploy/test_head_loss.py",  # `moeray up --nodes 3`, a Redis, the head's processes killed
-    "tests/deploy/test_head_loss_noft.py",  # `moeray up --nodes 3`, its GCS killed
-    "tests/deploy/test_ray_up.py",  # a private sshd, `ray up`, `serve deploy`, a real Prometheus
-    "tests/deploy/test_fuzz_inproc.py::test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard",  # Prometheus
-    "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",  # --nodes 3
-    "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",
-    "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
-    "tests/cluster/test_simulator.py::test_cpu_profile_then_simulate_on_cpu",  # its own one-node cluster
-    "tests/test_owners.py::test_inprocess_tests_need_no_ray",  # every in-process app (HTTP servers), once
-    # five worker processes in a gloo group (the exchange over real process groups; the fast subset keeps the
-    # routing and the local dispatcher)
-    "tests/actors/test_dispatch.py::test_gloo_exchange_equals_local_dispatch",
-    "tests/actors/test_dispatch.py::test_peer_gone_or_stuck_raises_clear_error",
-    "tests/actors/test_colocated_exchange.py",  # 2 and 4 worker processes in a gloo group (the colocated exchange)
-})
+# ---- the tiers, each declared where the test stands --------------------------------------------------------
+# cluster: a test of the session's Ray cluster (it uses one of these fixtures, transitively) or one that
+# says so (``pytest.mark.cluster``); operator: one with a cluster or processes of its own
+# (``pytest.mark.operator``, itself a cluster test); ray_queue: a module that runs in the Ray tests' queue.
+CLUSTER_FIXTURES = {"ray_cluster", "idle_cluster", "serve_port"}
 
 
 # ---- the in-process tests: run once, with Ray blocked ----------------------------------------------------
@@ -118,35 +101,15 @@ def pytest_ignore_collect(collection_path, config):
 # ---- xdist groups (``-n 2 --dist loadgroup``, as CI runs the suite) -----------------------------------
 # Every test of the session's Ray cluster and Serve proxy runs on one worker, in file order, first; the
 # other worker runs the rest meanwhile, a module at a time (its module fixtures built once), and last the
-# tests with a cluster or processes of their own (OWN, one after another, never two beside each other).
+# tests with a cluster or processes of their own (the `operator` mark, one after another, never two beside each other).
 # The in-process tier's runner starts no Ray: it runs beside the Ray tests too. pytest-xdist's own loadgroup renames test ids
 # to carry the group, which pytest 9.2's structured node ids ignore; so the workers write each test's
 # group to a file (collection ends before scheduling starts) and :class:`_GroupScheduling` reads it.
 RAY_GROUP = "ray"
-NOT_RAY = frozenset({"tests/test_owners.py::test_inprocess_tests_need_no_ray"})
-# Modules without Ray that still run in the Ray group's queue, in file order: they keep both cores busy for a
-# while (engines in process), which beside the Ray tests' timed recoveries (test_hang's stall bound) made
-# those flaky in CI. They stay in the fast subset (not marked cluster).
-WITH_RAY = frozenset({"tests/cluster/test_spec.py"})
-# Tests that start processes, a Ray cluster or `moeray up` of their own (in a subprocess, on their own ports
-# and cache directories) and use nothing of the session's: one group, handed out last, so the worker that is
-# not running the session cluster's tests takes it once its own queue is done (it idles for most of the run
-# otherwise). They ran beside the session cluster before too, one after the other; they still do.
+# Tests with a cluster or processes of their own (the ``operator`` mark): one group, handed out last, so the
+# worker that is not running the session cluster's tests takes it once its own queue is done (it idles for
+# most of the run otherwise), one after the other.
 OWN_GROUP = "own"
-OWN = frozenset({
-    "tests/deploy/test_ray_up.py",
-    "tests/deploy/test_down.py",
-    "tests/deploy/test_head_loss.py",
-    "tests/deploy/test_head_loss_noft.py",
-    "tests/test_readme.py::test_readme_quick_start_serves_and_stops",
-    "tests/deploy/test_cli.py::test_generate_on_a_three_node_cluster_equals_single_process",
-    "tests/cluster/test_topology.py::test_local_cluster_starts_distinct_nodes_and_stops_them_all",
-    "tests/actors/test_dispatch.py::test_gloo_exchange_equals_local_dispatch",
-    "tests/actors/test_dispatch.py::test_peer_gone_or_stuck_raises_clear_error",
-    "tests/actors/test_colocated_exchange.py",
-    "tests/actors/test_device.py::test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda",
-    "tests/cluster/test_simulator.py::test_cpu_profile_then_simulate_on_cpu",
-})
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -154,16 +117,14 @@ def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
         path = Path(os.path.relpath(item.path, config.rootpath)).as_posix()
-        name = getattr(item, "originalname", item.name)
-        cluster = (CLUSTER_FIXTURES & set(item.fixturenames) or path in CLUSTER_TESTS
-                   or f"{path}::{name}" in CLUSTER_TESTS)
-        if cluster:
+        ray_tier = bool(CLUSTER_FIXTURES & set(item.fixturenames))
+        operator = item.get_closest_marker("operator") is not None
+        if (ray_tier or operator) and item.get_closest_marker("cluster") is None:
             item.add_marker(pytest.mark.cluster)
-        if f"{path}::{name}" in OWN or path in OWN:
+        if operator:
             groups[item.nodeid] = OWN_GROUP
         else:
-            groups[item.nodeid] = (RAY_GROUP if (cluster and f"{path}::{name}" not in NOT_RAY) or path in WITH_RAY
-                                   else path)
+            groups[item.nodeid] = RAY_GROUP if ray_tier or item.get_closest_marker("ray_queue") else path
     out = getattr(config, "workerinput", {}).get("moeray_groups")
     if out:  # an xdist worker: tell the controller's scheduler (every worker writes the same)
         tmp = f"{out}.{os.getpid()}"

@@ -41,6 +41,18 @@ def test_import_arrows(pkg, path):
         assert "os.environ" not in src and "getenv" not in src, f"{path.relative_to(ROOT)} reads the environment"
 
 
+def test_the_runtime_never_imports_the_capacity_wing():
+    """cluster/capacity/ (the simulator, its costs and the capacity search) sits above the engine: used by
+    `moeray simulate` / `plan` and the benchmarks, never by the runtime in cluster/."""
+    found = []
+    for f in sorted((ROOT / "cluster").rglob("*.py")):
+        if "capacity" in f.relative_to(ROOT / "cluster").parts:
+            continue
+        names = set(_local_imports(ast.parse(f.read_text()), "cluster." + f.stem, "cluster"))
+        found += [(f.name, n) for n in names if n.startswith("cluster.capacity")]
+    assert not found, found
+
+
 def test_walk_sees_every_package():
     assert {p for p, _ in _modules()} >= {"model", "deploy"}
 
@@ -84,3 +96,84 @@ def test_the_text_check_catches_the_engine_thread_that_decoded():
     old = ("from model.tokenizer import IncrementalDecoder, Tokenizer\n"
            "def _stream(tok, params):\n    return IncrementalDecoder(tok, skip_special_tokens=params.skip)\n")
     assert {w for _, w in _text_uses(ast.parse(old))} >= {"model.tokenizer", "IncrementalDecoder", "Tokenizer"}
+
+
+# ---- no import circle inside a folder ---------------------------------------------------------------------------
+def _local_imports(tree, module: str, pkg: str) -> set[str]:
+    """The modules of folder ``pkg`` that ``module`` (dotted, e.g. ``cluster.scheduler``) imports
+    anywhere in its text: at the top, inside functions, under ``TYPE_CHECKING`` alike."""
+    out, parent = set(), module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == pkg}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parent.rsplit(".", node.level - 1)[0] if node.level > 1 else parent
+                target = f"{base}.{node.module}" if node.module else base
+            elif node.module and node.module.split(".")[0] == pkg:
+                target = node.module
+            else:
+                continue
+            out.add(target)
+            out |= {f"{target}.{a.name}" for a in node.names}  # `from . import x`: the module x
+    return out
+
+
+def _circles(sources: dict[str, str]) -> list[list[str]]:
+    """The import circles among ``sources`` (dotted module name → its text): each a strongly
+    connected group of two or more modules, or one that imports itself."""
+    graph = {m: sorted(_local_imports(ast.parse(src), m, m.split(".")[0]) & sources.keys())
+             for m, src in sources.items()}
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_sources() -> dict[str, str]:
+    out = {}
+    for pkg in FORBIDDEN:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            rel = f.relative_to(ROOT).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            out[name] = f.read_text()
+    return out
+
+
+def test_no_import_circle_inside_a_folder():
+    """Modules of one folder import each other one way only (a local or TYPE_CHECKING import counts: it
+    hides a circle, it does not open it)."""
+    assert not _circles(_package_sources())
+
+
+def test_the_circle_check_finds_a_planted_circle():
+    sources = {"cluster.a": "from .b import B\n", "cluster.b": "def f():\n    from cluster.c import C\n",
+               "cluster.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+               "cluster.d": "from .a import A\n", "model.x": "import model.x\n"}
+    assert _circles(sources) == [["cluster.a", "cluster.b", "cluster.c"], ["model.x"]]
+    sources["cluster.c"] = "import os\n"
+    assert _circles(sources) == [["model.x"]]

@@ -1,6 +1,6 @@
 """One owner per piece of state, held statically (as tests/cluster/test_elastic.py holds the router to
 building placement tables): only the scheduler assigns a sequence's fields, only the prefix cache
-assigns a sequence's cache record (``Seq.cache``, a :class:`~cluster.prefix_cache.CacheHold`), and
+assigns a sequence's cache record (``Seq.cache``, a :class:`~cluster.seq.CacheHold`), and
 only the epoch owner (cluster/epochs.py) starts, commits or abandons a shape change. Also: the
 engine's fake-driven tests run with Ray not importable and without the shared conftest."""
 
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.prefix_cache import CacheHold
-from cluster.scheduler import Seq
+from cluster.seq import CacheHold, Seq
 
 ROOT = Path(__file__).parents[1]
 RUNTIME = ("model", "actors", "cluster", "deploy")
@@ -172,6 +171,7 @@ def test_fake_tests_need_no_ray(tmp_path):
     _passed(_run_without_ray(tmp_path, files, 300))
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(1500)
 def test_inprocess_tests_need_no_ray(tmp_path):
     """Every tests/**/test_*inproc*.py (the serving app in one process: HTTP semantics) passes with

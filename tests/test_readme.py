@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.deploy.hostprocs import listening, port_holders
 from tests.deploy.test_down import first_chunk_while_running
@@ -33,6 +34,7 @@ def test_ci_runs_the_readme_setup_and_test_commands():
     assert setup in ci and test in ci.splitlines()[-1]
 
 
+@pytest.mark.operator
 def test_readme_quick_start_serves_and_stops(tmp_path):
     """The quick start's commands in a shell, in order; before its last line (`moeray down`), what a
     detached `moeray up` with its default ingress must be (issue 9, Must show 5; issue 10): HAProxy holds

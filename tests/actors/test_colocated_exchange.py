@@ -11,6 +11,7 @@ import queue
 import socket
 import traceback
 
+import pytest
 import torch
 
 from actors.colocated import ColocatedExchange
@@ -18,6 +19,8 @@ from actors.framing import TOKEN_BYTES
 from actors.group import current_mesh, join_group
 from actors.messages import GroupInfo, PlacementTable
 from tests.actors.exact import DTYPES, FORMATS, E, H, K, Tally, experts, single
+
+pytestmark = pytest.mark.operator
 
 TOKEN = b"c" * TOKEN_BYTES
 # per W: placements, uneven and with replicated hot experts (per MoE layer)

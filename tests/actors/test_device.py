@@ -65,6 +65,7 @@ def test_choose_device_follows_the_assignment_not_torch():
         choose_device("expert[2]", gpu_ids=("1",), node="10.0.0.7", cuda_available=lambda: False)
 
 
+@pytest.mark.operator
 def test_fake_gpus_distinct_ids_cpu_without_and_a_clear_error_without_cuda(tmp_path):
     path = build_preset("kimi-k2-tiny", tmp_path / "k2", seed=1, progress=False)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "RAY_AUTH_MODE": "disabled"}

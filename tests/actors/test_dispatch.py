@@ -185,6 +185,7 @@ def gloo_answers(request):
     return _spawn(world=2 + 3, A=2, configs=CASES, mode="ok", wait_for=5 * len(CASES), transport=request.param)
 
 
+@pytest.mark.operator
 @pytest.mark.parametrize("exchange_format", ["dense", "sparse"])
 @pytest.mark.parametrize("slots", [UNEVEN, REPLICATED], ids=["uneven", "replicated"])
 def test_gloo_exchange_equals_local_dispatch(gloo_answers, slots, exchange_format):
@@ -253,6 +254,7 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
     assert max(per_actor) / (sum(per_actor) / 3) < max(contiguous) / (sum(contiguous) / 3)
 
 
+@pytest.mark.operator
 @pytest.mark.parametrize("transport", ["auto", "group"])
 @pytest.mark.parametrize("mode,exchange_format", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
 def test_peer_gone_or_stuck_raises_clear_error(mode, exchange_format, transport):
@@ -331,6 +333,7 @@ def _exact(rank, X, port, q):
         q.put(("crash", rank, traceback.format_exc()))
 
 
+@pytest.mark.operator
 @pytest.mark.parametrize("X", sorted(EXACT))
 def test_the_exchange_equals_the_single_process_bit_for_bit(X):
     """Each expert actor count, placement, format and dtype: every attention rank's routed rows are the

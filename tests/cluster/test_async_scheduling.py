@@ -13,21 +13,19 @@ import torch
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.loader import load_model
-from model.presets import build_preset
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 
 @pytest.fixture(scope="module")
-def k2(tmp_path_factory):
-    return build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("async") / "k2", seed=4, dtype="float32",
-                        progress=False)
+def k2():
+    return preset("kimi-k2-tiny", seed=4, dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def k3(tmp_path_factory):
-    return build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("async") / "k3", seed=4, dtype="float32",
-                        progress=False)
+def k3():
+    return preset("kimi-k3-tiny", seed=4, dtype="float32")
 
 
 def _prompts(n, seed=0):
@@ -80,7 +78,6 @@ def _pipelined_with_a_kill(eng, kill, at_step: int):
             kill()
             killed = True
         eng.finish()
-        eng.record()
     assert killed, "no step was ever sent ahead"
 
 

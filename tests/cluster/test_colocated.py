@@ -18,8 +18,8 @@ import single
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.spec import ClusterSpec
-from model.presets import build_preset
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 # small on purpose: prompts of up to 90 tokens prefill in chunks of 32, and 12 blocks of 16 hold
@@ -29,9 +29,8 @@ SMALL = dict(max_tokens_per_step=32, num_blocks=12, max_num_seqs=8, collective_t
 
 
 @pytest.fixture(scope="module")
-def presets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("colocated")
-    return {name: build_preset(name, root / name, seed=21, dtype="float32", progress=False)
+def presets():
+    return {name: preset(name, seed=21, dtype="float32")
             for name in ("kimi-k2-tiny", "kimi-k3-tiny")}
 
 
@@ -49,7 +48,6 @@ def _run(eng: Engine, prompts, params, at=None) -> list[list[int]]:
         if at is not None:
             at(turn)
         eng.pipelined()
-        eng.record()
     return [eng.release(i).seq.output_ids for i in ids]
 
 

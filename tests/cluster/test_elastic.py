@@ -14,20 +14,19 @@ from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config
 from model.corpus import documents
-from model.presets import build_preset
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 
 import single
+from tests.presets import preset
 
 ROOT = Path(__file__).parents[2]
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def presets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("elastic")
-    return {name: build_preset(name, root / name, seed=5, dtype="float32", progress=False)
+def presets():
+    return {name: preset(name, seed=5, dtype="float32")
             for name in ("kimi-k2-tiny", "kimi-k3-tiny", "kimi-k2-mini")}
 
 

@@ -14,18 +14,17 @@ from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config
 from model.loader import load_model
-from model.presets import build_preset
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
+from tests.presets import preset
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="session")
-def presets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("presets")
-    return {name: build_preset(name, root / name, seed=2, dtype="float32", progress=False)
+def presets():
+    return {name: preset(name, seed=2, dtype="float32")
             for name in ("kimi-k2-tiny", "deepseek-v3-tiny", "kimi-k3-tiny")}
 
 

@@ -62,7 +62,6 @@ def drain(eng: Engine, max_turns: int = 2000) -> None:
         if not eng.busy:
             return
         eng.pipelined()
-        eng.record()
     raise AssertionError(f"no end after {max_turns} turns: {len(eng.scheduler.running)} running, "
                          f"{len(eng.scheduler.waiting)} waiting")
 
@@ -80,7 +79,6 @@ def started(eng: Engine, ps, params, turns: int) -> list[int]:
     ids = [eng.add_request(p, params) for p in ps]
     for _ in range(turns):
         eng.pipelined()
-        eng.record()
     return ids
 
 
@@ -229,7 +227,6 @@ def test_a_change_commits_only_at_a_step_boundary_once_ready(model_dir):
         eng.begin_rebalance()
     while not t.done.done():
         eng.pipelined()
-        eng.record()
     launches_before = [e for e in fake.log if e[0] == "launch"]
     assert fake.log.index(("commit", 1, t.table.shape())) > fake.log.index(launches_before[0])
     assert all(e[2] == 0 for e in fake.log[: fake.log.index(("commit", 1, t.table.shape()))] if e[0] == "launch")
@@ -410,7 +407,7 @@ def test_a_sequence_whose_drafts_missed_probes_again(model_dir, async_scheduling
     stay the oracle's."""
     eng, fake = make(model_dir, attention=1, async_scheduling=async_scheduling,
                      speculative={"method": "ngram", "num_speculative_tokens": 4})
-    eng.scheduler.drafter = drafter = Missing(eng.model_cfg.vocab_size)
+    eng.scheduler.drafts.drafter = drafter = Missing(eng.model_cfg.vocab_size)
     params = SamplingParams(max_tokens=120, ignore_eos=True)
     (seq,) = run(eng, [[5, 6, 7]], params)
     assert seq.output_ids == oracle(eng, [[5, 6, 7]], params)[0]
@@ -445,10 +442,10 @@ def test_mtp_guesses_of_a_sequence_aborted_mid_step_are_not_kept(mtp_dir):
     eng.launch()
     eng.abort(a)
     eng.finish()
-    assert a not in eng.scheduler.drafter.guesses and b in eng.scheduler.drafter.guesses
+    assert a not in eng.scheduler.drafts.drafter.guesses and b in eng.scheduler.drafts.drafter.guesses
     drain(eng)
     assert eng.release(b).seq.output_ids == oracle(eng, prompts(2, seed=3), LONG)[1]
-    assert not eng.scheduler.drafter.guesses and _all_free(eng)
+    assert not eng.scheduler.drafts.drafter.guesses and _all_free(eng)
 
 
 def test_an_answer_that_contradicts_its_drafts_fails_the_step_into_recovery(mtp_dir, monkeypatch):

@@ -15,10 +15,10 @@ import ray
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from cluster.watchdog import HangWatch
-from model.presets import build_preset
 from model.sampling import SamplingParams
 
 import single
+from tests.presets import preset
 
 # docs/operations.md "Hung actors": detection (the budget's floor + the heartbeat timeout) plus the
 # recovery epoch (a replacement actor loading a tiny checkpoint here)
@@ -27,9 +27,8 @@ HANG_BOUND_S = 15.0
 
 
 @pytest.fixture(scope="module")
-def k2(tmp_path_factory):
-    return build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("hang") / "k2", seed=5, dtype="float32",
-                        progress=False)
+def k2():
+    return preset("kimi-k2-tiny", seed=5, dtype="float32")
 
 
 def _pid(actor) -> int:
@@ -48,7 +47,6 @@ def _run_with(eng: Engine, prompts, params, at_turn: int, act) -> tuple[float, l
         if turn == at_turn:
             act()
         events = eng.pipelined()
-        eng.record()
         if events:
             now = time.monotonic()
             gap, last = max(gap, now - last), now

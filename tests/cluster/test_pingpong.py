@@ -9,18 +9,17 @@ import torch
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.loader import load_model
-from model.presets import build_preset
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def presets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pingpong")
-    return {name: build_preset(name, root / name, seed=3, dtype="float32", progress=False)
+def presets():
+    return {name: preset(name, seed=3, dtype="float32")
             for name in ("kimi-k2-tiny", "kimi-k3-tiny")}
 
 

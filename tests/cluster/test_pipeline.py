@@ -1,5 +1,5 @@
 """The simulator's step as a pipeline of micro-batches (issue 34, Must show 1-3): a hand timeline of
-micro-batches through attention, dispatch, experts and combine against cluster/pipeline.py's cycle; one
+micro-batches through attention, dispatch, experts and combine against cluster/capacity/pipeline.py's cycle; one
 full-batch K2 FP8 step on H200 against hand arithmetic, both layouts, 1-3 micro-batches, every exchange
 model; and the room for sequences per layout (a dedicated attention GPU against a colocated one)."""
 
@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from cluster.costmodel import EFFICIENCY, attention_cost, exchange_cost, expert_bytes, load_gpu
-from cluster.pipeline import Stages, cycle_s, makespan_s, timeline
+from cluster.capacity.pipeline import Stages, cycle_s, makespan_s, timeline
 from cluster.planner import ATTENTION_WORKSPACE, DEVICES, EXPERT_WORKSPACE, plan_colocated, plan_shape, weight_bytes
-from cluster.simulator import Shape
-from cluster.stepcost import GPU_OVERHEAD_S, GpuCost
+from cluster.capacity.stepcost import GPU_OVERHEAD_S, GpuCost, Shape
 from model.config import load_config
 from model.params import cache_bytes_per_token
 

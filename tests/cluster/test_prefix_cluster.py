@@ -18,16 +18,15 @@ from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.prefix_cache import PrefixCache
 from cluster.spec import ClusterSpec
-from model.presets import build_preset
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def k3(ray_cluster, tmp_path_factory):
-    path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("k3") / "kimi-k3-tiny", seed=2, dtype="float32",
-                        progress=False)
+def k3(ray_cluster):
+    path = preset("kimi-k3-tiny", seed=2, dtype="float32")
     eng = Engine(EngineConfig.of(model=str(path), max_tokens_per_step=512), ClusterSpec(attention=1, experts=1)).start()
     yield eng
     eng.shutdown()

@@ -97,13 +97,13 @@ def test_load_outweighs_a_short_hit(model_dir):
     first = turn(eng, prompt)
     home = next(iter(eng.scheduler.admitted))
     busy = eng.add_request([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
-    eng.pipelined(), eng.record()  # `busy` runs on the idle replica... and the conversation's home?
+    eng.pipelined()  # `busy` runs on the idle replica... and the conversation's home?
     sched = eng.scheduler
     loaded = next(s for s in sched.running if s.seq_id == busy).replica
     before = dict(sched.admitted)
     sid = eng.add_request(first.token_ids + [9, 9, 9], PARAMS)
     for _ in range(3):
-        eng.pipelined(), eng.record()
+        eng.pipelined()
     (went,) = [r for r, n in sched.admitted.items() if n != before.get(r, 0)]
     assert went != loaded, (home, loaded, went)
     eng.abort(busy)
@@ -144,7 +144,6 @@ def test_random_traffic_under_pressure_equals_the_oracle_and_keeps_the_pools_who
         if not eng.busy:
             break
         eng.pipelined()
-        eng.record()
         if not eng.inflight:
             check_pools(eng)
     assert not eng.busy

@@ -13,16 +13,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from cluster.engine import Engine, EngineConfig
 from cluster.preflight import PreflightError
 from cluster.spec import ClusterSpec
-from model.presets import build_preset
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def k2(tmp_path_factory):
-    return build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("room") / "k2", seed=6, dtype="float32",
-                        progress=False)
+def k2():
+    return preset("kimi-k2-tiny", seed=6, dtype="float32")
 
 
 def _refused_fast(begin) -> str:

@@ -1,6 +1,8 @@
 """The scheduler alone (no actors): budget, chunked prefill, decode-first, balance, preemption."""
 
-from cluster.scheduler import Scheduler, Seq
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.scheduler import Scheduler
+from cluster.seq import Seq
 from model.sampling import SamplingParams
 
 
@@ -8,10 +10,10 @@ def _seq(i, n):
     return Seq(i, list(range(1, n + 1)), n, SamplingParams(max_tokens=50))
 
 
-def _sched(**kw):
-    args = dict(num_replicas=2, num_blocks=8, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=10)
-    args.update(kw)
-    return Scheduler(**args)
+def _sched(*, num_replicas=2, num_blocks=8, max_tokens_per_step=10, hybrid=False):
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_tokens_per_step=max_tokens_per_step),
+                     CacheConfig(num_blocks=num_blocks, block_size=4, num_slots=4, prefix_caching=False),
+                     num_replicas=num_replicas, hybrid=hybrid)
 
 
 def test_chunked_prefill_under_budget_and_balance():
@@ -60,7 +62,7 @@ def test_full_cache_preempts_newest_and_recomputes():
 
 
 def test_finish_frees_everything():
-    s = _sched(num_slots=4)
+    s = _sched(hybrid=True)  # 4 KDA slots per replica
     seqs = [_seq(i, 5) for i in range(4)]
     for q in seqs:
         s.add(q)

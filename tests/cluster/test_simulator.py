@@ -16,10 +16,11 @@ from cli_runner import in_process
 from actors.router import Router
 from cluster.config import EngineConfig
 from cluster.costmodel import experts_cost, load_gpu
-from cluster.profile import _fit
-from cluster.simulator import (Failure, Recovery, Routing, Shape, Simulator, SimRequest, StepCost, capacity_search,
-                               poisson_workload, split_grid, trace_workload)
-from cluster.stepcost import CpuCost, GpuCost
+from cluster.capacity.profile import _fit
+from cluster.capacity.search import capacity_search, split_grid
+from cluster.capacity.simulator import Recovery, Routing, Simulator
+from cluster.capacity.stepcost import CpuCost, GpuCost, Shape, StepCost
+from cluster.capacity.workload import Failure, SimRequest, poisson_workload, trace_workload
 from deploy.simulate import plan_for
 from model.config import load_config
 from model.sampling import SamplingParams
@@ -208,6 +209,7 @@ def test_gpu_expert_cost_over_every_actor_at_once_is_the_cost_models():
             assert got[i, j] == pytest.approx(max(flops / (H200.fp8_flops_per_s * 0.60), want.bytes / (H200.hbm_bytes_per_s * 0.80)))
 
 
+@pytest.mark.operator
 def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     """`moeray simulate --profile` times the real engine and actors on this machine (its own
     one-node Ray cluster) and saves the fits; `--gpu cpu` simulates from them."""
@@ -376,7 +378,7 @@ def test_the_cpu_profiles_process_and_colocated_terms_price_the_exchange():
 
 
 # one CPU profile's attention points (T new tokens, S pairs; the median ms of their steps), as
-# `cluster.profile` fits them: decodes of 1-16 sequences, their prompts' prefills, prefill chunks
+# `cluster.capacity.profile` fits them: decodes of 1-16 sequences, their prompts' prefills, prefill chunks
 PROFILED = [(24, 300, 3.945), (1, 38, 2.846), (48, 600, 3.784), (2, 72, 3.070), (96, 1200, 4.626), (4, 146, 3.637),
             (192, 2400, 6.315), (8, 288, 4.156), (288, 33424, 18.076), (108, 1500, 6.854), (16, 580, 4.409),
             (64, 1056, 4.548), (256, 16512, 10.255), (225, 32625, 15.336)]

@@ -19,11 +19,14 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.inprocess import InProcessExecutor
-from cluster.scheduler import Scheduler, Seq
+from cluster.scheduler import Scheduler
+from cluster.seq import Seq
 from cluster.spec import ClusterSpec
 from model.config import load_config
-from model.presets import build_preset
 from model.sampling import SamplingParams
+from tests.presets import preset
+
+pytestmark = pytest.mark.ray_queue
 
 
 
@@ -33,9 +36,8 @@ def prompts(n, lo=3, hi=30, seed=0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    return {name: build_preset(name, root / name, seed=2, dtype="float32", progress=False)
+def models():
+    return {name: preset(name, seed=2, dtype="float32")
             for name in ("kimi-k2-tiny", "kimi-k3-tiny", "deepseek-v3-tiny")}
 
 
@@ -74,7 +76,7 @@ def run(path, ps, params, speculative=None, drafter=None, **knobs):
     eng = engine(path, speculative, **knobs)
     try:
         if drafter is not None:
-            eng.scheduler.drafter = drafter
+            eng.scheduler.drafts.drafter = drafter
         seqs = eng.generate(ps, params)
         return [s.token_ids for s in seqs], eng.stats, sum(eng.scheduler.cache.hits.values())
     finally:
@@ -111,7 +113,7 @@ def test_drafts_change_no_token(models, name):
     assert st.preemptions > 0 and hits > 0 and off_stats.preemptions > 0
 
 
-def test_mtp_drafts_change_no_token(models, tmp_path_factory):
+def test_mtp_drafts_change_no_token(models):
     """The MTP layer drafts (DeepSeek-V3 tiny's random one, so nearly all rejected) with chunked prefill,
     preemption and prefix caching: outputs equal; the trained preset's MTP layer gets most accepted."""
     path = models["deepseek-v3-tiny"]
@@ -124,7 +126,7 @@ def test_mtp_drafts_change_no_token(models, tmp_path_factory):
     assert got == want and st.spec_draft_tokens > 0 and st.preemptions > 0 and hits > 0
     from model.tokenizer import Tokenizer
 
-    mini = build_preset("kimi-k2-mini", tmp_path_factory.mktemp("mini") / "m", dtype="float32", progress=False)
+    mini = preset("kimi-k2-mini", dtype="float32")
     tok = Tokenizer.from_dir(mini)
     ps = [tok.encode(t) for t in ("The weather in Paris is", "def add(a, b):\n    return", "Once upon a time")]
     want, _, _ = run(mini, ps, SamplingParams(max_tokens=40))
@@ -238,6 +240,17 @@ def test_chi2_p_tells_distributions_apart():
 
 # ---- the draft-length policy, on the scheduler's plans ------------------------------------------
 
+def scheduler(method: str, k: int, *, num_blocks=64, block_size=4, replicas=1, caching=False, max_num_seqs=8,
+              budget=64, **kw) -> Scheduler:
+    """A scheduler alone (no engine) drafting with ``method``, up to ``k`` drafts."""
+    from cluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_tokens_per_step=budget),
+                     CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=caching),
+                     num_replicas=replicas, speculative=SpeculativeConfig(method=method, num_speculative_tokens=k),
+                     **kw)
+
+
 class Always:
     """Proposes k copies of token 7, whatever the context."""
 
@@ -249,16 +262,12 @@ class Always:
 
 
 def decoding_scheduler(n: int) -> Scheduler:
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=2, num_blocks=512, block_size=16, num_slots=None, max_num_seqs=64,
-                  max_tokens_per_step=1024, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s = scheduler("ngram", 4, num_blocks=512, block_size=16, replicas=2, max_num_seqs=64, budget=1024)
+    s.drafts.drafter = Always()
     for i in range(n):
         s.add(Seq(i, [1, 2, 3], 3, SamplingParams(max_tokens=100)))
     plan = s.schedule()  # the prefills
-    s.completed(plan)
-    s.apply([_tok(c.seq_id) for r in plan.chunks for c in r])
+    s.update(plan, [_tok(c.seq_id) for r in plan.chunks for c in r])
     return s
 
 
@@ -291,9 +300,7 @@ def test_drafts_shrink_with_rejections_and_come_back():
         seen.append(c.draft)
         a = c.draft if accept else 0
         toks = [_tok(0, 7)] * a + [_tok(0, 9)]
-        assert [v.accepted for v in s.verified(plan, toks)] == ([a] if c.draft else [])
-        s.completed(plan)
-        s.apply(toks)
+        assert [v.accepted for v in s.update(plan, toks).verified] == ([a] if c.draft else [])
         # the rejected drafts' positions are given back: the next chunk starts right after the accepted
         seq = s.seqs[0]
         assert seq.num_cached == len(seq.token_ids) - 1
@@ -312,28 +319,22 @@ def test_drafts_never_preempt_another_sequences_token():
     """One replica of 5 blocks of 4: sequence 0 decodes its 8th token, sequence 1 its 9th (2 + 3
     blocks). Drafts for sequence 0 would take the block sequence 1's one token needs: every decode
     grows by its token first, drafts take what is left (here, nothing)."""
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=1, num_blocks=5, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s = scheduler("ngram", 4, num_blocks=5)
+    s.drafts.drafter = Always()
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
     plan = s.schedule()  # the prefills: 2 + 2 blocks
-    s.completed(plan)
-    s.apply([_tok(0), _tok(1)])
+    s.update(plan, [_tok(0), _tok(1)])
     plan = s.schedule()
     assert plan.preempted == []
     assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 0), (1, 0)]
     # with room for them, drafts come back: a sixth block, and sequence 0's four drafts fit in it
-    s = Scheduler(num_replicas=1, num_blocks=6, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s = scheduler("ngram", 4, num_blocks=6)
+    s.drafts.drafter = Always()
     s.add(Seq(0, [1] * 7, 7, SamplingParams(max_tokens=50)))
     s.add(Seq(1, [2] * 8, 8, SamplingParams(max_tokens=50)))
     plan = s.schedule()
-    s.completed(plan)
-    s.apply([_tok(0), _tok(1)])
+    s.update(plan, [_tok(0), _tok(1)])
     plan = s.schedule()
     assert plan.preempted == []
     assert sorted((c.seq_id, c.draft) for r in plan.chunks for c in r) == [(0, 4), (1, 0)]
@@ -342,12 +343,8 @@ def test_drafts_never_preempt_another_sequences_token():
 def test_drafts_accepted_past_a_stop_token_are_neither_counted_nor_cached():
     """Drafts [x, EOS, y], all accepted (4 tokens back): the sequence ends at EOS, so two drafts
     count as accepted (x and EOS) and the blocks registered for prefix hits end at EOS's position."""
-    from cluster.config import SpeculativeConfig
-
     EOS = 2
-    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  stop_ids=frozenset({EOS}), prefix_caching=True,
-                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    s = scheduler("ngram", 3, caching=True, stop_ids=frozenset({EOS}))
 
     class Proposes:
         def propose(self, seq_id, token_ids, k, salt=None):
@@ -356,19 +353,17 @@ def test_drafts_accepted_past_a_stop_token_are_neither_counted_nor_cached():
         def finished(self, *a, **kw):
             pass
 
-    s.drafter = Proposes()
+    s.drafts.drafter = Proposes()
     s.add(Seq(0, [1, 3, 4, 5], 4, SamplingParams(max_tokens=20)))
     plan = s.schedule()
-    s.completed(plan)
-    s.apply([_tok(0, 8)])  # [1, 3, 4, 5, 8]: next, the input 8 and drafts 7, EOS, 9 (positions 4-7: one block)
+    s.update(plan, [_tok(0, 8)])  # [1, 3, 4, 5, 8]: next, the input 8 and drafts 7, EOS, 9 (positions 4-7: one block)
     plan = s.schedule()
     (c,) = [c for r in plan.chunks for c in r]
     assert c.token_ids == (8, 7, EOS, 9)
     toks = [_tok(0, 7), _tok(0, EOS), _tok(0, 9), _tok(0, 11)]
-    verified = s.verified(plan, toks)
-    assert [v.accepted for v in verified] == [2]
-    s.completed(plan, verified)
-    assert [r[2] for r in s.apply(toks)] == [None, "stop"]  # EOS ends it; 9 and 11 dropped
+    update = s.update(plan, toks)
+    assert [v.accepted for v in update.verified] == [2]
+    assert [a.reason for a in update.applied] == [None, "stop"]  # EOS ends it; 9 and 11 dropped
     probe = Seq(1, [1, 3, 4, 5, 8, 7, EOS, 9, 11, 12], 10, SamplingParams())
     assert s.cache.hit(probe, 0).tokens == 4  # [1, 3, 4, 5]; not [8, 7, EOS, 9], which holds a draft past EOS
 
@@ -413,15 +408,11 @@ def test_suffix_drafts_from_the_sequence_and_from_recent_outputs():
 def _suffix_drafts(finished_salt, salt) -> list[int]:
     """The drafts a decode of [7, 7, 40, 41] under ``salt`` carries, in a scheduler whose suffix
     proposer saw [40 … 44] finish under ``finished_salt``."""
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=3))
+    s = scheduler("suffix", 3)
     s.finish(Seq(0, [9, 9, 40, 41, 42, 43, 44], 2, SamplingParams(), cache_salt=finished_salt), "stop")
     s.add(Seq(1, [7, 7, 40], 3, SamplingParams(max_tokens=10), cache_salt=salt))
     plan = s.schedule()  # the prefill
-    s.completed(plan)
-    s.apply([_tok(1, 41)])
+    s.update(plan, [_tok(1, 41)])
     (c,) = [c for r in s.schedule().chunks for c in r]
     return list(c.token_ids[len(c.token_ids) - c.draft:]) if c.draft else []
 
@@ -492,22 +483,17 @@ def test_accepted_drafts_are_registered_for_prefix_hits():
     """A sequence that finishes in the step that accepted its drafts leaves their blocks cached: a
     later request sharing the whole answer finds it (the live K2 app's five-turn test caught a block
     lost there)."""
-    from cluster.config import SpeculativeConfig
-
-    s = Scheduler(num_replicas=1, num_blocks=64, block_size=4, num_slots=None, max_num_seqs=8, max_tokens_per_step=64,
-                  prefix_caching=True, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    s.drafter = Always()
+    s = scheduler("ngram", 4, caching=True)
+    s.drafts.drafter = Always()
     s.add(Seq(0, [1, 2, 3, 4, 5, 6], 6, SamplingParams(max_tokens=6)))
     plan = s.schedule()
     toks = [_tok(0, 7)]
-    s.completed(plan)
-    s.apply(toks)  # [1..6, 7]: next, drafts 7 7 7 7 (all accepted) and one more: max_tokens reached
+    s.update(plan, toks)  # [1..6, 7]: next, drafts 7 7 7 7 (all accepted) and one more: max_tokens reached
     plan = s.schedule()
     (c,) = [c for r in plan.chunks for c in r]
     assert c.draft == 4
     toks = [_tok(0, 7)] * 4 + [_tok(0, 9)]
-    s.completed(plan, s.verified(plan, toks))
-    s.apply(toks)
+    s.update(plan, toks)
     assert not s.seqs  # finished: 6 tokens generated
     probe = Seq(1, [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 9, 1], 13, SamplingParams())
     assert s.cache.hit(probe, 0).tokens == 8  # blocks [1..4], [5, 6, 7, 7] — the second holds two accepted drafts

@@ -16,18 +16,17 @@ import ray
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config
-from model.presets import build_preset
 from model.sampling import SamplingParams
 
 import single
 from test_hang import _alive, _end, _pid
 from test_spec import OracleDrafter
+from tests.presets import preset
 
 
 @pytest.fixture(scope="module")
-def k2(tmp_path_factory):
-    return build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("spec") / "k2", seed=5, dtype="float32",
-                        progress=False)
+def k2():
+    return preset("kimi-k2-tiny", seed=5, dtype="float32")
 
 
 def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
@@ -42,7 +41,7 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
     eng = Engine(cfg, ClusterSpec(attention=2, experts=2)).start()
     stopped = []
     try:
-        eng.scheduler.drafter = OracleDrafter(want, load_config(k2).vocab_size)
+        eng.scheduler.drafts.drafter = OracleDrafter(want, load_config(k2).vocab_size)
         fleet = eng.executor.fleet
         nodes = {ray.get(m.actor.node_id.remote(), timeout=30) for m in fleet.attention + fleet.experts}
         assert len(nodes) >= 2, nodes  # over several nodes
@@ -66,7 +65,6 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
                 assert all(eng.requests[i].seq.finish_reason is None for i in ids), turn
                 faults[turn]()
             eng.pipelined()
-            eng.record()
         got = [eng.release(i).seq.token_ids for i in ids]
         assert [c.kind for c in eng.epochs.changes] == ["recovery"] * 3
         assert eng.stats.actor_failures.get("expert") == 1 and eng.stats.actor_failures.get("attention", 0) >= 1
@@ -82,13 +80,13 @@ def test_streams_with_drafts_survive_kills_and_a_hang(ray_cluster, k2):
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
-def test_mtp_drafts_on_the_cluster(ray_cluster, tmp_path_factory, colocated):
+def test_mtp_drafts_on_the_cluster(ray_cluster, colocated):
     """The trained preset's MTP layer on 2 attention × 2 expert actors, and on 2 colocated workers: its
     routed experts live on the expert actors (the workers' shards) (one more MoE layer in the placement table, exchanged after the main layers'); its
     drafts are mostly accepted and the streams equal the single process's."""
     from model.tokenizer import Tokenizer
 
-    mini = build_preset("kimi-k2-mini", tmp_path_factory.mktemp("mini") / "m", dtype="float32", progress=False)
+    mini = preset("kimi-k2-mini", dtype="float32")
     tok = Tokenizer.from_dir(mini)
     prompts = [tok.encode(t) for t in ("The weather in Paris is", "def add(a, b):\n    return", "Once upon a time")]
     params = SamplingParams(max_tokens=40, ignore_eos=True)

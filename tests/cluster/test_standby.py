@@ -13,9 +13,9 @@ from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from deploy.config import ServeConfig
 from model.loader import load_model
-from model.presets import build_preset
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -40,8 +40,8 @@ def _standby(eng, kind):
     return member
 
 
-def test_standbys_take_the_dead_actors_index_and_are_replaced(ray_cluster, tmp_path_factory):
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("standby") / "m", seed=3, progress=False)
+def test_standbys_take_the_dead_actors_index_and_are_replaced(ray_cluster):
+    path = preset("kimi-k2-tiny", seed=3)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 700, (4 + 5 * i,), generator=g).tolist() for i in range(4)]
     net = load_model(path, progress=False)

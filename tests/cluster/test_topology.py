@@ -175,6 +175,7 @@ print("ok", len(pids))
 """
 
 
+@pytest.mark.operator
 def test_local_cluster_starts_distinct_nodes_and_stops_them_all():
     out = subprocess.run([sys.executable, "-c", LIFECYCLE], capture_output=True, text=True, timeout=90)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 from deploy.owned import listeners, socket_inodes  # noqa: F401 — this module's callers use them too
+from deploy.owned import running as alive  # noqa: F401 — a process runs (a zombie is gone)
 
 
 def listening(ip: str, port: int) -> bool:
@@ -41,16 +42,6 @@ def port_holders(port: int) -> list[str]:
     """The command lines of this user's processes that hold a listening socket on ``port``."""
     inodes = {inode for _, p, inode in listeners() if p == port}
     return [cmd for pid, uid, cmd in processes() if uid == os.getuid() and socket_inodes(pid) & inodes]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def kill_group(proc: subprocess.Popen) -> None:

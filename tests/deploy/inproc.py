@@ -10,10 +10,6 @@ Preset checkpoints are built once per test process (:func:`preset`), into a dire
 
 from __future__ import annotations
 
-import atexit
-import functools
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,25 +19,7 @@ import httpx
 from cluster.inprocess import InProcessExecutor
 from deploy.config import ServeConfig
 from deploy.inprocess import InProcessServer
-from model.presets import build_preset
-
-_ROOT: Path | None = None
-
-
-def _root() -> Path:
-    global _ROOT
-    if _ROOT is None:
-        _ROOT = Path(tempfile.mkdtemp(prefix="moeray-presets-"))
-        atexit.register(shutil.rmtree, _ROOT, True)
-    return _ROOT
-
-
-@functools.lru_cache(maxsize=None)
-def preset(name: str, *, seed: int, quant: str | None = None, dtype: str = "bfloat16") -> Path:
-    """Preset ``name`` written as a checkpoint (seeded weights), once per test process."""
-    out = _root() / f"{name}-{seed}-{quant}-{dtype}"
-    return build_preset(name, out, seed=seed, quant=quant, dtype=dtype, progress=False)
-
+from tests.presets import preset  # noqa: F401  (the in-process tests' preset builder, shared)
 
 @contextmanager
 def serve(path: Path, *, admin_key: str | None = None, **settings):

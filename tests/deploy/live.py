@@ -18,6 +18,7 @@ from ray import serve
 
 from deploy.app import pinned_app
 from deploy.config import ServeConfig
+from deploy.server import wait_ready
 from model.loader import load_model
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
@@ -54,10 +55,7 @@ def deploy_config(cfg: ServeConfig, *, serve_on=None) -> str:
     app = pinned_app(cfg.model_dump(), where)
     serve.run(app, name=name, route_prefix=f"/{name}")
     url = f"http://127.0.0.1:{cfg.port}/{name}"
-    deadline = time.monotonic() + 180
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.5)
+    wait_ready(url, timeout_s=180)
     return url
 
 

@@ -202,6 +202,7 @@ def test_k3_preset_mxfp4_checkpoint_generates(tmp_path):
     assert len(lin["token_ids"]) == 3
 
 
+@pytest.mark.operator
 def test_generate_on_a_three_node_cluster_equals_single_process(k2_dir):
     args = ["generate", "--model", str(k2_dir), "--prompt", "Hello world", "--max-tokens", "6", "--ignore-eos", "--json"]
     alone, on_cluster = map(json.loads, moeray_at_once(args, args + ["--attention", "2", "--experts", "3", "--nodes", "3"]))

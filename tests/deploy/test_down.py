@@ -16,8 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.deploy.hostprocs import port_holders
+
+pytestmark = pytest.mark.operator
 
 
 def _free_port() -> int:

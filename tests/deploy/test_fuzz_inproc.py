@@ -12,13 +12,12 @@ Prometheus scraping it has data for every query of vLLM's own Grafana dashboard.
 In one process (tests/deploy/inproc.py, no Ray): the same Ingress and engine server as under Serve,
 the engine on the in-process executor, served by uvicorn on a loopback port; schemathesis and
 Prometheus are the real tools, each a subprocess talking HTTP to that port. The Prometheus test
-starts a process, so tests/conftest.py lists it in CLUSTER_TESTS (out of the fast subset)."""
+starts a process, so it is marked `cluster` (out of the fast subset)."""
 
 import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,7 @@ from deploy.openai_models import (ChatCompletionRequest, CompletionRequest, Deto
 
 from dashboards import VLLM_DASHBOARD_QUERIES, prom_query, prometheus, wait_for
 from inproc import preset, serve
+from deploy.server import wait_ready
 
 KEY = "fuzz-key"
 NAME = "k2"
@@ -61,10 +61,7 @@ def server():
     with serve(path, served_model_name=NAME, attention=1, experts=2, api_key=KEY, max_queue=32, max_num_seqs=16,
                max_body_bytes=64 * 1024, max_tokens_per_step=128, max_model_len=CONTEXT,
                metrics_prefix="vllm") as app:
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{app.url}/health", timeout=30).status_code != 200:
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.5)
+        wait_ready(app.url, timeout_s=120)
         yield app.url
 
 
@@ -166,6 +163,7 @@ def _drive(url: str, i: int) -> None:
         assert any(line == "data: [DONE]" for line in r.iter_lines()), "the stream never ended with [DONE]"
 
 
+@pytest.mark.cluster
 def test_a_real_prometheus_has_data_for_every_query_of_vllms_dashboard(server, tmp_path):
     """metrics_prefix: vllm, end to end: a real Prometheus scrapes the app's /metrics (with the bearer
     key) every second while completions, some streamed, run; every query of vLLM's own Grafana dashboard

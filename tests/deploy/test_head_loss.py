@@ -27,6 +27,8 @@ from deploy import owned
 from tests.deploy.headloss import MODEL, PROMPTS, Up, _complete, _exe, _free_port, _streams_through
 from tests.deploy.hostprocs import listening
 
+pytestmark = pytest.mark.operator
+
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
     port = _free_port()

@@ -12,10 +12,13 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from deploy import owned
 from tests.deploy.headloss import MODEL, PROMPTS, Up, _cmdline, _complete
 from tests.deploy.hostprocs import listening
+
+pytestmark = pytest.mark.operator
 
 
 def test_without_gcs_ft_the_lost_head_answers_503_and_down_cleans_up(tmp_path):

@@ -64,11 +64,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.util.placement_group import placement_group_table
 
-from deploy.server import admin_token_file, with_loopback_admin_token
+from deploy.server import admin_token_file, healthy, with_loopback_admin_token
 from model.loader import load_model
-from model.presets import build_preset
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
+from tests.presets import preset
 
 MOERAY = str(Path(sys.executable).parent / "moeray")
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -113,12 +113,6 @@ def _status(url) -> dict:
     return httpx.get(f"{url}/status", headers=AUTH, timeout=30).json()
 
 
-def _healthy(url) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=30).status_code == 200
-    except httpx.HTTPError:
-        return False
-
 
 def _failures(url, kind) -> float:
     return next(v for (name, labels), v in series(url).items()
@@ -150,7 +144,7 @@ def _kill(app: App, kind: str, index: int) -> float:
 
 def _as_found(app: App, shape: str = SHAPE) -> None:
     """The app as every test finds it: healthy, the shape, no change in progress, nothing running."""
-    assert _healthy(app.url), f"{app.name} is not healthy"
+    assert healthy(app.url), f"{app.name} is not healthy"
     deadline = time.monotonic() + 30  # an aborted request's sequence is freed at a later step
     while True:
         st = _status(app.url)
@@ -288,7 +282,7 @@ def k2(serve_port, tmp_path_factory):
     HTTP proxy is on the head), three inference keys, and the admin token `moeray up` makes on loopback,
     recorded in a cache directory as `moeray up` records its app (up.json)."""
     root = tmp_path_factory.mktemp("cache")
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("k2") / "k2", seed=8, progress=False)
+    path = preset("kimi-k2-tiny", seed=8)
     oracles = {"long": oracle_soon(path, _prompts(8), K2_TOKENS), "faults": oracle_soon(path, FAULT_PROMPTS, FAULT_TOKENS),
                "engine": oracle_soon(path, ENGINE_PROMPTS, ENGINE_TOKENS)}
     # speculative decoding on (ngram, 4 drafts, every one of up to 16 sequences drafting): every test of
@@ -609,7 +603,7 @@ class TestK2:
             assert s.ended is not None, "a stream hung after its engine died"
             assert s.error_event is not None and s.error_event["code"] == "engine_failed", (s.error, s.pieces[-3:])
         deadline = time.monotonic() + 240
-        while not _healthy(url):  # Serve starts a new replica by itself
+        while not healthy(url):  # Serve starts a new replica by itself
             assert time.monotonic() < deadline, "the app did not heal by itself"
             time.sleep(0.25)
         assert _status(url)["pid"] != pid
@@ -621,10 +615,10 @@ class TestK2:
 
 # ==== kimi-k3-tiny =====================================================================================
 @pytest.fixture(scope="class")
-def k3(serve_port, tmp_path_factory):
+def k3(serve_port):
     """kimi-k3-tiny (16 experts; KDA layers, whose state is re-prefilled), 2 attention × 2 expert actors,
     the router's rebalance window 16 steps."""
-    path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("k3") / "k3", seed=9, progress=False)
+    path = preset("kimi-k3-tiny", seed=9)
     oracles = {"long": oracle_soon(path, _prompts(8), K3_TOKENS), "skewed": oracle_soon(path, SKEWED, 12),
                "40": oracle_soon(path, _prompts(8), 40)}
     url = deploy(serve_port, path, "k3", attention=2, experts=2, rebalance_window_steps=16)
@@ -796,10 +790,10 @@ def _worker_pids() -> list[int]:
 
 
 @pytest.fixture(scope="class")
-def ck2(serve_port, tmp_path_factory):
+def ck2(serve_port):
     """kimi-k2-tiny in the colocated layout, 2 workers, with speculative decoding (suffix, 4 drafts):
     its streams must equal the single process's (no drafts) through scaling, kills and a hang."""
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("ck2") / "k2", seed=8, progress=False)
+    path = preset("kimi-k2-tiny", seed=8)
     oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS),
                "streams": oracle_soon(path, STREAM_PROMPTS, STREAM_TOKENS)}
     url = deploy(serve_port, path, "ck2", speculative={"method": "suffix", "num_speculative_tokens": 4}, **COLOCATED)
@@ -869,10 +863,10 @@ class TestColocatedK2:
 
 
 @pytest.fixture(scope="class")
-def ck3(serve_port, tmp_path_factory):
+def ck3(serve_port):
     """kimi-k3-tiny (hybrid: KDA state re-prefilled) in the colocated layout, 2 workers, the router's
     rebalance window 16 steps."""
-    path = build_preset("kimi-k3-tiny", tmp_path_factory.mktemp("ck3") / "k3", seed=9, progress=False)
+    path = preset("kimi-k3-tiny", seed=9)
     oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS), "skewed": oracle_soon(path, SKEWED, 12)}
     # a step budget of 128 (prompts sent together still prefill in chunks): one under K3's snapshot grid
     # (64) would take no KDA snapshot, so nothing to hit; 24 blocks a worker, so that its sequences are preempted
@@ -920,12 +914,12 @@ class TestColocatedK3:
 WIDE_PROMPTS = [[(i * 37 + j * 11) % 700 + 11 for j in range(2400)] for i in range(2)]
 
 
-def test_a_colocated_step_exchanging_10_mb_each_way_answers(serve_port, tmp_path_factory):
+def test_a_colocated_step_exchanging_10_mb_each_way_answers(serve_port):
     """Both prompts' prefills cross in one step and the answer equals the single process's, token for
     token. Before the exchange read its receives while its sends were leaving, each worker sat blocked
     sending to the other until the collective timeout, the step failed every retry, and the request
     was dropped."""
-    path = build_preset("kimi-k2-small", tmp_path_factory.mktemp("wide") / "k2s", seed=3, progress=False)
+    path = preset("kimi-k2-small", seed=3)
     expected = oracle_soon(path, WIDE_PROMPTS, 4)
     url = deploy(serve_port, path, "wide", layout="colocated", workers=2, max_tokens_per_step=5000,
                  num_blocks=160, max_num_seqs=4)

@@ -9,7 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.messages import ExpertStepResult, StepResult
 from actors.router import Router, even_table
-from cluster.scheduler import Scheduler, Seq
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.scheduler import Scheduler
+from cluster.seq import Seq
 from cluster.stats import EngineStats, StepRecord
 from deploy.metrics import CONTENT_TYPE, EngineMetrics
 from model.sampling import SamplingParams
@@ -23,8 +25,9 @@ ALLOWED_LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "fin
 def make_engine(*, replicas: int = 2, expert_actors: int = 2, window_steps: int = 256):
     stats = EngineStats(len(MOE_LAYERS))
     router = Router(NUM_EXPERTS, MOE_LAYERS, window_steps=window_steps)
-    scheduler = Scheduler(num_replicas=replicas, num_blocks=8, block_size=4, num_slots=None, max_num_seqs=8,
-                          max_tokens_per_step=64, max_context=MAX_CONTEXT)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_tokens_per_step=64),
+                          CacheConfig(num_blocks=8, block_size=4, prefix_caching=False), num_replicas=replicas,
+                          max_context=MAX_CONTEXT)
     table = router.initial(replicas, expert_actors)
     return SimpleNamespace(stats=stats, router=router, scheduler=scheduler, table=table, snapshot=scheduler.snapshot())
 
@@ -230,10 +233,11 @@ def test_per_request_phase_and_length_histograms(engine, metrics):
 
 
 def test_engine_times_queue_prefill_and_decode():
-    """Engine._send stamps a request's first scheduling (once) and Engine._apply splits its life into
+    """Engine._send stamps a request's first scheduling (once) and Engine._events splits its life into
     queue, prefill and decode for the Finished record, driven on a stand-in engine (no cluster)."""
     from actors.messages import SampledToken
     from cluster.engine import Engine, Request
+    from cluster.scheduler import Applied
     from cluster.stats import Finished
 
     stats = EngineStats(1)
@@ -252,8 +256,7 @@ def test_engine_times_queue_prefill_and_decode():
     req.scheduled, req.first_token, req.last_token = 101.0, 102.5, 102.5  # as if the first token came at 102.5
     seq.token_ids.append(7)
     seq.finish_reason = "length"
-    fake.scheduler = SimpleNamespace(apply=lambda sampled: [(seq, sampled[0], "length")])
-    Engine._apply(fake, [SampledToken(3, 7)])
+    Engine._events(fake, [Applied(seq, SampledToken(3, 7), "length")])
     fin = [r for r in got if isinstance(r, Finished)]
     assert len(fin) == 1 and fin[0].queue_s == pytest.approx(1.0) and fin[0].prefill_s == pytest.approx(1.5)
     assert fin[0].decode_s == pytest.approx(fin[0].seconds - 2.5) and fin[0].decode_s > 0

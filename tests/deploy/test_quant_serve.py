@@ -9,34 +9,29 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from ray import serve
 
 from deploy.app import build_app
 from deploy.config import ServeConfig
-from model.presets import build_preset
 from quant_bytes import expert_checkpoint_bytes
+from deploy.server import wait_ready
+from tests.presets import preset
 
 BLOCKS, BLOCK = 6, 16  # 96 tokens of cache per replica, against a 4096-token context
 
 
 @pytest.fixture(scope="module")
-def server(serve_port, tmp_path_factory):
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("qserve") / "k2", quant="fp8", seed=6,
-                        progress=False)
+def server(serve_port):
+    path = preset("kimi-k2-tiny", quant="fp8", seed=6)
     port = serve_port
     cfg = ServeConfig(model=str(path), served_model_name="k2", attention=1, experts=2, port=port,
                       num_blocks=BLOCKS, block_size=BLOCK, max_num_seqs=4)
     serve.run(build_app(cfg.model_dump()), name="moeray-quant-test", route_prefix="/quant")  # apart from others
     url = f"http://127.0.0.1:{port}/quant"
-    deadline = time.monotonic() + 180
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.5)
+    wait_ready(url, timeout_s=180)
     yield {"url": url, "path": path}
     serve.delete("moeray-quant-test")
 

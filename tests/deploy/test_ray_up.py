@@ -28,6 +28,10 @@ from dashboards import wait_for as _wait
 from hostprocs import listening
 from rayup import ROOT, SHIPPED_HEAD_IP, SHIPPED_WORKER_IP, RayUpCluster, node_ips
 
+from deploy.server import healthy
+
+pytestmark = pytest.mark.operator
+
 MODEL = "kimi-k2-tiny"  # the shipped serve config's model (a preset: built on the node that builds the app)
 
 
@@ -41,12 +45,6 @@ def _alive_nodes(c: RayUpCluster) -> int:
         return 0
     return sum(n["state"] == "ALIVE" for n in nodes)
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _ray_ok(c: RayUpCluster, what: str, out: subprocess.CompletedProcess) -> None:
@@ -103,7 +101,7 @@ def _bring_up(c: RayUpCluster, phases: _Phases) -> None:
     deploy = f"cd ~/moeray && serve deploy ~/serve_config.yaml -a http://127.0.0.1:{c.dash_port}"
     phases.run("serve deploy", lambda: _ray_ok(c, "serve deploy", c.exec_on_head(deploy, timeout=120)))
     c.url = f"http://{c.head_ip}:{c.serve_port}"
-    phases.run("app healthy", lambda: _wait("the app's /health through the head's proxy", lambda: _healthy(c.url), 180))
+    phases.run("app healthy", lambda: _wait("the app's /health through the head's proxy", lambda: healthy(c.url), 180))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import httpx
 from live import KEY, deploy, finish, oracle_soon, start_streams
 from ray import serve
 
-from model.presets import build_preset
+from deploy.server import healthy
+from tests.presets import preset
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -25,12 +26,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def _prompts(n):
     return [[(i * 31 + j * 11) % 700 + 5 for j in range(3 + 4 * i)] for i in range(n)]
 
-
-def _healthy(url) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=30).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _status(url):
@@ -44,7 +39,7 @@ def test_no_capacity_answers_503_with_retry_after_and_heals_when_a_node_returns(
     why; the node comes back and the app serves again, by itself."""
     ip = "127.0.0.9"
     node = ray_cluster.add_node(ip, num_cpus=2)
-    path = build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("cap") / "cap", seed=13, progress=False)
+    path = preset("kimi-k2-tiny", seed=13)
     try:
         expected = oracle_soon(path, _prompts(2), 30)
         url = deploy(serve_port, path, "cap", serve_on=0, attention=1, experts=2, expert_nodes=[ip],
@@ -65,7 +60,7 @@ def test_no_capacity_answers_503_with_retry_after_and_heals_when_a_node_returns(
         assert "no node has room" in r.json()["error"]["message"]
         node = ray_cluster.add_node(ip, num_cpus=2)  # capacity is back
         deadline = time.monotonic() + 120
-        while not _healthy(url):
+        while not healthy(url):
             assert time.monotonic() < deadline, "the app did not heal when capacity came back"
             time.sleep(0.5)
         assert finish(start_streams(url, "cap", _prompts(2), 30)) == expected

@@ -6,13 +6,12 @@ import torch
 
 from model.config import load_config
 from model.loader import load_model, load_routed_experts
-from model.presets import build_preset
+from tests.presets import preset
 
 
 @pytest.fixture(scope="module")
-def k2(tmp_path_factory):
-    return build_preset("kimi-k2-tiny", tmp_path_factory.mktemp("k2") / "k2", seed=3, dtype="float32",
-                        progress=False)
+def k2():
+    return preset("kimi-k2-tiny", seed=3, dtype="float32")
 
 
 def test_any_experts_per_layer_equal_the_whole_models(k2):

@@ -14,16 +14,17 @@ from model.config import parse_config
 from model.corpus import documents
 from model.loader import load_model
 from model.model import CausalLM, init_random_weights
-from model.presets import build_preset, kimi_k2_mini
+from model.presets import kimi_k2_mini
 from model.tokenizer import SHIPPED_DIR, Tokenizer
 from model.training import mtp_agreement, routing_imbalance, windows
+from tests.presets import preset
 
 HELD_OUT_SEED = 35_000  # neither the training corpus (seed 0) nor the script's held-out set (10 000)
 
 
 @pytest.fixture(scope="module")
-def mini(tmp_path_factory):
-    return build_preset("kimi-k2-mini", tmp_path_factory.mktemp("mini") / "kimi-k2-mini", progress=False)
+def mini():
+    return preset("kimi-k2-mini")
 
 
 @pytest.fixture(scope="module")

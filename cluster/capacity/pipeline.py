@@ -1,4 +1,4 @@
-"""One step's MoE layers as a pipeline of micro-batches, for the simulator (:mod:`cluster.stepcost`).
+"""One step's MoE layers as a pipeline of micro-batches, for the simulator (:mod:`cluster.capacity.stepcost`).
 
 A decode step's batch is cut into ``m`` micro-batches; each goes through every MoE layer as four
 stages: attention (this layer, on the attention device), dispatch (attention → experts, "A2F"),

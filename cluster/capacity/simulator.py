@@ -10,17 +10,15 @@ overhead; its sampled tokens are placeholders, and requests end by length (their
 
 Owns: the clock, the requests' timings, the routing model's draws, the failures' pauses.
 Never: talks to Ray or torch models (the CPU profile that feeds :class:`CpuCost` is
-:mod:`cluster.profile`'s job), or tunes itself to a measurement.
+:mod:`cluster.capacity.profile`'s job), or tunes itself to a measurement.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -30,51 +28,11 @@ from actors.router import Router, actor_imbalance
 from model.config import ModelConfig
 from model.sampling import SamplingParams
 
-from .config import EngineConfig
-from .scheduler import Plan, Scheduler, Seq
-
-
-# ---- workload ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SimRequest:
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-
-
-def poisson_workload(rate: float, num_requests: int, prompt_tokens: int | tuple[int, int],
-                     output_tokens: int | tuple[int, int], seed: int = 0) -> list[SimRequest]:
-    """Poisson arrivals at ``rate`` requests/s (``rate`` ≤ 0: all at once); lengths fixed or
-    uniform in [lo, hi]."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    rng = random.Random(seed)
-
-    def draw(x):
-        return x if isinstance(x, int) else rng.randint(*x)
-
-    t, out = 0.0, []
-    for _ in range(num_requests):
-        out.append(SimRequest(t, draw(prompt_tokens), draw(output_tokens)))
-        if rate > 0:
-            t += rng.expovariate(rate)
-    return out
-
-
-def trace_workload(path: str | Path) -> list[SimRequest]:
-    """A trace file: one JSON object per line with ``arrival_s``, ``prompt_tokens``, ``output_tokens``."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            out.append(SimRequest(float(d["arrival_s"]), int(d["prompt_tokens"]), int(d["output_tokens"])))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{i}: need a JSON object with arrival_s, prompt_tokens, output_tokens ({e})")
-    if not out:
-        raise ValueError(f"{path}: no requests")
-    return sorted(out, key=lambda r: r.arrival_s)
+from ..config import EngineConfig
+from ..scheduler import Plan, Scheduler
+from ..seq import Seq
+from .stepcost import Shape, StepCost, StepTime
+from .workload import Failure, SimRequest
 
 
 # ---- routing ----------------------------------------------------------------------------------
@@ -147,90 +105,6 @@ def placement(cfg: ModelConfig, shape: "Shape", routing: Routing) -> PlacementTa
     return router.rebalanced(shape.redundant_slots).table
 
 
-# ---- the shape and the costs ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shape:
-    attention: int
-    experts: int
-    redundant_slots: int = 0
-    standbys: int = 0  # warm standby actors (each takes a device)
-    ping_pong: bool = False  # the engine's ping-pong: micro_batches 2 unless more are asked for
-    rebalanced: bool = False  # experts placed by load (`moeray rebalance`); implied by redundant slots
-    # worker i holds attention replica i and expert shard i on one device (`moeray up --layout colocated`;
-    # SGLang's and DeepSeek's "DP attention + EP"): their compute adds up on the device
-    colocated: bool = False
-    micro_batches: int = 1  # a step's batch in this many micro-batches, pipelined (cluster/pipeline.py)
-
-    def __post_init__(self):
-        if self.colocated and self.attention != self.experts:
-            raise ValueError(f"a colocated shape puts one attention replica and one expert actor on each device: "
-                             f"attention ({self.attention}) must equal experts ({self.experts})")
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
-        if self.ping_pong and self.micro_batches == 1:
-            object.__setattr__(self, "micro_batches", 2)
-        elif self.micro_batches > 1 and not self.ping_pong:
-            object.__setattr__(self, "ping_pong", True)
-
-    @property
-    def layout(self) -> str:
-        return "colocated" if self.colocated else "disaggregated"
-
-    @property
-    def devices(self) -> int:
-        return (self.attention if self.colocated else self.attention + self.experts) + self.standbys
-
-
-@dataclass(frozen=True)
-class StepTime:
-    seconds: float
-    attention_s: float  # the busiest attention replica, all layers
-    experts_s: float  # Σ over MoE layers of the busiest expert actor
-    exchange_s: float
-
-
-class StepCost:
-    """What one step costs (a :class:`~cluster.costmodel`-based :class:`GpuCost`, or a profiled
-    :class:`CpuCost`). ``chunks[r]``: (new tokens, context after the step) per sequence of
-    attention replica r; ``rows`` / ``touched`` [MoE layers, expert actors]: the rows each expert
-    actor computes in each MoE layer, and how many of its slots have any."""
-
-    overhead_s: float = 0.0
-    # step_parts() prices each micro-batch's stages and pipelines them (GpuCost); otherwise step() on the
-    # whole batch (CpuCost: a profile of this machine's whole steps)
-    pipelined: bool = False
-
-    def step_parts(self, chunks: list[list[tuple[int, int]]],
-                   parts: list[tuple[list[list[tuple[int, int]]], np.ndarray, np.ndarray]], shape: Shape,
-                   num_moe_layers: int) -> StepTime:
-        raise NotImplementedError
-
-    def attention_s(self, chunks: list[tuple[int, int]]) -> float:  # one replica, every layer
-        raise NotImplementedError
-
-    def experts_s(self, rows: np.ndarray, touched: np.ndarray) -> np.ndarray:  # seconds, [layers, actors]
-        raise NotImplementedError
-
-    def exchange_s(self, tokens: int, attention: int, experts: int, *, colocated: bool = False) -> float:
-        """One MoE layer's exchange, ``tokens`` per attention replica (``colocated``: the expert shards
-        live in the attention replicas' processes)."""
-        raise NotImplementedError
-
-    def step(self, chunks: list[list[tuple[int, int]]], rows: np.ndarray, touched: np.ndarray, shape: Shape,
-             num_moe_layers: int) -> StepTime:
-        attn = max((self.attention_s(c) for c in chunks), default=0.0)
-        tokens = max((sum(n for n, _ in c) for c in chunks), default=0)
-        xch = self.exchange_s(tokens, shape.attention, shape.experts, colocated=shape.colocated) * num_moe_layers
-        exp = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
-        if shape.ping_pong:
-            # two micro-batches: one's exchange runs while the other computes, so compute C and
-            # exchange X overlap but for one half of the shorter: max(C, X) + min(C, X) / 2
-            compute = attn + exp
-            return StepTime(self.overhead_s + max(compute, xch) + min(compute, xch) / 2, attn, exp, xch)
-        return StepTime(self.overhead_s + attn + exp + xch, attn, exp, xch)
-
-
-# ---- failures ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Recovery:
     """The pause of one recovery, in parts (moeray's measured components; see docs/simulate.md):
@@ -244,30 +118,6 @@ class Recovery:
     load_bytes_per_s: float = 2e9
     regroup_s: float = 2.0
 
-
-@dataclass(frozen=True)
-class Failure:
-    at_s: float
-    kind: str  # "attention" or "expert"
-    index: int
-    actors: int = 1  # actors lost at once (a node's)
-
-
-def poisson_failures(per_hour: float, duration_s: float, shape: "Shape", seed: int = 0) -> tuple[Failure, ...]:
-    """Actors lost at random over ``duration_s``: a Poisson process of ``per_hour`` failures, each
-    of an actor drawn uniformly from the shape's (attention or expert, by their share)."""
-    if per_hour < 0:
-        raise ValueError(f"failures per hour must be >= 0, got {per_hour}")
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    while per_hour > 0:
-        t += rng.expovariate(per_hour / 3600)
-        if t >= duration_s:
-            break
-        i = rng.randrange(shape.attention + shape.experts)
-        out.append(Failure(t, "attention", i) if i < shape.attention else
-                   Failure(t, "expert", i - shape.attention))
-    return tuple(out)
 
 
 # ---- the simulation -----------------------------------------------------------------------------
@@ -408,11 +258,10 @@ class Simulator:
                 decode_steps += 1
             if record_steps:
                 steps.append([[(c.seq_id, len(c.token_ids)) for c in chunks] for chunks in plan.chunks])
-            sched.completed(plan)
             sampled = [SampledToken(c.seq_id, vocab_token) for chunks in plan.chunks for c in chunks if c.sample]
-            for seq, _tok, _reason in sched.apply(sampled):
+            for applied in sched.update(plan, sampled).applied:
                 out_tokens += 1
-                sid = seq.seq_id
+                sid = applied.seq.seq_id
                 if sid not in first:
                     first[sid] = t
                     ttft.append(t - arrival[sid])
@@ -463,11 +312,10 @@ class Simulator:
             if plan.empty:
                 raise RuntimeError("the scheduler placed none of the sequences: is max_num_seqs or the cache too small?")
             t += self._step_time(plan, gen, context_offset=context - 1, copies=A // held).seconds
-            sched.completed(plan)
             sampled = [SampledToken(c.seq_id, 0) for chunks in plan.chunks for c in chunks if c.sample]
             done = 0
-            for seq, _tok, reason in sched.apply(sampled):
-                sid = seq.seq_id
+            for applied in sched.update(plan, sampled).applied:
+                sid, reason = applied.seq.seq_id, applied.reason
                 if k >= warmup:
                     tokens += A // held
                     if sid in last:
@@ -536,141 +384,3 @@ class Simulator:
         else:
             start = rc.start_s + (self.weight_bytes_per_actor / rc.load_bytes_per_s if rc.load_bytes_per_s else 0.0)
         return rc.detect_s + start + rc.regroup_s
-
-
-def _shapes(model_cfg: ModelConfig, devices: int, redundant_slots: tuple[int, ...], colocated: bool,
-            micro_batches: tuple[int, ...] = (1,), attention: Iterable[int] | None = None):
-    """Every split of ``devices`` into attention replicas and expert actors (those with
-    ``attention`` replicas when given; and, ``colocated``, the layout with a worker per device), with
-    each redundant-slot count and micro-batch count (the colocated layout's at most 2)."""
-    counts = range(1, devices) if attention is None else sorted(a for a in set(attention) if 1 <= a < devices)
-    splits = [(a, devices - a, False) for a in counts if devices - a <= model_cfg.n_routed_experts]
-    if colocated and devices <= model_cfg.n_routed_experts:
-        splits.append((devices, devices, True))
-    for attention_, experts, together in splits:
-        for r in redundant_slots:
-            if r and r > experts * model_cfg.n_routed_experts:
-                continue
-            for m in micro_batches:
-                if not (together and m > 2):
-                    yield Shape(attention_, experts, r, colocated=together, micro_batches=m)
-
-
-def split_grid(candidates: list[int], max_splits: int) -> list[int]:
-    """``max_splits`` of the ``candidates`` (sorted attention counts) spread evenly over them, the
-    first and the last included (all of them when that many or fewer)."""
-    if max_splits < 2:
-        raise ValueError(f"max_splits must be at least 2, got {max_splits}")
-    if len(candidates) <= max_splits:
-        return list(candidates)
-    n = len(candidates) - 1
-    return [candidates[i] for i in sorted({round(k * n / (max_splits - 1)) for k in range(max_splits)})]
-
-
-def _mark_pareto(out: list[dict], eligible=lambda s: True) -> None:
-    """``pareto``: no other eligible result has at least the tokens/s per GPU at no more ITL p50."""
-    for s in out:
-        s["pareto"] = eligible(s) and not any(
-            o is not s and eligible(o) and o["tokens_per_s_per_gpu"] >= s["tokens_per_s_per_gpu"]
-            and o["itl_p50_s"] <= s["itl_p50_s"]
-            and (o["tokens_per_s_per_gpu"], -o["itl_p50_s"]) != (s["tokens_per_s_per_gpu"], -s["itl_p50_s"])
-            for o in out)
-
-
-def search(model_cfg: ModelConfig, devices: int, cost_for, workload: list[SimRequest], *, config,
-           routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,), seed: int = 0,
-           tpot_s: float | None = None, ttft_s: float | None = None, fits=None,
-           colocated: bool = True) -> list[dict]:
-    """Every split of ``devices`` into attention replicas and expert actors (with each redundant-slot
-    count), simulated; each summary says whether it meets the targets (``ok``) and whether it is on
-    the Pareto front of tokens/s per GPU against ITL p50 (``pareto``). ``cost_for(shape)`` builds
-    the step cost of a shape (its links depend on it); ``config``, the engine config, or a function
-    of the shape giving it (the room for sequences depends on the layout); ``fits(shape)``, if given,
-    skips the shapes whose weights do not fit the devices. ``colocated`` adds the layout with an attention replica
-    and an expert actor on every device."""
-    out = []
-    for shape in _shapes(model_cfg, devices, redundant_slots, colocated):
-        if fits is not None and not fits(shape):
-            continue
-        conf = config(shape) if callable(config) else config
-        s = Simulator(model_cfg, shape, cost_for(shape), config=conf, routing=routing, seed=seed).run(workload).summary()
-        s["ok"] = (tpot_s is None or s["itl_p50_s"] <= tpot_s) and (ttft_s is None or s["ttft_p50_s"] <= ttft_s)
-        out.append(s)
-    if not out:
-        raise ValueError(f"no split of {devices} devices fits this model")
-    _mark_pareto(out)
-    return out
-
-
-def shape_capacity(model_cfg: ModelConfig, shape: Shape, cost: StepCost, *, room: int, tpot_s: float | None,
-                   context: int, output_tokens: int, routing: Routing | None = None, seed: int = 0, steps: int = 40,
-                   warmup: int = 8) -> dict:
-    """One shape's capacity: the largest batch per attention replica, 1..``room`` (its room for
-    sequences), whose decode step meets ``tpot_s`` (bisected on :meth:`Simulator.decode_step` at
-    the mean context; ``None``: the room itself), then a steady-state run at that batch
-    (:meth:`Simulator.run_steady`, one replica scheduled), 5 % less if its tail misses. ``context``:
-    the prompt, made elsewhere; ``output_tokens`` decoded after it. ``meets``: ITL p50 and p99 within
-    the target."""
-    cap = max(1, room)
-    # the scheduler holds each sequence's own tokens only (its prompt is priced, not stored)
-    config = EngineConfig.of(model="simulated", block_size=64, num_blocks=cap * (output_tokens // 64 + 2),
-                             max_num_seqs=cap, max_tokens_per_step=1 << 20)
-    sim = Simulator(model_cfg, shape, cost, config=config, routing=routing, seed=seed)
-    batch = room if tpot_s is None else sim.capacity(tpot_s, context + output_tokens // 2, room)
-    for attempt in range(2):  # the steady run's routing draws may make the tail a little slower
-        s = sim.run_steady(max(batch, 1), context=context, output_tokens=output_tokens, steps=steps, warmup=warmup,
-                           one_replica=True).summary()
-        s["meets"] = s["ok"] = batch > 0 and (tpot_s is None or (s["itl_p50_s"] <= tpot_s and s["itl_p99_s"] <= tpot_s))
-        if s["meets"] or batch <= 1 or attempt:
-            break
-        batch = max(1, int(batch * 0.95))
-    s["kv_sequences"], s["capacity_batch"] = room, batch
-    s["tokens_per_s_per_gpu_at_slo"] = s["tokens_per_s_per_gpu"] if s["meets"] else 0.0
-    return s
-
-
-def capacity_search(model_cfg: ModelConfig, devices: int, cost_for, *, plan_for, tpot_s: float, context: int,
-                    output_tokens: int, routing: Routing | None = None, redundant_slots: tuple[int, ...] = (0,),
-                    micro_batches: tuple[int, ...] = (1, 2, 3), seed: int = 0, steps: int = 40,
-                    warmup: int = 8, max_splits: int = 32) -> list[dict]:
-    """Capacity at the latency target (:func:`shape_capacity`), for every deployable shape of
-    ``devices``: the attention:expert splits whose experts fit (``plan_for(shape)``, the planner in
-    the shape's layout; its ``concurrent_sequences`` the room) and the colocated layout, each with
-    every micro-batch count (colocated: 1 and 2) and redundant-slot count. Past ``max_splits``
-    splits that fit, ``max_splits`` of them spread evenly, then every split between the best one's
-    neighbours on that grid. Rows in the order of :func:`_shapes` (by attention count, the colocated
-    layout last).
-    The best of each split over micro-batches is marked ``best_m``; ``pareto`` as :func:`search`."""
-    out = []
-
-    def run(attention, colocated):
-        for shape in _shapes(model_cfg, devices, redundant_slots, colocated, micro_batches, attention):
-            plan = plan_for(shape)
-            if not plan.fits:
-                continue
-            out.append(shape_capacity(model_cfg, shape, cost_for(shape), room=plan.concurrent_sequences,
-                                      tpot_s=tpot_s, context=context, output_tokens=output_tokens, routing=routing,
-                                      seed=seed, steps=steps, warmup=warmup))
-
-    fitting = [a for a in range(1, devices) if devices - a <= model_cfg.n_routed_experts
-               and plan_for(Shape(a, devices - a)).fits]  # the planner's memory, whatever m
-    grid = split_grid(fitting, max_splits)
-    run(grid, True)
-    disaggregated = [s for s in out if not s["colocated"]]
-    if len(grid) < len(fitting) and disaggregated:
-        a = max(disaggregated, key=lambda s: (s["tokens_per_s_per_gpu_at_slo"], s["tokens_per_s_per_gpu"]))["attention"]
-        k = grid.index(a)
-        lo, hi = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
-        run([x for x in fitting if lo < x < hi and x not in grid], False)
-    if not out:
-        raise ValueError(f"no shape of {devices} devices fits this model")
-    out.sort(key=lambda s: (s["colocated"], s["attention"], s["redundant_slots"], s["micro_batches"]))
-    best: dict[tuple, dict] = {}
-    for s in out:
-        key = (s["attention"], s["experts"], s["colocated"], s["redundant_slots"])
-        if key not in best or s["tokens_per_s_per_gpu_at_slo"] > best[key]["tokens_per_s_per_gpu_at_slo"]:
-            best[key] = s
-    for s in out:
-        s["best_m"] = s is best[(s["attention"], s["experts"], s["colocated"], s["redundant_slots"])]
-    _mark_pareto(out, lambda s: s["meets"])
-    return out

@@ -1,4 +1,4 @@
-"""The CPU profile behind the simulator's :class:`~cluster.stepcost.CpuCost`: the real engine and
+"""The CPU profile behind the simulator's :class:`~cluster.capacity.stepcost.CpuCost`: the real engine and
 actors (1 attention × 1 expert actor on a throwaway local Ray cluster) run batches of the shapes
 the model meets — decodes of 1 to 16 sequences and prefill chunks — and their own per-step timings
 are fitted (least squares) into a table:
@@ -28,8 +28,8 @@ import numpy as np
 
 from model.sampling import SamplingParams
 
-from .config import EngineConfig
-from .stats import StepRecord
+from ..config import EngineConfig
+from ..stats import StepRecord
 
 
 def _fit(rows: list[list[float]], y: list[float], names: tuple[str, ...], *, relative: bool = False) -> dict[str, float]:
@@ -137,9 +137,9 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
     rows)."""
     import ray
 
-    from .engine import Engine
-    from .local import LocalCluster
-    from .spec import ClusterSpec
+    from ..engine import Engine
+    from ..local import LocalCluster
+    from ..spec import ClusterSpec
 
     with LocalCluster(nodes=1, num_cpus=4, object_store_mb=80, memory_mb=2048, first_ip=first_ip) as cluster:
         ray.init(address=cluster.address, logging_level="ERROR")
@@ -178,8 +178,7 @@ def profile(model_path: str, *, decode_batches=(1, 2, 4, 8, 16), prefill_chunks=
     }
     # the 2 × 2 steps: what the 1 × 1 fits leave unexplained, per MoE layer and per process beyond two;
     # then the colocated workers' steps: what that leaves unexplained, per MoE layer
-    from .simulator import Shape
-    from .stepcost import CpuCost
+    from .stepcost import CpuCost, Shape
 
     def residuals(records, shape):
         """(features, residual) per batch profiled: the median over its decode steps with every

@@ -1,6 +1,9 @@
-"""What one engine step costs, for the simulator (:mod:`cluster.simulator`): on GPUs from the
+"""What one engine step costs, for the simulator (:mod:`cluster.capacity.simulator`): on GPUs from the
 roofline of :mod:`cluster.costmodel` (one documented set of efficiency factors), on CPUs from a
-profile of this machine (:mod:`cluster.profile`).
+profile of this machine (:mod:`cluster.capacity.profile`).
+
+The interface (:class:`StepCost`, its answer :class:`StepTime`) and the shape it prices
+(:class:`Shape`) are here too, with their two implementations.
 
 Owns: turning a step's batch (chunks per attention replica, rows per expert slot) into seconds.
 Never: measures (the profile does), or knows about scheduling.
@@ -9,19 +12,103 @@ Never: measures (the profile does), or knows about scheduling.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from model.config import ModelConfig
 
-from .costmodel import EFFICIENCY, FORMATS, GPU, attention_cost, exchange_cost, expert_bytes, matrix_bytes
+from ..costmodel import EFFICIENCY, FORMATS, GPU, attention_cost, exchange_cost, expert_bytes, matrix_bytes
 from .pipeline import Stages, makespan_s
-from .simulator import Shape, StepCost, StepTime
 
 # The engine's own per-step work on a GPU deployment (scheduling, the step messages, the results
 # back, stop checks): measured on this machine's CPU engine as the profile's ``overhead_s``
 # (≈ 1–3 ms); a GPU deployment's engine does the same Python work.
+
+# ---- the shape and the costs ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    attention: int
+    experts: int
+    redundant_slots: int = 0
+    standbys: int = 0  # warm standby actors (each takes a device)
+    ping_pong: bool = False  # the engine's ping-pong: micro_batches 2 unless more are asked for
+    rebalanced: bool = False  # experts placed by load (`moeray rebalance`); implied by redundant slots
+    # worker i holds attention replica i and expert shard i on one device (`moeray up --layout colocated`;
+    # SGLang's and DeepSeek's "DP attention + EP"): their compute adds up on the device
+    colocated: bool = False
+    micro_batches: int = 1  # a step's batch in this many micro-batches, pipelined (cluster/capacity/pipeline.py)
+
+    def __post_init__(self):
+        if self.colocated and self.attention != self.experts:
+            raise ValueError(f"a colocated shape puts one attention replica and one expert actor on each device: "
+                             f"attention ({self.attention}) must equal experts ({self.experts})")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.ping_pong and self.micro_batches == 1:
+            object.__setattr__(self, "micro_batches", 2)
+        elif self.micro_batches > 1 and not self.ping_pong:
+            object.__setattr__(self, "ping_pong", True)
+
+    @property
+    def layout(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    @property
+    def devices(self) -> int:
+        return (self.attention if self.colocated else self.attention + self.experts) + self.standbys
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    attention_s: float  # the busiest attention replica, all layers
+    experts_s: float  # Σ over MoE layers of the busiest expert actor
+    exchange_s: float
+
+
+class StepCost:
+    """What one step costs (a :class:`~cluster.costmodel`-based :class:`GpuCost`, or a profiled
+    :class:`CpuCost`). ``chunks[r]``: (new tokens, context after the step) per sequence of
+    attention replica r; ``rows`` / ``touched`` [MoE layers, expert actors]: the rows each expert
+    actor computes in each MoE layer, and how many of its slots have any."""
+
+    overhead_s: float = 0.0
+    # step_parts() prices each micro-batch's stages and pipelines them (GpuCost); otherwise step() on the
+    # whole batch (CpuCost: a profile of this machine's whole steps)
+    pipelined: bool = False
+
+    def step_parts(self, chunks: list[list[tuple[int, int]]],
+                   parts: list[tuple[list[list[tuple[int, int]]], np.ndarray, np.ndarray]], shape: Shape,
+                   num_moe_layers: int) -> StepTime:
+        raise NotImplementedError
+
+    def attention_s(self, chunks: list[tuple[int, int]]) -> float:  # one replica, every layer
+        raise NotImplementedError
+
+    def experts_s(self, rows: np.ndarray, touched: np.ndarray) -> np.ndarray:  # seconds, [layers, actors]
+        raise NotImplementedError
+
+    def exchange_s(self, tokens: int, attention: int, experts: int, *, colocated: bool = False) -> float:
+        """One MoE layer's exchange, ``tokens`` per attention replica (``colocated``: the expert shards
+        live in the attention replicas' processes)."""
+        raise NotImplementedError
+
+    def step(self, chunks: list[list[tuple[int, int]]], rows: np.ndarray, touched: np.ndarray, shape: Shape,
+             num_moe_layers: int) -> StepTime:
+        attn = max((self.attention_s(c) for c in chunks), default=0.0)
+        tokens = max((sum(n for n, _ in c) for c in chunks), default=0)
+        xch = self.exchange_s(tokens, shape.attention, shape.experts, colocated=shape.colocated) * num_moe_layers
+        exp = float(self.experts_s(rows, touched).max(1).sum()) if rows.size else 0.0
+        if shape.ping_pong:
+            # two micro-batches: one's exchange runs while the other computes, so compute C and
+            # exchange X overlap but for one half of the shorter: max(C, X) + min(C, X) / 2
+            compute = attn + exp
+            return StepTime(self.overhead_s + max(compute, xch) + min(compute, xch) / 2, attn, exp, xch)
+        return StepTime(self.overhead_s + attn + exp + xch, attn, exp, xch)
+
+
 GPU_OVERHEAD_S = 0.002
 
 
@@ -55,7 +142,7 @@ class GpuCost(StepCost):
     the model) and the lm_head; experts: :func:`~cluster.costmodel.experts_cost` of the rows each
     actor's slots get; the exchange (``exchange``, one of :data:`EXCHANGES`) over NVLink when the
     shape fits one node, else the NIC. A step's MoE layers are a pipeline of the shape's
-    micro-batches (:mod:`cluster.pipeline`): each micro-batch priced on its own (its experts' weights
+    micro-batches (:mod:`cluster.capacity.pipeline`): each micro-batch priced on its own (its experts' weights
     read again), the stages overlapping on their resources."""
 
     pipelined = True
