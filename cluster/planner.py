@@ -140,6 +140,16 @@ def _verify_hint(speculative: SpeculativeConfig | None, verify: dict) -> str:
             f"{speculative.num_speculative_tokens}, full_draft_batch={speculative.full_draft_batch}; lower them)")
 
 
+def _room(cfg: ModelConfig, left: int, context: int, dtype_bytes: int, max_num_seqs: int,
+          speculative: SpeculativeConfig | None) -> tuple[dict, int, dict, int]:
+    """A device's room for sequences out of the ``left`` bytes its weights, workspace and snapshots
+    leave: (the verify buffers, the bytes for caches, one sequence's bytes, how many sequences)."""
+    verify = verify_buffer(cfg, speculative, max_num_seqs, dtype_bytes)
+    cache = left - verify["total"]
+    seq = sequence_bytes(cfg, context, dtype_bytes)
+    return verify, cache, seq, max(cache, 0) // seq["total"]
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -210,10 +220,8 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
         problems.append(f"an expert device would hold {per_device} actor(s) × {per_actor / GB:.1f} GB of experts "
                         f"+ workspace = {expert_device / GB:.1f} GB > {usable / GB:.1f} GB usable")
     snapshots = snapshot_bytes if cfg.kda_layers else 0
-    verify = verify_buffer(cfg, speculative, max_num_seqs, dtype_bytes)
-    cache = usable - w.attention - ATTENTION_WORKSPACE - snapshots - verify["total"]
-    seq = sequence_bytes(cfg, context, dtype_bytes)
-    concurrent = max(cache, 0) // seq["total"]
+    verify, cache, seq, concurrent = _room(cfg, usable - w.attention - ATTENTION_WORKSPACE - snapshots, context,
+                                           dtype_bytes, max_num_seqs, speculative)
     if concurrent < 1:
         problems.append(f"an attention device has {max(cache, 0) / GB:.1f} GB for caches after "
                         f"{w.attention / GB:.1f} GB of weights{_verify_hint(speculative, verify)}: not one sequence "
@@ -255,10 +263,8 @@ def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, 
         problems.append(f"a worker device would hold {w.attention / GB:.1f} GB of attention weights + "
                         f"{shard / GB:.1f} GB of experts (its 1/{workers} shard) + workspace = {resident / GB:.1f} GB "
                         f"> {usable / GB:.1f} GB usable: use more workers")
-    verify = verify_buffer(cfg, speculative, max_num_seqs, dtype_bytes)
-    cache = usable - resident - snapshots - verify["total"]
-    seq = sequence_bytes(cfg, context, dtype_bytes)
-    concurrent = max(cache, 0) // seq["total"]
+    verify, cache, seq, concurrent = _room(cfg, usable - resident - snapshots, context, dtype_bytes, max_num_seqs,
+                                           speculative)
     if concurrent < 1 and resident <= usable:
         problems.append(f"a worker device has {max(cache, 0) / GB:.1f} GB for caches after its weights"
                         f"{_verify_hint(speculative, verify)}: not one sequence of {context:,} tokens "
