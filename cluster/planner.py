@@ -141,13 +141,19 @@ def _verify_hint(speculative: SpeculativeConfig | None, verify: dict) -> str:
 
 
 def _room(cfg: ModelConfig, left: int, context: int, dtype_bytes: int, max_num_seqs: int,
-          speculative: SpeculativeConfig | None) -> tuple[dict, int, dict, int]:
-    """A device's room for sequences out of the ``left`` bytes its weights, workspace and snapshots
-    leave: (the verify buffers, the bytes for caches, one sequence's bytes, how many sequences)."""
+          speculative: SpeculativeConfig | None, device: str, after: str) -> tuple[dict, str | None, int]:
+    """A device's room for sequences out of the ``left`` bytes its weights (``after``), workspace and
+    snapshots leave: (the :class:`Plan`'s fields for it, the problem when not one sequence fits — the
+    ``device`` named —, the decode batch the roofline takes)."""
     verify = verify_buffer(cfg, speculative, max_num_seqs, dtype_bytes)
     cache = left - verify["total"]
     seq = sequence_bytes(cfg, context, dtype_bytes)
-    return verify, cache, seq, max(cache, 0) // seq["total"]
+    concurrent = max(cache, 0) // seq["total"]
+    problem = None if concurrent >= 1 else (
+        f"{device} has {max(cache, 0) / GB:.1f} GB for caches after {after}{_verify_hint(speculative, verify)}: "
+        f"not one sequence of {context:,} tokens ({seq['total'] / GB:.2f} GB)")
+    fields = dict(verify=verify, cache_bytes=max(cache, 0), sequence_bytes=seq, concurrent_sequences=int(concurrent))
+    return fields, problem, max(1, min(concurrent, max_num_seqs))
 
 
 @dataclass(frozen=True)
@@ -220,23 +226,17 @@ def plan_shape(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus
         problems.append(f"an expert device would hold {per_device} actor(s) × {per_actor / GB:.1f} GB of experts "
                         f"+ workspace = {expert_device / GB:.1f} GB > {usable / GB:.1f} GB usable")
     snapshots = snapshot_bytes if cfg.kda_layers else 0
-    verify, cache, seq, concurrent = _room(cfg, usable - w.attention - ATTENTION_WORKSPACE - snapshots, context,
-                                           dtype_bytes, max_num_seqs, speculative)
-    if concurrent < 1:
-        problems.append(f"an attention device has {max(cache, 0) / GB:.1f} GB for caches after "
-                        f"{w.attention / GB:.1f} GB of weights{_verify_hint(speculative, verify)}: not one sequence "
-                        f"of {context:,} tokens ({seq['total'] / GB:.2f} GB)")
-    batch = max(1, min(concurrent, max_num_seqs))
+    room, problem, batch = _room(cfg, usable - w.attention - ATTENTION_WORKSPACE - snapshots, context, dtype_bytes,
+                                 max_num_seqs, speculative, "an attention device", f"{w.attention / GB:.1f} GB of weights")
+    problems += [problem] if problem else []
     return Plan(
         model=model, quant=cfg.quant.method if cfg.quant else "none", device=device.name, nodes=nodes,
         gpus_per_node=gpus_per_node, attention=attention, experts=experts, experts_per_device=per_device,
         gpus_per_expert_actor=round(1 / per_device, 6), context=context, total_weight_bytes=w.total,
         routed_expert_bytes=w.routed_experts, attention_weight_bytes=w.attention, expert_actor_weight_bytes=per_actor,
-        expert_device_bytes=expert_device, usable_device_bytes=usable, cache_bytes=max(cache, 0),
-        snapshot_bytes=snapshots,
-        sequence_bytes=seq, concurrent_sequences=int(concurrent),
+        expert_device_bytes=expert_device, usable_device_bytes=usable, snapshot_bytes=snapshots, **room,
         decode=decode_roofline(cfg, w, device, attention, expert_devices, batch, context, dtype_bytes, link_gbps),
-        fits=not problems, problems=tuple(problems), verify=verify)
+        fits=not problems, problems=tuple(problems))
 
 
 def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, gpus_per_node: int, workers: int,
@@ -263,22 +263,17 @@ def plan_colocated(cfg: ModelConfig, *, model: str, device: Device, nodes: int, 
         problems.append(f"a worker device would hold {w.attention / GB:.1f} GB of attention weights + "
                         f"{shard / GB:.1f} GB of experts (its 1/{workers} shard) + workspace = {resident / GB:.1f} GB "
                         f"> {usable / GB:.1f} GB usable: use more workers")
-    verify, cache, seq, concurrent = _room(cfg, usable - resident - snapshots, context, dtype_bytes, max_num_seqs,
-                                           speculative)
-    if concurrent < 1 and resident <= usable:
-        problems.append(f"a worker device has {max(cache, 0) / GB:.1f} GB for caches after its weights"
-                        f"{_verify_hint(speculative, verify)}: not one sequence of {context:,} tokens "
-                        f"({seq['total'] / GB:.2f} GB)")
-    batch = max(1, min(concurrent, max_num_seqs))
+    room, problem, batch = _room(cfg, usable - resident - snapshots, context, dtype_bytes, max_num_seqs, speculative,
+                                 "a worker device", "its weights")
+    problems += [problem] if problem and resident <= usable else []
     return Plan(
         model=model, quant=cfg.quant.method if cfg.quant else "none", device=device.name, nodes=nodes,
         gpus_per_node=gpus_per_node, attention=workers, experts=workers, experts_per_device=1,
         gpus_per_expert_actor=1.0, context=context, total_weight_bytes=w.total, routed_expert_bytes=w.routed_experts,
         attention_weight_bytes=w.attention, expert_actor_weight_bytes=shard, expert_device_bytes=resident,
-        usable_device_bytes=usable, cache_bytes=max(cache, 0), snapshot_bytes=snapshots, sequence_bytes=seq,
-        concurrent_sequences=int(concurrent),
+        usable_device_bytes=usable, snapshot_bytes=snapshots, **room,
         decode=decode_roofline(cfg, w, device, workers, workers, batch, context, dtype_bytes, link_gbps),
-        fits=not problems, problems=tuple(problems), layout="colocated", verify=verify)
+        fits=not problems, problems=tuple(problems), layout="colocated")
 
 
 def decode_roofline(cfg: ModelConfig, w: WeightBytes, device: Device, attention: int, expert_devices: int,
