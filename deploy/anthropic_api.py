@@ -35,11 +35,10 @@ import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      ValidationError)
+from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from .openai_api import ERROR_TYPES, APIError, from_validation_error, parse_request
-from .openai_models import MAX_STOP_STRINGS, ChatCompletionRequest, Number
+from .openai_api import ERROR_TYPES, APIError, from_validation_error, parse_request, sse
+from .openai_models import MAX_STOP_STRINGS, ChatCompletionRequest, Number, Strict
 
 ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -360,10 +359,11 @@ def _arguments(text: str) -> dict:
 
 
 class MessageStream:
-    """One turn's content blocks, built from the output processor's deltas: :meth:`feed` returns the
-    stream events they make (``content_block_start`` / ``_delta`` / ``_stop``, indices in the order
-    of the final content), :meth:`start` and :meth:`finish` the events around them, :meth:`message`
-    the whole answer — the same blocks, so a non-streamed answer is the stream assembled."""
+    """One turn's content blocks, built from the output processor's deltas (the renderer protocol of
+    deploy/answer.py, choice 0): :meth:`feed` returns the stream events they make
+    (``content_block_start`` / ``_delta`` / ``_stop``, indices in the order of the final content),
+    :meth:`start` and :meth:`finish` the events around them, :meth:`whole` the whole answer — the same
+    blocks, so a non-streamed answer is the stream assembled. An event is ``(name, data)``."""
 
     def __init__(self, model: str, prompt_tokens: int):
         self.id, self.model, self.prompt_tokens = new_message_id(), model, prompt_tokens
@@ -412,9 +412,9 @@ class MessageStream:
         index = len(self.blocks) - 1 if index is None else index
         return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
 
-    def feed(self, deltas) -> list[tuple[str, dict]]:
+    def feed(self, out, piece) -> list[tuple[str, dict]]:
         events: list[tuple[str, dict]] = []
-        for d in deltas:
+        for d in piece.deltas:
             if d.get("content"):
                 if self._open != "text":
                     events += self._begin({"type": "text", "text": ""})
@@ -437,24 +437,26 @@ class MessageStream:
                     events.append(self._delta({"type": "input_json_delta", "partial_json": fragment}, index))
         return events
 
-    def finish(self, finish_reason: str | None, stop_string: str | None, output_tokens: int) -> list[tuple[str, dict]]:
-        events = self._close()
-        self.stop_reason, self.stop_sequence = stop_reason(finish_reason, stop_string), stop_string
-        self.output_tokens = output_tokens
+    def finish(self, outs: list) -> list[tuple[str, dict]]:
+        out, events = outs[0], self._close()
+        self.stop_reason, self.stop_sequence = stop_reason(out.finish_reason, out.stop_string), out.stop_string
+        self.output_tokens = len(out.token_ids)
         return events + [("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": self.stop_reason,
                                                       "stop_sequence": self.stop_sequence},
-                                            "usage": {"output_tokens": output_tokens}}),
+                                            "usage": {"output_tokens": self.output_tokens}}),
                          ("message_stop", {"type": "message_stop"})]
 
-    def message(self) -> dict:
+    def whole(self) -> dict:
         return {**self._shell(), "content": self.blocks, "stop_reason": self.stop_reason,
                 "stop_sequence": self.stop_sequence,
                 "usage": usage(self.prompt_tokens, self.output_tokens, self.cached_tokens)}
 
+    def failed(self, message: str) -> list[tuple[str, dict]]:
+        return [("error", error_body(503, message))]
 
-def sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    def sse(self, event: tuple[str, dict]) -> str:
+        return sse(event[1], event[0])
 
 
 def error_body(status: int, message: str) -> dict:

@@ -15,7 +15,8 @@ from ray import serve
 
 from .config import ServeConfig
 from .engine_server import EngineServer
-from .ingress import Ingress, make_api, specialize
+from .ingress import Ingress
+from .routes import make_api, specialize
 from .settings import admin_key, serve_ingress
 
 # A replica being removed (`moeray down`, a redeploy, a scale-in) checks every 0.5 s, not Serve's default 2 s,

@@ -45,6 +45,15 @@ class GcsFaultTolerance(BaseModel):
         return lines[0]
 
 
+class _ParsedSpeculative(dict):
+    """The ``speculative`` mapping as given (what the config dumps and documents), with the engine's
+    :class:`~cluster.config.SpeculativeConfig` parsed from it once, at validation (``record``)."""
+
+    def __init__(self, raw: dict, record):
+        super().__init__(raw)
+        self.record = record
+
+
 class _Deployment(BaseModel):
     """One deployment's settings: the serving config YAML (``moeray up --config``, ``serve deploy``),
     the flags of ``moeray up``, or a Serve application's args. Unknown keys are refused. The keys
@@ -141,9 +150,8 @@ class _Deployment(BaseModel):
     def _speculative(cls, raw: dict | None) -> dict | None:
         from cluster.config import SpeculativeConfig
 
-        if raw is not None:
-            SpeculativeConfig.parse(raw)  # ValueError naming the key
-        return raw
+        # parsed once, here (ValueError naming the key): the engine's record is kept beside the mapping
+        return None if raw is None else _ParsedSpeculative(raw, SpeculativeConfig.parse(raw))
 
     @field_validator("api_keys")
     @classmethod
@@ -219,9 +227,7 @@ class _Deployment(BaseModel):
         groups = {name: rec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(rec)
                                if f.metadata.get("serve", True)})
                   for name, rec in GROUPS.items()}
-        from cluster.config import SpeculativeConfig
-
-        spec = SpeculativeConfig.parse(self.speculative) if self.speculative is not None else None
+        spec = self.speculative.record if self.speculative is not None else None
         return EngineConfig(model=model_path, owner=owner, dtype=self.dtype, speculative=spec, **groups)
 
     def cluster_spec(self):

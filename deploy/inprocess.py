@@ -17,8 +17,9 @@ import threading
 import time
 
 from .engine_server import EngineServer, ExecutorFactory
-from .ingress import Ingress, make_api, specialize
 from .config import ServeConfig
+from .ingress import Ingress
+from .routes import make_api, specialize
 
 
 class _LocalStream:

@@ -282,7 +282,7 @@ def new_request_id(prefix: str) -> str:
 
 def completion_response(model: str, choices: list, usage: dict, *, request_id: str | None = None,
                         created: int | None = None) -> dict:
-    """``choices``: :class:`~deploy.output.ChoiceResult`\ s, their logprobs already shaped."""
+    """``choices``: :class:`~deploy.output.ChoiceResult` each, its logprobs already shaped."""
     return {"id": request_id or new_request_id("cmpl"), "object": "text_completion",
             "created": created or int(time.time()), "model": model,
             "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
@@ -292,7 +292,7 @@ def completion_response(model: str, choices: list, usage: dict, *, request_id: s
 
 def chat_response(model: str, choices: list, usage: dict, *, request_id: str | None = None,
                   created: int | None = None) -> dict:
-    """``choices``: :class:`~deploy.output.ChoiceResult`\ s, their logprobs already shaped."""
+    """``choices``: :class:`~deploy.output.ChoiceResult` each, its logprobs already shaped."""
     return {"id": request_id or new_request_id("chatcmpl"), "object": "chat.completion",
             "created": created or int(time.time()), "model": model,
             "choices": [{"index": c.index, "message": c.message or {"role": "assistant", "content": c.text},
@@ -332,7 +332,7 @@ def usage_chunk(request_id: str, model: str, created: int, usage: dict, *, chat:
 
 class CompletionStream:
     """A completion request's answer (``n`` choices per prompt), rendered from the output processor
-    (the renderer protocol of deploy/ingress.py): each piece is a chunk, the end the usage chunk (if
+    (the renderer protocol of deploy/answer.py): each piece is a chunk, the end the usage chunk (if
     asked) and ``[DONE]``; :meth:`whole` is the non-streamed body of the same choices."""
 
     chat = False

@@ -14,7 +14,7 @@ left out unless ``include_stop_str_in_output`` (vLLM's meaning); a stop string e
 and the caller then stops its sequence in the engine.
 
 Owns: the per-choice decode, parse and stop state. Never: talks to the engine, imports a protocol
-module, builds HTTP responses or SSE (each API's renderer does, served by deploy/ingress.py), or
+module, builds HTTP responses or SSE (each API's renderer does, deploy/answer.py serves them), or
 decides what the model may generate (the grammar is planned in deploy/chat_turn.py and applied on
 the attention actors).
 """
@@ -274,7 +274,8 @@ class ChoiceOutput:
             return None
         lp = self._shaped(sampled, self._text_offset)
         if not self.chat:
-            self._text_offset += sum(text_lengths(sampled, self.tok, skip_special_tokens=self.options.skip_special_tokens))
+            skip = self.options.skip_special_tokens
+            self._text_offset += sum(text_lengths(sampled, self.tok, skip_special_tokens=skip))
         return lp
 
     def _shaped(self, sampled: list, text_offset: int = 0) -> dict:

@@ -34,10 +34,10 @@ import uuid
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from .openai_api import APIError, from_validation_error, parse_request
-from .openai_models import ChatCompletionRequest, Number
+from .openai_api import APIError, from_validation_error, parse_request, sse
+from .openai_models import ChatCompletionRequest, Number, Strict
 
 STORE_MAX = 4096  # stored responses per engine server
 STORE_TTL_S = 3600.0
@@ -287,10 +287,11 @@ def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
 
 
 class ResponseStream:
-    """One response's output items, built from the output processor's deltas: :meth:`feed` returns
-    the typed events they make (``response.output_item.added`` … ``.done``, indices in the order of
-    the final output), :meth:`start` and :meth:`finish` the events around them, :meth:`response` the
-    whole response — the same items, so a non-streamed response is the stream assembled."""
+    """One response's output items, built from the output processor's deltas (the renderer protocol
+    of deploy/answer.py, choice 0): :meth:`feed` returns the typed events they make
+    (``response.output_item.added`` … ``.done``, indices in the order of the final output),
+    :meth:`start` and :meth:`finish` the events around them, :meth:`whole` the whole response — the
+    same items, so a non-streamed response is the stream assembled. An event is ``(name, data)``."""
 
     def __init__(self, req: ResponsesRequest, model: str, prompt_tokens: int):
         self.req, self.model, self.prompt_tokens = req, model, prompt_tokens
@@ -366,9 +367,9 @@ class ResponseStream:
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         return events
 
-    def feed(self, deltas) -> list[tuple[str, dict]]:
+    def feed(self, out, piece) -> list[tuple[str, dict]]:
         events: list[tuple[str, dict]] = []
-        for d in deltas:
+        for d in piece.deltas:
             if d.get("content"):
                 if self._open != "message":
                     events += self._begin({"type": "message", "id": _id("msg"), "status": "in_progress",
@@ -400,19 +401,25 @@ class ResponseStream:
                                               item_id=self.output[index]["id"], output_index=index, delta=fragment))
         return events
 
-    def finish(self, finish_reason: str | None, output_tokens: int, cached_tokens: int) -> list[tuple[str, dict]]:
-        events = self._close()
-        self.usage = usage(self.prompt_tokens, output_tokens, cached_tokens)
-        if finish_reason == "length":
+    def finish(self, outs: list) -> list[tuple[str, dict]]:
+        out, events = outs[0], self._close()
+        self.usage = usage(self.prompt_tokens, len(out.token_ids), out.cached_tokens)
+        if out.finish_reason == "length":
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
             return events + [self._event("response.incomplete", response=self.response())]
         self.status = "completed"
         return events + [self._event("response.completed", response=self.response())]
 
+    def whole(self) -> dict:
+        return self.response()
+
+    def failed(self, message: str) -> list[tuple[str, dict]]:
+        return [("error", {"type": "error", "sequence_number": 0, "code": "engine_failed", "message": message,
+                           "param": None})]
+
+    def sse(self, event: tuple[str, dict]) -> str:
+        return sse(event[1], event[0])
+
     def conversation_tail(self) -> list[dict]:
         """The output as chat messages, to store after the input."""
         return input_messages(self.output) if self.output else []
-
-
-def sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

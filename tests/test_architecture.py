@@ -57,6 +57,29 @@ def test_walk_sees_every_package():
     assert {p for p, _ in _modules()} >= {"model", "deploy"}
 
 
+# ---- no runtime file over 600 lines: a file that grows past that is asking to be split by owner -------------
+MOST_LINES = 600
+
+
+def _too_long(paths, most: int = MOST_LINES) -> dict[str, int]:
+    """Each file of ``paths`` with more than ``most`` lines, and its count."""
+    counts = {str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f): len(f.read_text().splitlines())
+              for f in paths}
+    return {f: n for f, n in counts.items() if n > most}
+
+
+def test_no_runtime_file_is_over_600_lines():
+    """model/, actors/, cluster/ and deploy/ (docs/STYLE.md: modules up to ~400 lines)."""
+    assert not _too_long(f for _, f in _modules())
+
+
+def test_the_length_check_catches_a_long_file(tmp_path):
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text("x = 1\n" * (MOST_LINES + 1))
+    short.write_text("x = 1\n" * MOST_LINES)
+    assert _too_long([long, short]) == {str(long): MOST_LINES + 1}
+
+
 # ---- text exists only on the Ingress (deploy/output.py): the engine and the actors move token ids ----------
 TEXT_MODULES = {"model.tokenizer", "model.tokenizer_backends", "tokenizers", "tiktoken"}
 TEXT_NAMES = {"Tokenizer", "IncrementalDecoder", "detokenize", "decode_text"}
@@ -89,6 +112,14 @@ def test_no_module_of_the_engine_or_the_actors_decodes_text():
                 found[str(f.relative_to(ROOT))] = hits
     assert not found, f"modules that decode text outside the front end: {found}"
     assert _text_uses(ast.parse((ROOT / "deploy" / "output.py").read_text())), "the walk sees the output processor's"
+
+
+def test_the_output_processor_imports_no_protocol_module():
+    """deploy/output.py shapes text and logprobs; the API modules render what it makes, not the other way."""
+    protocols = {"deploy.openai_api", "deploy.anthropic_api", "deploy.responses_api"}
+    imports = _local_imports(ast.parse((ROOT / "deploy" / "output.py").read_text()), "deploy.output", "deploy")
+    assert not imports & protocols, imports & protocols
+    assert _local_imports(ast.parse("from .openai_api import StopStrings\n"), "deploy.output", "deploy") & protocols
 
 
 def test_the_text_check_catches_the_engine_thread_that_decoded():

@@ -18,10 +18,11 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from actors.messages import SampledToken
 from deploy.fanout import Fanout
-from deploy.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, StopStrings,
-                               TokenizeChatRequest, TokenizeCompletionRequest, _template_message, chat_prompt_ids,
-                               completion_logprobs, detokenize_text, models_response, parse_request, parse_tokenize,
-                               sampling_params, tokenize_ids, tokenize_response)
+from deploy.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                               TokenizeCompletionRequest, _template_message, chat_prompt_ids, detokenize_text,
+                               models_response, parse_request, parse_tokenize, sampling_params, tokenize_ids,
+                               tokenize_response)
+from deploy.output import StopStrings, completion_logprobs
 from model.tokenizer import SHIPPED_DIR, Tokenizer
 from test_openai_api import LIMIT, USER, api_error, body, chat, completion
 

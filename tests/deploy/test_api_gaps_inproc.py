@@ -1,15 +1,13 @@
 """The rest of what SDKs send, served over HTTP in one process (no Ray): logit_bias, penalties and
 min_p reaching the sampler; special tokens left out of the text (skip_special_tokens,
 include_stop_str_in_output, stop_token_ids, the end-of-turn token); an SDK request with every field;
-vLLM's /tokenize and /detokenize and /v1/models; a non-streamed request whose client went away
-freed (the Ingress's poll: no Serve to cancel the handler); running text offsets in streamed
-logprobs; a choice stopped by its stop string stops decoding while the others run on.
+vLLM's /tokenize and /detokenize and /v1/models; running text offsets in streamed logprobs; a choice
+stopped by its stop string stops decoding while the others run on.
 
 One in-process app for the module (tests/deploy/inproc.py). The protocol tests are in
-test_api_gaps.py; the same client going away under Serve is in test_live.py."""
+test_api_gaps.py; a client that goes away is in test_doors_inproc.py (and under Serve in test_live.py)."""
 
 import json
-import socket
 import time
 
 import httpx
@@ -148,27 +146,6 @@ def _wait_idle(server, within_s: float) -> dict:
             return st
         assert time.monotonic() < deadline, st
         time.sleep(0.1)
-
-
-def test_served_non_streamed_request_freed_when_its_client_goes(server):
-    _wait_idle(server, 60)
-    before = _generated(server)
-    payload = json.dumps({**GREEDY, "prompt": "go", "max_tokens": 4000}).encode()
-    sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(payload)).encode()
-                 + b"\r\n\r\n" + payload)
-    deadline = time.monotonic() + 60
-    while _status(server)["running"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.05)
-    time.sleep(0.5)
-    sock.close()
-    st = _wait_idle(server, 5)
-    assert st["streams"]["subscriptions"] == 1, st  # the replica's engine stream outlives the request
-    assert all(a["cache_blocks_used"] == 0 for a in st["attention"]), st
-    generated = _generated(server) - before
-    assert generated < 4000, generated  # cut short, not run to its max_tokens
 
 
 def test_served_streamed_logprob_offsets_continue_as_not_streamed(client):

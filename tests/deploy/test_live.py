@@ -374,7 +374,7 @@ class TestK2:
 
     def test_served_non_streamed_request_freed_when_its_client_goes(self, k2, serve_port):
         """Under Serve, whose proxy cancels the handler of a client that went away (the Ingress's poll
-        without Serve: test_api_gaps_inproc.py)."""
+        without Serve, at every front door: test_doors_inproc.py)."""
         _wait_idle(k2.url, 60)
         before = _generated(k2.url)
         payload = json.dumps({"model": "k2", "prompt": "go", "temperature": 0, "ignore_eos": True,

@@ -9,11 +9,11 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from actors.messages import SampledToken
-from deploy.openai_api import (SSE_DONE, APIError, ChatCompletionRequest, ChoiceResult, CompletionRequest,
-                               StopStrings, chat_chunk, chat_prompt_ids, chat_response, choice_params,
-                               completion_chunk, completion_logprobs, completion_response, error_body,
-                               models_response, parse_request, prompt_token_lists, resolve_model, sampling_params,
-                               sse, usage, usage_chunk)
+from deploy.openai_api import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, chat_chunk,
+                               chat_prompt_ids, chat_response, choice_params, completion_chunk, completion_response,
+                               error_body, models_response, parse_request, prompt_token_lists, resolve_model,
+                               sampling_params, sse, usage, usage_chunk)
+from deploy.output import ChoiceResult, StopStrings, chat_logprobs, completion_logprobs
 from model.tokenizer import SHIPPED_DIR, Tokenizer
 
 LIMIT = 1 << 16
@@ -276,9 +276,9 @@ def sampled(tok, text):
 
 
 def test_completion_response_shape(tok):
-    choices = [ChoiceResult(0, "héllo", tok.encode("héllo"), "length", sampled(tok, "héllo")),
-               ChoiceResult(1, "hi", tok.encode("hi"), "stop")]
-    resp = completion_response("kimi", choices, usage(3, 5), tokenizer=tok)
+    lp = completion_logprobs(sampled(tok, "héllo"), tok)
+    choices = [ChoiceResult(0, "héllo", tok.encode("héllo"), "length", lp), ChoiceResult(1, "hi", tok.encode("hi"), "stop")]
+    resp = completion_response("kimi", choices, usage(3, 5))
     parsed = Completion.model_validate(json.loads(json.dumps(resp)))
     assert parsed.object == "text_completion" and parsed.id.startswith("cmpl-") and parsed.usage.total_tokens == 8
     lp = parsed.choices[0].logprobs
@@ -288,8 +288,9 @@ def test_completion_response_shape(tok):
 
 
 def test_chat_response_shape(tok):
-    resp = chat_response("kimi", [ChoiceResult(0, "héllo", tok.encode("héllo"), "stop", sampled(tok, "é"))],
-                         usage(4, 1), tokenizer=tok, request_id="chatcmpl-abc", created=123)
+    lp = chat_logprobs(sampled(tok, "é"), tok)
+    resp = chat_response("kimi", [ChoiceResult(0, "héllo", tok.encode("héllo"), "stop", lp)],
+                         usage(4, 1), request_id="chatcmpl-abc", created=123)
     parsed = ChatCompletion.model_validate(json.loads(json.dumps(resp)))
     assert (parsed.id, parsed.object, parsed.created) == ("chatcmpl-abc", "chat.completion", 123)
     assert parsed.choices[0].message.role == "assistant" and parsed.choices[0].message.content == "héllo"

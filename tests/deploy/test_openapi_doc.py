@@ -5,10 +5,12 @@ import pytest
 
 from actors.messages import SampledToken
 from deploy import openai_responses as out
-from deploy.ingress import Ingress, make_api
-from deploy.openai_api import (ChoiceResult, chat_chunk, chat_response, completion_chunk, completion_response,
-                               error_body, models_response, usage, usage_chunk)
+from deploy.ingress import Ingress
+from deploy.openai_api import (chat_chunk, chat_response, completion_chunk, completion_response, error_body,
+                               models_response, usage, usage_chunk)
 from deploy.openai_models import ChatCompletionRequest
+from deploy.output import ChoiceResult, chat_logprobs, completion_logprobs
+from deploy.routes import make_api
 from model.tokenizer import Tokenizer
 
 
@@ -23,9 +25,10 @@ def tok():
 
 def test_builders_produce_the_documented_responses(tok):
     lp = [SampledToken(0, 5, -0.5, ((5, -0.5), (7, -1.5)))]
-    choices = [ChoiceResult(0, "hi", [5], "length", lp), ChoiceResult(1, "yo", [6], "stop")]
-    out.CompletionResponse.model_validate(completion_response("m", choices, usage(3, 2), tokenizer=tok))
-    out.ChatCompletionResponse.model_validate(chat_response("m", choices, usage(3, 2), tokenizer=tok))
+    for shape, response, schema in ((completion_logprobs, completion_response, out.CompletionResponse),
+                                    (chat_logprobs, chat_response, out.ChatCompletionResponse)):
+        choices = [ChoiceResult(0, "hi", [5], "length", shape(lp, tok)), ChoiceResult(1, "yo", [6], "stop")]
+        schema.model_validate(response("m", choices, usage(3, 2)))
     out.CompletionResponse.model_validate(completion_chunk("cmpl-1", "m", 1, index=0, text="a"))
     out.CompletionResponse.model_validate(usage_chunk("cmpl-1", "m", 1, usage(1, 1), chat=False))
     out.ModelList.model_validate(models_response(["m"], 1))

@@ -8,7 +8,6 @@ import pytest
 from actors.messages import SampledToken
 from cluster.aengine import StreamChunk
 from deploy.chat_turn import ChatPlan
-from deploy.openai_api import completion_logprobs
 from deploy.output import ChoiceOutput, OutputOptions
 from model.tokenizer import SHIPPED_DIR, Tokenizer
 
@@ -71,5 +70,5 @@ def test_streamed_logprob_offsets_run_on_as_the_whole_answer_counts_them(tok):
     out, pieces = _run(tok, ids, "length", OutputOptions(logprobs=True))
     offsets = [o for p in pieces for o in p.logprobs["text_offset"]]
     whole, _ = _run(tok, ids, "length", OutputOptions(logprobs=True), split=len(ids))
-    assert offsets == completion_logprobs(whole.result().logprobs, tok)["text_offset"]
+    assert offsets == whole.result().logprobs["text_offset"]
     assert offsets[1:] != offsets[:-1]  # they do run on
