@@ -1,7 +1,7 @@
 """An async token stream per request over the (synchronous) engine.
 
 :class:`AsyncEngine` owns one background thread, the only one that touches the :class:`Engine`:
-it admits submitted requests (:class:`~cluster.engine.EngineRequest`), runs steps while there is
+it admits submitted requests (:class:`~cluster.stream.EngineRequest`), runs steps while there is
 work, and hands each request's new token ids (with their logprobs, the finish reason and the
 prompt tokens found cached) to that request's asyncio queue. It never makes text: the front end
 does (deploy/output.py). After each step it publishes a :class:`~cluster.engine.EngineSnapshot`,
@@ -30,19 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from .engine import Engine, EngineRequest, EpochChange, NoCapacity, RequestsFailed, TokenEvent, Transition
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """Engine → front end, what a consumer sees of one sequence after a step: new token ids, their
-    :class:`~actors.messages.SampledToken` s (logprobs), and the finish reason at the end (``stop``:
-    the last id is a stop token; ``abort`` for a sequence aborted alone)."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    sampled: tuple = ()
-    cached_tokens: int = 0  # of the prompt, found in the prefix cache (OpenAI's usage.prompt_tokens_details)
+from .engine import Engine, EpochChange, NoCapacity, RequestsFailed, Transition
+from .stream import EngineRequest, StreamChunk
 
 
 @dataclass(frozen=True)
@@ -283,7 +272,7 @@ class AsyncEngine:
             stream = self._streams.pop(item.seq_id, None)
             self.engine.abort(item.seq_id)
             if stream is not None:  # ends the sequence's place in its request's stream
-                stream.push(StreamChunk((), "abort"))
+                stream.push(StreamChunk((), "abort", seq_id=item.seq_id))
         self.engine.publish()  # admissions and aborts change what /metrics shows
 
     def _add(self, jobs: list, ready: asyncio.Future) -> None:
@@ -309,11 +298,11 @@ class AsyncEngine:
             for seq_id in seq_ids:
                 self.engine.abort(seq_id)
 
-    def _deliver(self, ev: TokenEvent) -> None:
+    def _deliver(self, ev: StreamChunk) -> None:
         stream = self._streams.get(ev.seq_id)
         if stream is None:
             return
-        delivered = stream.push(StreamChunk(ev.token_ids, ev.finish_reason, ev.sampled, ev.cached_tokens))
+        delivered = stream.push(ev)
         if not delivered and ev.finish_reason is None:  # nobody will read it: free the sequence now
             self._handle(_Abort(ev.seq_id))
             return

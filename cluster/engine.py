@@ -36,22 +36,11 @@ from .executor import Executor, Sent
 from .scheduler import Applied, Plan, Scheduler, SchedulerSnapshot
 from .seq import Seq
 from .stats import EngineStats, StepRecord
+from .stream import EngineRequest, StreamChunk
 from .spec import ClusterSpec
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "EngineRequest", "EpochChange", "NoCapacity", "Request",
-           "RequestsFailed", "TokenEvent", "Transition"]
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One sequence to generate (a choice of a prompt): created by the front end (the Ingress, from an
-    OpenAI request, or an offline caller), checked once (:meth:`Engine.validate`), admitted by the
-    engine thread. Token ids in; the engine streams ids back (:class:`TokenEvent`) — text never
-    crosses into the engine."""
-
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams  # the actors sample with it; the scheduler stops at its limits
-    cache_salt: str | None = None  # its cached blocks are shared only with requests of the same salt
+__all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request",
+           "RequestsFailed", "Transition"]
 
 
 @dataclass
@@ -87,17 +76,6 @@ class StepResults:
     step_s: float
     table: PlacementTable  # the epoch it ran in
     verifying: bool  # it verified drafts
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """New tokens of one request after a step."""
-
-    seq_id: int
-    token_ids: tuple[int, ...]
-    sampled: tuple[SampledToken, ...]
-    finish_reason: str | None
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache at the request's admission
 
 
 def check_shape(mc: ModelConfig, spec: ClusterSpec, model: str) -> None:
@@ -237,7 +215,7 @@ class Engine:
         return self.scheduler.has_work or bool(self.inflight)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[StreamChunk]:
         """One whole step, not pipelined: launch, finish, record (a step in flight is finished first)."""
         if not self.inflight and self.launch() is None:
             return []
@@ -245,7 +223,7 @@ class Engine:
         self._record()
         return events
 
-    def pipelined(self) -> list[TokenEvent]:
+    def pipelined(self) -> list[StreamChunk]:
         """One turn of the pipelined loop (the async engine's and :meth:`generate`'s): finish the
         oldest step in flight (launched now if none is), with the next step sent ahead of its
         results where it can be (:meth:`launch_ahead`), else launched once they are applied; the
@@ -348,7 +326,7 @@ class Engine:
         seqs = [s for r in plan.chunks for c in r if (s := self.scheduler.seqs.get(c.seq_id)) is not None]
         return () if self.scheduler.drafts.may_draft(seqs) else (self.model_cfg.num_hidden_layers,)
 
-    def finish(self) -> list[TokenEvent]:
+    def finish(self) -> list[StreamChunk]:
         """Wait for the oldest step in flight and apply its tokens; its statistics wait for
         :meth:`_record` (the loops call it). A failed step is undone, with the step sent ahead of
         it, and the dead actors replaced (raises NoCapacity when that is impossible). After ``max_step_retries`` failed
@@ -420,7 +398,7 @@ class Engine:
             out.append(groups)
         return out
 
-    def _events(self, applied: list[Applied]) -> list[TokenEvent]:
+    def _events(self, applied: list[Applied]) -> list[StreamChunk]:
         """The tokens the scheduler applied, timed, as the streams' events."""
         events = []
         for seq, tok, reason in ((a.seq, a.token, a.reason) for a in applied):
@@ -439,7 +417,7 @@ class Engine:
                     scheduled = req.arrival if req.scheduled is None else req.scheduled
                     self.stats.observe_finished(now - req.arrival, seq, queue_s=scheduled - req.arrival,
                                                 prefill_s=req.first_token - scheduled, decode_s=now - req.first_token)
-            events.append(TokenEvent(seq.seq_id, (tok.token_id,), (tok,), reason, seq.num_hit or 0))
+            events.append(StreamChunk((tok.token_id,), reason, (tok,), seq.num_hit or 0, seq.seq_id))
         return events
 
     # ---- recovery (decided by the epoch owner) --------------------------------------------------

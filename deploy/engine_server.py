@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.aengine import AsyncEngine
-from cluster.engine import Engine, EngineRequest
+from cluster.engine import Engine
+from cluster.stream import EngineRequest
 from model.config import load_config
 from model.tokenizer import Tokenizer
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-END = "end"  # the request-wide item after the last chunk of every choice
-
+from cluster.stream import StreamChunk
 
 class ChoiceStream:
     """One choice's chunks, in order; ``cancel`` says the Ingress wants no more of them."""
@@ -50,19 +49,21 @@ class Fanout:
         self.finished: set[int] = set()
         self.closed = False
 
-    def feed(self, index: int | None, item) -> None:
-        """A chunk of choice ``index``; or, with ``index`` None, :data:`END` (the request is done) or an
-        exception (the engine failed), for every choice still unfinished."""
-        if index is not None:
-            if item.finish_reason is not None:
-                self.finished.add(index)
-            self.queues[index].put_nowait(item)
-            return
-        if item == END:
-            item = RuntimeError("the engine stream ended before every choice finished")
+    def feed(self, index: int, chunk: StreamChunk) -> None:
+        """A chunk of choice ``index``."""
+        if chunk.finish_reason is not None:
+            self.finished.add(index)
+        self.queues[index].put_nowait(chunk)
+
+    def end(self) -> None:
+        """The request is done: a choice still unfinished then is an error."""
+        self.fail(RuntimeError("the engine stream ended before every choice finished"))
+
+    def fail(self, error: BaseException) -> None:
+        """The request failed (the engine, or its replica): ``error`` for every choice still unfinished."""
         for i in range(self.n):
             if i not in self.finished:
-                self.queues[i].put_nowait(item)
+                self.queues[i].put_nowait(error)
         self.finished = set(range(self.n))
 
     async def open(self) -> list:

@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.engine import EngineRequest
+from cluster.stream import EngineRequest
 from cluster.progress import load_progress, still_loading
 from model.config import load_config
 from model.tokenizer import Tokenizer

@@ -28,10 +28,34 @@ import contextvars
 import itertools
 import uuid
 
-from cluster.aengine import AsyncEngine
-from cluster.engine import EngineRequest
+from dataclasses import dataclass
 
-from .fanout import END, Fanout
+from cluster.aengine import AsyncEngine
+from cluster.stream import EngineRequest, StreamChunk
+
+from .fanout import Fanout
+
+
+@dataclass(frozen=True)
+class End:
+    """A request is done: every choice's last chunk came before."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request failed in the engine (every choice still open ends with this error)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class MuxItem:
+    """What the subscription carries (engine replica → Ingress replica), per request ``key``: a chunk
+    of choice ``index``, or the request's :class:`End` or :class:`Failed` (``index`` None)."""
+
+    key: int
+    index: int | None
+    item: StreamChunk | End | Failed
 
 
 class _Sink:
@@ -67,9 +91,8 @@ class EngineStreams:
         return sum(sum(s.starting.values()) for s in self.sinks.values())
 
     async def subscribe(self, sink_id: str):
-        """Yield ``[]`` at once (subscribed), then, whenever some are pending, lists of ``(key, index,
-        item)``: a chunk of choice ``index``, or with index None :data:`END` or an exception. Closing
-        it (the Ingress went away) aborts its requests."""
+        """Yield ``[]`` at once (subscribed), then, whenever some are pending, lists of
+        :class:`MuxItem`. Closing it (the Ingress went away) aborts its requests."""
         sink = self.sinks[sink_id] = _Sink()
         try:
             yield []
@@ -116,10 +139,10 @@ class EngineStreams:
         try:
             async for index, seq_id, chunk in stream:
                 seq_ids[index] = seq_id
-                sink.put((key, index, chunk))
-            sink.put((key, None, END))
+                sink.put(MuxItem(key, index, chunk))
+            sink.put(MuxItem(key, None, End()))
         except Exception as e:  # noqa: BLE001 — the engine failed: the request's error, as plain text
-            sink.put((key, None, RuntimeError(f"{type(e).__name__}: {e}")))
+            sink.put(MuxItem(key, None, Failed(f"{type(e).__name__}: {e}")))
         finally:
             sink.tasks.pop(key, None)
             sink.seq_ids.pop(key, None)
@@ -183,19 +206,23 @@ class StreamMux:
     async def _pump(self, gen, sink: str) -> None:
         try:
             async for batch in gen:
-                for key, index, item in batch:
-                    entry = self.requests.get(key)
-                    if entry is not None:
-                        entry[1].feed(index, item)
-                        if index is None:
-                            del self.requests[key]
+                for m in batch:
+                    entry = self.requests.get(m.key)
+                    if entry is None:
+                        continue
+                    fan = entry[1]
+                    if isinstance(m.item, StreamChunk):
+                        fan.feed(m.index, m.item)
+                        continue
+                    del self.requests[m.key]
+                    fan.end() if isinstance(m.item, End) else fan.fail(RuntimeError(m.item.message))
             err: BaseException = RuntimeError("the engine's stream ended")
         except Exception as e:  # noqa: BLE001 — the engine replica is gone: every request on it fails
             err = e
         for key, (s, fan) in list(self.requests.items()):
             if s == sink:
                 del self.requests[key]
-                fan.feed(None, err)
+                fan.fail(err)
 
     def _cancel(self, key: int) -> None:
         entry = self.requests.pop(key, None)

@@ -1,6 +1,6 @@
 """The output processor: one choice's token ids from the engine → what the client sees.
 
-The engine streams ids (:class:`~cluster.aengine.StreamChunk`); text exists only here, on the
+The engine streams ids (:class:`~cluster.stream.StreamChunk`); text exists only here, on the
 Ingress, as in vLLM's front-end ``OutputProcessor``. :class:`ChoiceOutput` owns, for one choice:
 incremental decoding (special tokens left out unless ``skip_special_tokens`` is off; a UTF-8
 character split over tokens held back), stop strings (:class:`StopStrings`), for a chat turn with
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from actors.messages import SampledToken
-from cluster.aengine import StreamChunk
+from cluster.stream import StreamChunk
 from model.tokenizer import IncrementalDecoder, Tokenizer
 
 from .chat_turn import ChatPlan

@@ -10,7 +10,7 @@ import pytest
 from types import SimpleNamespace
 
 from cluster.aengine import AsyncEngine
-from cluster.engine import EngineRequest, TokenEvent
+from cluster.stream import EngineRequest, StreamChunk
 from cluster.stats import EngineStats
 from model.sampling import SamplingParams
 
@@ -156,7 +156,7 @@ class RecordingEngine(FakeEngine):
             if sid not in self.requests:  # aborted while its step ran
                 continue
             self.requests[sid] -= 1
-            events.append(TokenEvent(sid, (sid,), (), "length" if self.requests[sid] == 0 else None))
+            events.append(StreamChunk((sid,), "length" if self.requests[sid] == 0 else None, seq_id=sid))
         return events
 
 

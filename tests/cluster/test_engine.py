@@ -9,7 +9,7 @@ import ray
 import torch
 
 from cluster.aengine import AsyncEngine
-from cluster.engine import EngineRequest
+from cluster.stream import EngineRequest
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config

@@ -325,7 +325,7 @@ def test_a_burst_of_submits_counts_against_the_queue_before_their_tasks_run():
     """Several submits can come before any of their forwarding tasks has run (one event-loop turn
     takes a burst of requests): their sequences, not yet in the engine's queue, still count against
     its room (EngineServer.submit adds num_starting to the engine's waiting count)."""
-    from cluster.engine import EngineRequest
+    from cluster.stream import EngineRequest
     from deploy.mux import EngineStreams
     from model.sampling import SamplingParams
 
@@ -353,7 +353,7 @@ def test_a_burst_of_submits_counts_against_the_queue_before_their_tasks_run():
 
 
 def test_chat_content_keeps_the_stop_string_with_include_stop_str_in_output(tok):
-    from cluster.aengine import StreamChunk
+    from cluster.stream import StreamChunk
     from deploy.chat_turn import ChatPlan
     from deploy.output import ChoiceOutput, OutputOptions
 

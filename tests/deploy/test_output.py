@@ -6,7 +6,7 @@ engine: chunks as the engine streams them."""
 import pytest
 
 from actors.messages import SampledToken
-from cluster.aengine import StreamChunk
+from cluster.stream import StreamChunk
 from deploy.chat_turn import ChatPlan
 from deploy.output import ChoiceOutput, OutputOptions
 from model.tokenizer import SHIPPED_DIR, Tokenizer
