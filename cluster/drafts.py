@@ -41,7 +41,10 @@ from typing import TYPE_CHECKING, Protocol
 from model.runner import Sequence, banned_ids
 
 if TYPE_CHECKING:
-    from .config import SpeculativeConfig
+    from model.config import ModelConfig
+
+    from .config import EngineConfig, SpeculativeConfig
+    from .stats import EngineStats
 
 DRAFT_FLOOR = 0.15  # a sequence whose drafts' acceptance rate is below this drafts nothing for a while
 DRAFT_PROBE = 0.02  # … its rate climbing back by this each step, so that it tries again
@@ -314,3 +317,31 @@ class DraftPolicy:
     def finished(self, seq) -> None:
         self.rates.pop(seq.seq_id, None)
         self.drafter.finished(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, salt=seq.cache_salt)
+
+
+def check_speculative(mc: ModelConfig, config: EngineConfig, model: str) -> None:
+    """ValueError when the speculative config cannot run on this model (MTP drafts need the
+    checkpoint's MTP layer: DeepSeek-V3 ships one, Kimi K2 none)."""
+    spec = config.speculative
+    if spec is None or spec.method != "mtp":
+        return
+    if mc.num_nextn_predict_layers < 1 or mc.family != "deepseek_v3":
+        raise ValueError(f"{model}: speculative method 'mtp' needs the checkpoint's multi-token-prediction layer "
+                         f"(num_nextn_predict_layers is {mc.num_nextn_predict_layers}; Kimi K2 ships none): use "
+                         "method suffix or ngram")
+    if spec.num_speculative_tokens > mc.num_nextn_predict_layers:
+        raise ValueError(f"{model}: speculative method 'mtp' drafts one token per MTP layer: num_speculative_tokens "
+                         f"must be <= {mc.num_nextn_predict_layers}, got {spec.num_speculative_tokens}")
+
+
+def speculative_status(spec: SpeculativeConfig | None, stats: EngineStats) -> dict | None:
+    """Speculative decoding's method and acceptance so far, from the engine's statistics (None when
+    it is off): what ``/status`` and ``moeray status`` show."""
+    if spec is None:
+        return None
+    st = stats
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "drafts": st.spec_drafts, "draft_tokens": st.spec_draft_tokens, "accepted_tokens": st.spec_accepted_tokens,
+            "acceptance_rate": st.spec_accepted_tokens / st.spec_draft_tokens if st.spec_draft_tokens else None,
+            "mean_accepted_length": st.mean_accepted_length,
+            "accepted_per_position": list(st.spec_accepted_per_pos)}

@@ -30,6 +30,7 @@ from model.loader import served_moe_layers
 from model.sampling import SamplingParams
 
 from .config import EngineConfig
+from .drafts import check_speculative, speculative_status
 from .epochs import EpochChange, Epochs, Transition
 from .errors import EngineError, NoCapacity, RequestsFailed, StepFailed
 from .executor import Executor, Sent
@@ -89,21 +90,6 @@ def check_shape(mc: ModelConfig, spec: ClusterSpec, model: str) -> None:
     if not spec.colocated and (spec.attention < 1 or not 1 <= spec.experts <= mc.n_routed_experts):
         raise ValueError(f"expert actors must be in 1..{mc.n_routed_experts} (the routed experts) and "
                          f"attention replicas >= 1, got {spec.experts} and {spec.attention}")
-
-
-def check_speculative(mc: ModelConfig, config: EngineConfig, model: str) -> None:
-    """ValueError when the speculative config cannot run on this model (MTP drafts need the
-    checkpoint's MTP layer: DeepSeek-V3 ships one, Kimi K2 none)."""
-    spec = config.speculative
-    if spec is None or spec.method != "mtp":
-        return
-    if mc.num_nextn_predict_layers < 1 or mc.family != "deepseek_v3":
-        raise ValueError(f"{model}: speculative method 'mtp' needs the checkpoint's multi-token-prediction layer "
-                         f"(num_nextn_predict_layers is {mc.num_nextn_predict_layers}; Kimi K2 ships none): use "
-                         "method suffix or ngram")
-    if spec.num_speculative_tokens > mc.num_nextn_predict_layers:
-        raise ValueError(f"{model}: speculative method 'mtp' drafts one token per MTP layer: num_speculative_tokens "
-                         f"must be <= {mc.num_nextn_predict_layers}, got {spec.num_speculative_tokens}")
 
 
 class Engine:
@@ -515,17 +501,6 @@ class Engine:
             self.pipelined()
         return [self.release(i).seq for i in ids]
 
-    def speculative_status(self) -> dict | None:
-        """Speculative decoding's method and acceptance so far (None when it is off)."""
-        spec, st = self.config.speculative, self.stats
-        if spec is None:
-            return None
-        return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                "drafts": st.spec_drafts, "draft_tokens": st.spec_draft_tokens, "accepted_tokens": st.spec_accepted_tokens,
-                "acceptance_rate": st.spec_accepted_tokens / st.spec_draft_tokens if st.spec_draft_tokens else None,
-                "mean_accepted_length": st.mean_accepted_length,
-                "accepted_per_position": list(st.spec_accepted_per_pos)}
-
     def status(self) -> dict:
         """Plain data for ``/status`` (call on the engine thread; the async engine's ``control``)."""
         sched, stats = self.scheduler, self.stats
@@ -541,5 +516,5 @@ class Engine:
                 "cache": [(a.num_held, a.num_blocks) for a in sched.cache.blocks],
                 "sequences": [sched.load(r) for r in range(len(sched.cache.blocks))],
                 "prefix_cache": sched.cache_status(),
-                "speculative": self.speculative_status(),
+                "speculative": speculative_status(self.config.speculative, self.stats),
                 "actors": self.executor.describe()}
