@@ -81,8 +81,13 @@ class CacheConfig(_Checked):
 # sends its process SIGTERM and SIGKILL only after kill_worker_timeout_milliseconds (5 s by default),
 # and the actor's bundle, where its replacement goes, stays held until then. A stopped process never
 # acts on SIGTERM, so the 5 s were 5 s more of every stream's stall (measured: replacement in a
-# stopped actor's bundle ready after 5.8 s, after 1.6 s with 1000 ms).
-RAY_NODE_ENV = {"RAY_kill_worker_timeout_milliseconds": "1000"}
+# stopped actor's bundle ready after 5.8 s, after 1.6 s with 1000 ms). Ray starts its workers, every
+# actor of ours among them, at niceness 15 (worker_niceness): beside any process of normal priority on
+# the node (a Serve driver, a co-located job, a second test worker) an actor then gets a few percent of
+# a core. Measured on 2 cores beside a 2-thread job: `import torch` in a new actor took 46 s (3 s in a
+# normal process), a hung actor's replacement 30 s to start; with niceness 0, as Ray's own job
+# supervisor starts its drivers, actors share the cores as equals.
+RAY_NODE_ENV = {"RAY_kill_worker_timeout_milliseconds": "1000", "RAY_worker_niceness": "0"}
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,9 @@ with LocalCluster(nodes=2, num_cpus=1) as c:
     for p in raylets:
         env = open(f"/proc/{p}/environ", "rb").read().split(b"\\0")
         assert all(f"{k}={v}".encode() in env for k, v in RAY_NODE_ENV.items()), p
+    # and the actors run at normal priority, not Ray's niceness 15 (cluster/config.py)
+    nice = ray.remote(num_cpus=0)(lambda: os.nice(0))
+    assert ray.get([nice.options(resources={f"moeray_node_{i}": 0.01}).remote() for i in (0, 1)], timeout=60) == [0, 0]
 assert not ray.is_initialized()
 assert ray._private.utils.read_ray_address() != address
 alive = []
