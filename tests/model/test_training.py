@@ -1,6 +1,7 @@
 """Training's loss weights (model/training.py): assistant turns weigh 1 as targets, the rest less."""
 
 import json
+import re
 
 from model.corpus import documents
 from model.tokenizer import SHIPPED_DIR, Tokenizer
@@ -99,5 +100,71 @@ def test_single_requests_name_one_city_and_call_for_it():
     texts = [tok.decode(r) for r in rows]
     assert all(t.count("<|tool_call_begin|>") == 1 and "## Return of functions." in t for t in texts)
     weather = [t for t in texts if "functions.get_weather:0" in t]
-    assert weather and all(any(f'"city": "{c}"' in t and f" {c}" in t.split("<|im_assistant|>")[0] for c in CITIES)
-                           for t in weather)
+    assert weather and all(any(f'"city": "{c}"' in t and re.search(rf"\b{c}\b", t.split("<|im_assistant|>")[0])
+                               for c in CITIES) for t in weather)  # the user named it, anywhere in the turn
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _leaves(v)
+    else:
+        yield x
+
+
+def _skeleton(x):
+    """A tool result's shape: its keys, nesting and lists, the values left out."""
+    if isinstance(x, dict):
+        return tuple((k, _skeleton(v)) for k, v in x.items())
+    if isinstance(x, list):
+        return ("list", _skeleton(x[0]) if x else None)
+    return None
+
+
+def test_the_corpus_varies_every_tools_result_and_phrasing_and_its_answers_quote_the_result():
+    """model/corpus.py's training corpus asks for each tool in many phrasings and gets its result in
+    many shapes (key names, nesting, lists, extra fields, key orders); each answer still quotes a value
+    of the result. Without ``vary`` a transcript is the corpus's first version (one shape a tool: what
+    the tokenizer kimi-mini learned from, tests/model/test_tokenizer.py rebuilds it)."""
+    import random
+    from collections import defaultdict
+
+    from model.corpus import conversations, transcript
+
+    def turns(convs):
+        for messages, _tools, _think in convs:
+            for i, m in enumerate(messages):
+                if m["role"] == "tool":
+                    call = messages[i - 1]["tool_calls"][0]["function"]
+                    yield messages[i - 2]["content"], call["name"], json.loads(call["arguments"]), \
+                        json.loads(m["content"]), messages[i + 1]["content"]
+
+    shapes, asks, temperature_keys = defaultdict(set), defaultdict(set), set()
+    for user, tool, args, result, answer in turns(conversations(3, 600)):
+        shapes[tool].add(_skeleton(result))
+        ask = user
+        for value in args.values():
+            ask = ask.replace(str(value), "{}")
+        asks[tool].add(ask)
+        if tool != "send_email":  # its answer names the recipient, not the result's id
+            quoted = [x for x in _leaves(result) if str(x) not in map(str, args.values()) and str(x) in answer]
+            assert quoted, (user, result, answer)
+        if tool == "get_weather":
+            (t,) = [int(n) for n in re.findall(r"(-?\d+)°[CF]", answer)]
+            flat = result[0] if isinstance(result, list) else result
+            inner = [flat] + [x for x in flat.values() if isinstance(x, dict)] + \
+                [x[0] for x in flat.values() if isinstance(x, list) and x and isinstance(x[0], dict)]
+            temperature_keys |= {k for d in inner for k, x in d.items() if x == t and not isinstance(x, bool)}
+    assert len(shapes) == len(asks) == 13, sorted(shapes)  # every tool but set_reminder, declared and never called
+    for tool in shapes:
+        assert len(shapes[tool]) >= 3 and len(asks[tool]) >= 3, (tool, shapes[tool], asks[tool])
+    assert len(shapes["get_weather"]) >= 100 and len(asks["get_weather"]) >= 30
+    assert len(temperature_keys) >= 10, temperature_keys
+    assert any(isinstance(s, tuple) and s and s[0] == "list" for s in shapes["get_weather"])  # a list at the top
+    r = random.Random(3)
+    first = [t[1:4] for t in turns(transcript(r) for _ in range(300))]
+    assert {tuple(result) for tool, _args, result in first if tool == "get_weather"} == \
+        {("city", "temperature", "unit", "condition")}
