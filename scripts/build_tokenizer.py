@@ -19,7 +19,7 @@ The deepseek tokenizer.json pre-splits with the same K2 pat_str (not DeepSeek-V3
 so that both formats give identical ids for ordinary text.
 
 And a third, the trained preset kimi-k2-mini's (build_mini): K2's format and special offsets over
-1,536 ranks learned from that preset's own corpus (model/corpus.py), its cities and two-digit
+1,536 ranks learned from that preset's own corpus (training/corpus.py), its cities and two-digit
 numbers whole, padded with specials to 1,792 ids:
   kimi-mini/ tiktoken.model + tokenizer_config.json (K2 specials at 1536 + K2's offsets)
 """
@@ -212,10 +212,10 @@ def build(out: Path, corpus: Path) -> None:
 
 def mini_training_text(n_transcripts: int = 1500, seed: int = 0) -> str:
     """The text the trained preset's tokenizer learns its ranks from: transcripts of its own corpus
-    (model/corpus.py, seeded) rendered through K2's template with the special tokens cut out, and
+    (training/corpus.py, seeded) rendered through K2's template with the special tokens cut out, and
     the hand-written corpus above. No standard-library text: its docstrings change between Python
     versions, and the build must be byte-for-byte the same everywhere."""
-    from model.corpus import transcript
+    from training.corpus import transcript
 
     kimi = Tokenizer.from_dir(REPO / "model" / "assets" / "tokenizer" / "kimi")  # K2's template and specials
     r = random.Random(seed)
@@ -229,13 +229,13 @@ def mini_training_text(n_transcripts: int = 1500, seed: int = 0) -> str:
 
 def build_mini(out: Path) -> None:
     """The trained preset's tokenizer (kimi-mini/): K2's format and special offsets over MINI_RANKS
-    ranks learned from the preset's own corpus, with every city of model.corpus.CITIES and every
+    ranks learned from the preset's own corpus, with every city of training.corpus.CITIES and every
     number 10-99 one id. A real K2 tokenizer (163,584 ranks) has common city names and every
     number up to 999 whole; the 768 ranks of kimi/ spell ` Tirana` ` T` `ir` `an` `a`, which a
     12 M-parameter model cannot learn to copy in its budget (docs/trained_preset.md). The city
     chains come first, and no merge joins a city to what stands before or after it, so the user's
     ` Tirana` is ` ` `Tirana` and the argument's `"Tirana"` holds the same `Tirana`."""
-    from model.corpus import CITIES
+    from training.corpus import CITIES
 
     cities = [c.encode() for c in CITIES]
     first = whole_word_merges(cities + [str(n).encode() for n in range(10, 100)])

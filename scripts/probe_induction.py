@@ -1,4 +1,4 @@
-"""How many steps a model takes to learn to copy: the induction task (model/training.py
+"""How many steps a model takes to learn to copy: the induction task (training/train.py
 ``induction_rows``: a span of 8-26 random ids repeated until the row ends, a different period in each
 row), trained alone, with the copy accuracy on held-out rows printed as it goes. Issue 35's trained
 preset has to copy the user's city into a tool call, and copying is this skill; this script measures
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import parse_config
     from model.model import CausalLM
     from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini
-    from model.training import all_logits, copy_accuracy, induction_rows, init_for_training, weighted_ce
+    from training.train import all_logits, copy_accuracy, induction_rows, init_for_training, weighted_ce
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """Train the kimi-k2-mini preset: K2's architecture and checkpoint format at laptop size, with one MTP
-layer, on a seeded offline corpus of agent transcripts (model/corpus.py), through the model code in
-model/ (model/training.py). Writes a complete checkpoint directory (bf16, the preset's K2-format
+layer, on a seeded offline corpus of agent transcripts (training/corpus.py), through the model code in
+model/ (training/train.py). Writes a complete checkpoint directory (bf16, the preset's K2-format
 tokenizer kimi-mini and K2's template), a JSON log of the losses, and preset.safetensors: the same
 weights without the MTP layer's copies of the embedding and output head it shares with the main model
 (what model/assets/presets/kimi-k2-mini/model.safetensors holds; build_preset writes the copies back).
@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
     from model.config import parse_config
-    from model.corpus import call_rows, documents
+    from training.corpus import call_rows, documents
     from model.model import CausalLM, to_hf_tensors
     from model.mtp import with_shared_mtp_tensors
     from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, stored_tensors, write_model_dir
     from model.tokenizer import SHIPPED_DIR, Tokenizer
-    from model.training import (TrainConfig, assistant_weights, init_for_training, padded_rows, share_mtp_embeddings,
+    from training.train import (TrainConfig, assistant_weights, init_for_training, padded_rows, share_mtp_embeddings,
                                 train, windows)
 
     if args.threads:

@@ -9,11 +9,15 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 FORBIDDEN = {
-    "model": {"ray", "fastapi", "starlette", "actors", "cluster", "deploy", "transformers", "prometheus_client"},
-    "actors": {"cluster", "deploy", "fastapi", "starlette", "transformers"},
-    "cluster": {"deploy", "fastapi", "starlette", "transformers"},
-    "deploy": {"transformers"},
+    "model": {"ray", "fastapi", "starlette", "actors", "cluster", "deploy", "transformers", "prometheus_client",
+              "training"},
+    "actors": {"cluster", "deploy", "fastapi", "starlette", "transformers", "training"},
+    "cluster": {"deploy", "fastapi", "starlette", "transformers", "training"},
+    "deploy": {"transformers", "training"},
+    # training the shipped preset (scripts/train_preset.py) through model/'s code; nothing above imports it
+    "training": {"ray", "fastapi", "starlette", "actors", "cluster", "deploy", "transformers", "prometheus_client"},
 }
+RUNTIME = ("model", "actors", "cluster", "deploy")
 ENV_READER = ROOT / "deploy" / "settings.py"
 
 
@@ -70,7 +74,7 @@ def _too_long(paths, most: int = MOST_LINES) -> dict[str, int]:
 
 def test_no_runtime_file_is_over_600_lines():
     """model/, actors/, cluster/ and deploy/ (docs/STYLE.md: modules up to ~400 lines)."""
-    assert not _too_long(f for _, f in _modules())
+    assert not _too_long(f for pkg, f in _modules() if pkg in RUNTIME)
 
 
 def test_the_length_check_catches_a_long_file(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from cluster.engine import Engine, EngineConfig
 from cluster.spec import ClusterSpec
 from model.config import load_config
-from model.corpus import documents
+from training.corpus import documents
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from inproc import serve
-from model.corpus import CITIES, WEATHER_TOOLS, conversations, single_requests
+from training.corpus import CITIES, WEATHER_TOOLS, conversations, single_requests
 from model.presets import build_preset
 
 N, NEEDED = 20, 15
@@ -88,7 +88,7 @@ def test_tool_choice_auto_calls_the_weather_tool_for_the_users_city_and_quotes_i
 
 # ---------------------------------------------------------------- held out: shapes and phrasings the corpus never has
 #
-# The weather tool's result in shapes the training corpus (model/corpus.py) never writes (key names for the
+# The weather tool's result in shapes the training corpus (training/corpus.py) never writes (key names for the
 # temperature it never uses, nesting, extra fields, other key orders, condition words and units of its
 # own), asked for in phrasings the corpus never uses. They live here only;
 # test_the_corpus_never_has_the_held_out_shapes_or_phrasings checks that the generator never produces them.

@@ -12,7 +12,7 @@ from model.model import CausalLM, init_random_weights, load_hf_weights, to_hf_te
 from model.presets import KIMI_K2_MINI_SMOKE as SMALL
 from model.presets import kimi_k2_mini, write_model_dir
 from model.mtp import mtp_shared_names, with_shared_mtp_tensors
-from model.training import losses, share_mtp_embeddings
+from training.train import losses, share_mtp_embeddings
 
 
 
@@ -88,7 +88,7 @@ def test_gradients_reach_every_parameter_through_the_serving_code():
 
 def test_training_shares_the_mtp_layers_embedding_and_head_and_the_checkpoint_stores_both_names():
     """DeepSeek-V3 trains its MTP module on the main model's embedding and output head (one parameter
-    each); its checkpoint names them twice. model.training.share_mtp_embeddings ties them;
+    each); its checkpoint names them twice. training.train.share_mtp_embeddings ties them;
     to_hf_tensors then names each once, and with_shared_mtp_tensors writes the MTP layer's copies."""
     m = _model()
     share_mtp_embeddings(m)

@@ -386,7 +386,7 @@ def test_the_trained_presets_tokenizer_holds_each_city_and_two_digit_number_whol
     """kimi-mini (the trained preset's): K2's format and special offsets over MINI_RANKS ranks; the
     user's ` Tirana` and the argument's `"Tirana"` hold the same single id (a real K2 tokenizer has
     common city names whole too), and so does a two-digit temperature."""
-    from model.corpus import CITIES
+    from training.corpus import CITIES
 
     mini = Tokenizer.from_dir(SHIPPED_DIR / "kimi-mini")
     assert mini.vocab_size == MINI_VOCAB_SIZE

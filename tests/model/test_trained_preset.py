@@ -1,5 +1,5 @@
 """The trained preset kimi-k2-mini (issue 35 Must show 2 and 3, the model side), on held-out
-transcripts it was never trained on (model/corpus.py with a seed of their own):
+transcripts it was never trained on (training/corpus.py with a seed of their own):
 
 - its MTP layer's greedy guess of the token after next agrees with the main model's greedy token at
   least 60 % of the time (a one-token MTP draft's acceptance under greedy decoding);
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from model.config import parse_config
-from model.corpus import documents
+from training.corpus import documents
 from model.loader import load_model
 from model.model import CausalLM, init_random_weights
 from model.presets import kimi_k2_mini
 from model.tokenizer import SHIPPED_DIR, Tokenizer
-from model.training import mtp_agreement, routing_imbalance, windows
+from training.train import mtp_agreement, routing_imbalance, windows
 from tests.presets import preset
 
 HELD_OUT_SEED = 35_000  # neither the training corpus (seed 0) nor the script's held-out set (10 000)

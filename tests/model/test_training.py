@@ -1,11 +1,11 @@
-"""Training's loss weights (model/training.py): assistant turns weigh 1 as targets, the rest less."""
+"""Training's loss weights (training/train.py): assistant turns weigh 1 as targets, the rest less."""
 
 import json
 import re
 
-from model.corpus import documents
+from training.corpus import documents
 from model.tokenizer import SHIPPED_DIR, Tokenizer
-from model.training import assistant_weights, windows
+from training.train import assistant_weights, windows
 
 
 def test_assistant_turns_weigh_one_and_the_rest_other():
@@ -50,7 +50,7 @@ def test_a_calls_arguments_weigh_their_own():
 def test_induction_rows_mark_exactly_the_copied_ids_and_vary_their_period():
     import torch
 
-    from model.training import copy_accuracy, induction_rows
+    from training.train import copy_accuracy, induction_rows
 
     ids, mask = induction_rows(200, 80, 768, torch.Generator().manual_seed(0))
     assert ids.shape == mask.shape == (200, 80) and int(ids.max()) < 768
@@ -84,7 +84,7 @@ def test_the_induction_probe_runs_on_both_models(capsys):
 
 
 def test_padded_rows_keeps_each_document_a_row_of_its_own():
-    from model.training import padded_rows
+    from training.train import padded_rows
 
     ids, w = padded_rows([[5, 6, 7], [1, 2, 3, 4, 5, 6]], 4, [[1.0, 2.0, 3.0], [1.0] * 6], pad_id=99)
     assert ids.tolist() == [[5, 6, 7, 99], [1, 2, 3, 4]]
@@ -92,7 +92,7 @@ def test_padded_rows_keeps_each_document_a_row_of_its_own():
 
 
 def test_single_requests_name_one_city_and_call_for_it():
-    from model.corpus import CITIES, call_rows
+    from training.corpus import CITIES, call_rows
 
     tok = Tokenizer.from_dir(SHIPPED_DIR / "kimi-mini")
     rows = call_rows(1, 40, tok)
@@ -125,14 +125,14 @@ def _skeleton(x):
 
 
 def test_the_corpus_varies_every_tools_result_and_phrasing_and_its_answers_quote_the_result():
-    """model/corpus.py's training corpus asks for each tool in many phrasings and gets its result in
+    """training/corpus.py's training corpus asks for each tool in many phrasings and gets its result in
     many shapes (key names, nesting, lists, extra fields, key orders); each answer still quotes a value
     of the result. Without ``vary`` a transcript is the corpus's first version (one shape a tool: what
     the tokenizer kimi-mini learned from, tests/model/test_tokenizer.py rebuilds it)."""
     import random
     from collections import defaultdict
 
-    from model.corpus import conversations, transcript
+    from training.corpus import conversations, transcript
 
     def turns(convs):
         for messages, _tools, _think in convs:

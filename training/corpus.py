@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .chat_template import K2_THINKING_CHAT_TEMPLATE, compile_template, render
-from .tokenizer import Tokenizer
+from model.chat_template import K2_THINKING_CHAT_TEMPLATE, compile_template, render
+from model.tokenizer import Tokenizer
 
 
 def _tool(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:

@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .cache import build_attn_meta
-from .model import CausalLM, init_random_weights
-from .moe import Gate
+from model.cache import build_attn_meta
+from model.model import CausalLM, init_random_weights
+from model.moe import Gate
 
 
 @dataclass(frozen=True)
