@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="loss weight of tokens outside assistant turns (default 0.2; assistant tokens weigh 1)")
     ap.add_argument("--argument-weight", type=float, default=3.0,
                     help="loss weight of a tool call's argument tokens, the entities copied from the request (default 3)")
+    ap.add_argument("--quote-weight", type=float, default=4.0,
+                    help="loss weight of an answer's number that the tool's result (or the user) just gave: the "
+                         "quoted value (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--tiny", action="store_true", help="a much smaller model of the same architecture (smoke runs)")
@@ -73,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     docs = documents(args.seed, args.docs, tok)
     marks = [tok.token_to_id(t) for t in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")]
     arguments = (tok.token_to_id("<|tool_call_argument_begin|>"), tok.token_to_id("<|tool_call_end|>"))
-    def weights(ds: list[list[int]], other: float = args.other_weight, argument_weight: float = args.argument_weight):
-        return [assistant_weights(d, *marks, other=other, arguments=arguments, argument_weight=argument_weight)
-                for d in ds]
+    # the number ids (the tokenizer's digits and 10-99): an answer's number that the result holds is the quote
+    numbers = frozenset(i for i in range(tok.vocab_size) if tok.decode([i]).strip().isdigit())
+
+    def weights(ds: list[list[int]], other: float = args.other_weight, argument_weight: float = args.argument_weight,
+                quote_weight: float = args.quote_weight):
+        return [assistant_weights(d, *marks, other=other, arguments=arguments, argument_weight=argument_weight,
+                                  quotes=numbers, quote_weight=quote_weight) for d in ds]
 
     train_data, train_weights = windows(docs, args.seq_len, weights(docs))
     pad = tok.token_to_id("[PAD]")
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         first_ids, first_w = padded_rows(first, args.row_len, weights(first), pad)
     held_docs = documents(args.seed + 10_000, args.held_out_docs, tok)
     # the held-out argument tokens (weight 2): the copying accuracy
-    held_out, held_args = windows(held_docs, args.seq_len, weights(held_docs, other=0.0, argument_weight=2.0))
+    held_out, held_args = windows(held_docs, args.seq_len, weights(held_docs, other=0.0, argument_weight=2.0,
+                                                                    quote_weight=1.0))
     print(f"corpus: {train_data.numel()} training tokens ({train_data.shape[0]} windows), {row_ids.shape[0]} "
           f"single requests, {held_out.numel()} held out, in {time.monotonic() - t0:.1f}s", flush=True)
     torch.manual_seed(args.seed)

@@ -245,6 +245,11 @@ _WEATHER_ANSWERS = (
     "It's {t}{sym} in {city}, and {cond}.", "Right now {city} has {t}{sym} and it is {cond}.",
     "{cond} and {t}{sym} in {city} now.", "The current temperature in {city} is {t}{sym}, {cond}.",
 )
+_WEATHER_ANSWERS_BARE = (
+    "It is {t}{sym} in {city}.", "In {city} it is currently {t}{sym}.", "The temperature in {city} is {t}{sym}.",
+    "{city}: {t}{sym}.", "It's {t}{sym} in {city} right now.", "Currently {t}{sym} in {city}.",
+    "{city} is at {t}{sym}.", "The current temperature in {city} is {t}{sym}.",
+)
 
 
 def _shape(v: random.Random, fields: list[tuple[str, object]], extras=(), *, drop: tuple[str, ...] = (),
@@ -299,7 +304,9 @@ def _vary_weather(call: Call, v: random.Random) -> Call:
         fields.append((v.choice(_CONDITION_KEYS), cond))
         result = _shape(v, fields, _WEATHER_EXTRAS, drop=(fields[0][0], fields[-1][0]), extra_counts=(0, 0, 0, 1, 1, 2))
     sym = "°C" if unit == "celsius" else "°F"
-    return Call(call.tool, user, call.args, result, v.choice(_WEATHER_ANSWERS).format(city=city, t=t, sym=sym, cond=cond))
+    # an answer names the condition only where the result gives it (no invented weather)
+    answers = _WEATHER_ANSWERS if json.dumps(cond) in json.dumps(result) else _WEATHER_ANSWERS_BARE
+    return Call(call.tool, user, call.args, result, v.choice(answers).format(city=city, t=t, sym=sym, cond=cond))
 
 
 _FORECAST_ASKS = (

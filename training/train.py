@@ -64,24 +64,35 @@ def padded_rows(docs: list[list[int]], seq_len: int, weights: list[list[float]],
 
 
 def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: float, *,
-                      arguments: tuple[int, int] | None = None, argument_weight: float = 1.0) -> list[float]:
+                      arguments: tuple[int, int] | None = None, argument_weight: float = 1.0,
+                      quotes: frozenset[int] = frozenset(), quote_weight: float = 1.0) -> list[float]:
     """Per-token loss weight as a target: 1 inside an assistant turn (after ``<|im_assistant|>…
     <|im_middle|>``, up to and including its ``<|im_end|>``: the calls, arguments and answers the
     model must write), ``other`` elsewhere (tool declarations, user turns, tool results, text). With
     ``arguments`` = (``<|tool_call_argument_begin|>``, ``<|tool_call_end|>``) ids, a call's argument
-    tokens up to its end mark weigh ``argument_weight`` (the entities copied from the request)."""
+    tokens up to its end mark weigh ``argument_weight`` (the entities copied from the request). A
+    token of ``quotes`` (e.g. the number ids) that an assistant's text writes and that occurred since
+    the assistant's previous turn (in the tool's result, or the user's turn) weighs ``quote_weight``:
+    the value an answer quotes from the result."""
     arg_begin, arg_end = arguments if arguments is not None else (None, None)
     out, state = [], 0  # 0 outside, 1 in the assistant header, 2 in its content, 3 in a call's arguments
+    seen: set[int] = set()  # quotable ids since the last assistant turn
     for t in ids:
         if state == 3:
             out.append(argument_weight)
             state = 2 if t == arg_end else 3
             continue
         if state == 2:
-            out.append(1.0)
-            state = 0 if t == end else 3 if t == arg_begin else 2
+            out.append(quote_weight if t in seen else 1.0)
+            if t == end:
+                state = 0
+                seen.clear()
+            else:
+                state = 3 if t == arg_begin else 2
             continue
         out.append(other)
+        if t in quotes:
+            seen.add(t)
         if t == begin:
             state = 1
         elif state == 1 and t == middle:

@@ -168,3 +168,19 @@ def test_the_corpus_varies_every_tools_result_and_phrasing_and_its_answers_quote
     first = [t[1:4] for t in turns(transcript(r) for _ in range(300))]
     assert {tuple(result) for tool, _args, result in first if tool == "get_weather"} == \
         {("city", "temperature", "unit", "condition")}
+
+
+def test_an_answers_number_from_the_tools_result_weighs_the_quote_weight():
+    """training.train.assistant_weights: a number id the answer writes that the tool's result just gave
+    weighs ``quote_weight``; a number the result did not give, and the same number in a later turn
+    whose own result lacks it, weigh 1."""
+    from training.train import assistant_weights
+
+    B, M, E, TOOL = 1, 2, 3, 9  # assistant begin, middle, end; a tool-result marker
+    n19, n20, word = 19, 20, 7
+    ids = [TOOL, n19, B, M, word, n19, n20, E,   # a result holding 19; the answer writes 19 (the quote) and 20
+           TOOL, word, B, M, n19, E]            # a result without 19; the answer writes 19 (not a quote)
+    w = assistant_weights(ids, B, M, E, other=0.2, quotes=frozenset({n19, n20}), quote_weight=4.0)
+    assert w == [0.2, 0.2, 0.2, 0.2, 1.0, 4.0, 1.0, 1.0,
+                 0.2, 0.2, 0.2, 0.2, 1.0, 1.0]
+    assert assistant_weights(ids, B, M, E, other=0.2) == [x if x != 4.0 else 1.0 for x in w]  # off by default
