@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--argument-weight", type=float, default=3.0,
                     help="loss weight of a tool call's argument tokens, the entities copied from the request (default 3)")
     ap.add_argument("--quote-weight", type=float, default=4.0,
-                    help="loss weight of an answer's number that the tool's result (or the user) just gave: the "
-                         "quoted value (default 4)")
+                    help="loss weight of a number or city an answer writes that the request or the tool's result "
+                         "gave: the quoted value (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--tiny", action="store_true", help="a much smaller model of the same architecture (smoke runs)")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
     from model.config import parse_config
-    from training.corpus import call_rows, documents
+    from training.corpus import CITIES, call_rows, documents
     from model.model import CausalLM, to_hf_tensors
     from model.mtp import with_shared_mtp_tensors
     from model.presets import KIMI_K2_MINI_SMOKE, kimi_k2_mini, stored_tensors, write_model_dir
@@ -76,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     docs = documents(args.seed, args.docs, tok)
     marks = [tok.token_to_id(t) for t in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")]
     arguments = (tok.token_to_id("<|tool_call_argument_begin|>"), tok.token_to_id("<|tool_call_end|>"))
-    # the number ids (the tokenizer's digits and 10-99): an answer's number that the result holds is the quote
-    numbers = frozenset(i for i in range(tok.vocab_size) if tok.decode([i]).strip().isdigit())
+    # the number ids (the tokenizer's digits and 10-99) and the city ids (each city one id): what an answer
+    # quotes from the request and the tool's result
+    cities = {tok.encode(c)[0] for c in CITIES if len(tok.encode(c)) == 1}
+    quotes = frozenset(i for i in range(tok.vocab_size) if tok.decode([i]).strip().isdigit()) | cities
 
     def weights(ds: list[list[int]], other: float = args.other_weight, argument_weight: float = args.argument_weight,
                 quote_weight: float = args.quote_weight):
         return [assistant_weights(d, *marks, other=other, arguments=arguments, argument_weight=argument_weight,
-                                  quotes=numbers, quote_weight=quote_weight) for d in ds]
+                                  quotes=quotes, quote_weight=quote_weight) for d in ds]
 
     train_data, train_weights = windows(docs, args.seq_len, weights(docs))
     pad = tok.token_to_id("[PAD]")

@@ -71,12 +71,13 @@ def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: 
     model must write), ``other`` elsewhere (tool declarations, user turns, tool results, text). With
     ``arguments`` = (``<|tool_call_argument_begin|>``, ``<|tool_call_end|>``) ids, a call's argument
     tokens up to its end mark weigh ``argument_weight`` (the entities copied from the request). A
-    token of ``quotes`` (e.g. the number ids) that an assistant's text writes and that occurred since
-    the assistant's previous turn (in the tool's result, or the user's turn) weighs ``quote_weight``:
-    the value an answer quotes from the result."""
+    token of ``quotes`` (e.g. the number and city ids) that an assistant's text writes and that
+    occurred outside the assistant's turns since its last answer (a turn without a call: the user's
+    request, the tool's result) weighs ``quote_weight``: what an answer quotes from them."""
     arg_begin, arg_end = arguments if arguments is not None else (None, None)
     out, state = [], 0  # 0 outside, 1 in the assistant header, 2 in its content, 3 in a call's arguments
-    seen: set[int] = set()  # quotable ids since the last assistant turn
+    seen: set[int] = set()  # quotable ids since the last answer
+    called = False  # the assistant turn under way calls a tool
     for t in ids:
         if state == 3:
             out.append(argument_weight)
@@ -86,15 +87,16 @@ def assistant_weights(ids: list[int], begin: int, middle: int, end: int, other: 
             out.append(quote_weight if t in seen else 1.0)
             if t == end:
                 state = 0
-                seen.clear()
-            else:
-                state = 3 if t == arg_begin else 2
+                if not called:
+                    seen.clear()
+            elif t == arg_begin:
+                state, called = 3, True
             continue
         out.append(other)
         if t in quotes:
             seen.add(t)
         if t == begin:
-            state = 1
+            state, called = 1, False
         elif state == 1 and t == middle:
             state = 2
     return out

@@ -171,16 +171,20 @@ def test_the_corpus_varies_every_tools_result_and_phrasing_and_its_answers_quote
 
 
 def test_an_answers_number_from_the_tools_result_weighs_the_quote_weight():
-    """training.train.assistant_weights: a number id the answer writes that the tool's result just gave
-    weighs ``quote_weight``; a number the result did not give, and the same number in a later turn
-    whose own result lacks it, weigh 1."""
+    """training.train.assistant_weights: a quotable id (a number, a city) the answer writes that the
+    request or the tool's result gave since the last answer weighs ``quote_weight``; one they did not
+    give weighs 1, and after an answer what came before no longer counts."""
     from training.train import assistant_weights
 
-    B, M, E, TOOL = 1, 2, 3, 9  # assistant begin, middle, end; a tool-result marker
-    n19, n20, word = 19, 20, 7
-    ids = [TOOL, n19, B, M, word, n19, n20, E,   # a result holding 19; the answer writes 19 (the quote) and 20
-           TOOL, word, B, M, n19, E]            # a result without 19; the answer writes 19 (not a quote)
-    w = assistant_weights(ids, B, M, E, other=0.2, quotes=frozenset({n19, n20}), quote_weight=4.0)
-    assert w == [0.2, 0.2, 0.2, 0.2, 1.0, 4.0, 1.0, 1.0,
-                 0.2, 0.2, 0.2, 0.2, 1.0, 1.0]
-    assert assistant_weights(ids, B, M, E, other=0.2) == [x if x != 4.0 else 1.0 for x in w]  # off by default
+    B, M, E, TOOL, ARG, ARG_END = 1, 2, 3, 9, 10, 11  # assistant begin, middle, end; a tool marker; a call's arguments
+    n19, n20, city, word = 19, 20, 30, 7
+    ids = [city, B, M, ARG, city, ARG_END, E,  # the user names the city; the assistant calls for it
+           TOOL, n19, B, M, city, n19, n20, E,  # the result holds 19; the answer quotes the city and 19, writes 20
+           TOOL, word, B, M, n19, city, E]     # after that answer, a result without 19: nothing is a quote
+    w = assistant_weights(ids, B, M, E, other=0.2, arguments=(ARG, ARG_END), argument_weight=3.0,
+                          quotes=frozenset({n19, n20, city}), quote_weight=4.0)
+    assert w == [0.2, 0.2, 0.2, 1.0, 3.0, 3.0, 1.0,
+                 0.2, 0.2, 0.2, 0.2, 4.0, 4.0, 1.0, 1.0,
+                 0.2, 0.2, 0.2, 0.2, 1.0, 1.0, 1.0]
+    plain = assistant_weights(ids, B, M, E, other=0.2, arguments=(ARG, ARG_END), argument_weight=3.0)
+    assert plain == [x if x != 4.0 else 1.0 for x in w]  # off by default
