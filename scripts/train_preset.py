@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     arguments = (tok.token_to_id("<|tool_call_argument_begin|>"), tok.token_to_id("<|tool_call_end|>"))
     # the number ids (the tokenizer's digits and 10-99) and the city ids (each city one id): what an answer
     # quotes from the request and the tool's result
-    cities = {tok.encode(c)[0] for c in CITIES if len(tok.encode(c)) == 1}
+    cities = {ids[0] for c in CITIES if len(ids := tok.encode(c)) == 1}
     quotes = frozenset(i for i in range(tok.vocab_size) if tok.decode([i]).strip().isdigit()) | cities
 
     def weights(ds: list[list[int]], other: float = args.other_weight, argument_weight: float = args.argument_weight,
