@@ -213,6 +213,12 @@ class ServesSteps:
         found one hung)."""
         break_exchange()
 
+    def exchange_links(self) -> dict[str, int]:
+        """How this epoch's exchange links travel: {"shm": n, "socket": m} (actors/group.py)."""
+        from .group import link_kinds
+
+        return link_kinds()
+
     def heartbeat(self) -> tuple[int, int]:
         """(steps begun, steps done): answered on Ray's thread, never the step thread's, so it tells a
         live process with a long step from one that answers nothing at all (stopped, wedged, swapping)."""

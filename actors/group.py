@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout  # public in spirit: no other way to shorten a group's timeout
 
 from .messages import GroupInfo
+from .shm import ShmStream, node_key, upgrade
 from .wire import SocketMesh, local_ip
 
 # the environment of every actor of an NCCL deployment (a Ray runtime_env; nothing here reads it)
@@ -29,17 +30,20 @@ def open_store(ip: str) -> dist.TCPStore:
     return dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
 
 
-TRANSPORTS = ("auto", "group")
-_mesh: SocketMesh | None = None  # the current epoch's exchange sockets (gloo groups, transport auto)
+# "auto": shared memory between two processes on one node, direct sockets between nodes (actors/shm.py,
+# actors/wire.py); "socket": direct sockets for every pair; "group": gloo's own sends
+TRANSPORTS = ("auto", "socket", "group")
+_mesh: SocketMesh | None = None  # the current epoch's exchange links (gloo groups, transports auto and socket)
 
 
 def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None, *,
                num_attention: int, colocated: bool = False) -> None:
     """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
     where given, else through the store at the group's address (opened there by rank 0 if it has none).
-    On gloo with transport ``auto`` also the epoch's exchange sockets (:mod:`actors.wire`) between its
-    ``num_attention`` attention ranks and the expert actors after them (``colocated``: between every two
-    workers), keyed by the group's token."""
+    On gloo with transports ``auto`` and ``socket`` also the epoch's exchange links (:mod:`actors.wire`)
+    between its ``num_attention`` attention ranks and the expert actors after them (``colocated``:
+    between every two workers), keyed by the group's token; with ``auto`` the links between two
+    processes on one node then move to shared memory (:mod:`actors.shm`)."""
     global _mesh
     if info.transport not in TRANSPORTS:
         raise ValueError(f"exchange transport must be one of {', '.join(TRANSPORTS)}, got {info.transport!r}")
@@ -54,10 +58,17 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     try:
         if joining != collective:
             _set_pg_timeout(collective)
-        if info.backend == "gloo" and info.transport == "auto":
+        if info.backend == "gloo" and info.transport in ("auto", "socket"):
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
                                token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated,
                                connect_timeout_s=info.rendezvous_timeout_s)
+            if info.transport == "auto":
+                try:
+                    upgrade(_mesh, node_key())
+                except BaseException:
+                    _mesh.close()
+                    _mesh = None
+                    raise
         store.set_timeout(collective)
     except BaseException:
         dist.destroy_process_group()
@@ -67,6 +78,15 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
 def current_mesh() -> SocketMesh | None:
     """The exchange sockets of the group this process is in (None: the group's own ops)."""
     return _mesh
+
+
+def link_kinds() -> dict[str, int]:
+    """How this process's exchange links travel: {"shm": n, "socket": m} ({} on the group's own ops)."""
+    kinds: dict[str, int] = {}
+    for link in list(_mesh.links.values()) if _mesh is not None else ():
+        kind = "shm" if isinstance(link.sock, ShmStream) else "socket"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def node_ip(toward: str = "127.0.0.1") -> str:

@@ -248,6 +248,8 @@ class SocketMesh:
             connect_to, accept_from = range(0), set(range(num_attention))
         else:  # attention rank: connect to each expert actor
             connect_to, accept_from = range(num_attention, world), set()
+        # which links this rank opened and which it took (the shared-memory upgrade, actors/shm.py, asks)
+        self.connected, self.accepted = list(connect_to), accept_from
         try:
             if accept_from:
                 with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as srv:

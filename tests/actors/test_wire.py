@@ -1,5 +1,6 @@
-"""The expert exchange's direct sockets (actors/wire.py) on their own: two meshes of one epoch made
-through a real rendezvous store, one per thread (an attention rank and an expert actor)."""
+"""The expert exchange's links on their own: two meshes of one epoch made through a real rendezvous
+store, one per thread (an attention rank and an expert actor), each test over the direct sockets
+(actors/wire.py) and over shared memory (actors/shm.py: the same links, upgraded)."""
 
 import threading
 import time
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from actors.dispatch import _P2P
 from actors.framing import TOKEN_BYTES
+from actors.shm import ShmStream, upgrade
 from actors.wire import SocketMesh
 
 TOKEN = b"e" * TOKEN_BYTES  # the epoch's token
@@ -23,18 +25,27 @@ def _stores():
     return master, dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
 
 
-def _pair(timeout_s: float = 20.0):
-    """(attention rank 0's mesh, expert rank 1's mesh), made concurrently as the two actors make them."""
+KINDS = ("socket", "shm")
+
+
+def _pair(timeout_s: float = 20.0, kind: str = "socket"):
+    """(attention rank 0's mesh, expert rank 1's mesh), made concurrently as the two actors make them;
+    ``kind`` "shm": then upgraded to shared memory, both ends reporting one node."""
     master, client = _stores()
     with ThreadPoolExecutor(2) as pool:  # one store client each, as in two processes
         futs = [pool.submit(SocketMesh, store, r, 1, 2, "127.0.0.1", timeout_s, token=TOKEN)
                 for r, store in ((0, master), (1, client))]
-        return tuple(f.result(timeout=30) for f in futs)
+        meshes = tuple(f.result(timeout=30) for f in futs)
+        if kind == "shm":
+            assert [f.result(timeout=30) for f in [pool.submit(upgrade, m, "node") for m in meshes]] == [1, 1]
+    for m in meshes:
+        assert all(isinstance(link.sock, ShmStream) == (kind == "shm") for link in m.links.values())
+    return meshes
 
 
-@pytest.fixture
-def pair():
-    a, e = _pair()
+@pytest.fixture(params=KINDS)
+def pair(request):
+    a, e = _pair(kind=request.param)
     yield a, e
     a.close()
     e.close()
@@ -58,12 +69,13 @@ def test_crossing_sends_larger_than_the_socket_buffers_complete_exactly(pair):
     assert torch.equal(gx, x) and torch.equal(gy.view(torch.int16), y.view(torch.int16))
 
 
-def test_an_exchange_crossing_32_mib_each_way_completes_when_each_side_waits_its_own_ops():
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_exchange_crossing_32_mib_each_way_completes_when_each_side_waits_its_own_ops(kind):
     """Each side posts its send and its receive as one a2a call and waits on that call, as two
     colocated workers do in every exchange (actors/dispatch.py ``_P2P``), at once from two threads (two
     processes): 32 MiB each way, eight times the socket buffers. Each must read the other's rows
     while its own rest is still leaving, or both sit blocked until the link's timeout."""
-    a, e = _pair(timeout_s=5)
+    a, e = _pair(timeout_s=5, kind=kind)
     try:
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(8 << 20, generator=g), torch.randn(8 << 20, generator=g)  # 32 MiB each
@@ -104,8 +116,9 @@ def test_a_message_other_than_the_one_due_is_an_error_naming_both(pair):
         e.recv(torch.empty(4), 0, tag=2).wait()
 
 
-def test_a_silent_peer_raises_at_the_timeout():
-    a, e = _pair(timeout_s=1.5)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_silent_peer_raises_at_the_timeout(kind):
+    a, e = _pair(timeout_s=1.5, kind=kind)
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="rank 1 sent nothing for 1.5 s"):
@@ -116,8 +129,9 @@ def test_a_silent_peer_raises_at_the_timeout():
         e.close()
 
 
-def test_a_closed_peer_raises_at_once():
-    a, e = _pair(timeout_s=5)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_peer_raises_at_once(kind):
+    a, e = _pair(timeout_s=5, kind=kind)
     try:
         threading.Timer(0.3, e.close).start()
         t0 = time.monotonic()
@@ -149,9 +163,9 @@ def test_an_unknown_transport_is_refused_by_name():
     from cluster.config import EngineConfig
     from deploy.config import ServeConfig
 
-    with pytest.raises(ValueError, match="engine setting 'transport' must be one of auto, group, got 'tcp'"):
+    with pytest.raises(ValueError, match="engine setting 'transport' must be one of auto, socket, group, got 'tcp'"):
         EngineConfig.of(model="m", transport="tcp")
-    with pytest.raises(ValueError, match="exchange transport must be one of auto, group, got 'tcp'"):
+    with pytest.raises(ValueError, match="exchange transport must be one of auto, socket, group, got 'tcp'"):
         join_group(GroupInfo(0, "127.0.0.1", 1, TOKEN, transport="tcp"), 0, 2, num_attention=1)
     with pytest.raises(ValueError, match="transport"):
         ServeConfig.parse({"transport": "tcp"})
@@ -233,10 +247,11 @@ def test_a_connection_without_the_epochs_token_is_closed_and_ignored():
         e.close()
 
 
-def test_a_send_that_fails_midway_fails_its_wait_and_every_later_send():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_send_that_fails_midway_fails_its_wait_and_every_later_send(kind):
     """Part of a message may have left when a send fails: the stream is unusable, so its wait raises
     and later sends are refused at once (the engine regroups), never written after half a message."""
-    a, e = _pair(timeout_s=5)
+    a, e = _pair(timeout_s=5, kind=kind)
     try:
         e.close()  # the peer is gone; what it had not read is reset
         t0 = time.monotonic()

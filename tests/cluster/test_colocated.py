@@ -74,9 +74,12 @@ def test_a_standby_worker_takes_a_dead_ones_index_loading_only_its_shard(ray_clu
     prompts = _prompts(4, seed=11)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     expected = single.alone(path, prompts, params)
-    eng = Engine(EngineConfig.of(str(path), standby_attention=1, **SMALL), ClusterSpec.of_workers(2)).start()
+    # on one node: the two workers' link is in shared memory (actors/shm.py), and the kill lands on it
+    node = (ray_cluster.node_ips[2],)
+    eng = Engine(EngineConfig.of(str(path), standby_attention=1, **SMALL), ClusterSpec.of_workers(2, nodes=node)).start()
     try:
         fleet = eng.executor.fleet
+        assert ray.get(fleet.attention[1].actor.exchange_links.remote(), timeout=30) == {"shm": 1}
         (standby,) = fleet.standby
         ray.get(standby.actor.node_id.remote(), timeout=120)  # warm: its process and attention weights are up
         assert ray.get(standby.actor.held.remote(), timeout=30) == {}
@@ -88,5 +91,6 @@ def test_a_standby_worker_takes_a_dead_ones_index_loading_only_its_shard(ray_clu
         assert change.kind == "recovery" and change.experts_loaded == sum(len(ids) for ids in shard.values())
         assert ray.get(standby.actor.held.remote(), timeout=30) == shard  # it loaded the dead worker's shard only
         assert len(fleet.standby) == 1 and _id(fleet.standby[0].actor) != _id(standby.actor)  # refilled
+        assert ray.get(fleet.attention[0].actor.exchange_links.remote(), timeout=30) == {"shm": 1}
     finally:
         eng.shutdown()

@@ -56,9 +56,12 @@ def _run_with(eng: Engine, prompts, params, at_turn: int, act) -> tuple[float, l
 @pytest.fixture(scope="module")
 def hang_engine(ray_cluster, k2):
     """One 2 × 2 engine for both kinds: each stop is found, killed and replaced by a recovery that
-    leaves the engine as it was (a new actor at the stopped one's index)."""
+    leaves the engine as it was (a new actor at the stopped one's index). Its actors share one node, so
+    every exchange link is in shared memory (actors/shm.py): a stopped peer there is still found by
+    the heartbeats and fails its peers' waits at the group's timeout."""
+    node = (ray_cluster.node_ips[1],)
     eng = Engine(EngineConfig.of(model=str(k2), hang_floor_s=HANG_FLOOR_S, heartbeat_timeout_s=HEARTBEAT_S),
-                 ClusterSpec(attention=2, experts=2)).start()
+                 ClusterSpec(attention=2, experts=2, attention_nodes=node, expert_nodes=node)).start()
     try:
         yield eng
     finally:
@@ -76,6 +79,7 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(hang_engine, k2
     try:
         members = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
         pid = _pid(members[1].actor)
+        assert ray.get(members[1].actor.exchange_links.remote(), timeout=30) == {"shm": 2}  # to the other kind's two
 
         def stop():
             os.kill(pid, signal.SIGSTOP)
@@ -91,6 +95,7 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(hang_engine, k2
         print(f"{kind}: {said}")
         assert gap < HANG_BOUND_S, said
         assert not _alive(pid), "the hung actor's process was not killed"
+        assert ray.get(members[1].actor.exchange_links.remote(), timeout=30) == {"shm": 2}  # its replacement's too
     finally:
         for p in stopped:
             _end(p)
