@@ -479,7 +479,6 @@ class TestK2:
     def test_an_actor_killed_while_a_scale_prepares_leaves_a_consistent_app(self, k2):
         url, expected = k2.url, k2.expected["faults"]
         before = _status(url)
-        streams = start_streams(url, "k2", FAULT_PROMPTS, FAULT_TOKENS)
         scale = subprocess.Popen([MOERAY, "scale", "experts", "4", "--url", url, "--admin-key", k2.admin],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env={**os.environ, "COLUMNS": "300"})
@@ -488,7 +487,11 @@ class TestK2:
             while not _status(url)["changing"]:  # the new actors are being started and loaded
                 assert time.monotonic() < deadline and scale.poll() is None, "the scale never began"
                 time.sleep(0.05)
+            # the streams start once the change prepares (started before it, they once ended during the
+            # 5 s it took to begin, and the kill then landed on an idle app: no step failed to count it)
+            streams = start_streams(url, "k2", FAULT_PROMPTS, FAULT_TOKENS)
             k2.cli("chaos", "kill-expert", "1")
+            assert all(s.ended is None for s in streams), "a stream ended before the kill"
             _, err = scale.communicate(timeout=600)
         finally:
             if scale.poll() is None:
@@ -741,7 +744,7 @@ COLOCATED = dict(layout="colocated", workers=2, max_tokens_per_step=32, num_bloc
                  heartbeat_timeout_s=1.5)
 PARITY_TOKENS = 80
 PARITY_PROMPTS = [[(i * 41 + j * 13) % 700 + 11 for j in range(10 + 9 * i)] for i in range(10)]  # 10 to 91 tokens
-STREAM_TOKENS = 360  # outlives the changes made while it runs (asserted)
+STREAM_TOKENS = 560  # outlives the changes made while it runs (asserted; 360 ran out before the last once, at niceness 0)
 STREAM_PROMPTS = [[(i * 29 + j * 3) % 700 + 13 for j in range(8 + 5 * i)] for i in range(4)]
 
 
