@@ -38,6 +38,7 @@ import platform
 import secrets
 import select
 import socket
+import threading
 import time
 
 from .framing import read_frame
@@ -47,12 +48,22 @@ PREFIX = "moeray-x-"
 MAGIC = b"moeray-r"
 VERSION = 1
 PAGE = 4096
-RING_BYTES = int(os.environ.get("MOERAY_SHM_RING_BYTES", 2 << 20))  # data bytes per direction
+RING_BYTES = int(os.environ.get("MOERAY_SHM_RING_BYTES", 2 << 20))  # data bytes per direction (whole pages)
 SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_US", 50)) * 1e-6  # a reader's spin before it sleeps
 SLEEP_CAP_S = 0.002  # a sleeping reader's longest poll (a lost doorbell's cost)
 SETUP = -1  # the call number of the upgrade's handshake frames
 _HEAD, _TAIL, _SLEEPING = 0, 64, 128  # offsets in a ring's control page
-_GONE = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR | select.POLLNVAL
+# A full barrier between a store and the load after it (x86 may let the load pass the store): a reader
+# going to sleep stores its flag and loads the head, a writer stores the head and loads the flag; without
+# it both can see the old values and the reader sleeps its cap with the data there. A lock's atomic
+# instruction is such a barrier.
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    with _FENCE:
+        pass
 
 
 def node_key() -> str | None:
@@ -130,7 +141,7 @@ class ShmStream:
         rings = [_Ring(mm, PAGE, size), _Ring(mm, 2 * PAGE + size, size)]
         # ring 0 carries acceptor -> connector, ring 1 connector -> acceptor
         self.outbound, self.inbound = (rings[0], rings[1]) if acceptor else (rings[1], rings[0])
-        self.mm, self.raw, self.timeout_s = mm, raw, timeout_s
+        self.mm, self.raw, self.timeout_s = mm, raw, timeout_s or None  # 0: none, as Link's
         self.closed = False
         self.peer_gone = False
         self._poll = select.poll()
@@ -140,7 +151,7 @@ class ShmStream:
     def recv_into(self, view: memoryview, n: int) -> int:
         """Up to ``n`` bytes into ``view``; 0 once the peer is gone (or this end closed) and nothing is
         left; BlockingIOError after ``timeout_s`` without a byte (as SO_RCVTIMEO)."""
-        view = view[:n]
+        view = memoryview(view).cast("B")[:n]
         start = time.monotonic()
         ring = self.inbound
         while True:
@@ -157,6 +168,7 @@ class ShmStream:
             if ring.head.value != ring.tail.value:
                 continue
             ring.sleeping.value = 1
+            _fence()
             try:
                 if ring.head.value != ring.tail.value:
                     continue
@@ -219,6 +231,7 @@ class ShmStream:
             pause = min(pause * 2, 500e-6)
 
     def _ring(self) -> None:
+        _fence()
         if self.outbound.sleeping.value:
             try:
                 self.raw.send(b"\x01", socket.MSG_DONTWAIT)
@@ -241,6 +254,7 @@ class ShmStream:
 
 # ---- segments ------------------------------------------------------------------------------
 def _create(ring_bytes: int) -> tuple[str, mmap.mmap]:
+    ring_bytes = max(PAGE, -(-ring_bytes // PAGE) * PAGE)  # whole pages: the control words stay aligned
     sweep()
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
