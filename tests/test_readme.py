@@ -61,6 +61,8 @@ def test_readme_quick_start_serves_and_stops(tmp_path):
         n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
         assert (n, finish) == (32, "length") or (1 <= n <= 32 and finish == "stop"), proc.stdout
         assert body["choices"][0]["message"]["role"] == "assistant", proc.stdout
+        said = body["choices"][0]["message"]["content"] or ""  # "Hi!" with no tools: words, not a call written out
+        assert finish == "stop" and "functions." not in said and not body["choices"][0]["message"].get("tool_calls"), said
         assert "attention[0]" in proc.stdout and "expert[0]" in proc.stdout  # moeray status
 
         holders = port_holders(PORT)

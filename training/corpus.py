@@ -233,6 +233,12 @@ _WEATHER_ASKS = (
     "Look up {city}'s weather for me.", "how's the weather in {city}", "Weather report for {city}?",
     "In {city}, is it warm or cold today?", "What temperature is it in {city} today?", "{city} - rain or sun today?",
     "I have a meeting in {city}. Tell me the weather there.", "What's the weather doing in {city}?",
+    # the weather now, asked with words a forecast's asks never use (conditions, a time later today)
+    "What are the current conditions in {city}?", "Conditions in {city} right now?", "How are conditions in {city} today?",
+    "I'm going to {city} later today. Is it warm there?", "Later today I'll be in {city}; how cold is it there now?",
+    "Is it sunny in {city} this afternoon?", "Going out in {city} this evening. What's the temperature?",
+    "Tell me the conditions in {city} now.", "Current conditions, {city}?", "What's it like in {city} today, weather-wise?",
+    "I land in {city} in an hour. How warm is it?", "Is it cold outside in {city} tonight?",
 )
 _WEATHER_OPENERS = ("Hi! ", "Hello. ", "Hey there! ", "Good morning! ", "Quick question. ", "One more thing. ", "Thanks. ")
 _UNIT_CLAUSES = {"celsius": (" in Celsius?", " (in Celsius, please)", ", in °C please.", " Answer in Celsius."),
@@ -316,6 +322,9 @@ _FORECAST_ASKS = (
     "What will the weather be like in {city} for the next {days} days?",
     "I'm visiting {city} for {days} days. What's the forecast?", "Next {days} days in {city}, what does the forecast say?",
     "Show me the {days}-day outlook for {city}.",
+    # the days ahead: a forecast asks for days, a week, the coming days
+    "What will the weather do in {city} over the coming {days} days?", "Plan my week: {days} days of weather in {city}?",
+    "Is {city} getting warmer over the next {days} days?",
 )
 _FORECAST_ANSWERS = (
     "The forecast for {city}: highs of {highs}.", "Highs in {city} over the next {days} days: {highs}.",
@@ -488,6 +497,28 @@ _CHAT = (
     ("What is 2 + 2?", "2 + 2 = 4."),
     ("Can you help me plan my day?", "Of course. Tell me what you need to get done and I will help you order it."),
 )
+# Small talk asked with no tools declared (the README's "Hi!"): answered in words. Only the varied corpus
+# has these (the first version's draws stay as the tokenizer learned them).
+_SMALL_TALK = _CHAT + (
+    ("Hello!", "Hello! How can I help you today?"), ("Hey!", "Hi! What can I do for you?"),
+    ("Hi there!", "Hello! How can I help you today?"), ("Good morning!", "Good morning! How can I help you today?"),
+    ("Hello, how are you?", "I'm well, thank you. How can I help you today?"), ("hi", "Hello! How can I help you today?"),
+    ("Thank you!", "You're welcome!"), ("Good night!", "Good night! Sleep well."),
+    ("What can you do?", "I can answer questions, write and explain things, and call tools when you give me some."),
+)
+CHAT_ROW_SHARE = 0.12  # of the varied single requests: small talk with no tools declared
+NO_TOOLS_SHARE = 0.06  # of the varied transcripts: small talk with no tools declared
+
+
+def small_talk(v: random.Random, turns: int | None = None) -> list[dict]:
+    """``turns`` (or 1-3) turns of small talk, answered in words (what a request with no tools declared gets)."""
+    messages = []
+    for _ in range(turns or v.choice((1, 1, 2, 3))):
+        q, a = v.choice(_SMALL_TALK)
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return messages
+
+
 _SYSTEMS = (None, "You are a helpful assistant.", "You are a helpful assistant with tools. Call a tool when it helps.",
             "You are Kimi, an AI assistant created by Moonshot AI.", "Answer briefly.")
 
@@ -548,6 +579,8 @@ def transcript(r: random.Random, v: random.Random | None = None) -> tuple[list[d
     directly though tools are declared. A share of them (:data:`DRILL_SHARE`) are drills. With ``v``
     (what the training corpus has), each request is :func:`vary`'d by it; without, the conversation is
     the corpus's first version, draw for draw (what the tokenizer learned from)."""
+    if v is not None and v.random() < NO_TOOLS_SHARE:
+        return small_talk(v), [], False
     if r.random() < DRILL_SHARE:
         return drill(r, v)
     think = r.random() < 0.15
@@ -579,7 +612,8 @@ def call_rows(seed: int, n: int, tokenizer: Tokenizer, max_len: int | None = Non
     lookup a small model forms first where little else competes for its attention). With
     ``max_len``, requests of more ids are passed over (a row cut short would lose its answer); with
     ``varied`` False, they are the corpus's first version (each tool's one result shape, its few
-    phrasings)."""
+    phrasings). The varied rows are small talk answered in words one time in :data:`CHAT_ROW_SHARE`
+    (with no tools declared, a greeting is not a request for a tool)."""
     rows = []
     for messages in single_requests(seed, varied=varied):
         ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
@@ -596,8 +630,11 @@ def single_requests(seed: int, n: int | None = None, *, varied: bool = True) -> 
     r, v = random.Random(seed), _vary_rng(seed)
     i = 0
     while n is None or i < n:
-        call = _request(r)
-        yield _call_turns(r, vary(call, v) if varied else call, 0, False)
+        if varied and v.random() < CHAT_ROW_SHARE:
+            yield small_talk(v, 1)
+        else:
+            call = _request(r)
+            yield _call_turns(r, vary(call, v) if varied else call, 0, False)
         i += 1
 
 

@@ -98,7 +98,10 @@ def test_single_requests_name_one_city_and_call_for_it():
     rows = call_rows(1, 40, tok)
     assert rows == call_rows(1, 40, tok)  # seeded
     texts = [tok.decode(r) for r in rows]
-    assert all(t.count("<|tool_call_begin|>") == 1 and "## Return of functions." in t for t in texts)
+    calls = [t for t in texts if "<|tool_call_begin|>" in t]
+    talk = [t for t in texts if t not in calls]  # small talk, answered in words with no tools declared
+    assert all(t.count("<|tool_call_begin|>") == 1 and "## Return of functions." in t for t in calls)
+    assert talk and len(calls) >= 0.7 * len(texts) and not any("tool" in t for t in talk), talk
     weather = [t for t in texts if "functions.get_weather:0" in t]
     assert weather and all(any(f'"city": "{c}"' in t and re.search(rf"\b{c}\b", t.split("<|im_assistant|>")[0])
                                for c in CITIES) for t in weather)  # the user named it, anywhere in the turn
