@@ -48,8 +48,8 @@ PREFIX = "moeray-x-"
 MAGIC = b"moeray-r"
 VERSION = 1
 PAGE = 4096
-RING_BYTES = int(os.environ.get("MOERAY_SHM_RING_BYTES", 2 << 20))  # data bytes per direction (whole pages)
-SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_US", 50)) * 1e-6  # a reader's spin before it sleeps
+RING_BYTES = 2 << 20  # data bytes per direction (whole pages; the tests pass smaller rings to upgrade())
+SPIN_S = 50e-6  # a reader's spin before it sleeps
 SLEEP_CAP_S = 0.002  # a sleeping reader's longest poll (a lost doorbell's cost)
 SETUP = -1  # the call number of the upgrade's handshake frames
 _HEAD, _TAIL, _SLEEPING = 0, 64, 128  # offsets in a ring's control page
@@ -68,9 +68,8 @@ def _fence() -> None:
 
 def node_key() -> str | None:
     """Which node this process is on, for pairing: its Ray node's id, else this host's boot id; None
-    where shared memory is not used (not x86-64, no /dev/shm, or ``MOERAY_SHM=0``)."""
-    if platform.machine() not in ("x86_64", "AMD64") or not os.path.isdir(SHM_DIR) or \
-            os.environ.get("MOERAY_SHM", "1") == "0":
+    where shared memory is not used (not x86-64, or no /dev/shm; ``transport: socket`` turns it off)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.isdir(SHM_DIR):
         return None
     try:
         import ray
