@@ -95,7 +95,9 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(hang_engine, k2
         print(f"{kind}: {said}")
         assert gap < HANG_BOUND_S, said
         assert not _alive(pid), "the hung actor's process was not killed"
-        assert ray.get(members[1].actor.exchange_links.remote(), timeout=30) == {"shm": 2}  # its replacement's too
+        fleet = eng.executor.fleet
+        replacement = (fleet.experts if kind == "expert" else fleet.attention)[1]
+        assert ray.get(replacement.actor.exchange_links.remote(), timeout=30) == {"shm": 2}  # its replacement's too
     finally:
         for p in stopped:
             _end(p)
