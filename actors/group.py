@@ -30,9 +30,11 @@ def open_store(ip: str) -> dist.TCPStore:
     return dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
 
 
-# "auto": shared memory between two processes on one node, direct sockets between nodes (actors/shm.py,
-# actors/wire.py); "socket": direct sockets for every pair; "group": gloo's own sends
-TRANSPORTS = ("auto", "socket", "group")
+# "socket": direct sockets for every pair (actors/wire.py); "shm": shared memory between two processes on
+# one node, direct sockets between nodes (actors/shm.py); "group": gloo's own sends; "auto": the one measured
+# fastest at decode sizes, the sockets today (bench/bench_exchange.py: shared memory's wake-up through a
+# doorbell costs more than the socket's own at one token, and the bytes moved equal at 19 MB)
+TRANSPORTS = ("auto", "socket", "shm", "group")
 _mesh: SocketMesh | None = None  # the current epoch's exchange links (gloo groups, transports auto and socket)
 
 
@@ -40,10 +42,10 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
                num_attention: int, colocated: bool = False) -> None:
     """Join the epoch's process group as ``rank``: through ``store`` (rank 0's, from :func:`open_store`)
     where given, else through the store at the group's address (opened there by rank 0 if it has none).
-    On gloo with transports ``auto`` and ``socket`` also the epoch's exchange links (:mod:`actors.wire`)
-    between its ``num_attention`` attention ranks and the expert actors after them (``colocated``:
-    between every two workers), keyed by the group's token; with ``auto`` the links between two
-    processes on one node then move to shared memory (:mod:`actors.shm`)."""
+    On gloo with transports ``auto``, ``socket`` and ``shm`` also the epoch's exchange links
+    (:mod:`actors.wire`) between its ``num_attention`` attention ranks and the expert actors after them
+    (``colocated``: between every two workers), keyed by the group's token; with ``shm`` the links
+    between two processes on one node then move to shared memory (:mod:`actors.shm`)."""
     global _mesh
     if info.transport not in TRANSPORTS:
         raise ValueError(f"exchange transport must be one of {', '.join(TRANSPORTS)}, got {info.transport!r}")
@@ -58,11 +60,11 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     try:
         if joining != collective:
             _set_pg_timeout(collective)
-        if info.backend == "gloo" and info.transport in ("auto", "socket"):
+        if info.backend == "gloo" and info.transport != "group":
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
                                token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated,
                                connect_timeout_s=info.rendezvous_timeout_s)
-            if info.transport == "auto":
+            if info.transport == "shm":
                 try:
                     upgrade(_mesh, node_key())
                 except BaseException:

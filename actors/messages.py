@@ -247,8 +247,8 @@ class GroupInfo:
     token: bytes = field(repr=False)
     backend: str = "gloo"
     timeout_s: float = 60.0  # each collective and exchange wait
-    transport: str = "auto"  # the exchange on gloo: "socket" direct sockets (actors/wire.py), "auto" shared memory
-    # on one node and sockets between nodes (actors/shm.py), "group" gloo's own
+    transport: str = "auto"  # the exchange on gloo: "socket" (and "auto") direct sockets (actors/wire.py), "shm"
+    # shared memory on one node and sockets between nodes (actors/shm.py), "group" gloo's own
     # the rendezvous (None: timeout_s): a member may still be finishing the last step, which waits up to
     # timeout_s on a dead peer, or starting on a loaded node, while the others wait for it
     join_timeout_s: float | None = None

@@ -152,11 +152,12 @@ class DataPlaneConfig(_Checked):
         "auto", "The expert exchange's wire format: dense (every token to every expert actor, no counts exchange) "
                 "or sparse (pairs only where their expert lives); auto: dense while there are no more expert actors "
                 "than experts per token.")
-    transport: Literal["auto", "socket", "group"] = knob(
+    transport: Literal["auto", "socket", "shm", "group"] = knob(
         "auto", "How the expert exchange travels between CPU actors (gloo process groups): socket, a direct socket "
-                "per pair of actors that exchange, written and read by the actors' own threads; auto, the same but "
+                "per pair of actors that exchange, written and read by the actors' own threads; shm, the same but "
                 "through shared memory between two actors on one node; group, gloo's own sends and receives "
-                "(through its I/O thread: slower). GPU actors on NCCL use all_to_all_single either way.")
+                "(through its I/O thread: slower); auto, the fastest measured at decode sizes (socket today). GPU "
+                "actors on NCCL use all_to_all_single either way.")
     impl: Literal["absorbed", "naive"] = knob("absorbed", "The MLA implementation (naive: the oracle).", serve=False)
     backend: Literal["gloo", "nccl"] | None = knob(None, "The process groups' backend; None: nccl when actors "
                                                          "have GPUs, else gloo.", serve=False)

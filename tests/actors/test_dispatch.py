@@ -116,15 +116,15 @@ def _exchange_ok(rank, A, key, slots, exchange_format, q):
 def _run(rank, world, port, A, configs, mode, transport, q):
     """configs: (key, slots, exchange_format) for each case, run one after another over the same gloo group
     (mode "ok": each rank, in the same order), or the one case of a failure mode ("stuck", "gone");
-    the exchange over shared memory (transport "auto": every rank is on this machine), the group's direct
+    the exchange over shared memory (transport "shm": every rank is on this machine), the group's direct
     sockets ("socket") or gloo's own ops ("group")."""
     key = None
     try:
         info = GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=2 if mode != "ok" else 60, transport=transport)
         join_group(info, rank, world, num_attention=A)
         assert (current_mesh() is not None) == (transport != "group")
-        if transport != "group":  # auto: one node here, so every link shared memory; socket: none
-            assert {isinstance(link.sock, ShmStream) for link in current_mesh().links.values()} == {transport == "auto"}
+        if transport != "group":  # shm: one node here, so every link shared memory; socket: none
+            assert {isinstance(link.sock, ShmStream) for link in current_mesh().links.values()} == {transport == "shm"}
         if mode == "ok":
             for key, slots, exchange_format in configs:
                 _exchange_ok(rank, A, key, slots, exchange_format, q)
@@ -182,7 +182,7 @@ CASES = [(f"{name}-{exchange_format}", slots, exchange_format)
          for name, slots in (("uneven", UNEVEN), ("replicated", REPLICATED)) for exchange_format in ("dense", "sparse")]
 
 
-@pytest.fixture(scope="module", params=["auto", "socket", "group"])
+@pytest.fixture(scope="module", params=["shm", "socket", "group"])
 def gloo_answers(request):
     """Every case over one gloo group of 2 attention + 3 expert processes (one process start for all),
     per transport: shared memory, the direct sockets and gloo's own sends."""
@@ -259,7 +259,7 @@ def test_balanced_placement_replicates_the_hottest_and_fills_every_slot():
 
 
 @pytest.mark.operator
-@pytest.mark.parametrize("transport", ["auto", "socket", "group"])
+@pytest.mark.parametrize("transport", ["shm", "socket", "group"])
 @pytest.mark.parametrize("mode,exchange_format", [("stuck", "dense"), ("gone", "sparse")])  # one wait/error path
 def test_peer_gone_or_stuck_raises_clear_error(mode, exchange_format, transport):
     (res,) = _spawn(world=2, A=1, configs=[(mode, [[tuple(range(10))]] * 2, exchange_format)], mode=mode, wait_for=1,
@@ -296,7 +296,8 @@ def _exact(rank, X, port, q):
     micro-batches posted before collected) and answer (key, rank, rows that differ, rows, max diff)."""
     A = EXACT_A
     try:
-        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60), rank, A + X, num_attention=A)
+        # over shared memory (the sockets' exactness: the gloo_answers above, and every cluster test)
+        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60, transport="shm"), rank, A + X, num_attention=A)
         for name, slots in EXACT[X].items():
             table = _table(slots, A)
             for fmt in exact.FORMATS:

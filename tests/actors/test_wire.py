@@ -163,9 +163,9 @@ def test_an_unknown_transport_is_refused_by_name():
     from cluster.config import EngineConfig
     from deploy.config import ServeConfig
 
-    with pytest.raises(ValueError, match="engine setting 'transport' must be one of auto, socket, group, got 'tcp'"):
+    with pytest.raises(ValueError, match="engine setting 'transport' must be one of auto, socket, shm, group, got 'tcp'"):
         EngineConfig.of(model="m", transport="tcp")
-    with pytest.raises(ValueError, match="exchange transport must be one of auto, socket, group, got 'tcp'"):
+    with pytest.raises(ValueError, match="exchange transport must be one of auto, socket, shm, group, got 'tcp'"):
         join_group(GroupInfo(0, "127.0.0.1", 1, TOKEN, transport="tcp"), 0, 2, num_attention=1)
     with pytest.raises(ValueError, match="transport"):
         ServeConfig.parse({"transport": "tcp"})

@@ -76,7 +76,8 @@ def test_a_standby_worker_takes_a_dead_ones_index_loading_only_its_shard(ray_clu
     expected = single.alone(path, prompts, params)
     # on one node: the two workers' link is in shared memory (actors/shm.py), and the kill lands on it
     node = (ray_cluster.node_ips[2],)
-    eng = Engine(EngineConfig.of(str(path), standby_attention=1, **SMALL), ClusterSpec.of_workers(2, nodes=node)).start()
+    eng = Engine(EngineConfig.of(str(path), standby_attention=1, transport="shm", **SMALL),
+                 ClusterSpec.of_workers(2, nodes=node)).start()
     try:
         fleet = eng.executor.fleet
         assert ray.get(fleet.attention[1].actor.exchange_links.remote(), timeout=30) == {"shm": 1}

@@ -60,7 +60,8 @@ def hang_engine(ray_cluster, k2):
     every exchange link is in shared memory (actors/shm.py): a stopped peer there is still found by
     the heartbeats and fails its peers' waits at the group's timeout."""
     node = (ray_cluster.node_ips[1],)
-    eng = Engine(EngineConfig.of(model=str(k2), hang_floor_s=HANG_FLOOR_S, heartbeat_timeout_s=HEARTBEAT_S),
+    eng = Engine(EngineConfig.of(model=str(k2), hang_floor_s=HANG_FLOOR_S, heartbeat_timeout_s=HEARTBEAT_S,
+                                 transport="shm"),
                  ClusterSpec(attention=2, experts=2, attention_nodes=node, expert_nodes=node)).start()
     try:
         yield eng

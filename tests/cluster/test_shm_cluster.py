@@ -32,6 +32,6 @@ def test_one_mesh_with_shared_memory_and_socket_links_equals_the_single_process(
                           [{"shm": 1, "socket": 1}]),  # the attention actor: expert 0 beside it, expert 1 not
     }
     for layout, (spec, kinds) in shapes.items():
-        with Engine(EngineConfig.of(str(path), collective_timeout_s=20), spec) as eng:
+        with Engine(EngineConfig.of(str(path), collective_timeout_s=20, transport="shm"), spec) as eng:
             assert _links(eng.executor.fleet.attention) == kinds, layout
             assert [s.output_ids for s in eng.generate(prompts, PARAMS)] == expected, layout
