@@ -66,7 +66,7 @@ def moeray(*args) -> subprocess.CompletedProcess:
 
 
 def oracle(path, prompts, n):
-    runner = ModelRunner(load_model(path, progress=False), num_blocks=1024, block_size=16, num_slots=16)
+    runner = ModelRunner(load_model(path, progress=False), num_blocks=1100, block_size=16, num_slots=16)
     seqs = generate(runner, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     tok = Tokenizer.from_dir(path)
     return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]  # as the server decodes by default
