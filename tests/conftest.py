@@ -1,6 +1,6 @@
 """Shared Ray fixtures for cluster tests, the tiers (the `cluster` mark that the fast subset
-(``python -m pytest -q -m "not cluster" -n 2``) leaves out, `operator`, `ray_queue`), and the in-process tests run once with Ray
-blocked (:func:`pytest_ignore_collect`)."""
+(``python -m pytest -q -m "not cluster" -n 2``) leaves out, `operator`, `ray_queue`), and the in-process and fake-driven tests run
+once with Ray blocked (:func:`pytest_ignore_collect`)."""
 
 import fnmatch
 import json
@@ -84,16 +84,18 @@ def serve_port(ray_cluster):
 CLUSTER_FIXTURES = {"ray_cluster", "idle_cluster", "serve_port"}
 
 
-# ---- the in-process tests: run once, with Ray blocked ----------------------------------------------------
-INPROCESS = "test_*inproc*.py"  # the serving app in one process (tests/deploy/inproc.py), no Ray
+# ---- the in-process and fake-driven tests: run once, with Ray blocked ---------------------------------------
+# the serving app in one process (tests/deploy/inproc.py), and the engine over the fake executor: no Ray
+WITHOUT_RAY = ("test_*inproc*.py", "test_*fake*.py")
 
 
 def pytest_ignore_collect(collection_path, config):
     """A run given no paths (the whole suite, as CI runs it; or the fast subset) leaves the in-process
-    modules out: tests/test_owners.py::test_inprocess_tests_need_no_ray runs every one of them with
-    ``import ray`` failing, so each runs once. Named on the command line (a file, a directory) they
-    are collected as usual."""
-    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and fnmatch.fnmatch(collection_path.name, INPROCESS):
+    and fake-driven modules out: tests/test_owners.py runs every one of them with ``import ray`` failing
+    (test_inprocess_tests_need_no_ray, test_fake_tests_need_no_ray), so each runs once. Named on the
+    command line (a file, a directory) they are collected as usual."""
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and \
+            any(fnmatch.fnmatch(collection_path.name, pattern) for pattern in WITHOUT_RAY):
         return True
     return None
 

@@ -25,7 +25,11 @@ def _root() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def preset(name: str, *, seed: int = 0, quant: str | None = None, dtype: str = "bfloat16") -> Path:
-    """Preset ``name`` written as a checkpoint (seeded weights; the trained preset's own), once per process."""
-    out = _root() / f"{name}-{seed}-{quant}-{dtype}"
-    return build_preset(name, out, seed=seed, quant=quant, dtype=dtype, progress=False)
+def preset(name: str, *, seed: int = 0, quant: str | None = None, dtype: str = "bfloat16",
+           overrides: tuple[tuple[str, object], ...] = ()) -> Path:
+    """Preset ``name`` written as a checkpoint (seeded weights; the trained preset's own), once per process;
+    ``overrides`` (config field, value) pairs change its shape (fewer layers, fewer experts)."""
+    tag = "".join(f"-{k}={v}" for k, v in overrides)
+    out = _root() / f"{name}-{seed}-{quant}-{dtype}{tag}"
+    return build_preset(name, out, seed=seed, quant=quant, dtype=dtype, progress=False,
+                        overrides=dict(overrides) or None)

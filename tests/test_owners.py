@@ -165,7 +165,8 @@ def _passed(proc: subprocess.CompletedProcess) -> None:
 
 def test_fake_tests_need_no_ray(tmp_path):
     """Every tests/**/test_*fake*.py (the engine over the fake executor) passes with ``import ray``
-    failing and the shared conftest off."""
+    failing and the shared conftest off. The whole suite (and the fast subset) runs them here, once;
+    named on the command line, they run as usual."""
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*fake*.py"))
     assert files, "no fake-driven tests found"
     _passed(_run_without_ray(tmp_path, files, 300))

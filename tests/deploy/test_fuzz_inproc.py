@@ -33,7 +33,7 @@ from deploy.server import wait_ready
 
 KEY = "fuzz-key"
 NAME = "k2"
-EXAMPLES = 50  # per operation, positive and negative together
+EXAMPLES = 30  # per operation, positive and negative together (50 cost the suite 56 s of its 2 cores)
 CONTEXT = 64
 BODIES = {"/v1/completions": (CompletionRequest,), "/v1/chat/completions": (ChatCompletionRequest,),
           "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest), "/detokenize": (DetokenizeRequest,),

@@ -924,9 +924,13 @@ class TestColocatedK3:
 
 
 # ---- a colocated exchange larger than the socket buffers ---------------------------------------------------
-# Two prompts of 2,400 tokens in one request, on kimi-k2-small (hidden 1,024, fp32: 4,160 bytes a row): a
+# Two prompts of 2,400 tokens in one request, on kimi-k2-small's rows (hidden 1,024, fp32: 4,160 bytes a row): a
 # step budget of 5,000 prefills both in one step, one on each worker, so each worker sends the other
 # 2,400 rows, 10 MB, while the other sends it as much — over twice the socket buffers (tcp_wmem's 4 MiB).
+# Its width is what matters here, not its depth: two layers (a dense one and one MoE layer, one exchange)
+# and 16 experts, which costs the three prefills (two workers and the single process) a quarter of the
+# eight layers' compute (the exchange itself at 32 MiB: tests/actors/test_wire.py).
+WIDE = (("num_hidden_layers", 2), ("n_routed_experts", 16))
 WIDE_PROMPTS = [[(i * 37 + j * 11) % 700 + 11 for j in range(2400)] for i in range(2)]
 
 
@@ -935,7 +939,7 @@ def test_a_colocated_step_exchanging_10_mb_each_way_answers(serve_port):
     token. Before the exchange read its receives while its sends were leaving, each worker sat blocked
     sending to the other until the collective timeout, the step failed every retry, and the request
     was dropped."""
-    path = preset("kimi-k2-small", seed=3)
+    path = preset("kimi-k2-small", seed=3, overrides=WIDE)
     # the single process's answer first, not beside the app's prefills: two 2,400-token prefills of this
     # model in the workers and a third here at once, beside the other test worker's cluster, took the
     # machine past Ray's memory threshold (95 %) and its monitor killed actors of this session's apps
