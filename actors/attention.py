@@ -26,6 +26,7 @@ from model.loader import load_model, parse_dtype
 from model.logits import LogitsState, grammars_for, stateful
 from model.moe import COMBINE, Dispatch, run_stages
 from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
+from model.timing import StepTimes
 
 from .device import choose_device
 from .channel import ServesSteps
@@ -62,6 +63,8 @@ class AttentionWorker(ServesSteps):
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device,
                                            num_snapshots=num_snapshots if self.cfg.kda_layers else 0)
+        self.cache.times = StepTimes()  # the step's compute per layer kind (the per-token profile)
+        self._route_s = 0.0  # the step's time in the exchange's issue and collect calls
         self._moe = self.model.moe_blocks()  # the MTP layer's too, with mtp
         self.moe_layers = sorted(self._moe)
         self.mtp_layer = self.model.mtp.index if self.model.mtp is not None else None
@@ -133,6 +136,9 @@ class AttentionWorker(ServesSteps):
         d.begin_step(req.step, req.peer_tokens)
         if self.cache.kda is not None:
             self.cache.kda.drop_kept()  # what a failed step with drafts kept
+        times = self.cache.times
+        times.reset()
+        self._route_s = 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
@@ -142,15 +148,19 @@ class AttentionWorker(ServesSteps):
             if c.snapshot is not None and self.cache.kda is not None:
                 self.cache.kda.save(c.state_slot, c.snapshot)
         t1 = time.perf_counter()
+        forward_exchange_s = d.exchange_s
+        # the exchange's calls: its collectives (exchange), the local experts' rows, and its own packing
+        parts = {**times.seconds, "experts": d.expert_s, "pack": self._route_s - d.exchange_s - d.expert_s}
         tokens = self._sample(req.chunks, [o[0] if o is not None else None for o in out]) if req.chunks else ()
         drafts = self._mtp(batches, out, tokens) if self.mtp_layer is not None and self.mtp_layer not in req.skip else ()
         sample_s, cpu_s = time.perf_counter() - t1, time.thread_time() - c0
         self.completed, self.sampled = req.step, {t.seq_id: t.token_id for t in tokens}
-        return StepResult(step=req.step, actor=self.name, tokens=tokens, drafts=drafts,
-                          **(step_stats(d) if req.chunks else {}),
+        stats = step_stats(d) if req.chunks else {}
+        return StepResult(step=req.step, actor=self.name, tokens=tokens, drafts=drafts, **stats,
                           forward_s=t1 - t0, exchange_s=d.exchange_s, sample_s=sample_s,
                           dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"],
-                          cpu_s=cpu_s)
+                          cpu_s=cpu_s, received_at=self.received_at, started_at=t0, replied_at=time.perf_counter(),
+                          forward_exchange_s=forward_exchange_s, forward_parts=tuple(parts.items()))
 
     def _forward(self, batches: list[tuple[SeqChunk, ...]]) -> list:
         """Every micro-batch's forward, interleaved at the MoE exchanges (ping-pong): while one
@@ -169,13 +179,21 @@ class AttentionWorker(ServesSteps):
                     out[m] = stop.value
                     return False
                 if isinstance(req, Dispatch):
+                    t = time.perf_counter()
                     pending[m], value = d.issue(req.moe.layer, req.x, req.topk_idx, req.topk_w), None
+                    self._route_s += time.perf_counter() - t
                 else:
                     return True
 
+        def collect(m: int):
+            t = time.perf_counter()
+            rows = d.collect(pending[m])
+            self._route_s += time.perf_counter() - t
+            return rows
+
         live = [m for m in range(len(gens)) if advance(m, None)]
         while live:
-            live = [m for m in live if advance(m, d.collect(pending[m]))]
+            live = [m for m in live if advance(m, collect(m))]
         return out
 
     def _stages(self, chunks: tuple[SeqChunk, ...]):
@@ -187,6 +205,7 @@ class AttentionWorker(ServesSteps):
                     yield Dispatch(self._moe[layer], *self.dispatcher.empty())
                     yield COMBINE
             return None
+        t_in = time.perf_counter()
         for c in chunks:
             if c.reset_state and self.cache.kda is not None:
                 if c.restore is None:
@@ -207,6 +226,7 @@ class AttentionWorker(ServesSteps):
             [list(c.block_table) for c in chunks], self.block_size, device=self.device,
             state_slots=[c.state_slot for c in chunks] if self.cache.kda is not None else None,
             verify=[d > 0 for d in drafts] if any(drafts) else None)
+        self.cache.times.add("inputs", time.perf_counter() - t_in)
         h = yield from self.model.stages(ids, meta, self.cache, self.impl)
         keep = (h, meta, known) if self.mtp_layer is not None else None  # what the MTP layer reads (_mtp)
         if not any(drafts):

@@ -58,7 +58,8 @@ def _frame(kind: str, value: Any) -> bytes:
 
 
 class StepServer:
-    """Actor side of one step channel: serves ``handler(request) -> result`` on its own thread."""
+    """Actor side of one step channel: serves ``handler(request, received_at) -> result`` on its own
+    thread (``received_at``: when the request's frame was read, on ``time.perf_counter``)."""
 
     def __init__(self, host: str, token: bytes, handler: Callable[[Any], Any], name: str,
                  accept_timeout_s: float = 300.0):
@@ -82,10 +83,11 @@ class StepServer:
             try:
                 readable(self.link.sock, None)  # idle until the engine's next request
                 step, data = self.link.read_frame()
+                received = time.perf_counter()
             except (OSError, ValueError):  # the engine closed the channel (or it was closed here)
                 break
             try:
-                reply = _frame("ok", self.handler(pickle.loads(data)))
+                reply = _frame("ok", self.handler(pickle.loads(data), received))
             except Exception as e:  # noqa: BLE001 — the engine gets it as the step's error
                 traceback.print_exc(file=sys.stderr)
                 reply = _frame("error", f"{type(e).__name__}: {e}")
@@ -196,8 +198,11 @@ class ServesSteps:
         self._channel = StepServer(node_ip(), token, self.serve_step, self.name)
         return self._channel.address
 
-    def serve_step(self, request):
+    received_at = 0.0  # when the step being served arrived (time.perf_counter), for its timeline
+
+    def serve_step(self, request, received_at: float = 0.0):
         with self.busy:
+            self.received_at = received_at or time.perf_counter()
             self.steps_begun += 1
             try:
                 return self.step(request)

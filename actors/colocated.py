@@ -29,6 +29,7 @@ guesses a peer's token count (a step without them is refused before anything is 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
 
     def begin_step(self, step: int, tokens: tuple[tuple[int, ...], ...] = ()) -> None:
         self.reset_timers(step)
-        self.routed, self.tokens, self._issued = [], tokens, 0
+        self.routed, self.tokens, self._issued, self.expert_s = [], tokens, 0, 0.0
         self.rows_served = torch.zeros(len(self.table.moe_layers), self.table.max_local, dtype=torch.long)
 
     # ---- attention side ----------------------------------------------------------------------
@@ -154,7 +155,9 @@ class ColocatedExchange(_Collectives, _PairCounts):
         else:
             actor, local = self.routing.assign(p.layer, flat)
         actor = actor.view(N, k)
+        t = time.perf_counter()
         y, per_token, served = _serve_dense(self.experts[p.layer], x, w, actor, local.view(N, k), r, self.device)
+        self.expert_s += time.perf_counter() - t
         served = torch.bincount(served, minlength=self.table.max_local)
         self.rows_served[self.table.layer_index(p.layer)] += served.cpu()
         # send each worker the rows of its tokens; get this worker's tokens' rows from each
@@ -218,7 +221,9 @@ class ColocatedExchange(_Collectives, _PairCounts):
         x_in = torch.cat(parts)
         local = torch.arange(n_local, device=self.device).repeat(W).repeat_interleave(p.counts_in.reshape(-1))
         experts = self.experts[p.layer]
+        t = time.perf_counter()
         y = experts.grouped(x_in.to(experts.device), local.to(experts.device)).to(self.device, self.dtype)
+        self.expert_s += time.perf_counter() - t
         self.rows_served[self.table.layer_index(p.layer)] += p.counts_in.sum(0).cpu()
         fstarts = [sum(frm[:s]) for s in range(W + 1)]
         own_y = y[fstarts[r]: fstarts[r + 1]]

@@ -343,6 +343,8 @@ class _PairCounts:
     """An attention worker's per-step pair counts per logical expert and per physical slot (tensors on
     its device, read by :meth:`take_stats`): what every dispatcher on the attention side reports."""
 
+    expert_s = 0.0  # seconds this step computing routed rows here (local experts; 0 where actors hold them)
+
     def __init__(self, table: PlacementTable, hidden: int, dtype: torch.dtype, top_k: int,
                  device: torch.device):
         self.table, self.hidden, self.dtype, self.top_k, self.device = table, hidden, dtype, top_k, device
@@ -404,14 +406,17 @@ class LocalExchange(_PairCounts):
         self.exchange_s, self.phase_s = 0.0, {"counts": 0.0, "dispatch": 0.0, "combine": 0.0}
 
     def begin_step(self, step: int, tokens: tuple = ()) -> None:
-        self.routed = []
+        self.routed, self.expert_s = [], 0.0
 
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, topk_idx))
         self.count(layer, topk_idx, slots)
         if x.shape[0] == 0:
             return x
-        return self.moe[layer].experts(x, topk_idx, topk_w)
+        t = time.perf_counter()
+        y = self.moe[layer].experts(x, topk_idx, topk_w)
+        self.expert_s += time.perf_counter() - t
+        return y
 
     def collect(self, pending: torch.Tensor) -> torch.Tensor:
         return pending

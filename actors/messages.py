@@ -208,6 +208,16 @@ class StepResult:
     dispatch_s: float = 0.0  # counts + token rows out
     combine_s: float = 0.0  # result rows back
     cpu_s: float = 0.0  # the actor thread's CPU time in the step (its wall time less this: waiting or descheduled)
+    # the step's timeline on this host's monotonic clock (time.perf_counter: CLOCK_MONOTONIC, one clock
+    # for every process of a node), for the per-token profile (cluster/stats.py:step_profile): the
+    # request's frame read, the forward begun, the result made (then pickled and sent)
+    received_at: float = 0.0
+    started_at: float = 0.0
+    replied_at: float = 0.0
+    forward_exchange_s: float = 0.0  # exchange_s within the forward (the MTP layer's comes after sampling)
+    # seconds of the forward by part: the inputs made, each layer kind's compute (model/timing.py), the
+    # local experts' rows (colocated, in process) and the exchange's own packing around its collectives
+    forward_parts: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

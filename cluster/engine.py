@@ -65,6 +65,8 @@ class Launched:
     sent: Sent  # where it went, from Executor.launch
     t0: float
     table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
+    t_plan: float = 0.0  # its scheduling began (time.perf_counter, as t0)
+    ahead: bool = False  # sent ahead of the step before it (async scheduling)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class StepResults:
     step_s: float
     table: PlacementTable  # the epoch it ran in
     verifying: bool  # it verified drafts
+    # (scheduling began, sending began, every result back, results applied) on time.perf_counter, for the
+    # per-token profile; None for a step sent ahead (its timeline overlaps the step before it)
+    stamps: tuple[float, float, float, float] | None = None
 
 
 def check_shape(mc: ModelConfig, spec: ClusterSpec, model: str) -> None:
@@ -298,7 +303,7 @@ class Engine:
         sent = self.executor.launch(reqs, ExpertStep(self.step_no, epoch, tokens, ahead, skip))
         self.stats.add_time(schedule=t1 - t_plan, launch=time.perf_counter() - t1)
         self.stats.ahead_steps += ahead
-        launched = Launched(self.step_no, plan, sent, t1, self.executor.table)
+        launched = Launched(self.step_no, plan, sent, t1, self.executor.table, t_plan, ahead)
         self.inflight.append(launched)
         return launched
 
@@ -323,6 +328,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             attn, expert = self.executor.collect(launched.step, launched.sent)
+            t_back = time.perf_counter()
             # the step's results into the scheduler; an answer that contradicts the step's drafts (an
             # actor's bug, a version skew) fails the step as a failed collective does
             update = self.scheduler.update(launched.plan, [t for r in attn for t in r.tokens])
@@ -344,8 +350,9 @@ class Engine:
         events = self._events(update.applied)
         self.stats.observe_drafts(update.verified)
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
+        stamps = None if launched.ahead else (launched.t_plan, launched.t0, t_back, t1)
         self._unrecorded = StepResults(launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table,
-                                    verifying=bool(update.verified))
+                                    verifying=bool(update.verified), stamps=stamps)
         return events
 
     def publish(self) -> None:
@@ -359,7 +366,7 @@ class Engine:
         if done is None:
             return
         t0 = time.perf_counter()
-        rec = StepRecord.of(done.tokens, done.attn, done.expert, done.step_s, done.table)
+        rec = StepRecord.of(done.tokens, done.attn, done.expert, done.step_s, done.table, done.stamps)
         if rec.expert_tokens is not None:
             self.router.report(rec.expert_tokens, rec.actor_tokens, epoch=rec.epoch)
             if done.verifying:
@@ -512,7 +519,8 @@ class Engine:
                 "failures": dict(stats.actor_failures), "recoveries_s": list(stats.recoveries),
                 "hangs": dict(stats.actor_hangs),
                 "last_hang": dataclasses.asdict(stats.last_hang) if stats.last_hang else None,
-                "breakdown": dict(stats.breakdown), "actor_tokens": self.router.actor_totals(),
+                "breakdown": dict(stats.breakdown), "profile": dict(stats.profile),
+                "actor_tokens": self.router.actor_totals(),
                 "cache": [(a.num_held, a.num_blocks) for a in sched.cache.blocks],
                 "sequences": [sched.load(r) for r in range(len(sched.cache.blocks))],
                 "prefix_cache": sched.cache_status(),

@@ -16,6 +16,8 @@ oracle tests — the step channels, the exchange and recovery are tested on real
 
 from __future__ import annotations
 
+import time
+
 from actors.attention import AttentionWorker
 from actors.messages import ExpertStep, PlacementTable, StepRequest
 from model.config import ModelConfig
@@ -57,6 +59,7 @@ class InProcessExecutor:
         results, error = [], None
         for w, req in zip(self.workers, reqs):
             try:
+                w.received_at = time.perf_counter()  # (on the actors: when the step's frame was read)
                 results.append(w.step(req))
             except Exception as e:  # noqa: BLE001 — the step's failure, reported by collect
                 error = e

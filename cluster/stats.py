@@ -38,6 +38,7 @@ class StepRecord:
     slot_tokens: torch.Tensor | None = None  # [moe layers, expert actors, local slots]: rows sent there
     slot_rows: torch.Tensor | None = None  # [moe layers, expert actors, local slots]: rows computed there
     parts: tuple[tuple[str, float], ...] = ()  # the actors' side of the step, for the breakdown
+    profile: tuple[tuple[str, float], ...] = ()  # where the step's time went (:func:`step_profile`), when measured
 
     @property
     def actor_tokens(self) -> torch.Tensor | None:
@@ -46,7 +47,7 @@ class StepRecord:
 
     @classmethod
     def of(cls, tokens: int, attn: list[StepResult], expert: list[ExpertStepResult], step_s: float,
-           table: PlacementTable) -> "StepRecord":
+           table: PlacementTable, stamps: tuple[float, float, float, float] | None = None) -> "StepRecord":
         counts = [_counts(r.expert_tokens) for r in attn if len(r.expert_tokens)]
         slots = [_counts(r.slot_tokens) for r in attn if len(r.slot_tokens)]
         rows = [r.rows_per_slot for r in expert if r.rows_per_slot]
@@ -56,7 +57,8 @@ class StepRecord:
             expert_tokens=_sum(counts), slot_tokens=_sum(slots),
             slot_rows=(torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
                        if rows and len(rows) == len(expert) else None),
-            parts=tuple(_parts(attn, expert, step_s).items()))
+            parts=tuple(_parts(attn, expert, step_s).items()),
+            profile=tuple(step_profile(stamps, attn).items()) if stamps is not None else ())
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ class EngineStats:
     ahead_steps: int = 0  # steps sent ahead of the last one's results (async scheduling)
     # cumulative seconds per part of the step, and the steps they cover (the per-step breakdown)
     breakdown: dict = field(default_factory=lambda: {"steps": 0})
+    # cumulative seconds per category of the per-token profile (:func:`step_profile`), and its steps
+    profile: dict = field(default_factory=lambda: {"steps": 0})
     finished: int = 0
     generation_tokens: int = 0
     prompt_tokens: int = 0
@@ -162,6 +166,10 @@ class EngineStats:
         if rec.parts:
             self.add_time(**dict(rec.parts))
             self.breakdown["steps"] += 1
+        if rec.profile:
+            for k, v in rec.profile:
+                self.profile[k] = self.profile.get(k, 0.0) + v
+            self.profile["steps"] += 1
         self._emit(rec)
 
     def observe_drafts(self, verified) -> None:
@@ -243,6 +251,44 @@ def _parts(attn: list[StepResult], expert: list[ExpertStepResult], step_s: float
                   "expert_send": sum(r.combine_s for r in expert) / n,
                   "expert_cpu": sum(r.cpu_s for r in expert) / n}
     return parts
+
+
+# The per-token profile's categories, in the order a step passes through them: the engine schedules
+# and sends (control_out: the request pickled, sent and read), the attention actor makes the inputs,
+# computes each layer kind, exchanges (its collectives' own time; the exchange's packing around them;
+# the routed experts where it computes them itself), samples, makes its result (actor_post), which
+# comes back (control_back: pickled, sent, read) and is applied (engine_update: stop checks, the
+# scheduler's update). ``unaccounted`` is what none of them measured (the rest of the forward: the
+# residual adds, the stage generators; a category missing); ``step`` is the step measured whole.
+PROFILE = ("schedule", "control_out", "actor_prep", "inputs", "embed_norm", "mla", "kda", "dense_mlp",
+           "moe_local", "pack", "exchange", "experts", "sample", "actor_post", "control_back", "engine_update")
+
+
+def step_profile(stamps: tuple[float, float, float, float], attn: list[StepResult]) -> dict[str, float]:
+    """Where one step's time went, each category measured on its own (the engine's and the attention
+    actors' clocks: ``time.perf_counter``, one monotonic clock per host). ``stamps``: the engine's
+    (scheduling began, sending began, every result back, results applied). The attention replica
+    whose result was made last is the step's critical path; its categories are the actor's. Across
+    hosts the two control categories mix two clocks: meaningful only on one node (their sum is)."""
+    planned, sending, back, done = stamps
+    timed = [r for r in attn if r.replied_at]
+    out = dict.fromkeys(PROFILE, 0.0)
+    out["schedule"] = sending - planned
+    if timed:
+        a = max(timed, key=lambda r: r.replied_at)
+        out |= {"control_out": a.received_at - sending, "actor_prep": a.started_at - a.received_at}
+        for kind, s in a.forward_parts:
+            out[kind] = out.get(kind, 0.0) + s
+        out["exchange"] = a.forward_exchange_s
+        out["sample"] = a.sample_s
+        out["actor_post"] = a.replied_at - (a.started_at + a.forward_s + a.sample_s)
+        out["control_back"] = back - a.replied_at
+    else:  # no attention result carried a timeline: the whole round trip is unmeasured
+        out["control_back"] = 0.0
+    out["engine_update"] = done - back
+    out["step"] = done - planned
+    out["unaccounted"] = out["step"] - sum(v for k, v in out.items() if k != "step")
+    return out
 
 
 def _sum(tensors: list[torch.Tensor]) -> torch.Tensor | None:

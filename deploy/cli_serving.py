@@ -157,6 +157,10 @@ def _print_serving(out: Console, st: dict) -> None:
     if b.get("steps"):
         parts = ", ".join(f"{k} {1000 * v / b['steps']:.2f}" for k, v in b.items() if k != "steps")
         out.print(f"mean per step, ms: {parts}")
+    prof = st.get("profile") or {}
+    if prof.get("steps"):  # the per-token profile (cluster/stats.py:step_profile), steps launched alone
+        parts = ", ".join(f"{k} {1000 * v / prof['steps']:.2f}" for k, v in prof.items() if k != "steps" and v)
+        out.print(f"where a step's time goes, ms ({prof['steps']:,} steps with a timeline): {parts}")
 
 
 def _actors_table(st: dict):

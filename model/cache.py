@@ -15,8 +15,12 @@ length, see :func:`group_sequences`), padded [Bg, Qg] / [Bg, Lg] gather indices 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .timing import StepTimes
 
 
 class CacheFull(RuntimeError):
@@ -151,6 +155,7 @@ class ModelCache:
     kda: KDAStateCache | None
     mla_index: dict[int, int]  # decoder layer → row of latent
     kda_index: dict[int, int]  # decoder layer → row of kda
+    times: StepTimes | None = None  # compute seconds per layer kind in the step (model/timing.py), when kept
 
     def mla_layer(self, layer: int) -> torch.Tensor:
         return self.latent.layer(self.mla_index[layer])

@@ -5,6 +5,8 @@ in a module of its own so that neither imports the other for it."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from .layers import GatedMLP, RMSNorm, RotaryEmbedding, glu_activation
 from .mla import MLA
 from .moe import MoE
 from .names import ffn_name
+from .timing import StepTimes
 
 
 def attn_res(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -66,10 +69,15 @@ class DecoderLayer(nn.Module):
 
     def stages(self, h: torch.Tensor, meta: AttnMeta, cache: ModelCache, rope, impl: str,
                blocks: list[torch.Tensor]):
-        """The layer as a generator (see :meth:`MoE.stages`); returns the new hidden states."""
+        """The layer as a generator (see :meth:`MoE.stages`); returns the new hidden states. With
+        ``cache.times`` (model/timing.py), what comes before the FFN is timed as the layer's attention
+        (``mla`` or ``kda``), the FFN as ``moe_local`` or ``dense_mlp`` while it runs."""
+        times = cache.times
+        t = time.perf_counter() if times is not None else 0.0
         if not self.block_size:
             h = h + self.attend(self.input_layernorm(h), meta, cache, rope, impl)
-            return h + (yield from self.ffn_stages(self.post_attention_layernorm(h)))
+            x = self.post_attention_layernorm(h)
+            return h + (yield from self._ffn_timed(x, times, t))
         # K3 block attention residuals: ``blocks`` holds the block-start snapshots (appended here)
         x = attn_res(blocks + [h], self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
         prefix = None
@@ -80,7 +88,13 @@ class DecoderLayer(nn.Module):
         a = self.attend(self.input_layernorm(x), meta, cache, rope, impl)
         prefix = a if prefix is None else prefix + a
         x = attn_res(blocks + [prefix], self.mlp_res_norm, self.mlp_res_proj)
-        return prefix + (yield from self.ffn_stages(self.post_attention_layernorm(x)))
+        return prefix + (yield from self._ffn_timed(self.post_attention_layernorm(x), times, t))
+
+    def _ffn_timed(self, x: torch.Tensor, times: StepTimes | None, t0: float):
+        if times is None:
+            return (yield from self.ffn_stages(x))
+        times.add("kda" if self.is_kda else "mla", time.perf_counter() - t0)
+        return (yield from times.stages("moe_local" if isinstance(self.ffn, MoE) else "dense_mlp", self.ffn_stages(x)))
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:

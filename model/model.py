@@ -11,6 +11,7 @@ never decides which sequences run or where their cache lives.
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 from torch import nn
@@ -75,14 +76,21 @@ class CausalLM(nn.Module):
         """:meth:`forward` as a generator that yields at every MoE block's exchange
         (:class:`~model.moe.Dispatch`, then ``COMBINE``): the caller routes the tokens, and may run
         other micro-batches meanwhile. Returns the final-normed hidden states."""
+        t = time.perf_counter()
         h = self.model.embed_tokens(input_ids)
         rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)
+        if cache.times is not None:
+            cache.times.add("embed_norm", time.perf_counter() - t)
         blocks: list[torch.Tensor] = []
         for layer in self.model.layers:
             h = yield from layer.stages(h, meta, cache, rope, impl, blocks)
+        t = time.perf_counter()
         if self.cfg.attn_res_block_size:
             h = attn_res(blocks + [h], self.model.output_attn_res_norm, self.model.output_attn_res_proj)
-        return self.model.norm(h)
+        h = self.model.norm(h)
+        if cache.times is not None:
+            cache.times.add("embed_norm", time.perf_counter() - t)
+        return h
 
     @property
     def device(self) -> torch.device:

@@ -25,7 +25,7 @@ def _held() -> tuple[threading.Event, StepServer, StepChannel]:
     """A server whose steps wait until the returned gate opens (at most 10 s), with step 1 sent."""
     gate = threading.Event()
 
-    def handler(req):
+    def handler(req, received_at):
         gate.wait(10)
         return req
 
@@ -37,7 +37,7 @@ def _held() -> tuple[threading.Event, StepServer, StepChannel]:
 def test_requests_are_served_in_order_and_answers_match_their_steps():
     seen = []
 
-    def handler(req):
+    def handler(req, received_at):
         seen.append(req)
         return {"echo": req, "thread": threading.current_thread().name}
 
@@ -59,7 +59,7 @@ def test_large_requests_and_answers_cross_without_blocking_either_side():
     with both larger than the sockets' buffers, neither side may block on its send."""
     big = bytes(range(256)) * 40_000  # 10 MB each way
 
-    server, ch = _open(lambda req: req[::-1])
+    server, ch = _open(lambda req, received_at: req[::-1])
     try:
         t0 = time.monotonic()
         for step in (1, 2, 3):
@@ -72,7 +72,7 @@ def test_large_requests_and_answers_cross_without_blocking_either_side():
 
 
 def test_an_error_in_a_step_is_that_steps_answer_and_the_server_goes_on():
-    def handler(req):
+    def handler(req, received_at):
         if req == "poison":
             raise RuntimeError("the poisoned prompt")
         return req
@@ -90,7 +90,7 @@ def test_an_error_in_a_step_is_that_steps_answer_and_the_server_goes_on():
 
 
 def test_answers_to_steps_given_up_on_are_skipped():
-    server, ch = _open(lambda req: req)
+    server, ch = _open(lambda req, received_at: req)
     try:
         for step in (5, 6, 7):
             ch.send(step, step * 10)
@@ -157,7 +157,7 @@ def test_a_lost_node_is_found_by_its_liveness_check_before_the_deadline():
 
 
 def test_connections_without_the_token_do_not_take_the_engines_place():
-    server = StepServer("127.0.0.1", TOKEN, lambda req: ("served", req), "actor[0]")
+    server = StepServer("127.0.0.1", TOKEN, lambda req, received_at: ("served", req), "actor[0]")
     strays = [socket.create_connection(server.address, timeout=5) for _ in range(3)]
     strays[0].sendall(b"garbage" * 10)
     strays[1].sendall(b"moeray-s" + bytes(8) + b"x" * TOKEN_BYTES)  # the right magic and identity, a wrong token
@@ -176,7 +176,7 @@ def test_connections_without_the_token_do_not_take_the_engines_place():
 
 
 def test_a_wrong_token_gets_no_answer():
-    server, ch = _open(lambda req: req, token=b"w" * TOKEN_BYTES)
+    server, ch = _open(lambda req, received_at: req, token=b"w" * TOKEN_BYTES)
     try:
         ch.send(1, "x")
         with pytest.raises(ChannelClosed):
@@ -220,7 +220,7 @@ def test_an_epoch_change_waits_for_the_step_in_progress():
 
 def test_a_token_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match="16 bytes"):
-        StepServer("127.0.0.1", b"short", lambda req: req, "actor[0]")
+        StepServer("127.0.0.1", b"short", lambda req, received_at: req, "actor[0]")
 
 
 def test_a_failed_step_aborts_an_nccl_group_so_its_peers_fail_at_once(monkeypatch):

@@ -48,7 +48,7 @@ def test_a_new_thread_has_the_default_pool_until_it_adopts_torchs_count(threads)
 
 def test_the_step_thread_and_the_expert_gemm_pool_run_with_torchs_count(threads):
     token = b"t" * TOKEN_BYTES
-    server = StepServer("127.0.0.1", token, lambda req: _omp_max_threads(), "actor[0]")
+    server = StepServer("127.0.0.1", token, lambda req, received_at: _omp_max_threads(), "actor[0]")
     ch = StepChannel("actor[0]", server.address, token, 10.0)
     pool = ExpertThreads(2)
     try:
