@@ -109,6 +109,7 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.name, self.prompt, self.n, self.chat = url, name, prompt, n, chat
         self.pieces, self.error, self.finish, self.ended, self.error_event = [], None, None, None, None
+        self.stop = threading.Event()  # set: the client goes away (see close_after)
 
     def run(self):
         route = "/v1/chat/completions" if self.chat is not None else "/v1/completions"
@@ -122,6 +123,8 @@ class Stream(threading.Thread):
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
+                    if self.stop.is_set():
+                        break
                     if line.startswith("data: ") and line != "data: [DONE]":
                         event = json.loads(line[6:])
                         if "error" in event:
@@ -149,6 +152,25 @@ def start_streams(url, name, prompts, n, extra=()):
         assert time.monotonic() < deadline and not any(s.error for s in streams), [s.error for s in streams]
         time.sleep(0.05)
     return streams
+
+
+def close_after(streams, more: int, timeout_s: float = 120) -> None:
+    """Let every stream take ``more`` pieces beyond what it has now, then close them all (each client
+    goes away, as a client that has read enough does): a test of outputs through changes needs the
+    tokens up to just past its last change, not a stream length guessed to outlast them. A stream that
+    reaches its own end first (its max_tokens) ends as usual."""
+    marks = [len(s.pieces) for s in streams]
+    deadline = time.monotonic() + timeout_s
+    while not all(len(s.pieces) >= m + more or s.ended for s, m in zip(streams, marks)):
+        assert time.monotonic() < deadline, f"the streams did not take {more} more pieces in {timeout_s} s"
+        time.sleep(0.05)
+    assert all(s.finish for s in streams if s.ended), [(len(s.pieces), s.finish) for s in streams]
+    for s in streams:
+        s.stop.set()
+    for s in streams:
+        s.join(60)
+    assert not any(s.error for s in streams), [repr(s.error) for s in streams]
+    assert not any(s.error_event for s in streams), [s.error_event for s in streams]
 
 
 def finish(streams):
