@@ -64,15 +64,13 @@ def machine_rates() -> tuple[float, float]:
     return best, bw
 
 
-def floors(path: Path, batch: int, workers: int, gemm: float, bw: float) -> dict[str, float]:
-    """Each category's floor in seconds for one decode step of ``batch`` tokens on the critical
-    attention replica (``workers`` colocated workers share the experts' rows)."""
+def weight_bytes(path: Path) -> tuple[dict[str, int], int, int, object]:
+    """(bytes per layer kind, one routed expert's bytes, MoE layers, config) of the checkpoint, loaded once."""
     from model.decoder import DecoderLayer
     from model.loader import load_model
     from model.moe import MoE
 
     model = load_model(path, dtype=torch.float32, progress=False)
-    cfg = model.cfg
     nbytes = lambda mod, skip=(): sum(p.numel() * p.element_size() for n, p in mod.named_parameters()  # noqa: E731
                                       if not n.startswith(skip))
     kinds = {k: 0 for k in ("mla", "kda", "dense_mlp", "moe_local")}
@@ -86,6 +84,13 @@ def floors(path: Path, batch: int, workers: int, gemm: float, bw: float) -> dict
             moe_layers += 1
         else:
             kinds["dense_mlp"] += nbytes(layer.ffn) + nbytes(layer.post_attention_layernorm)
+    return kinds, expert_bytes, moe_layers, model.cfg
+
+
+def floors(sizes, batch: int, workers: int, gemm: float, bw: float) -> dict[str, float]:
+    """Each category's floor in seconds for one decode step of ``batch`` tokens on the critical
+    attention replica (``workers`` colocated workers share the experts' rows); ``sizes``: :func:`weight_bytes`."""
+    kinds, expert_bytes, moe_layers, cfg = sizes
     out = {}
     for kind, b in kinds.items():  # decode: each weight read once per step, 2 FLOPs per weight and token
         out[kind] = max(b / bw, 2 * (b / 4) * batch / gemm) if b else 0.0
@@ -155,7 +160,8 @@ def main() -> None:
                             overrides=SHAPE)
         gemm, bw = machine_rates()
         print(f"this machine: GEMM {gemm / 1e9:.1f} GFLOP/s on one thread, copy {bw / 1e9:.1f} GB/s", flush=True)
-        floor = {(lay, n): floors(path, n, 2 if lay == "colocated" else 1, gemm, bw) for lay in layouts for n in streams}
+        sizes = weight_bytes(path)
+        floor = {(lay, n): floors(sizes, n, 2 if lay == "colocated" else 1, gemm, bw) for lay in layouts for n in streams}
         results = {lay: run_layout(path, lay, streams, args.prompt_len, args.new_tokens, args.repeats) for lay in layouts}
     cols = [(lay, n) for lay in layouts for n in streams]
     print("\nper decode step, ms (async scheduling off: every step one timeline); floor beside each")

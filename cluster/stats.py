@@ -283,8 +283,7 @@ def step_profile(stamps: tuple[float, float, float, float], attn: list[StepResul
         out["sample"] = a.sample_s
         out["actor_post"] = a.replied_at - (a.started_at + a.forward_s + a.sample_s)
         out["control_back"] = back - a.replied_at
-    else:  # no attention result carried a timeline: the whole round trip is unmeasured
-        out["control_back"] = 0.0
+    # (no attention result carried a timeline: the whole round trip stays unaccounted)
     out["engine_update"] = done - back
     out["step"] = done - planned
     out["unaccounted"] = out["step"] - sum(v for k, v in out.items() if k != "step")
