@@ -17,6 +17,7 @@ A plain class: :mod:`actors.remote` makes it a Ray actor.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -36,6 +37,8 @@ from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk,
                        refuse_ahead)
 from .progress import LoadProgress
 
+log = logging.getLogger(__name__)
+
 
 class AttentionWorker(ServesSteps):
     ROLE = "attention"  # its name's kind: attention[i] (a colocated worker: worker[i])
@@ -43,11 +46,12 @@ class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0,
-                 local_experts: bool = False, mtp: bool = False):
+                 local_experts: bool = False, mtp: bool = False, compile: str = "off", max_batch: int = 256):
         """``local_experts``: hold every routed expert too, for :meth:`use_local_experts` (the
         in-process executor); an attention actor holds none. ``mtp``: hold the checkpoint's MTP
         layer too (its routed experts on the expert actors) and draft with it each step
-        (speculative decoding's ``method: mtp``)."""
+        (speculative decoding's ``method: mtp``). ``compile``: "decode" compiles the decode step for
+        batches up to ``max_batch`` now (model/compiled.py), before the actor serves."""
         super().__init__()
         if threads:
             torch.set_num_threads(threads)
@@ -63,6 +67,11 @@ class AttentionWorker(ServesSteps):
         self.cfg = self.model.cfg
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device,
                                            num_snapshots=num_snapshots if self.cfg.kda_layers else 0)
+        if compile == "decode":
+            s = self.model.compile_decode(self.cache, impl, max_batch=max_batch).compile_s
+            log.info("%s: decode step compiled in %.1f s", self.name, s)
+        elif compile != "off":
+            raise ValueError(f"compile must be 'off' or 'decode', got {compile!r}")
         self.cache.times = StepTimes()  # the step's compute per layer kind (the per-token profile)
         self._route_s = 0.0  # the step's time in the exchange's issue and collect calls
         self._moe = self.model.moe_blocks()  # the MTP layer's too, with mtp
@@ -143,6 +152,8 @@ class AttentionWorker(ServesSteps):
         micro = req.micro or (len(req.chunks),)
         bounds = [sum(micro[:m]) for m in range(len(micro) + 1)]
         batches = [req.chunks[a:b] for a, b in zip(bounds, bounds[1:])]
+        compiled = self.model.compiled
+        before = compiled.tally() if compiled is not None else None
         out = self._forward(batches)
         for c in req.chunks:  # after every micro-batch: a snapshot restored this step is read first
             if c.snapshot is not None and self.cache.kda is not None:
@@ -160,7 +171,8 @@ class AttentionWorker(ServesSteps):
                           forward_s=t1 - t0, exchange_s=d.exchange_s, sample_s=sample_s,
                           dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"],
                           cpu_s=cpu_s, received_at=self.received_at, started_at=t0, replied_at=time.perf_counter(),
-                          forward_exchange_s=forward_exchange_s, forward_parts=tuple(parts.items()))
+                          forward_exchange_s=forward_exchange_s, forward_parts=tuple(parts.items()),
+                          compiled=compiled.since(before) if compiled is not None else ())
 
     def _forward(self, batches: list[tuple[SeqChunk, ...]]) -> list:
         """Every micro-batch's forward, interleaved at the MoE exchanges (ping-pong): while one

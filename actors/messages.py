@@ -218,6 +218,9 @@ class StepResult:
     # seconds of the forward by part: the inputs made, each layer kind's compute (model/timing.py), the
     # local experts' rows (colocated, in process) and the exchange's own packing around its collectives
     forward_parts: tuple[tuple[str, float], ...] = ()
+    # the compiled decode step (model/compiled.py): its micro-batches that ran compiled ("compiled") and
+    # those that fell back to eager, by reason; empty with compile off or no decode step
+    compiled: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Where a decode step's time goes (issue 54's per-token profile), per layout, at 1 and 16 streams.
 
     python bench/bench_step.py [--streams 1,16] [--new-tokens 48] [--prompt-len 32] [--repeats 3]
-                               [--layouts disaggregated,colocated] [--json FILE]
+                               [--layouts disaggregated,colocated] [--compile off,decode] [--json FILE]
 
 The checkpoint is issue 54's (bench_overhead.py's): a DeepSeek-V3 of 6 layers, 32 routed experts,
 hidden 256, fp32, written in the real format. The engine runs on a one-node local Ray cluster, driven
@@ -10,7 +10,9 @@ actor (disaggregated) and as 2 colocated workers, with async scheduling off so t
 timeline; each category (cluster/stats.py:step_profile) is measured on its own — the engine's clock
 for scheduling and applying, the attention actor's for its parts, both (one host's monotonic clock)
 for the control plane — and ``unaccounted`` is the step measured whole less their sum. A last row
-per layout gives the step with async scheduling on (the default), measured whole.
+per layout gives the step with async scheduling on (the default), measured whole. ``--compile off,decode``
+runs each layout eager and with the compiled decode step (model/compiled.py) in the same run: the
+columns "disag+c", "coloc+c" are compiled (their attention kinds' time is in ``compiled``).
 
 Beside each category its floor at that batch: the larger of its FLOPs at this machine's measured
 GEMM rate (one thread, as an actor runs) and the bytes it must touch (weights read once per step,
@@ -103,7 +105,8 @@ def floors(sizes, batch: int, workers: int, gemm: float, bw: float) -> dict[str,
     return out
 
 
-def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new: int, reps: int) -> dict:
+def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new: int, reps: int,
+               compile_mode: str = "off") -> dict:
     """Per stream count: the profile's median ms per step (async scheduling off), the step with async
     scheduling on, tokens/s both ways."""
     import ray
@@ -119,7 +122,7 @@ def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new
         try:
             for asynchronous in (False, True):
                 cfg = EngineConfig.of(model=str(path), dtype="float32", max_num_seqs=64,
-                                      async_scheduling=asynchronous, prefix_caching=False)
+                                      async_scheduling=asynchronous, prefix_caching=False, compile=compile_mode)
                 with Engine(cfg, LAYOUTS[layout](ClusterSpec)) as eng:
                     eng.generate(prompts(2, prompt_len), SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
                     for n in streams:
@@ -151,21 +154,26 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="disaggregated,colocated")
+    ap.add_argument("--compile", default="off", help="off, decode, or both (off,decode): each layout both ways")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
-    layouts = args.layouts.split(",")
+    modes = args.compile.split(",")
+    layouts = [lay + ("+c" if m == "decode" else "") for lay in args.layouts.split(",") for m in modes]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_preset("deepseek-v3-tiny", Path(tmp) / "ckpt", seed=0, dtype="float32", progress=False,
                             overrides=SHAPE)
         gemm, bw = machine_rates()
         print(f"this machine: GEMM {gemm / 1e9:.1f} GFLOP/s on one thread, copy {bw / 1e9:.1f} GB/s", flush=True)
         sizes = weight_bytes(path)
-        floor = {(lay, n): floors(sizes, n, 2 if lay == "colocated" else 1, gemm, bw) for lay in layouts for n in streams}
-        results = {lay: run_layout(path, lay, streams, args.prompt_len, args.new_tokens, args.repeats) for lay in layouts}
+        floor = {(lay, n): floors(sizes, n, 2 if lay.startswith("colocated") else 1, gemm, bw)
+                 for lay in layouts for n in streams}
+        results = {lay: run_layout(path, lay.removesuffix("+c"), streams, args.prompt_len, args.new_tokens,
+                                   args.repeats, "decode" if lay.endswith("+c") else "off") for lay in layouts}
     cols = [(lay, n) for lay in layouts for n in streams]
     print("\nper decode step, ms (async scheduling off: every step one timeline); floor beside each")
-    print(f"{'category':<14}" + "".join(f"{lay[:5] + ' ' + str(n) + ' stream(s)':>26}" for lay, n in cols))
+    heads = [lay[:5] + ("+c" if lay.endswith("+c") else "") + f" {n} stream(s)" for lay, n in cols]
+    print(f"{'category':<14}" + "".join(f"{h:>26}" for h in heads))
     for k in (*PROFILE, "unaccounted", "step"):
         cells = []
         for lay, n in cols:

@@ -159,6 +159,12 @@ class DataPlaneConfig(_Checked):
                 "(through its I/O thread: slower); auto, the fastest measured at decode sizes (socket today). GPU "
                 "actors on NCCL use all_to_all_single either way.")
     impl: Literal["absorbed", "naive"] = knob("absorbed", "The MLA implementation (naive: the oracle).", serve=False)
+    compile: Literal["off", "decode"] = knob(
+        "off", "decode: every attention replica (worker) runs its decode steps compiled (torch.compile, inductor's C++ "
+               "on CPU; model/compiled.py), compiling at start (tens of seconds on 2 CPU cores the first time, a few "
+               "once inductor's on-disk cache holds the graphs; a replacement actor compiles too). Prefill, drafts "
+               "and a batch above max_num_seqs run eager, counted (moeray_compile_fallbacks). The same tokens; "
+               "logits within floating-point tolerance (docs/architecture.md, \"Compiled decode\"). off: eager.")
     backend: Literal["gloo", "nccl"] | None = knob(None, "The process groups' backend; None: nccl when actors "
                                                          "have GPUs, else gloo.", serve=False)
 
@@ -277,6 +283,12 @@ class SnapshotPlan:
     grid: int | None = None
     count: int = 0
     bytes_each: int = 0
+
+
+def compiled(config: EngineConfig) -> dict:
+    """An attention replica's (a worker's) compile options: the compiled decode step's mode and its
+    largest batch (a replica never decodes more than max_num_seqs at once)."""
+    return {"compile": config.data_plane.compile, "max_batch": config.scheduler.max_num_seqs}
 
 
 def snapshot_plan(config: EngineConfig, model_cfg) -> SnapshotPlan:

@@ -520,6 +520,7 @@ class Engine:
                 "hangs": dict(stats.actor_hangs),
                 "last_hang": dataclasses.asdict(stats.last_hang) if stats.last_hang else None,
                 "breakdown": dict(stats.breakdown), "profile": dict(stats.profile),
+                "compile": {"mode": self.config.data_plane.compile, **stats.compiled},
                 "actor_tokens": self.router.actor_totals(),
                 "cache": [(a.num_held, a.num_blocks) for a in sched.cache.blocks],
                 "sequences": [sched.load(r) for r in range(len(sched.cache.blocks))],

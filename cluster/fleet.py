@@ -26,7 +26,7 @@ from actors.messages import GroupInfo, PlacementTable
 from actors.remote import RemoteAttention, RemoteExpert, RemoteWorker
 from model.config import ModelConfig
 
-from .config import EngineConfig, snapshot_plan
+from .config import EngineConfig, compiled, snapshot_plan
 from .errors import EngineError, NoCapacity
 from .executor import MemberId, member_names, parse_name
 from .homes import Homes
@@ -370,11 +370,11 @@ class Fleet:
                 self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange,
                 threads=c.data_plane.actor_threads, num_snapshots=snapshot_plan(c, self.model_cfg).count,
-                expert_threads=c.data_plane.expert_threads, mtp=c.mtp), home)
+                expert_threads=c.data_plane.expert_threads, mtp=c.mtp, **compiled(c)), home)
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
             num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange, threads=c.data_plane.actor_threads,
-            num_snapshots=snapshot_plan(c, self.model_cfg).count, mtp=c.mtp)
+            num_snapshots=snapshot_plan(c, self.model_cfg).count, mtp=c.mtp, **compiled(c))
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:

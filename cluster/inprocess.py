@@ -22,7 +22,7 @@ from actors.attention import AttentionWorker
 from actors.messages import ExpertStep, PlacementTable, StepRequest
 from model.config import ModelConfig
 
-from .config import EngineConfig, snapshot_plan
+from .config import EngineConfig, compiled, snapshot_plan
 from .errors import EngineError, NoCapacity, StepFailed
 from .executor import MemberId
 from .spec import ClusterSpec
@@ -45,7 +45,7 @@ class InProcessExecutor:
             w = AttentionWorker(c.model, index=i, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, threads=None,
                                 exchange=c.data_plane.exchange, num_snapshots=snapshot_plan(c, self.model_cfg).count,
-                                local_experts=True, mtp=c.mtp)
+                                local_experts=True, mtp=c.mtp, **compiled(c))
             w.use_local_experts(table)
             self.workers.append(w)
         self.table = table

@@ -39,6 +39,7 @@ class StepRecord:
     slot_rows: torch.Tensor | None = None  # [moe layers, expert actors, local slots]: rows computed there
     parts: tuple[tuple[str, float], ...] = ()  # the actors' side of the step, for the breakdown
     profile: tuple[tuple[str, float], ...] = ()  # where the step's time went (:func:`step_profile`), when measured
+    compiled: tuple[tuple[str, int], ...] = ()  # the replicas' decode forwards, compiled or fallen back (by reason)
 
     @property
     def actor_tokens(self) -> torch.Tensor | None:
@@ -58,7 +59,8 @@ class StepRecord:
             slot_rows=(torch.tensor(rows, dtype=torch.long).transpose(0, 1)  # [layers, actors, slots]
                        if rows and len(rows) == len(expert) else None),
             parts=tuple(_parts(attn, expert, step_s).items()),
-            profile=tuple(step_profile(stamps, attn).items()) if stamps is not None else ())
+            profile=tuple(step_profile(stamps, attn).items()) if stamps is not None else (),
+            compiled=tuple(pair for r in attn for pair in r.compiled))
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,8 @@ class EngineStats:
     spec_accepted_per_pos: list = field(default_factory=list)
     spec_verify_steps: int = 0
     spec_experts_touched: float = 0.0
+    # the compiled decode step: decode forwards that ran compiled ("compiled") and those that ran eager, by reason
+    compiled: dict = field(default_factory=dict)
 
     def record_step(self, rec: StepRecord) -> None:
         self.steps += 1
@@ -170,6 +174,8 @@ class EngineStats:
             for k, v in rec.profile:
                 self.profile[k] = self.profile.get(k, 0.0) + v
             self.profile["steps"] += 1
+        for path, n in rec.compiled:
+            self.compiled[path] = self.compiled.get(path, 0) + n
         self._emit(rec)
 
     def observe_drafts(self, verified) -> None:
@@ -256,11 +262,12 @@ def _parts(attn: list[StepResult], expert: list[ExpertStepResult], step_s: float
 # The per-token profile's categories, in the order a step passes through them: the engine schedules
 # and sends (control_out: the request pickled, sent and read), the attention actor makes the inputs,
 # computes each layer kind, exchanges (its collectives' own time; the exchange's packing around them;
-# the routed experts where it computes them itself), samples, makes its result (actor_post), which
+# the routed experts where it computes them itself; ``compiled``: a compiled decode step's segments,
+# attention, dense and MoE-block parts together — model/compiled.py), samples, makes its result (actor_post), which
 # comes back (control_back: pickled, sent, read) and is applied (engine_update: stop checks, the
 # scheduler's update). ``unaccounted`` is what none of them measured (the rest of the forward: the
 # residual adds, the stage generators; a category missing); ``step`` is the step measured whole.
-PROFILE = ("schedule", "control_out", "actor_prep", "inputs", "embed_norm", "mla", "kda", "dense_mlp",
+PROFILE = ("schedule", "control_out", "actor_prep", "inputs", "compiled", "embed_norm", "mla", "kda", "dense_mlp",
            "moe_local", "pack", "exchange", "experts", "sample", "actor_post", "control_back", "engine_update")
 
 

@@ -61,6 +61,9 @@ def up(
     speculative_config: Optional[str] = typer.Option(
         None, help='Speculative decoding as JSON, vLLM\'s names: \'{"method": "suffix", "num_speculative_tokens": 4}\' '
                    "(method suffix or ngram). Off by default."),
+    compile_mode: Optional[str] = typer.Option(None, "--compile",
+                                               help="decode: run the decode steps compiled (torch.compile; each "
+                                                    "attention replica or worker compiles at start). [default: off]"),
     detach: bool = typer.Option(False, help="Run in the background; return once the server is healthy."),
 ):
     """Serve a model with an OpenAI-compatible API. With no arguments: the built-in kimi-k2-mini (trained:
@@ -73,7 +76,7 @@ def up(
                  port=port, api_key=api_key,
                  admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
                  gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching,
-                 speculative=parse_json_option(speculative_config, "--speculative-config"))
+                 speculative=parse_json_option(speculative_config, "--speculative-config"), compile=compile_mode)
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     if gcs_redis is not None:

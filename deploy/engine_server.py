@@ -169,7 +169,7 @@ class EngineServer:
             "running": snap["running"], "waiting": snap["waiting"], "steps": snap["steps"],
             "epoch": table.epoch, "last_change": snap["changes"][-1] if snap["changes"] else None,
             "changing": snap["changing"], "change": snap["change"], "ping_pong": snap["ping_pong"],
-            "breakdown": snap["breakdown"], "profile": snap["profile"],
+            "breakdown": snap["breakdown"], "profile": snap["profile"], "compile": snap["compile"],
             "ingress": self.ingress,
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "prefix_caching": self.engine.config.cache.prefix_caching,

@@ -34,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from actors.router import max_over_mean
 from cluster.stats import ActorFailed, ActorHung, EpochPaused, Finished, Record, Recovered, StepRecord, TokenTiming
+from model.compiled import FALLBACK_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +350,18 @@ class _ScrapeCollector:
                                   labels=list(slabels))
         pre.add_metric(list(svalues), engine.stats.preemptions)
         yield pre
+        compiled = dict(engine.stats.compiled)  # (a copy: the engine thread adds keys)
+        c = CounterMetricFamily(PREFIX + "compiled_decode_steps", "Decode forwards (per attention replica and "
+                                "micro-batch) that ran the compiled decode step (data_plane.compile: decode).",
+                                labels=["model_name"])
+        c.add_metric([name], compiled.get("compiled", 0))
+        yield c
+        c = CounterMetricFamily(PREFIX + "compile_fallbacks", "Decode forwards the compiled step did not cover and "
+                                "that ran eager, by reason: batch (above max_num_seqs), recompile (a shape its "
+                                "warm-up did not compile), error.", labels=["model_name", "reason"])
+        for reason in FALLBACK_REASONS:
+            c.add_metric([name, reason], compiled.get(reason, 0))
+        yield c
         if getattr(getattr(engine, "config", None), "speculative", None) is not None:  # (stub engines have no config)
             yield from self._spec_families(engine.stats, sp, slabels, svalues, name)
         yield from self._expert_families(o, name)

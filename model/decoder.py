@@ -6,6 +6,7 @@ in a module of its own so that neither imports the other for it."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -74,10 +75,17 @@ class DecoderLayer(nn.Module):
         (``mla`` or ``kda``), the FFN as ``moe_local`` or ``dense_mlp`` while it runs."""
         times = cache.times
         t = time.perf_counter() if times is not None else 0.0
+        residual, x = self.pre_ffn(h, blocks, lambda x: self.attend(x, meta, cache, rope, impl))
+        return residual + (yield from self._ffn_timed(x, times, t))
+
+    def pre_ffn(self, h: torch.Tensor, blocks: list[torch.Tensor],
+                attend: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the FFN, attention by ``attend`` (normed x → its output): returns (the
+        residual the FFN's output is added to, the FFN's input). The eager step and the compiled
+        decode step (model/compiled.py) both run it."""
         if not self.block_size:
-            h = h + self.attend(self.input_layernorm(h), meta, cache, rope, impl)
-            x = self.post_attention_layernorm(h)
-            return h + (yield from self._ffn_timed(x, times, t))
+            h = h + attend(self.input_layernorm(h))
+            return h, self.post_attention_layernorm(h)
         # K3 block attention residuals: ``blocks`` holds the block-start snapshots (appended here)
         x = attn_res(blocks + [h], self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
         prefix = None
@@ -85,10 +93,10 @@ class DecoderLayer(nn.Module):
             blocks.append(h)
         else:
             prefix = h
-        a = self.attend(self.input_layernorm(x), meta, cache, rope, impl)
+        a = attend(self.input_layernorm(x))
         prefix = a if prefix is None else prefix + a
         x = attn_res(blocks + [prefix], self.mlp_res_norm, self.mlp_res_proj)
-        return prefix + (yield from self._ffn_timed(self.post_attention_layernorm(x), times, t))
+        return prefix, self.post_attention_layernorm(x)
 
     def _ffn_timed(self, x: torch.Tensor, times: StepTimes | None, t0: float):
         if times is None:

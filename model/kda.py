@@ -266,6 +266,29 @@ class KimiDeltaAttention(nn.Module):
             else:
                 o = og.new_empty(T, n, d) if o is None else o
                 o[grp.tokens] = og
-        o = o.to(x.dtype)
-        o = self.o_norm(o, self.output_gate(x))
-        return self.o_proj(o.reshape(T, n * d))
+        return self._out(o, x)
+
+    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for a batch of B decodes (one token each, the batch in order: the one
+        group :func:`~model.cache.build_attn_meta` builds) from plain tensors, for the compiled
+        decode step (model/compiled.py): the recurrent form over the same values as
+        :meth:`_attend` (its pads are none here: multiplying by its all-ones pad mask is exact)."""
+        B = x.shape[0]
+        n, d = self.num_heads, self.head_dim
+        qkv = torch.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=1)  # [B, 3, P]
+        g = self.gate(x)[:, None]                                        # [B, 1, n, d] fp32
+        beta = torch.sigmoid(self.b_proj(x).float())[:, None]            # [B, 1, n]
+        ones = torch.ones(B, dtype=torch.long, device=x.device)
+        xc = self._conv(qkv[:, None].transpose(1, 2), ones, conv_state, slots)  # [B, 3, 1, P]
+        q, k, v = (xc[:, i].reshape(B, 1, n, d) for i in range(3))
+        q = l2norm(q) * d**-0.5
+        k = l2norm(k).float()  # as _attend's k · pad0 (fp32 ones)
+        o, S = recurrent_kda(q, k, v.float(), g, beta, recurrent_state[slots])
+        recurrent_state[slots] = S
+        return self._out(o.flatten(0, 1), x)
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs o [T, n, d] fp32 → [T, H]: the gated output norm, then o_proj."""
+        o = self.o_norm(o.to(x.dtype), self.output_gate(x))
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))

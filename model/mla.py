@@ -87,6 +87,24 @@ class MLA(nn.Module):
             else:
                 o = og.new_empty(x.shape[0], *og.shape[1:]) if o is None else o
                 o[g.tokens] = og
+        return self._out(o, x)
+
+    def decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor,
+               slot_mapping: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor,
+               impl: str = "absorbed") -> torch.Tensor:
+        """:meth:`forward` for a batch of B decodes (one query token each, the batch in order: the
+        one-group step :func:`~model.cache.build_attn_meta` builds) from plain tensors: ``kv_slots``
+        [B, L] and ``mask`` [B, 1, L] are that group's. The same ops on the same values as
+        :meth:`forward`, without the group bookkeeping, so the compiled decode step
+        (model/compiled.py) can trace it."""
+        attend = self._absorbed if impl == "absorbed" else self._naive
+        q_nope, q_rope, entry = self.project(x, rope)
+        cache[slot_mapping] = entry.to(cache.dtype)
+        ctx = cache[kv_slots].to(x.dtype)  # [B, L, Lkv+R]
+        return self._out(attend(q_nope[:, None], q_rope[:, None], ctx, mask), x)
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs o [T, n, V] (or [T, 1, n, V]) → [T, H]: K3's output gate, then o_proj."""
         o = o.reshape(x.shape[0], -1)  # [T, n·V]
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .cache import AttnMeta, KDAStateCache, LatentCache, ModelCache
+from .compiled import CompiledDecode
 from .decoder import DecoderLayer, attn_res, embedding
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding
@@ -52,6 +53,16 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # the multi-token-prediction layer (model/mtp.py), only when asked: serving never reads it
         self.mtp = MTPLayer(cfg, self.rotary, experts) if mtp else None
+        self.compiled = None  # its compiled decode step (model/compiled.py: compile_decode), when asked for
+
+    def compile_decode(self, cache: ModelCache, impl: str = "absorbed", *, max_batch: int = 256,
+                       warm_up: bool = True) -> CompiledDecode:
+        """Run this model's decode steps over ``cache`` compiled (:class:`~model.compiled.CompiledDecode`),
+        compiling now unless ``warm_up`` is False; returns the compiled step."""
+        self.compiled = CompiledDecode(self, cache, impl, max_batch=max_batch)
+        if warm_up:
+            self.compiled.warm_up()
+        return self.compiled
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype,
                    device: str | torch.device = "cpu", num_snapshots: int = 0) -> ModelCache:
@@ -76,6 +87,10 @@ class CausalLM(nn.Module):
         """:meth:`forward` as a generator that yields at every MoE block's exchange
         (:class:`~model.moe.Dispatch`, then ``COMBINE``): the caller routes the tokens, and may run
         other micro-batches meanwhile. Returns the final-normed hidden states."""
+        if self.compiled is not None and impl == self.compiled.impl:
+            d = self.compiled.covers(meta)
+            if d is not None:  # a decode step: the compiled segments (model/compiled.py)
+                return (yield from self.compiled.stages(input_ids, d, cache))
         t = time.perf_counter()
         h = self.model.embed_tokens(input_ids)
         rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)

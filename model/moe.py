@@ -133,10 +133,32 @@ def grouped_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
 
 
 def _grouped_pair(xs: torch.Tensor, ends: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
-    """Rows ``xs`` sorted by expert (expert e's end at ``ends[e]``) through their experts' GEMM pair."""
+    """Rows ``xs`` sorted by expert (expert e's end at ``ends[e]``) through their experts' GEMM pair.
+
+    torch's grouped GEMM on CPU visits every expert of the call, rows or none (a slice, a select and a
+    GEMM each: ~240 µs for 32 experts at 4 rows). A decode step's few rows go instead through a GEMM pair
+    per expert that has rows — the same GEMM over the same rows as the grouped one makes for that
+    expert, so the same bits (tests/model/test_moe.py checks it)."""
+    if xs.shape[0] * FEW_ROWS <= w13.shape[0]:
+        return _expert_pairs(xs, ends.tolist(), w13, w2, act)
     offs = ends.to(torch.int32)
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     return torch._grouped_mm(act(gate, up), w2.transpose(1, 2), offs=offs)
+
+
+FEW_ROWS = 4  # rows × this ≤ the call's experts: a GEMM pair per expert with rows (_grouped_pair)
+
+
+def _expert_pairs(xs: torch.Tensor, ends: list[int], w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
+    """:func:`_grouped_pair` one expert with rows at a time."""
+    out = torch.empty_like(xs)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            gate, up = (xs[start:end] @ w13[e].t()).chunk(2, dim=-1)
+            out[start:end] = act(gate, up) @ w2[e].t()
+            start = end
+    return out
 
 
 class ExpertThreads:
@@ -308,11 +330,22 @@ class MoE(nn.Module):
     def stages(self, x: torch.Tensor) -> Generator:
         """The block as a generator: yields :class:`Dispatch`, then ``COMBINE`` (receiving the
         routed rows ``[T, expert hidden]``, weighted and summed per token); returns the output."""
-        idx, w = self.gate(x)
-        x_r = self.routed_expert_down_proj(x) if self.latent else x
+        x_r, idx, w = self.route(x)
         yield Dispatch(self, x_r, idx, w)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = self.shared(x)
         y = yield COMBINE
+        return self.finish(y, shared)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] → (the rows the routed experts receive [T, He], topk_idx [T, k], topk_w [T, k])."""
+        idx, w = self.gate(x)
+        return (self.routed_expert_down_proj(x) if self.latent else x), idx, w
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_experts(x) if self.shared_experts is not None else None
+
+    def finish(self, y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The block's output from the combined routed rows ``y`` [T, He] and the shared experts' output."""
         if self.latent:
             if self.routed_expert_norm is not None:
                 y = self.routed_expert_norm(y)

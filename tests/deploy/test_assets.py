@@ -34,7 +34,7 @@ from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_en
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
 REQUIRED_ARGS = {"model", "attention", "experts", "dtype"}  # the rest may take ServeConfig's defaults
-LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "le",
+LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "reason", "le",
           "status_code", "deployment", "application", "route"}  # the last four: Ray Serve's own series
 METRIC_NAME = re.compile(r"moeray:[a-zA-Z0-9_:]+")
 RAY_WORKER_PORTS = range(10002, 20000)

@@ -19,7 +19,7 @@ from model.sampling import SamplingParams
 MOE_LAYERS = [1, 3]  # model layer ids (layer 0 is dense)
 NUM_EXPERTS = 4
 MAX_CONTEXT = 4096  # the model's context: the top of the per-request token buckets
-ALLOWED_LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "le"}
+ALLOWED_LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "reason", "le"}  # (reason: the compile fallbacks, three values)
 
 
 def make_engine(*, replicas: int = 2, expert_actors: int = 2, window_steps: int = 256):

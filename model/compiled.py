@@ -1,0 +1,244 @@
+"""The compiled decode step: a decode batch's compute between MoE exchanges, compiled (torch.compile).
+
+A decode step (every sequence one new token, no drafts: the one attention group
+:func:`~model.cache.build_attn_meta` builds) runs as **segments**, one per MoE layer and a tail: a
+segment takes the previous MoE block's combined routed rows, finishes that block (latent norm and up
+projection, the shared experts' output, the residual), runs every layer up to the next MoE block —
+attention (:meth:`MLA.decode <model.mla.MLA.decode>`, :meth:`KimiDeltaAttention.decode
+<model.kda.KimiDeltaAttention.decode>`, the cache writes included), dense MLPs, K3's attention
+residuals — and that block's gate, latent down projection and shared experts, and returns the rows to
+route. The routed experts stay outside (:class:`~model.moe.Dispatch`, as in the eager step): in one
+process the block's own experts, in a cluster the exchange. So :meth:`CompiledDecode.stages` is the
+same generator protocol as :meth:`CausalLM.stages <model.model.CausalLM.stages>`, and every caller
+(the single process, an attention actor, a colocated worker, micro-batches) drives it unchanged.
+
+Each segment is compiled once with symbolic sizes (``dynamic=True``): the batch size and the
+context length are symbols, so one graph serves every decode batch from 2 to ``max_batch`` sequences
+and every context (torch specialises a size of 1, so batch 1 is a graph of its own: the two batch
+buckets are {1} and [2, max_batch]). :meth:`CompiledDecode.warm_up` compiles both at start, from the
+on-disk inductor cache after the first time. After it, a step the graphs do not cover (a batch above
+``max_batch``, a shape that would need another compile) runs eager, and is counted in
+:attr:`CompiledDecode.fallbacks` by reason: torch never compiles while serving.
+
+What "identical" means: the compiled graph fuses the same operations (inductor's C++ on CPU) and may
+order a reduction differently, so its logits equal eager's within floating-point tolerance, not bit
+for bit; the greedy and seeded tokens are the same (tests compare tokens exactly and logits within
+tolerance; docs/architecture.md, "Compiled decode").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .cache import AttnMeta, ModelCache
+from .decoder import attn_res
+from .moe import COMBINE, Dispatch, MoE
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("eager", "decode")
+FALLBACK_REASONS = ("batch", "recompile", "error")
+
+
+def _own_code(fn: Callable, k: int) -> Callable:
+    """``fn`` with a code object of its own: torch keeps compiled graphs per code object, and the
+    segments are closures of one function — each gets its own graphs (and recompile limit)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{k}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _input_guards(entries) -> list[bool]:
+    """Which of a segment's guards torch checks at each call: the grad mode, the sizes (batch 1 or more)
+    and the tensors passed in — not the model's weights and modules, which a segment reaches through
+    its closure and which never change under it (the experts that do move are outside the segments).
+    Checking every weight's guard cost ~90 µs a segment (measured; docs/step_profile.md)."""
+    return [e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
+            or (e.guard_type == "TENSOR_MATCH" and not isinstance(e.value, torch.nn.Parameter))
+            for e in entries]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A decode step's attention inputs as plain tensors (the one group of its :class:`AttnMeta`)."""
+
+    positions: torch.Tensor      # [B]
+    slot_mapping: torch.Tensor   # [B] the cache slot each new token writes
+    kv_slots: torch.Tensor       # [B, L] the cache slots each sequence reads
+    mask: torch.Tensor           # [B, 1, L]
+    state_slots: torch.Tensor | None  # [B] KDA slots (hybrid models)
+
+
+def decode_batch(meta: AttnMeta) -> DecodeBatch | None:
+    """``meta``'s tensors when it is a decode step (one query token per sequence, no drafts); else None."""
+    if len(meta.groups) != 1 or meta.verifying or any(q != 1 for q in meta.query_lens):
+        return None
+    g = meta.groups[0]
+    return DecodeBatch(meta.positions, meta.slot_mapping, g.kv_slots, g.mask, meta.state_slots)
+
+
+class CompiledDecode:
+    """The decode step of ``model`` (a :class:`~model.model.CausalLM`, any routed experts or none)
+    over ``cache``, compiled per segment (see the module's docstring). :meth:`stages` runs a decode
+    step; :meth:`warm_up` compiles; :attr:`fallbacks` counts the decode steps that ran eager."""
+
+    def __init__(self, model, cache: ModelCache, impl: str = "absorbed", *, max_batch: int = 256):
+        if max_batch < 1:
+            raise ValueError(f"compile max_batch must be >= 1, got {max_batch}")
+        self.model, self.cache, self.impl, self.max_batch = model, cache, impl, max_batch
+        layers = list(model.model.layers)
+        self.moes = [l.ffn for l in layers if isinstance(l.ffn, MoE)]
+        cuts = [l.index for l in layers if isinstance(l.ffn, MoE)]
+        starts = [0] + [c + 1 for c in cuts]
+        ends = cuts + [len(layers) - 1]
+        self._eager = [self._segment(k, layers[s : e + 1]) for k, (s, e) in enumerate(zip(starts, ends))]
+        self._compiled = [torch.compile(_own_code(f, k), dynamic=True, fullgraph=True,
+                                        options={"guard_filter_fn": _input_guards})
+                          for k, f in enumerate(self._eager)]
+        self.warm = False  # set by warm_up: from then on a shape that needs a compile runs eager
+        self.steps = 0  # decode steps that ran compiled
+        self.fallbacks: dict[str, int] = dict.fromkeys(FALLBACK_REASONS, 0)
+        self.compile_s = 0.0
+
+    # ---- the segments ------------------------------------------------------------------------
+    def _segment(self, k: int, layers: list) -> Callable:
+        """Segment ``k``'s function of plain tensors: (k == 0: the token ids, else the previous MoE
+        block's combined rows, shared output and residual), K3's block list, the rope, the batch's
+        tensors and the cache tensors → (residual, routed rows, topk_idx, topk_w, shared output,
+        blocks, rope) at a MoE block, or the final-normed hidden states at the end."""
+        model, impl = self.model, self.impl
+        backbone, rotary = model.model, model.rotary
+        prev = self.moes[k - 1] if k > 0 else None
+        cache = self.cache
+        mla_rows = {l.index: cache.mla_index[l.index] for l in layers if not l.is_kda}
+        kda_rows = {l.index: cache.kda_index[l.index] for l in layers if l.is_kda}
+
+        def attention(layer, rope, d: tuple, latent, conv, recurrent):
+            positions, slot_mapping, kv_slots, mask, state_slots = d
+            if layer.is_kda:
+                row = kda_rows[layer.index]
+                return lambda x: layer.self_attn.decode(x, conv[row], recurrent[row], state_slots)
+            row = mla_rows[layer.index]
+            return lambda x: layer.self_attn.decode(x, rope, latent[row], slot_mapping, kv_slots, mask, impl)
+
+        def segment(first, shared, residual, blocks, rope, d, latent, conv, recurrent):
+            blocks = list(blocks)
+            if prev is None:
+                h = backbone.embed_tokens(first)
+                rope = None if rotary is None else rotary.cos_sin(d[0])
+            else:
+                h = residual + prev.finish(first, shared)
+            for layer in layers:
+                residual, x = layer.pre_ffn(h, blocks, attention(layer, rope, d, latent, conv, recurrent))
+                if isinstance(layer.ffn, MoE):
+                    x_r, idx, w = layer.ffn.route(x)
+                    return residual, x_r, idx, w, layer.ffn.shared(x), blocks, rope
+                h = residual + layer.ffn(x)
+            if model.cfg.attn_res_block_size:
+                h = attn_res(blocks + [h], backbone.output_attn_res_norm, backbone.output_attn_res_proj)
+            return backbone.norm(h)
+
+        return segment
+
+    def _run(self, k: int, *args):
+        """Segment ``k``, compiled — or eager where that would need a compile after warm-up."""
+        if not self.warm:
+            return self._compiled[k](*args)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._compiled[k](*args)
+        except Exception as e:  # a guard failed (a shape never compiled) or torch refused the graph
+            reason = "recompile" if "recompil" in str(e).lower() else "error"
+            self._fallback = reason
+            log.debug("compiled decode segment %d fell back to eager (%s): %s", k, reason, e)
+            return self._eager[k](*args)
+
+    def tally(self) -> dict[str, int]:
+        """Decode steps so far: ``compiled``, and each fallback reason's."""
+        return {"compiled": self.steps, **self.fallbacks}
+
+    def since(self, before: dict[str, int]) -> tuple[tuple[str, int], ...]:
+        """What :meth:`tally` added since ``before`` (the nonzero counts)."""
+        return tuple((k, n - before[k]) for k, n in self.tally().items() if n > before[k])
+
+    # ---- a step ------------------------------------------------------------------------------
+    def covers(self, meta: AttnMeta) -> DecodeBatch | None:
+        """The step's tensors when this compiled step runs ``meta`` (a decode step no larger than
+        ``max_batch``); None otherwise, counting a decode batch too large as a fallback."""
+        d = decode_batch(meta)
+        if d is not None and d.positions.shape[0] > self.max_batch:
+            self.fallbacks["batch"] += 1
+            return None
+        return d
+
+    def stages(self, ids: torch.Tensor, d: DecodeBatch, cache: ModelCache):
+        """The decode step of ``ids`` [B] as :meth:`CausalLM.stages` runs it (same protocol: yields a
+        :class:`Dispatch` and then ``COMBINE`` per MoE block); returns the final-normed hidden states."""
+        latent = cache.latent.data if cache.latent is not None else None
+        conv, recurrent = (cache.kda.conv, cache.kda.recurrent) if cache.kda is not None else (None, None)
+        tensors = (d.positions, d.slot_mapping, d.kv_slots, d.mask, d.state_slots)
+        times = cache.times
+        self._fallback = None
+        first, shared, residual, blocks, rope = ids, None, None, [], None
+        for k, moe in enumerate(self.moes):
+            t = time.perf_counter()
+            residual, x_r, idx, w, shared, blocks, rope = self._run(k, first, shared, residual, blocks, rope,
+                                                                     tensors, latent, conv, recurrent)
+            if times is not None:
+                times.add("compiled", time.perf_counter() - t)
+            yield Dispatch(moe, x_r, idx, w)
+            first = yield COMBINE
+            if first._base is not None:  # a view (of an exchange's buffer): torch would guard on its base
+                first = first.clone()
+        t = time.perf_counter()
+        h = self._run(len(self.moes), first, shared, residual, blocks, rope, tensors, latent, conv, recurrent)
+        if times is not None:
+            times.add("compiled", time.perf_counter() - t)
+        if self._fallback is None:
+            self.steps += 1
+        else:
+            self.fallbacks[self._fallback] += 1
+        return h
+
+    # ---- warm-up -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def warm_up(self, context: int = 16) -> float:
+        """Compile every segment for batch 1 and for a batch of 2 (the symbolic one), on dummy
+        tokens written to cache slots no sequence holds yet (call it before serving); returns the
+        seconds it took. Afterwards a shape that needs another compile runs eager (:meth:`_run`)."""
+        t0 = time.perf_counter()
+        cache = self.cache
+        device = next(self.model.parameters()).device
+        slots = cache.latent.data.shape[1] if cache.latent is not None else context + 2
+        n_state = cache.kda.num_slots if cache.kda is not None else 1
+        for batch, length in ((1, context), (2, context), (2, context + 1)):
+            length = max(2, min(length, slots))
+            d = DecodeBatch(
+                positions=torch.full((batch,), length - 1, dtype=torch.long, device=device),
+                slot_mapping=torch.full((batch,), length - 1, dtype=torch.long, device=device),
+                kv_slots=torch.arange(length, device=device).repeat(batch, 1),  # no view: as a step's
+                mask=torch.ones(batch, 1, length, dtype=torch.bool, device=device),
+                state_slots=(torch.arange(batch, device=device) % n_state) if cache.kda is not None else None)
+            ids = torch.zeros(batch, dtype=torch.long, device=device)
+            gen = self.stages(ids, d, cache)
+            value, pending = None, None
+            while True:  # the routed rows: zeros (the experts' values do not change the graphs)
+                try:
+                    req = gen.send(value)
+                except StopIteration:
+                    break
+                if isinstance(req, Dispatch):
+                    pending, value = torch.zeros_like(req.x), None
+                else:
+                    value = pending
+        self.steps = 0
+        self.warm = True
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled decode: %d segments for batch 1 and 2..%d in %.1f s", len(self._compiled),
+                 self.max_batch, self.compile_s)
+        return self.compile_s
