@@ -122,9 +122,9 @@ class CompiledDecode:
             positions, slot_mapping, kv_slots, mask, state_slots = d
             if layer.is_kda:
                 row = kda_rows[layer.index]
-                return lambda x: layer.self_attn.decode(x, conv[row], recurrent[row], state_slots)
+                return lambda x: layer.self_attn.decode(x, conv, recurrent, row, state_slots)
             row = mla_rows[layer.index]
-            return lambda x: layer.self_attn.decode(x, rope, latent[row], slot_mapping, kv_slots, mask, impl)
+            return lambda x: layer.self_attn.decode(x, rope, latent, row, slot_mapping, kv_slots, mask, impl)
 
         def segment(first, shared, residual, blocks, rope, d, latent, conv, recurrent):
             blocks = list(blocks)

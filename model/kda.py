@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import AttnGroup, AttnMeta
+from .cache import AttnGroup, AttnMeta, write_rows
 from .config import ModelConfig
 
 L2NORM_EPS = 1e-6  # inside the sqrt, as fla's l2norm
@@ -191,20 +191,25 @@ class KimiDeltaAttention(nn.Module):
         return z.view(x.shape[0], self.num_heads, self.head_dim)
 
     def _conv(self, x: torch.Tensor, q_lens: torch.Tensor, conv_state: torch.Tensor,
-              slots: torch.Tensor) -> torch.Tensor:
+              slots: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """Causal depthwise conv + SiLU of x [B, 3, Q, P] (pads zero) with each sequence's W−1
         previous inputs prepended; rewrites ``conv_state[slots]`` with the W−1 inputs ending at
-        each sequence's last real token (old state included when q_len < W−1)."""
+        each sequence's last real token (old state included when q_len < W−1). With ``row``,
+        ``conv_state`` is every layer's and this layer's is its ``row`` (written on the whole)."""
         B, _, Q, P = x.shape
         W = self.conv_kernel
-        hist = torch.cat([conv_state[slots].to(x.dtype), x], dim=2)  # [B, 3, W-1+Q, P]
+        state = conv_state if row is None else conv_state[row]
+        hist = torch.cat([state[slots].to(x.dtype), x], dim=2)  # [B, 3, W-1+Q, P]
         weight = torch.stack([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
         weight = weight.to(x.dtype)[None, :, None]                     # [1, 3, 1, P, W]
         # y_t = Σ_j w[:, j] · x_{t−W+1+j}; x_t sits at hist index W−1+t
         y = sum(hist[:, :, j : j + Q] * weight[..., j] for j in range(W))
         idx = q_lens[:, None] + torch.arange(W - 1, device=x.device)    # [B, W-1] into hist
         new = hist.gather(2, idx[:, None, :, None].expand(B, 3, W - 1, P))
-        conv_state[slots] = new.to(conv_state.dtype)
+        if row is None:
+            conv_state[slots] = new.to(conv_state.dtype)
+        else:
+            write_rows(conv_state, row, slots, new)
         return F.silu(y)
 
     # ---- the layer ---------------------------------------------------------------
@@ -268,24 +273,26 @@ class KimiDeltaAttention(nn.Module):
                 o[grp.tokens] = og
         return self._out(o, x)
 
-    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, row: int,
                slots: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` for a batch of B decodes (one token each, the batch in order: the one
         group :func:`~model.cache.build_attn_meta` builds) from plain tensors, for the compiled
         decode step (model/compiled.py): the recurrent form over the same values as
-        :meth:`_attend` (its pads are none here: multiplying by its all-ones pad mask is exact)."""
+        :meth:`_attend` (its pads are none here: multiplying by its all-ones pad mask is exact).
+        ``conv_state`` and ``recurrent_state`` are every KDA layer's; this layer's are their ``row``
+        (written on the whole tensors: :func:`~model.cache.write_rows`)."""
         B = x.shape[0]
         n, d = self.num_heads, self.head_dim
         qkv = torch.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=1)  # [B, 3, P]
         g = self.gate(x)[:, None]                                        # [B, 1, n, d] fp32
         beta = torch.sigmoid(self.b_proj(x).float())[:, None]            # [B, 1, n]
         ones = torch.ones(B, dtype=torch.long, device=x.device)
-        xc = self._conv(qkv[:, None].transpose(1, 2), ones, conv_state, slots)  # [B, 3, 1, P]
+        xc = self._conv(qkv[:, None].transpose(1, 2), ones, conv_state, slots, row)  # [B, 3, 1, P]
         q, k, v = (xc[:, i].reshape(B, 1, n, d) for i in range(3))
         q = l2norm(q) * d**-0.5
         k = l2norm(k).float()  # as _attend's k · pad0 (fp32 ones)
-        o, S = recurrent_kda(q, k, v.float(), g, beta, recurrent_state[slots])
-        recurrent_state[slots] = S
+        o, S = recurrent_kda(q, k, v.float(), g, beta, recurrent_state[row][slots])
+        write_rows(recurrent_state, row, slots, S)
         return self._out(o.flatten(0, 1), x)
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

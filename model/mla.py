@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import AttnMeta
+from .cache import AttnMeta, write_rows
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding
 
@@ -89,18 +89,19 @@ class MLA(nn.Module):
                 o[g.tokens] = og
         return self._out(o, x)
 
-    def decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor,
-               slot_mapping: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor,
+    def decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, latent: torch.Tensor,
+               row: int, slot_mapping: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor,
                impl: str = "absorbed") -> torch.Tensor:
         """:meth:`forward` for a batch of B decodes (one query token each, the batch in order: the
-        one-group step :func:`~model.cache.build_attn_meta` builds) from plain tensors: ``kv_slots``
-        [B, L] and ``mask`` [B, 1, L] are that group's. The same ops on the same values as
+        one-group step :func:`~model.cache.build_attn_meta` builds) from plain tensors: this layer's
+        cache is ``latent[row]`` (the whole latent cache: written on it, :func:`~model.cache.write_rows`),
+        ``kv_slots`` [B, L] and ``mask`` [B, 1, L] are that group's. The same ops on the same values as
         :meth:`forward`, without the group bookkeeping, so the compiled decode step
         (model/compiled.py) can trace it."""
         attend = self._absorbed if impl == "absorbed" else self._naive
         q_nope, q_rope, entry = self.project(x, rope)
-        cache[slot_mapping] = entry.to(cache.dtype)
-        ctx = cache[kv_slots].to(x.dtype)  # [B, L, Lkv+R]
+        write_rows(latent, row, slot_mapping, entry)
+        ctx = latent[row][kv_slots].to(x.dtype)  # [B, L, Lkv+R]
         return self._out(attend(q_nope[:, None], q_rope[:, None], ctx, mask), x)
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

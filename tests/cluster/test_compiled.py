@@ -29,6 +29,12 @@ PRESETS = ("kimi-k2-tiny", "kimi-k3-tiny", "deepseek-v3-tiny")
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 # two layers (a dense one, a MoE one): each compiling actor compiles two segments
 K2_2L = (("num_hidden_layers", 2), ("first_k_dense_replace", 1))
+# K3 at four layers, every feature still there: KDA (dense, then MoE) and gated NoPE MLA layers, latent MoE,
+# two attention-residual blocks (the block starts at layer 0 and 3)
+K3_4L = (("num_hidden_layers", 4),
+         ("linear_attn_config", (("head_dim", 16), ("num_heads", 4), ("short_conv_kernel_size", 4),
+                                 ("gate_lower_bound", -5.0), ("use_full_rank_gate", True), ("kda_layers", (1, 3)),
+                                 ("full_attn_layers", (2, 4)))))
 SEEDED = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, top_p=0.95, seed=7)
 
 
@@ -44,8 +50,8 @@ def test_compiled_decode_gives_the_single_process_tokens(name):
     from cluster.inprocess import InProcessExecutor
     from model.config import load_config
 
-    # K2 and DeepSeek-V3 at two layers (a dense one, a MoE one: what a deeper model repeats), K3 whole
-    path = str(preset(name, seed=5, overrides=() if name == "kimi-k3-tiny" else K2_2L))
+    # each at a few layers: what a deeper model repeats
+    path = str(preset(name, seed=5, overrides=K3_4L if name == "kimi-k3-tiny" else K2_2L))
     prompts = single.prompts(5, lo=3, hi=40, seed=1)
     cfg = EngineConfig.of(model=path, compile="decode", **SMALL)
     spec = ClusterSpec(attention=1, experts=1)
@@ -101,7 +107,7 @@ def test_compiled_on_the_cluster_through_a_scale_change_and_a_killed_actor(ray_c
 
 
 def _runner(name: str, max_batch: int):
-    net = load_model(str(preset(name, seed=5, dtype="float32")), progress=False)
+    net = load_model(str(preset(name, seed=5, dtype="float32", overrides=K3_4L)), progress=False)
     runner = ModelRunner(net, num_blocks=32, block_size=16, num_slots=8)
     return net, runner, net.compile_decode(runner.cache, max_batch=max_batch)
 
