@@ -207,10 +207,12 @@ class CompiledDecode:
 
     # ---- warm-up -----------------------------------------------------------------------------
     @torch.no_grad()
-    def warm_up(self, context: int = 16) -> float:
+    def warm_up(self, context: int = 37) -> float:
         """Compile every segment for batch 1 and for a batch of 2 (the symbolic one), on dummy
         tokens written to cache slots no sequence holds yet (call it before serving); returns the
-        seconds it took. Afterwards a shape that needs another compile runs eager (:meth:`_run`)."""
+        seconds it took. Afterwards a shape that needs another compile runs eager (:meth:`_run`).
+        ``context`` is the dummy context length: a prime, because torch gives equal sizes one symbol
+        and a context equal to a model dimension (16 on K3-tiny) made batch 1's graph specialise it."""
         t0 = time.perf_counter()
         cache = self.cache
         device = next(self.model.parameters()).device

@@ -46,7 +46,7 @@ SMALL = dict(num_blocks=64, max_num_seqs=8, collective_timeout_s=5, step_timeout
 def test_compiled_decode_gives_the_single_process_tokens(name):
     """The engine (in-process executor) with compile: decode against the eager single process, greedy
     then seeded, in one engine: every decode step ran compiled (batches of 5 down to 1 as the
-    sequences end: both batch buckets), nothing fell back."""
+    sequences end: both batch buckets), nothing fell back."""  # (prefill steps run eager, uncounted)
     from cluster.inprocess import InProcessExecutor
     from model.config import load_config
 
@@ -57,9 +57,12 @@ def test_compiled_decode_gives_the_single_process_tokens(name):
     spec = ClusterSpec(attention=1, experts=1)
     with Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))) as eng:
         for params in (GREEDY, SEEDED):
-            got = [s.output_ids for s in eng.generate(prompts, params)]
-            assert got == single.alone(path, prompts, params), params
+            # lengths 20, 16, 12, 8, 4: the decode batch shrinks from 5 to the last sequence alone
+            plist = [dataclasses.replace(params, max_tokens=params.max_tokens - 4 * i) for i in range(len(prompts))]
+            got = [s.output_ids for s in eng.generate(prompts, plist)]
+            assert got == [single.alone(path, [p], sp)[0] for p, sp in zip(prompts, plist)], params
         counts = dict(eng.stats.compiled)
+    # every decode step compiled: 19 a run (the longest sequence's), the last 4 of them at batch 1
     assert counts.get("compiled", 0) >= 2 * (GREEDY.max_tokens - 1) and set(counts) == {"compiled"}, counts
 
 
