@@ -38,7 +38,7 @@ import torch
 
 from .cache import AttnMeta, ModelCache
 from .decoder import attn_res
-from .moe import COMBINE, Dispatch, MoE
+from .moe import COMBINE, Dispatch, MoE, run_stages
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +227,8 @@ class CompiledDecode:
                 mask=torch.ones(batch, 1, length, dtype=torch.bool, device=device),
                 state_slots=(torch.arange(batch, device=device) % n_state) if cache.kda is not None else None)
             ids = torch.zeros(batch, dtype=torch.long, device=device)
-            gen = self.stages(ids, d, cache)
-            value, pending = None, None
-            while True:  # the routed rows: zeros (the experts' values do not change the graphs)
-                try:
-                    req = gen.send(value)
-                except StopIteration:
-                    break
-                if isinstance(req, Dispatch):
-                    pending, value = torch.zeros_like(req.x), None
-                else:
-                    value = pending
+            # the routed rows: zeros (the experts' values do not change the graphs)
+            run_stages(self.stages(ids, d, cache), lambda req: torch.zeros_like(req.x), lambda rows: rows)
         self.steps = 0
         self.warm = True
         self.compile_s = time.perf_counter() - t0
