@@ -162,8 +162,9 @@ class DataPlaneConfig(_Checked):
     compile: Literal["off", "decode"] = knob(
         "off", "decode: every attention replica (worker) runs its decode steps compiled (torch.compile, inductor's C++ "
                "on CPU; model/compiled.py), compiling at start (tens of seconds on 2 CPU cores the first time, a few "
-               "once inductor's on-disk cache holds the graphs; a replacement actor compiles too). Prefill, drafts "
-               "and a batch above max_num_seqs run eager, counted (moeray_compile_fallbacks). The same tokens; "
+               "once inductor's on-disk cache holds the graphs; a replacement actor compiles too). Steps verifying "
+               "drafts run compiled too (each query token a row); prefill runs eager, and a hybrid model's drafts and "
+               "a batch above max_num_seqs rows run eager, counted (moeray_compile_fallbacks). The same tokens; "
                "logits within floating-point tolerance (docs/architecture.md, \"Compiled decode\"). off: eager.")
     backend: Literal["gloo", "nccl"] | None = knob(None, "The process groups' backend; None: nccl when actors "
                                                          "have GPUs, else gloo.", serve=False)
@@ -287,8 +288,10 @@ class SnapshotPlan:
 
 def compiled(config: EngineConfig) -> dict:
     """An attention replica's (a worker's) compile options: the compiled decode step's mode and its
-    largest batch (a replica never decodes more than max_num_seqs at once)."""
-    return {"compile": config.data_plane.compile, "max_batch": config.scheduler.max_num_seqs}
+    largest batch in rows (a replica never decodes more than max_num_seqs at once, each with at most
+    num_speculative_tokens drafts)."""
+    drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return {"compile": config.data_plane.compile, "max_batch": config.scheduler.max_num_seqs * (1 + drafts)}
 
 
 def snapshot_plan(config: EngineConfig, model_cfg) -> SnapshotPlan:

@@ -356,9 +356,14 @@ class _ScrapeCollector:
                                 labels=["model_name"])
         c.add_metric([name], compiled.get("compiled", 0))
         yield c
+        c = CounterMetricFamily(PREFIX + "compiled_verify_steps", "Those of the compiled decode forwards that "
+                                "verified speculative drafts (each query token a row).", labels=["model_name"])
+        c.add_metric([name], compiled.get("verify", 0))
+        yield c
         c = CounterMetricFamily(PREFIX + "compile_fallbacks", "Decode forwards the compiled step did not cover and "
-                                "that ran eager, by reason: batch (above max_num_seqs), recompile (a shape its "
-                                "warm-up did not compile), error.", labels=["model_name", "reason"])
+                                "that ran eager, by reason: batch (above max_num_seqs rows, drafts included), "
+                                "recompile (a shape its warm-up did not compile), error, drafts (a hybrid model "
+                                "verifying drafts: KDA runs them one at a time).", labels=["model_name", "reason"])
         for reason in FALLBACK_REASONS:
             c.add_metric([name, reason], compiled.get(reason, 0))
         yield c

@@ -1,7 +1,8 @@
 """The compiled decode step: a decode batch's compute between MoE exchanges, compiled (torch.compile).
 
-A decode step (every sequence one new token, no drafts: the one attention group
-:func:`~model.cache.build_attn_meta` builds) runs as **segments**, one per MoE layer and a tail: a
+A decode step (every sequence one new token: the one attention group
+:func:`~model.cache.build_attn_meta` builds; or a step verifying drafts, each query token a row of its
+own: :func:`decode_batch`) runs as **segments**, one per MoE layer and a tail: a
 segment takes the previous MoE block's combined routed rows, finishes that block (latent norm and up
 projection, the shared experts' output, the residual), runs every layer up to the next MoE block —
 attention (:meth:`MLA.decode <model.mla.MLA.decode>`, :meth:`KimiDeltaAttention.decode
@@ -13,12 +14,12 @@ same generator protocol as :meth:`CausalLM.stages <model.model.CausalLM.stages>`
 (the single process, an attention actor, a colocated worker, micro-batches) drives it unchanged.
 
 Each segment is compiled once with symbolic sizes (``dynamic=True``): the batch size and the
-context length are symbols, so one graph serves every decode batch from 2 to ``max_batch`` sequences
-and every context (torch specialises a size of 1, so batch 1 is a graph of its own: the two batch
+context length are symbols, so one graph serves every decode batch from 2 to ``max_batch`` rows
+(a step verifying drafts is such a batch too: its rows are its query tokens) and every context (torch specialises a size of 1, so batch 1 is a graph of its own: the two batch
 buckets are {1} and [2, max_batch]). :meth:`CompiledDecode.warm_up` compiles both at start, from the
 on-disk inductor cache after the first time. After it, a step the graphs do not cover (a batch above
-``max_batch``, a shape that would need another compile) runs eager, and is counted in
-:attr:`CompiledDecode.fallbacks` by reason: torch never compiles while serving.
+``max_batch``, a shape that would need another compile, a hybrid model's drafts) runs eager, and is
+counted in :attr:`CompiledDecode.fallbacks` by reason: torch never compiles while serving.
 
 What "identical" means: the compiled graph fuses the same operations (inductor's C++ on CPU) and may
 order a reduction differently, so its logits equal eager's within floating-point tolerance, not bit
@@ -43,7 +44,9 @@ from .moe import COMBINE, Dispatch, MoE, run_stages
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("eager", "decode")
-FALLBACK_REASONS = ("batch", "recompile", "error")
+FALLBACK_REASONS = ("batch", "recompile", "error", "drafts")
+# the tally's keys: decode forwards that ran compiled (those verifying drafts also counted apart), and each reason's
+TALLY = ("compiled", "verify", *FALLBACK_REASONS)
 
 
 def _own_code(fn: Callable, k: int) -> Callable:
@@ -65,21 +68,49 @@ def _input_guards(entries) -> list[bool]:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """A decode step's attention inputs as plain tensors (the one group of its :class:`AttnMeta`)."""
+    """A decode step's attention inputs as plain tensors, one row per query token."""
 
-    positions: torch.Tensor      # [B]
+    positions: torch.Tensor      # [B] (B rows: a sequence's token, or one of its drafts)
     slot_mapping: torch.Tensor   # [B] the cache slot each new token writes
-    kv_slots: torch.Tensor       # [B, L] the cache slots each sequence reads
+    kv_slots: torch.Tensor       # [B, L] the cache slots each row reads
     mask: torch.Tensor           # [B, 1, L]
     state_slots: torch.Tensor | None  # [B] KDA slots (hybrid models)
+    verify: bool = False         # the rows include drafts (a step verifying them, flattened)
 
 
-def decode_batch(meta: AttnMeta) -> DecodeBatch | None:
-    """``meta``'s tensors when it is a decode step (one query token per sequence, no drafts); else None."""
-    if len(meta.groups) != 1 or meta.verifying or any(q != 1 for q in meta.query_lens):
+def decode_batch(meta: AttnMeta, drafts: bool = True) -> DecodeBatch | None:
+    """``meta``'s tensors when it is a decode step (one query token per sequence); else None.
+
+    With ``drafts``, a step whose sequences decode one token or verify drafts (no prefill chunk in it)
+    is one too, flattened: each query token becomes a row of its own — its position, its slot, its
+    sequence's context slots and its own row of the causal mask (a draft sees the tokens before it).
+    A layer writes every row's latent before any row reads the cache (:meth:`MLA.decode
+    <model.mla.MLA.decode>`), so a draft row attends over the earlier drafts of its step as the
+    grouped verification does. Not for hybrid models (``state_slots``): KDA verifies drafts one at a
+    time, keeping the state after each (:class:`~model.kda.KDAStateCache`), which rows cannot."""
+    if not meta.verifying:
+        if len(meta.groups) != 1 or any(q != 1 for q in meta.query_lens):
+            return None
+        g = meta.groups[0]
+        return DecodeBatch(meta.positions, meta.slot_mapping, g.kv_slots, g.mask, meta.state_slots)
+    if not drafts or meta.state_slots is not None or not _drafts_only(meta):
         return None
-    g = meta.groups[0]
-    return DecodeBatch(meta.positions, meta.slot_mapping, g.kv_slots, g.mask, meta.state_slots)
+    T = meta.positions.shape[0]
+    device = meta.positions.device
+    L = max(g.kv_slots.shape[1] for g in meta.groups)
+    kv_slots = torch.zeros(T, L, dtype=torch.long, device=device)
+    mask = torch.zeros(T, 1, L, dtype=torch.bool, device=device)
+    for g in meta.groups:  # (a decode group and the verifying one: a loop over groups, not tokens)
+        Bg, Q, Lg = g.mask.shape
+        rows = g.tokens if g.tokens is not None else torch.arange(T, device=device)  # flat token of each query
+        kv_slots[rows, :Lg] = g.kv_slots[g.q_rows // Q]
+        mask[rows, 0, :Lg] = g.mask.reshape(Bg * Q, Lg)[g.q_rows]
+    return DecodeBatch(meta.positions, meta.slot_mapping, kv_slots, mask, None, verify=True)
+
+
+def _drafts_only(meta: AttnMeta) -> bool:
+    """``meta`` verifies drafts and every other sequence in it decodes one token (no prefill chunk)."""
+    return meta.verifying and all(q == 1 for g in meta.groups if not g.verify for q in g.query_lens)
 
 
 class CompiledDecode:
@@ -102,6 +133,7 @@ class CompiledDecode:
                           for k, f in enumerate(self._eager)]
         self.warm = False  # set by warm_up: from then on a shape that needs a compile runs eager
         self.steps = 0  # decode steps that ran compiled
+        self.verify_steps = 0  # those of them that verified drafts
         self.fallbacks: dict[str, int] = dict.fromkeys(FALLBACK_REASONS, 0)
         self.compile_s = 0.0
 
@@ -159,8 +191,8 @@ class CompiledDecode:
             return self._eager[k](*args)
 
     def tally(self) -> dict[str, int]:
-        """Decode steps so far: ``compiled``, and each fallback reason's."""
-        return {"compiled": self.steps, **self.fallbacks}
+        """Decode steps so far: ``compiled`` (``verify``: those that verified drafts), and each fallback reason's."""
+        return {"compiled": self.steps, "verify": self.verify_steps, **self.fallbacks}
 
     def since(self, before: dict[str, int]) -> tuple[tuple[str, int], ...]:
         """What :meth:`tally` added since ``before`` (the nonzero counts)."""
@@ -171,6 +203,8 @@ class CompiledDecode:
         """The step's tensors when this compiled step runs ``meta`` (a decode step no larger than
         ``max_batch``); None otherwise, counting a decode batch too large as a fallback."""
         d = decode_batch(meta)
+        if d is None and meta.state_slots is not None and _drafts_only(meta):
+            self.fallbacks["drafts"] += 1  # a hybrid model's drafts: KDA verifies them one at a time, eager
         if d is not None and d.positions.shape[0] > self.max_batch:
             self.fallbacks["batch"] += 1
             return None
@@ -201,6 +235,7 @@ class CompiledDecode:
             times.add("compiled", time.perf_counter() - t)
         if self._fallback is None:
             self.steps += 1
+            self.verify_steps += d.verify
         else:
             self.fallbacks[self._fallback] += 1
         return h
@@ -229,7 +264,7 @@ class CompiledDecode:
             ids = torch.zeros(batch, dtype=torch.long, device=device)
             # the routed rows: zeros (the experts' values do not change the graphs)
             run_stages(self.stages(ids, d, cache), lambda req: torch.zeros_like(req.x), lambda rows: rows)
-        self.steps = 0
+        self.steps = self.verify_steps = 0
         self.warm = True
         self.compile_s = time.perf_counter() - t0
         log.info("compiled decode: %d segments for batch 1 and 2..%d in %.1f s", len(self._compiled),

@@ -43,28 +43,73 @@ SMALL = dict(num_blocks=64, max_num_seqs=8, collective_timeout_s=5, step_timeout
              heartbeat_timeout_s=2.0)
 
 
+class Drafts:
+    """The scheduler's drafter in these tests: none while ``truth`` is empty (plain decode steps); then
+    the next tokens of the eager run (``truth``: a sequence id's whole token list), at every other
+    context length, with the last draft made wrong at every third proposal — so steps verify drafts
+    (some accepted, some rejected) beside sequences that decode one token."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.truth, self.made = vocab, {}, 0
+
+    def propose(self, seq_id, token_ids, k, salt=None):
+        full, n = self.truth.get(seq_id), len(token_ids)
+        if full is None or full[:n] != token_ids or n % 2:
+            return []
+        out = list(full[n: n + k])
+        self.made += 1
+        if out and self.made % 3 == 0:
+            out[-1] = (out[-1] + 1) % self.vocab
+        return out
+
+    def finished(self, seq_id, token_ids, num_prompt_tokens, salt=None):
+        pass
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_compiled_decode_gives_the_single_process_tokens(name):
     """The engine (in-process executor) with compile: decode against the eager single process, greedy
     then seeded, in one engine: every decode step ran compiled (batches of 5 down to 1 as the
-    sequences end: both batch buckets), nothing fell back."""  # (prefill steps run eager, uncounted)
+    sequences end: both batch buckets), nothing fell back. Then the same runs verifying drafts
+    (speculative decoding): K2 and DeepSeek-V3 verify them on the compiled step (each query token a
+    row; DeepSeek-V3's drafts from its MTP layer), K3 (hybrid) verifies them eager, counted — the same
+    tokens every time."""  # (prefill steps run eager, uncounted)
     from cluster.inprocess import InProcessExecutor
     from model.config import load_config
 
     # each at a few layers: what a deeper model repeats
     path = str(preset(name, seed=5, overrides=K3_4L if name == "kimi-k3-tiny" else K2_2L))
     prompts = single.prompts(5, lo=3, hi=40, seed=1)
-    cfg = EngineConfig.of(model=path, compile="decode", **SMALL)
+    mtp = name == "deepseek-v3-tiny"
+    cfg = EngineConfig.of(model=path, compile="decode", speculative={"method": "mtp" if mtp else "ngram"}, **SMALL)
     spec = ClusterSpec(attention=1, experts=1)
+    runs = [[dataclasses.replace(params, max_tokens=params.max_tokens - 4 * i) for i in range(len(prompts))]
+            for params in (GREEDY, SEEDED)]  # lengths 20, 16, 12, 8, 4: the batch shrinks from 5 to 1
+    expected = [[single.alone(path, [p], sp)[0] for p, sp in zip(prompts, plist)] for plist in runs]
     with Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))) as eng:
-        for params in (GREEDY, SEEDED):
-            # lengths 20, 16, 12, 8, 4: the decode batch shrinks from 5 to the last sequence alone
-            plist = [dataclasses.replace(params, max_tokens=params.max_tokens - 4 * i) for i in range(len(prompts))]
-            got = [s.output_ids for s in eng.generate(prompts, plist)]
-            assert got == [single.alone(path, [p], sp)[0] for p, sp in zip(prompts, plist)], params
-        counts = dict(eng.stats.compiled)
-    # every decode step compiled: 19 a run (the longest sequence's), the last 4 of them at batch 1
-    assert counts.get("compiled", 0) >= 2 * (GREEDY.max_tokens - 1) and set(counts) == {"compiled"}, counts
+        drafts = Drafts(load_config(path).vocab_size)
+        if not mtp:
+            eng.scheduler.drafts.drafter = drafts
+            truth = {}
+            for plist, want in zip(runs, expected):
+                seqs = eng.generate(prompts, plist)
+                assert [s.output_ids for s in seqs] == want, plist[0]
+                truth.update((s.seq_id, s.token_ids) for s in seqs)
+            plain = dict(eng.stats.compiled)
+            # every decode step compiled: 19 a run (the longest sequence's), the last 4 of them at batch 1
+            assert plain.get("compiled", 0) >= 2 * (GREEDY.max_tokens - 1) and set(plain) == {"compiled"}, plain
+            drafts.truth = {i + len(truth): t for i, t in truth.items()}  # the same runs again, under new ids
+        else:
+            plain = {}
+        for plist, want in zip(runs, expected):
+            assert [s.output_ids for s in eng.generate(prompts, plist)] == want, plist[0]
+        counts = {k: n - plain.get(k, 0) for k, n in eng.stats.compiled.items()}
+        stats = eng.stats
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens >= (0 if mtp else 1)  # rejected drafts, and accepted
+    if name == "kimi-k3-tiny":  # KDA verifies drafts one at a time: those steps run eager, counted
+        assert counts.get("drafts", 0) > 0 and counts.get("verify", 0) == 0 and set(counts) <= {"compiled", "drafts"}
+    else:
+        assert counts.get("verify", 0) > 0 and set(counts) == {"compiled", "verify"}, counts
 
 
 @pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
@@ -133,7 +178,7 @@ def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fal
     net, runner, compiled = _runner(name, max_batch=2)
     seqs = [Sequence(i, list(range(3 + i, 20 + 2 * i)), 17 + i, SamplingParams()) for i in range(3)]
     runner.forward(seqs, [s.num_uncached for s in seqs])  # prefill: eager (not a decode step)
-    assert compiled.tally() == {"compiled": 0, "batch": 0, "recompile": 0, "error": 0}
+    assert compiled.tally() == {"compiled": 0, "verify": 0, "batch": 0, "recompile": 0, "error": 0, "drafts": 0}
     for s in seqs:
         s.token_ids.append(7)
     ids, meta = _decode_inputs(runner, seqs[:2])
@@ -164,3 +209,13 @@ def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fal
         h = run_stages(compiled.stages(ids, odd, runner.cache))  # each block's routed rows by its own experts
     assert compiled.tally()["recompile"] >= 1 and compiled.tally()["compiled"] == 1
     assert h.shape == (2, net.cfg.hidden_size) and torch.isfinite(h).all()
+
+
+def test_the_compiled_steps_rows_make_room_for_drafts():
+    """A replica's compiled step covers max_num_seqs sequences each carrying its drafts (a verifying
+    step's rows), not max_num_seqs rows."""
+    from cluster.config import compiled
+
+    assert compiled(EngineConfig.of("m", max_num_seqs=8))["max_batch"] == 8
+    assert compiled(EngineConfig.of("m", max_num_seqs=8, speculative={"method": "ngram", "num_speculative_tokens": 3}))[
+        "max_batch"] == 32
