@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.layers import SituGLU, silu_glu
-from model.moe import FEW_ROWS, _expert_pairs, _grouped_pair
+from model.moe import FEW_ROWS, RoutedExperts, _expert_pairs, _grouped_pair, weighted_sum
 
 
 def _grouped(xs, ends, w13, w2, act):
@@ -31,3 +31,38 @@ def test_the_per_expert_pairs_give_the_grouped_gemms_bits(dtype, act):
             assert torch.equal(_expert_pairs(xs, ends.tolist(), w13, w2, act), want), (n, rows)
             assert torch.equal(_grouped_pair(xs, ends, w13, w2, act), want), (n, rows)  # whichever path it takes
     assert FEW_ROWS >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", [silu_glu, SituGLU(3.0, 10.0)], ids=["silu", "situ"])
+def test_a_decode_steps_few_pairs_give_the_grouped_gemms_bits(dtype, act):
+    """RoutedExperts' few-pairs path (a decode step's: pairs sorted on the host) against torch's
+    grouped GEMMs over every held expert: the same bits — for forward (top-k pairs, some of them
+    held elsewhere, two tokens on one expert) and for grouped (an expert actor's or worker's rows)."""
+    g = torch.Generator().manual_seed(1)
+    for n, inter, hidden, k in ((32, 64, 256, 4), (64, 128, 512, 8)):
+        held = torch.randperm(n, generator=g)[: 3 * n // 4].tolist()  # local slot i holds expert held[i]
+        m = RoutedExperts(hidden, inter, held, act)
+        with torch.no_grad():
+            m.w13.copy_(torch.randn(m.w13.shape, generator=g))
+            m.w2.copy_(torch.randn(m.w2.shape, generator=g))
+        m = m.to(dtype)
+        slot = {e: i for i, e in enumerate(held)}
+        for T in range(1, len(held) // (k * FEW_ROWS) + 1):  # every T the few-pairs path serves
+            idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(T)])
+            if T > 1:
+                idx[1, 0] = idx[0, 1]  # two tokens on one expert: its GEMM over both rows
+            x = torch.randn(T, hidden, generator=g).to(dtype)
+            w = torch.rand(T, k, generator=g)
+            pairs = sorted((slot[e], p) for p, e in enumerate(idx.reshape(-1).tolist()) if e in slot)
+            slots = torch.tensor([s for s, _ in pairs])
+            ends = torch.cumsum(torch.bincount(slots, minlength=len(held)), 0)
+            ys = _grouped(x[torch.tensor([p // k for _, p in pairs])], ends, m.w13.detach(), m.w2.detach(), act)
+            rows = torch.zeros(T * k, hidden, dtype=dtype)
+            rows[torch.tensor([p for _, p in pairs])] = ys
+            with torch.no_grad():
+                assert torch.equal(m(x, idx, w), weighted_sum(rows.view(T, k, hidden), w).to(dtype)), (n, T)
+                # grouped: the same pairs' rows, unsorted, through their slots
+                perm = torch.randperm(len(pairs), generator=g)
+                xin = x[torch.tensor([p // k for _, p in pairs])][perm]
+                assert torch.equal(m.grouped(xin, slots[perm]), ys[perm]), (n, T)
