@@ -311,9 +311,10 @@ class RoutedExperts(nn.Module):
 def _few(experts: nn.Module, x: torch.Tensor, rows: int) -> bool:
     """``rows`` rows of ``x`` take :meth:`RoutedExperts._expert_rows`: few for the experts held (a
     decode step's), dense weights (a quantised module borrows :meth:`RoutedExperts.forward` and keeps
-    its own GEMMs), on CPU."""
+    its own GEMMs), on CPU, in inference (its cached weight views carry no gradient)."""
     w13 = experts._parameters.get("w13")
-    return w13 is not None and rows * FEW_ROWS <= len(experts.expert_ids) and _grouped_gemm(x, w13)
+    return (w13 is not None and rows * FEW_ROWS <= len(experts.expert_ids) and _grouped_gemm(x, w13)
+            and not (w13.requires_grad and torch.is_grad_enabled()))
 
 
 def weighted_sum(rows: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:

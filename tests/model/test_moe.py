@@ -66,3 +66,14 @@ def test_a_decode_steps_few_pairs_give_the_grouped_gemms_bits(dtype, act):
                 perm = torch.randperm(len(pairs), generator=g)
                 xin = x[torch.tensor([p // k for _, p in pairs])][perm]
                 assert torch.equal(m.grouped(xin, slots[perm]), ys[perm]), (n, T)
+
+
+def test_the_few_pairs_path_leaves_training_its_gradients():
+    """With gradients on (training), few pairs take the differentiable path: the weights get gradients."""
+    m = RoutedExperts(64, 32, range(32), silu_glu)
+    with torch.no_grad():
+        m.w13.normal_()
+        m.w2.normal_()
+    x = torch.randn(1, 64, requires_grad=True)
+    m(x, torch.tensor([[3, 7, 11, 30]]), torch.rand(1, 4)).sum().backward()
+    assert m.w13.grad is not None and m.w13.grad[[3, 7, 11, 30]].abs().sum() > 0 and x.grad.abs().sum() > 0
