@@ -126,7 +126,7 @@ def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new
                 with Engine(cfg, LAYOUTS[layout](ClusterSpec)) as eng:
                     eng.generate(prompts(2, prompt_len), SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
                     for n in streams:
-                        runs = []
+                        runs, c0 = [], dict(eng.stats.compiled)
                         for _ in range(reps):
                             p0, s0, t0 = dict(eng.stats.profile), eng.stats.steps, time.perf_counter()
                             seqs = eng.generate(prompts(n, prompt_len), SamplingParams(max_tokens=new, ignore_eos=True))
@@ -142,6 +142,9 @@ def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new
                         row[key] = {k: statistics.median(r[0].get(k, 0.0) for r in runs) for k in runs[0][0]}
                         row[f"{key}_step_ms"] = statistics.median(r[1] for r in runs)
                         row[f"{key}_tokens_per_s"] = statistics.median(r[2] for r in runs)
+                        # the replicas' decode forwards: compiled, or eager by reason (compile: decode)
+                        row[f"{key}_compiled"] = {k: v - c0.get(k, 0) for k, v in eng.stats.compiled.items()
+                                                  if v > c0.get(k, 0)}
         finally:
             ray.shutdown()
     return out
@@ -190,6 +193,8 @@ def main() -> None:
         p = results[lay][n]["profile"]
         covered = 1 - abs(p.get("unaccounted", 0.0)) / p["step"] if p.get("step") else 0.0
         print(f"{lay} {n}: the categories cover {100 * covered:.1f} % of the step")
+        if results[lay][n].get("profile_compiled"):
+            print(f"{lay} {n}: decode forwards (compiled, or eager by reason): {results[lay][n]['profile_compiled']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"gemm_flops": gemm, "copy_bytes_per_s": bw,
                                                "results": {lay: {str(n): r for n, r in v.items()} for lay, v in results.items()},

@@ -227,8 +227,11 @@ class CompiledDecode:
                 times.add("compiled", time.perf_counter() - t)
             yield Dispatch(moe, x_r, idx, w)
             first = yield COMBINE
-            if first._base is not None:  # a view (of an exchange's buffer): torch would guard on its base
-                first = first.clone()
+            if first._base is not None or first.stride() != (first.shape[1], 1):
+                # a view (of an exchange's buffer: torch would guard on its base) or rows with other
+                # strides (the colocated combine's one-row copy of a [T, k, H] slot: a graph guards
+                # on strides, and every batch-1 step fell back) → plain rows
+                first = first.clone(memory_format=torch.contiguous_format)
         t = time.perf_counter()
         h = self._run(len(self.moes), first, shared, residual, blocks, rope, tensors, latent, conv, recurrent)
         if times is not None:

@@ -202,12 +202,22 @@ def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fal
     with torch.no_grad():
         net(ids3, meta3, runner.cache)
     assert compiled.tally()["batch"] == 1 and compiled.tally()["compiled"] == 1
+    # combined rows with other strides (the colocated combine's copy of slot 0 of [T, k, H] rows): still compiled
+    def strided(req):
+        rows = torch.zeros(req.x.shape[0], 4, req.x.shape[1])
+        rows[:, 0] = req.local()
+        return rows[:, 0].clone()  # (clone keeps the strides: [T, H] at stride k·H)
+
+    one = decode_batch(_decode_inputs(runner, seqs[:1])[1])
+    with torch.no_grad():
+        run_stages(compiled.stages(ids[:1], one, runner.cache), lambda req: req, strided)
+    assert compiled.tally()["compiled"] == 2 and compiled.tally()["recompile"] == 0
     # a decode batch whose inputs need a graph the warm-up did not compile: eager, counted, the same values
     d = decode_batch(meta)
     odd = DecodeBatch(d.positions, d.slot_mapping.to(torch.int32), d.kv_slots, d.mask, d.state_slots)
     with torch.no_grad():
         h = run_stages(compiled.stages(ids, odd, runner.cache))  # each block's routed rows by its own experts
-    assert compiled.tally()["recompile"] >= 1 and compiled.tally()["compiled"] == 1
+    assert compiled.tally()["recompile"] >= 1 and compiled.tally()["compiled"] == 2
     assert h.shape == (2, net.cfg.hidden_size) and torch.isfinite(h).all()
 
 
