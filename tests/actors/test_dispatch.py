@@ -120,7 +120,10 @@ def _run(rank, world, port, A, configs, mode, transport, q):
     sockets ("socket") or gloo's own ops ("group")."""
     key = None
     try:
-        info = GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=2 if mode != "ok" else 60, transport=transport)
+        # a failure mode's waits are short (2 s); its rendezvous is not: spawned under load, a rank can
+        # start seconds after the other (a 2 s join failed in CI with the store not yet up)
+        info = GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=2 if mode != "ok" else 60, transport=transport,
+                         join_timeout_s=60)
         join_group(info, rank, world, num_attention=A)
         assert (current_mesh() is not None) == (transport != "group")
         if transport != "group":  # shm: one node here, so every link shared memory; socket: none
