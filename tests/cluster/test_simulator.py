@@ -221,9 +221,11 @@ def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     assert made.returncode == 0, made.stderr
     table = json.loads(prof.read_text())
     assert table["steps"] >= 8 and table["cores"] >= 1 and table["overhead_s"] > 0
-    assert table["attention"]["per_token_s"] > 0 and table["experts"]["per_row_s"] >= 0
+    assert table["attention"]["base_s"] > 0 and table["experts"]["per_row_s"] >= 0
     cost = CpuCost(table)
-    assert cost.attention_s([(1, 40)] * 16) > cost.attention_s([(1, 40)])  # more work costs more
+    # more work costs more: a batch's growth lands in per_token_s or per_pair_s (its tokens and context
+    # pairs grow together, so a noisy run may give either term all of it: per_token_s was 0.0 once in CI)
+    assert cost.attention_s([(1, 40)] * 16) > cost.attention_s([(1, 40)])
     # fitted from a 2 × 2 engine and 2 colocated workers, after the 1 × 1 fits
     assert {"per_process_s", "per_process_token_s"} <= set(table["exchange"])
     assert set(table["colocated"]) == {"base_s", "per_token_s"}
