@@ -15,8 +15,9 @@ same generator protocol as :meth:`CausalLM.stages <model.model.CausalLM.stages>`
 
 Each segment is compiled once with symbolic sizes (``dynamic=True``): the batch size and the
 context length are symbols, so one graph serves every decode batch from 2 to ``max_batch`` rows
-(a step verifying drafts is such a batch too: its rows are its query tokens) and every context (torch specialises a size of 1, so batch 1 is a graph of its own: the two batch
-buckets are {1} and [2, max_batch]). :meth:`CompiledDecode.warm_up` compiles both at start, from the
+(a step verifying drafts is such a batch too: its rows are its query tokens) and every context
+(torch specialises a size of 1, so batch 1 is a graph of its own: the two batch buckets are {1} and
+[2, max_batch]). :meth:`CompiledDecode.warm_up` compiles both at start, from the
 on-disk inductor cache after the first time. After it, a step the graphs do not cover (a batch above
 ``max_batch``, a shape that would need another compile, a hybrid model's drafts) runs eager, and is
 counted in :attr:`CompiledDecode.fallbacks` by reason: torch never compiles while serving.
@@ -78,10 +79,10 @@ class DecodeBatch:
     verify: bool = False         # the rows include drafts (a step verifying them, flattened)
 
 
-def decode_batch(meta: AttnMeta, drafts: bool = True) -> DecodeBatch | None:
+def decode_batch(meta: AttnMeta) -> DecodeBatch | None:
     """``meta``'s tensors when it is a decode step (one query token per sequence); else None.
 
-    With ``drafts``, a step whose sequences decode one token or verify drafts (no prefill chunk in it)
+    A step whose sequences decode one token or verify drafts (no prefill chunk in it)
     is one too, flattened: each query token becomes a row of its own — its position, its slot, its
     sequence's context slots and its own row of the causal mask (a draft sees the tokens before it).
     A layer writes every row's latent before any row reads the cache (:meth:`MLA.decode
@@ -93,7 +94,7 @@ def decode_batch(meta: AttnMeta, drafts: bool = True) -> DecodeBatch | None:
             return None
         g = meta.groups[0]
         return DecodeBatch(meta.positions, meta.slot_mapping, g.kv_slots, g.mask, meta.state_slots)
-    if not drafts or meta.state_slots is not None or not _drafts_only(meta):
+    if meta.state_slots is not None or not _drafts_only(meta):
         return None
     T = meta.positions.shape[0]
     device = meta.positions.device
