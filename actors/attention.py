@@ -68,7 +68,7 @@ class AttentionWorker(ServesSteps):
         self.cache = self.model.make_cache(num_blocks, block_size, num_slots, self.dtype, self.device,
                                            num_snapshots=num_snapshots if self.cfg.kda_layers else 0)
         if compile == "decode":
-            s = self.model.compile_decode(self.cache, impl, max_batch=max_batch).compile_s
+            s = self.model.compile_decode(self.cache, impl, max_batch=max_batch, whole=False).compile_s
             log.info("%s: decode step compiled in %.1f s", self.name, s)
         elif compile != "off":
             raise ValueError(f"compile must be 'off' or 'decode', got {compile!r}")

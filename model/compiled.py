@@ -40,14 +40,15 @@ import torch
 
 from .cache import AttnMeta, ModelCache
 from .decoder import attn_res
-from .moe import COMBINE, Dispatch, MoE, run_stages
+from .moe import COMBINE, Dispatch, MoE, RoutedExperts, run_stages, weighted_terms
 
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("eager", "decode")
 FALLBACK_REASONS = ("batch", "recompile", "error", "drafts")
-# the tally's keys: decode forwards that ran compiled (those verifying drafts also counted apart), and each reason's
-TALLY = ("compiled", "verify", *FALLBACK_REASONS)
+# the tally's keys: decode forwards that ran compiled (those verifying drafts, and those that ran as the whole-step
+# graph, also counted apart), and each fallback reason's
+TALLY = ("compiled", "verify", "whole", *FALLBACK_REASONS)
 
 
 def _own_code(fn: Callable, k: int) -> Callable:
@@ -65,6 +66,28 @@ def _input_guards(entries) -> list[bool]:
     return [e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
             or (e.guard_type == "TENSOR_MATCH" and not isinstance(e.value, torch.nn.Parameter))
             for e in entries]
+
+
+def routed_rows(experts: RoutedExperts, x: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Each token's row through each of its k experts, unweighted: ``x`` [T, H], ``topk_idx`` [T, k]
+    (the local slots: every expert held, in order) → [T, k, H]. Written for the compiler: the gather of
+    a pair's expert weights fuses into its two reductions (one pass over the weights a pair touches, as
+    a GEMV reads them; no copy of them, no sort, no loop over experts), for a decode step's few pairs."""
+    T, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)  # [T·k, H]: pair p = token · k + slot
+    inter = experts.w2.shape[-1]
+    h = (experts.w13[flat] * xs[:, None, :]).sum(-1)  # [T·k, 2I]: gate columns, then up
+    a = experts.act(h[:, :inter], h[:, inter:])
+    return (experts.w2[flat] * a[:, None, :]).sum(-1).view(T, k, -1)
+
+
+def _in_graph(moe: MoE, n_routed: int) -> bool:
+    """``moe`` routes its own tokens to dense weights holding every routed expert in order: its routed
+    experts can run inside a whole-step graph (:func:`routed_rows`)."""
+    e = moe.experts
+    return (moe.routed is None and isinstance(e, RoutedExperts) and e.expert_ids == tuple(range(n_routed))
+            and e.w13.dtype.is_floating_point and e.w13.dtype.itemsize >= 2)
 
 
 @dataclass(frozen=True)
@@ -119,7 +142,8 @@ class CompiledDecode:
     over ``cache``, compiled per segment (see the module's docstring). :meth:`stages` runs a decode
     step; :meth:`warm_up` compiles; :attr:`fallbacks` counts the decode steps that ran eager."""
 
-    def __init__(self, model, cache: ModelCache, impl: str = "absorbed", *, max_batch: int = 256):
+    def __init__(self, model, cache: ModelCache, impl: str = "absorbed", *, max_batch: int = 256,
+                 whole: bool | None = None):
         if max_batch < 1:
             raise ValueError(f"compile max_batch must be >= 1, got {max_batch}")
         self.model, self.cache, self.impl, self.max_batch = model, cache, impl, max_batch
@@ -129,24 +153,36 @@ class CompiledDecode:
         starts = [0] + [c + 1 for c in cuts]
         ends = cuts + [len(layers) - 1]
         self._eager = [self._segment(k, layers[s : e + 1]) for k, (s, e) in enumerate(zip(starts, ends))]
+        able = all(_in_graph(m, model.cfg.n_routed_experts) for m in self.moes)
+        if whole and not able:
+            raise ValueError("a whole-step graph needs every routed expert here, dense (not quantised), "
+                             "and no routed function set: compile the segments (whole=False)")
+        # the whole step as one graph, routed experts included (a model that routes its own tokens: the
+        # single process, CausalLM.forward); a step of more pairs than experts still takes the segments
+        self.whole = able if whole is None else whole
+        if self.whole:
+            self._eager.append(self._segment(len(self._eager), layers, whole=True))
         self._compiled = [torch.compile(_own_code(f, k), dynamic=True, fullgraph=True,
                                         options={"guard_filter_fn": _input_guards})
                           for k, f in enumerate(self._eager)]
         self.warm = False  # set by warm_up: from then on a shape that needs a compile runs eager
         self.steps = 0  # decode steps that ran compiled
         self.verify_steps = 0  # those of them that verified drafts
+        self.whole_steps = 0  # those of them that ran as the whole-step graph
         self.fallbacks: dict[str, int] = dict.fromkeys(FALLBACK_REASONS, 0)
         self.compile_s = 0.0
 
     # ---- the segments ------------------------------------------------------------------------
-    def _segment(self, k: int, layers: list) -> Callable:
+    def _segment(self, k: int, layers: list, whole: bool = False) -> Callable:
         """Segment ``k``'s function of plain tensors: (k == 0: the token ids, else the previous MoE
         block's combined rows, shared output and residual), K3's block list, the rope, the batch's
         tensors and the cache tensors → (residual, routed rows, topk_idx, topk_w, shared output,
-        blocks, rope) at a MoE block, or the final-normed hidden states at the end."""
+        blocks, rope) at a MoE block, or the final-normed hidden states at the end. ``whole``: every
+        layer from the token ids to the final norm, each MoE block's routed experts in the graph
+        (:func:`routed_rows`)."""
         model, impl = self.model, self.impl
         backbone, rotary = model.model, model.rotary
-        prev = self.moes[k - 1] if k > 0 else None
+        prev = self.moes[k - 1] if 0 < k <= len(self.moes) and not whole else None
         cache = self.cache
         mla_rows = {l.index: cache.mla_index[l.index] for l in layers if not l.is_kda}
         kda_rows = {l.index: cache.kda_index[l.index] for l in layers if l.is_kda}
@@ -170,7 +206,11 @@ class CompiledDecode:
                 residual, x = layer.pre_ffn(h, blocks, attention(layer, rope, d, latent, conv, recurrent))
                 if isinstance(layer.ffn, MoE):
                     x_r, idx, w = layer.ffn.route(x)
-                    return residual, x_r, idx, w, layer.ffn.shared(x), blocks, rope
+                    if not whole:
+                        return residual, x_r, idx, w, layer.ffn.shared(x), blocks, rope
+                    y = weighted_terms(routed_rows(layer.ffn.experts, x_r, idx), w).to(x_r.dtype)
+                    h = residual + layer.ffn.finish(y, layer.ffn.shared(x))
+                    continue
                 h = residual + layer.ffn(x)
             if model.cfg.attn_res_block_size:
                 h = attn_res(blocks + [h], backbone.output_attn_res_norm, backbone.output_attn_res_proj)
@@ -192,8 +232,9 @@ class CompiledDecode:
             return self._eager[k](*args)
 
     def tally(self) -> dict[str, int]:
-        """Decode steps so far: ``compiled`` (``verify``: those that verified drafts), and each fallback reason's."""
-        return {"compiled": self.steps, "verify": self.verify_steps, **self.fallbacks}
+        """Decode steps so far: ``compiled`` (of them ``verify``: those that verified drafts; ``whole``: those
+        that ran as one graph), and each fallback reason's."""
+        return {"compiled": self.steps, "verify": self.verify_steps, "whole": self.whole_steps, **self.fallbacks}
 
     def since(self, before: dict[str, int]) -> tuple[tuple[str, int], ...]:
         """What :meth:`tally` added since ``before`` (the nonzero counts)."""
@@ -237,26 +278,61 @@ class CompiledDecode:
         h = self._run(len(self.moes), first, shared, residual, blocks, rope, tensors, latent, conv, recurrent)
         if times is not None:
             times.add("compiled", time.perf_counter() - t)
+        self._count(d)
+        return h
+
+    def takes_whole(self, d: DecodeBatch) -> bool:
+        """The whole-step graph runs ``d``: there is one, and its pairs (rows × top-k) are no more than the
+        experts (each pair reads its expert's weights; more pairs than experts read them more than once,
+        where the segments' grouped GEMMs read each expert once)."""
+        cfg = self.model.cfg
+        return self.whole and d.positions.shape[0] * cfg.num_experts_per_tok <= cfg.n_routed_experts
+
+    def forward(self, ids: torch.Tensor, d: DecodeBatch, cache: ModelCache) -> torch.Tensor:
+        """The decode step of ``ids`` [B] as one graph (:meth:`takes_whole`), the routed experts in it;
+        returns the final-normed hidden states."""
+        latent = cache.latent.data if cache.latent is not None else None
+        conv, recurrent = (cache.kda.conv, cache.kda.recurrent) if cache.kda is not None else (None, None)
+        tensors = (d.positions, d.slot_mapping, d.kv_slots, d.mask, d.state_slots)
+        self._fallback = None
+        t = time.perf_counter()
+        h = self._run(len(self._eager) - 1, ids, None, None, [], None, tensors, latent, conv, recurrent)
+        if cache.times is not None:
+            cache.times.add("compiled", time.perf_counter() - t)
+        self._count(d, whole=True)
+        return h
+
+    def _count(self, d: DecodeBatch, whole: bool = False) -> None:
         if self._fallback is None:
             self.steps += 1
             self.verify_steps += d.verify
+            self.whole_steps += whole
         else:
             self.fallbacks[self._fallback] += 1
-        return h
 
     # ---- warm-up -----------------------------------------------------------------------------
     @torch.no_grad()
     def warm_up(self, context: int = 37) -> float:
-        """Compile every segment for batch 1 and for a batch of 2 (the symbolic one), on dummy
-        tokens written to cache slots no sequence holds yet (call it before serving); returns the
-        seconds it took. Afterwards a shape that needs another compile runs eager (:meth:`_run`).
-        ``context`` is the dummy context length: a prime, because torch gives equal sizes one symbol
-        and a context equal to a model dimension (16 on K3-tiny) made batch 1's graph specialise it."""
+        """Compile the graphs for batch 1 and for a batch of 2 (the symbolic one) — the segments, and the
+        whole step where there is one, each for the batches it takes — on dummy tokens written to cache
+        slots no sequence holds yet (call it before serving); returns the seconds it took. Afterwards a
+        shape that needs another compile runs eager (:meth:`_run`). Torch's duck sizing (equal sizes
+        share one symbol) is off while compiling: with it a batch of 2 beside a model of 2 MLA layers
+        made a graph for batches of exactly as many rows as layers. ``context`` is the dummy context
+        length (a prime: the same lesson, learned first with duck sizing on)."""
+        import torch.fx.experimental._config as fx_config
+
+        with fx_config.patch(use_duck_shape=False):
+            return self._warm_up(context)
+
+    def _warm_up(self, context: int) -> float:
         t0 = time.perf_counter()
         cache = self.cache
         device = next(self.model.parameters()).device
         slots = cache.latent.data.shape[1] if cache.latent is not None else context + 2
         n_state = cache.kda.num_slots if cache.kda is not None else 1
+        cfg = self.model.cfg
+        whole_max = cfg.n_routed_experts // cfg.num_experts_per_tok if self.whole else 0  # (takes_whole)
         for batch, length in ((1, context), (2, context), (2, context + 1)):
             length = max(2, min(length, slots))
             d = DecodeBatch(
@@ -266,11 +342,14 @@ class CompiledDecode:
                 mask=torch.ones(batch, 1, length, dtype=torch.bool, device=device),
                 state_slots=(torch.arange(batch, device=device) % n_state) if cache.kda is not None else None)
             ids = torch.zeros(batch, dtype=torch.long, device=device)
-            # the routed rows: zeros (the experts' values do not change the graphs)
-            run_stages(self.stages(ids, d, cache), lambda req: torch.zeros_like(req.x), lambda rows: rows)
-        self.steps = self.verify_steps = 0
+            if batch <= whole_max:
+                self.forward(ids, d, cache)
+            if not self.whole or (batch > 1 and self.max_batch > whole_max):  # a batch the segments take
+                # the routed rows: zeros (the experts' values do not change the graphs)
+                run_stages(self.stages(ids, d, cache), lambda req: torch.zeros_like(req.x), lambda rows: rows)
+        self.steps = self.verify_steps = self.whole_steps = 0
         self.warm = True
         self.compile_s = time.perf_counter() - t0
-        log.info("compiled decode: %d segments for batch 1 and 2..%d in %.1f s", len(self._compiled),
-                 self.max_batch, self.compile_s)
+        log.info("compiled decode: %d segments%s for batch 1 and 2..%d in %.1f s", len(self.moes) + 1,
+                 " and the whole step" if self.whole else "", self.max_batch, self.compile_s)
         return self.compile_s

@@ -56,10 +56,12 @@ class CausalLM(nn.Module):
         self.compiled = None  # its compiled decode step (model/compiled.py: compile_decode), when asked for
 
     def compile_decode(self, cache: ModelCache, impl: str = "absorbed", *, max_batch: int = 256,
-                       warm_up: bool = True) -> CompiledDecode:
+                       warm_up: bool = True, whole: bool | None = None) -> CompiledDecode:
         """Run this model's decode steps over ``cache`` compiled (:class:`~model.compiled.CompiledDecode`),
-        compiling now unless ``warm_up`` is False; returns the compiled step."""
-        self.compiled = CompiledDecode(self, cache, impl, max_batch=max_batch)
+        compiling now unless ``warm_up`` is False; returns the compiled step. ``whole``: also one graph
+        for the whole step, routed experts in it, which :meth:`forward` runs (None: where this model
+        holds every routed expert, dense; False for a model whose tokens an exchange routes)."""
+        self.compiled = CompiledDecode(self, cache, impl, max_batch=max_batch, whole=whole)
         if warm_up:
             self.compiled.warm_up()
         return self.compiled
@@ -80,17 +82,26 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache,
                 impl: str = "absorbed") -> torch.Tensor:
-        """input_ids [T] → final-normed hidden states [T, H]."""
+        """input_ids [T] → final-normed hidden states [T, H], the routed experts this model's own."""
+        c = self.compiled
+        if c is not None and c.whole and impl == c.impl:
+            d = c.covers(meta)
+            if d is not None and c.takes_whole(d):  # one graph, the routed experts in it (model/compiled.py)
+                return c.forward(input_ids, d, cache)
+            return run_stages(self._stages(input_ids, meta, cache, impl, d))
         return run_stages(self.stages(input_ids, meta, cache, impl))
 
     def stages(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache, impl: str = "absorbed"):
         """:meth:`forward` as a generator that yields at every MoE block's exchange
         (:class:`~model.moe.Dispatch`, then ``COMBINE``): the caller routes the tokens, and may run
         other micro-batches meanwhile. Returns the final-normed hidden states."""
-        if self.compiled is not None and impl == self.compiled.impl:
-            d = self.compiled.covers(meta)
-            if d is not None:  # a decode step: the compiled segments (model/compiled.py)
-                return (yield from self.compiled.stages(input_ids, d, cache))
+        compiled = self.compiled is not None and impl == self.compiled.impl
+        return (yield from self._stages(input_ids, meta, cache, impl, self.compiled.covers(meta) if compiled else None))
+
+    def _stages(self, input_ids: torch.Tensor, meta: AttnMeta, cache: ModelCache, impl: str, d):
+        """:meth:`stages`, ``d`` the compiled step's tensors when it covers ``meta`` (else None: eager)."""
+        if d is not None:  # a decode step: the compiled segments (model/compiled.py)
+            return (yield from self.compiled.stages(input_ids, d, cache))
         t = time.perf_counter()
         h = self.model.embed_tokens(input_ids)
         rope = None if self.rotary is None else self.rotary.cos_sin(meta.positions)

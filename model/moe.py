@@ -330,17 +330,22 @@ def weighted_sum(rows: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
     T, k, H = rows.shape
     if k == 0:
         return rows.new_zeros(T, H)
-    w = topk_w.to(rows.device, torch.float32)[..., None]  # [T, k, 1]
     if rows.numel() <= SMALL_SUM:  # the k products in one op (fewer ops: decode's batches)
-        terms = rows.float() * w  # [T, k, H], each product rounded once, as below
-        acc = terms[:, 0]  # [T, H] fp32
-        for j in range(1, k):
-            acc = acc + terms[:, j]
-    else:  # a product at a time: [T, H] fp32 temporaries, not [T, k, H] (prefill's batches)
-        acc = rows[:, 0].float() * w[:, 0]
-        for j in range(1, k):
-            acc = acc + rows[:, j].float() * w[:, j]
+        return weighted_terms(rows, topk_w).to(rows.dtype)
+    w = topk_w.to(rows.device, torch.float32)[..., None]  # [T, k, 1]
+    acc = rows[:, 0].float() * w[:, 0]  # a product at a time: [T, H] fp32 temporaries (prefill's batches)
+    for j in range(1, k):
+        acc = acc + rows[:, j].float() * w[:, j]
     return acc.to(rows.dtype)
+
+
+def weighted_terms(rows: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    """:func:`weighted_sum` in fp32 (not cast back), the k products formed at once: [T, k, H], [T, k] → [T, H]."""
+    terms = rows.float() * topk_w.to(rows.device, torch.float32)[..., None]  # each product rounded once
+    acc = terms[:, 0]
+    for j in range(1, rows.shape[1]):
+        acc = acc + terms[:, j]
+    return acc
 
 
 SMALL_SUM = 1 << 18  # rows' elements up to which weighted_sum forms all k products at once (same bits either way)

@@ -9,6 +9,7 @@ within floating-point tolerance; a decode batch the graphs do not cover runs eag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import pytest
@@ -19,10 +20,10 @@ from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.spec import ClusterSpec
 from model.cache import build_attn_meta
-from model.compiled import DecodeBatch, decode_batch
+from model.compiled import FALLBACK_REASONS, DecodeBatch, decode_batch
 from model.loader import load_model
 from model.moe import run_stages
-from model.runner import ModelRunner, Sequence
+from model.runner import ModelRunner, Sequence, generate
 from model.sampling import SamplingParams
 from tests.presets import preset
 
@@ -66,6 +67,38 @@ class Drafts:
         pass
 
 
+@functools.cache
+def _eager_runs(name: str):
+    """``name``'s checkpoint (a few layers: what a deeper model repeats), five prompts, their greedy and
+    seeded params (lengths 20, 16, 12, 8, 4: a batch of them shrinks from 5 to 1), and each prompt's
+    tokens from the eager single process alone."""
+    path = str(preset(name, seed=5, overrides=K3_4L if name == "kimi-k3-tiny" else K2_2L))
+    prompts = single.prompts(5, lo=3, hi=40, seed=1)
+    runs = [[dataclasses.replace(params, max_tokens=params.max_tokens - 4 * i) for i in range(len(prompts))]
+            for params in (GREEDY, SEEDED)]
+    expected = [[single.alone(path, [p], sp)[0] for p, sp in zip(prompts, plist)] for plist in runs]
+    return path, prompts, runs, expected
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_single_process_whole_step_graph_gives_the_eager_tokens(name):
+    """The single process compiled (model.compile_decode: the routed experts in the graph, one graph a
+    step) generating the five prompts at once, greedy then seeded: the eager tokens. Its decode batches
+    of up to 4 sequences (16 pairs for 16 experts) ran as the whole-step graph, the batch of 5 (20 pairs)
+    as the segments — both compiled, nothing fell back."""
+    path, prompts, runs, expected = _eager_runs(name)
+    net = load_model(path, progress=False)
+    runner = ModelRunner(net, num_blocks=64, block_size=16, num_slots=8)
+    compiled = net.compile_decode(runner.cache, max_batch=8)
+    assert compiled.whole
+    for plist, want in zip(runs, expected):
+        assert [s.output_ids for s in generate(runner, prompts, plist)] == want, plist[0]
+    tally = compiled.tally()
+    # a run's decode steps: 19 (the longest sequence's); the first 3 at batch 5 (segments), then batches 4..1
+    assert tally["compiled"] == 2 * (GREEDY.max_tokens - 1) and tally["whole"] == 2 * (GREEDY.max_tokens - 4), tally
+    assert sum(tally[r] for r in FALLBACK_REASONS) == 0, tally
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_compiled_decode_gives_the_single_process_tokens(name):
     """The engine (in-process executor) with compile: decode against the eager single process, greedy
@@ -77,15 +110,10 @@ def test_compiled_decode_gives_the_single_process_tokens(name):
     from cluster.inprocess import InProcessExecutor
     from model.config import load_config
 
-    # each at a few layers: what a deeper model repeats
-    path = str(preset(name, seed=5, overrides=K3_4L if name == "kimi-k3-tiny" else K2_2L))
-    prompts = single.prompts(5, lo=3, hi=40, seed=1)
+    path, prompts, runs, expected = _eager_runs(name)
     mtp = name == "deepseek-v3-tiny"
     cfg = EngineConfig.of(model=path, compile="decode", speculative={"method": "mtp" if mtp else "ngram"}, **SMALL)
     spec = ClusterSpec(attention=1, experts=1)
-    runs = [[dataclasses.replace(params, max_tokens=params.max_tokens - 4 * i) for i in range(len(prompts))]
-            for params in (GREEDY, SEEDED)]  # lengths 20, 16, 12, 8, 4: the batch shrinks from 5 to 1
-    expected = [[single.alone(path, [p], sp)[0] for p, sp in zip(prompts, plist)] for plist in runs]
     with Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))) as eng:
         drafts = Drafts(load_config(path).vocab_size)
         if not mtp:
@@ -156,10 +184,10 @@ def test_compiled_on_the_cluster_through_a_scale_change_and_a_killed_actor(ray_c
         eng.shutdown()
 
 
-def _runner(name: str, max_batch: int):
+def _runner(name: str, max_batch: int, whole: bool):
     net = load_model(str(preset(name, seed=5, dtype="float32", overrides=K3_4L)), progress=False)
     runner = ModelRunner(net, num_blocks=32, block_size=16, num_slots=8)
-    return net, runner, net.compile_decode(runner.cache, max_batch=max_batch)
+    return net, runner, net.compile_decode(runner.cache, max_batch=max_batch, whole=whole)
 
 
 def _decode_inputs(runner: ModelRunner, seqs: list[Sequence]):
@@ -170,15 +198,18 @@ def _decode_inputs(runner: ModelRunner, seqs: list[Sequence]):
     return torch.tensor([s.token_ids[-1] for s in seqs]), meta
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["segments", "whole"])
 @pytest.mark.parametrize("name", ["kimi-k3-tiny"])  # (MLA and KDA layers, attention residuals, latent MoE)
-def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fall_back_counted(name):
-    """One decode step run compiled and, on a copy of the cache, eager: the logits agree within fp32
-    tolerance (not bit for bit: inductor fuses and may reorder a reduction). A batch above
-    ``max_batch`` and inputs the warm-up never compiled (int32 slots) run eager, counted by reason."""
-    net, runner, compiled = _runner(name, max_batch=2)
+def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fall_back_counted(name, whole):
+    """One decode step run compiled (as segments, the routed experts outside, as the actors run it; or
+    as the single process's whole-step graph, the routed experts in it) and, on a copy of the cache,
+    eager: the logits agree within fp32 tolerance (not bit for bit: inductor fuses and may reorder a
+    reduction). A batch above ``max_batch`` and inputs the warm-up never compiled (int32 slots) run
+    eager, counted by reason."""
+    net, runner, compiled = _runner(name, max_batch=2, whole=whole)
     seqs = [Sequence(i, list(range(3 + i, 20 + 2 * i)), 17 + i, SamplingParams()) for i in range(3)]
     runner.forward(seqs, [s.num_uncached for s in seqs])  # prefill: eager (not a decode step)
-    assert compiled.tally() == {"compiled": 0, "verify": 0, "batch": 0, "recompile": 0, "error": 0, "drafts": 0}
+    assert compiled.tally() == dict.fromkeys(("compiled", "verify", "whole", *FALLBACK_REASONS), 0)
     for s in seqs:
         s.token_ids.append(7)
     ids, meta = _decode_inputs(runner, seqs[:2])
@@ -186,7 +217,7 @@ def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fal
              None if runner.cache.kda is None else (runner.cache.kda.conv.clone(), runner.cache.kda.recurrent.clone()))
     with torch.no_grad():
         got = net.logits(net(ids, meta, runner.cache))
-        assert compiled.tally()["compiled"] == 1
+        assert compiled.tally()["compiled"] == 1 and compiled.tally()["whole"] == whole
         runner.cache.latent.data.copy_(saved[0])
         if saved[1] is not None:
             runner.cache.kda.conv.copy_(saved[1][0])
@@ -202,6 +233,14 @@ def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fal
     with torch.no_grad():
         net(ids3, meta3, runner.cache)
     assert compiled.tally()["batch"] == 1 and compiled.tally()["compiled"] == 1
+    d = decode_batch(meta)
+    odd = DecodeBatch(d.positions, d.slot_mapping.to(torch.int32), d.kv_slots, d.mask, d.state_slots)
+    if whole:  # inputs the warm-up did not compile the whole step for: eager, counted, the same values
+        with torch.no_grad():
+            h = compiled.forward(ids, odd, runner.cache)
+        assert compiled.tally()["recompile"] == 1 and compiled.tally()["compiled"] == 1
+        assert h.shape == (2, net.cfg.hidden_size) and torch.isfinite(h).all()
+        return
     # combined rows with other strides (the colocated combine's copy of slot 0 of [T, k, H] rows): still compiled
     def strided(req):
         rows = torch.zeros(req.x.shape[0], 4, req.x.shape[1])
@@ -213,8 +252,6 @@ def test_a_compiled_step_equals_eager_within_tolerance_and_uncovered_batches_fal
         run_stages(compiled.stages(ids[:1], one, runner.cache), lambda req: req, strided)
     assert compiled.tally()["compiled"] == 2 and compiled.tally()["recompile"] == 0
     # a decode batch whose inputs need a graph the warm-up did not compile: eager, counted, the same values
-    d = decode_batch(meta)
-    odd = DecodeBatch(d.positions, d.slot_mapping.to(torch.int32), d.kv_slots, d.mask, d.state_slots)
     with torch.no_grad():
         h = run_stages(compiled.stages(ids, odd, runner.cache))  # each block's routed rows by its own experts
     assert compiled.tally()["recompile"] >= 1 and compiled.tally()["compiled"] == 2
