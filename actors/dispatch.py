@@ -169,6 +169,8 @@ def _serve_dense(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor
     Returns (rows [R, H] back, in batch order — each sender's a contiguous run; rows per token [N];
     the local slot of every pair run [P])."""
     N, k = actor.shape
+    if N * k <= FEW_PAIRS and x.device.type == "cpu" and device.type == "cpu":
+        return _serve_dense_few(experts, x, w, actor.tolist(), local.tolist(), me, k)
     mine = actor == me  # [N, k]
     pairs = mine.reshape(-1).nonzero().squeeze(1)  # [P] this actor's pairs, in batch order
     if pairs.numel() == N * k:  # every pair here (one actor): each token's sum goes back, one row
@@ -184,6 +186,35 @@ def _serve_dense(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor
         y[at[:, 0]] = weighted_sum(y[at], w[summed])  # slot 0's row carries the token's sum
     back = mine & returned  # [N, k]
     return y[back.reshape(-1)[pairs]], back.sum(1), served
+
+
+FEW_PAIRS = 64  # a dense step of up to this many pairs keeps its bookkeeping on the host (_serve_dense_few)
+
+
+def _serve_dense_few(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor: list[list[int]],
+                     local: list[list[int]], me: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_serve_dense` for a decode step's few pairs on CPU, the same bits: the same expert call over
+    the same rows and the same :func:`weighted_sum` for the tokens summed here, with the pairs'
+    bookkeeping (which are here, which tokens come back summed, which rows go back) done on the host
+    from ``actor`` and ``local`` as lists — ~15 small tensor ops a MoE layer fewer. A loop over the
+    step's few pairs on the host (at most :data:`FEW_PAIRS`), not a tensor loop."""
+    N = len(actor)
+    pairs = [(t, j) for t in range(N) for j in range(k) if actor[t][j] == me]  # batch order
+    served_t = torch.tensor([local[t][j] for t, j in pairs], dtype=torch.long)
+    y = experts.grouped(x[[t for t, _ in pairs]].to(experts.device), served_t.to(experts.device)).to(x.device)  # [P, H]
+    if len(pairs) == N * k:  # every pair here (one actor): each token's sum goes back, one row
+        return weighted_sum(y.view(N, k, x.shape[1]), w), torch.ones(N, dtype=torch.long), served_t
+    whole = [all(a == row[0] for a in row) for row in actor]  # tokens whose k pairs one actor runs
+    summed = [t for t in range(N) if whole[t] and actor[t][0] == me]  # ... this one
+    if summed:
+        first = {t: i for i, (t, j) in reversed(list(enumerate(pairs)))}  # a token's first row in y
+        at = torch.tensor([[first[t] + j for j in range(k)] for t in summed])  # [n, k]
+        y[at[:, 0]] = weighted_sum(y[at], w[summed])  # slot 0's row carries the token's sum
+    keep = [i for i, (t, j) in enumerate(pairs) if j == 0 or not whole[t]]  # the rows that go back
+    per_token = [0] * N
+    for i in keep:
+        per_token[pairs[i][0]] += 1
+    return y[keep], torch.tensor(per_token, dtype=torch.long), served_t
 
 
 def _per_sender(per_token: torch.Tensor, tokens) -> list[int]:
