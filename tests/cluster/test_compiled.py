@@ -20,6 +20,7 @@ from cluster.config import EngineConfig
 from cluster.engine import Engine
 from cluster.spec import ClusterSpec
 from model.cache import build_attn_meta
+from model.config import load_config
 from model.compiled import FALLBACK_REASONS, DecodeBatch, decode_batch
 from model.loader import load_model
 from model.moe import run_stages
@@ -108,7 +109,6 @@ def test_compiled_decode_gives_the_single_process_tokens(name):
     row; DeepSeek-V3's drafts from its MTP layer), K3 (hybrid) verifies them eager, counted — the same
     tokens every time."""  # (prefill steps run eager, uncounted)
     from cluster.inprocess import InProcessExecutor
-    from model.config import load_config
 
     path, prompts, runs, expected = _eager_runs(name)
     mtp = name == "deepseek-v3-tiny"
@@ -142,17 +142,22 @@ def test_compiled_decode_gives_the_single_process_tokens(name):
 
 @pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
 def test_compiled_on_the_cluster_through_a_scale_change_and_a_killed_actor(ray_cluster, layout):
-    """Both layouts with compile: decode, streams (greedy and seeded at once) through a scale change
-    (colocated: a third worker, which compiles at its start; disaggregated: a third expert actor — the
-    attention replica's graphs do not depend on where the experts are) and then a killed attention
-    replica / worker (its replacement compiles at its start): the single process's tokens."""
+    """Both layouts with compile: decode, streams (greedy and seeded at once, verifying drafts) through
+    a scale change (colocated: a third worker, which compiles at its start; disaggregated: a third
+    expert actor — the attention replica's graphs do not depend on where the experts are) and then a
+    killed attention replica / worker (its replacement compiles at its start): the single process's
+    tokens. The drafts (the oracle drafter: accepted and rejected ones beside plain decodes) are
+    verified on the compiled step; the streams end at different lengths, so the last one decodes
+    alone (a batch of one row, or of one row and its drafts)."""
     path = str(preset("kimi-k2-tiny", seed=6, dtype="float32", overrides=K2_2L))
     prompts = single.prompts(4, lo=5, hi=40, seed=2)
-    params = [dataclasses.replace(GREEDY, max_tokens=40), dataclasses.replace(SEEDED, max_tokens=40)] * 2
+    params = [dataclasses.replace(sp, max_tokens=40 - 4 * i) for i, sp in enumerate([GREEDY, SEEDED] * 2)]
     expected = [single.alone(path, [p], sp)[0] for p, sp in zip(prompts, params)]
     colocated = layout == "colocated"
     spec = ClusterSpec.of_workers(2) if colocated else ClusterSpec(attention=1, experts=2)
-    eng = Engine(EngineConfig.of(path, compile="decode", **SMALL), spec).start()
+    eng = Engine(EngineConfig.of(path, compile="decode", speculative={"method": "ngram"}, **SMALL), spec).start()
+    drafts = Drafts(load_config(path).vocab_size)
+    eng.scheduler.drafts.drafter = drafts
     events = []
 
     def at(turn: int) -> None:
@@ -169,6 +174,7 @@ def test_compiled_on_the_cluster_through_a_scale_change_and_a_killed_actor(ray_c
 
     try:
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        drafts.truth = {i: p + want for i, p, want in zip(ids, prompts, expected)}
         turn, deadline = 0, time.monotonic() + 300
         while eng.busy:
             assert time.monotonic() < deadline, "no end"
@@ -179,7 +185,9 @@ def test_compiled_on_the_cluster_through_a_scale_change_and_a_killed_actor(ray_c
         assert len(events) == 2, "the kill never came: the scale change did not commit mid-stream"
         assert got == expected
         assert [c.kind for c in eng.epochs.changes][-2:] == ["workers" if colocated else "experts", "recovery"]
-        assert eng.stats.compiled.get("compiled", 0) > 0 and set(eng.stats.compiled) == {"compiled"}
+        counts = eng.stats.compiled
+        assert counts.get("verify", 0) > 0 and set(counts) == {"compiled", "verify"}, counts
+        assert eng.stats.spec_draft_tokens > eng.stats.spec_accepted_tokens >= 1
     finally:
         eng.shutdown()
 
