@@ -36,7 +36,8 @@ import torch
 
 from model.moe import RoutedExperts
 
-from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _serve_dense, _sum_pairs, _view
+from .dense import serve_dense
+from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _sum_pairs, _view
 from .messages import PlacementTable
 
 
@@ -156,7 +157,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
             actor, local = self.routing.assign(p.layer, flat)
         actor = actor.view(N, k)
         t = time.perf_counter()
-        y, per_token, served = _serve_dense(self.experts[p.layer], x, w, actor, local.view(N, k), r, self.device)
+        y, per_token, served = serve_dense(self.experts[p.layer], x, w, actor, local.view(N, k), r, self.device)
         self.expert_s += time.perf_counter() - t
         served = torch.bincount(served, minlength=self.table.max_local)
         self.rows_served[self.table.layer_index(p.layer)] += served.cpu()

@@ -239,11 +239,11 @@ def test_local_dispatch_equals_the_single_process_bit_for_bit(dtype):
 
 @pytest.mark.parametrize("dtype", exact.DTYPES)
 def test_the_dense_formats_few_pairs_path_equals_its_tensor_path_bit_for_bit(dtype, monkeypatch):
-    """An expert actor's side of the dense format (actors/dispatch.py: _serve_dense) at a decode step's
+    """An expert actor's side of the dense format (actors/dense.py: serve_dense) at a decode step's
     few pairs does its bookkeeping on the host (_serve_dense_few): the same rows back, bit for bit, the
     same rows per token and the same slots served as the tensor path, for tokens whose pairs are all
     here (summed here), some here, none here, and a step whose every pair is here."""
-    import actors.dispatch as dispatch
+    import actors.dense as dense
 
     g = torch.Generator().manual_seed(5)
     experts = RoutedExperts(H, I, range(64), silu_glu).to(dtype)
@@ -259,9 +259,9 @@ def test_the_dense_formats_few_pairs_path_equals_its_tensor_path_bit_for_bit(dty
             actor[1] = actors - 1  # one summed elsewhere (or here, with one actor)
         local = torch.randint(0, 64, (N, 4), generator=g)
         with torch.no_grad():
-            few = dispatch._serve_dense(experts, x, w, actor, local, 0, x.device)
-            monkeypatch.setattr(dispatch, "FEW_PAIRS", -1)  # the tensor path
-            want = dispatch._serve_dense(experts, x, w, actor, local, 0, x.device)
+            few = dense.serve_dense(experts, x, w, actor, local, 0, x.device)
+            monkeypatch.setattr(dense, "FEW_PAIRS", -1)  # the tensor path
+            want = dense.serve_dense(experts, x, w, actor, local, 0, x.device)
             monkeypatch.undo()
         for a, b in zip(few, want):
             assert a.dtype == b.dtype and torch.equal(a, b), (N, actors)

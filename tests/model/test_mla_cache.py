@@ -159,3 +159,30 @@ def test_group_rule():
         assert sorted(b for g in groups for b in g) == list(range(len(qls)))
         for g in groups:
             assert len(g) * max(qls[b] for b in g) <= MAX_QUERY_PAD * sum(qls[b] for b in g)
+
+
+def test_a_decode_steps_meta_from_its_fast_path_equals_the_general_one():
+    """build_attn_meta builds a decode step's tensors (every sequence one token, no drafts) on a short
+    path (_decode_meta): every field equal to the general path's, over random batches (ragged block
+    tables, contexts ending anywhere in a block, KDA slots or none)."""
+    from model.cache import _decode_meta, _meta
+
+    g = torch.Generator().manual_seed(11)
+    for trial in range(200):
+        B, bs = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g)) * 4
+        ctx = torch.randint(1, 70, (B,), generator=g).tolist()
+        tables = [torch.randperm(64, generator=g)[: -(-c // bs) + int(torch.randint(0, 2, (1,), generator=g))].tolist()
+                  for c in ctx]
+        states = list(range(B)) if trial % 2 else None
+        fast = _decode_meta(ctx, tables, bs, "cpu", states)
+        want = _meta([1] * B, ctx, tables, bs, "cpu", states, None)
+        assert build_attn_meta([1] * B, ctx, tables, bs, state_slots=states).context_lens == ctx
+        for f in ("positions", "slot_mapping", "state_slots"):
+            a, b = getattr(fast, f), getattr(want, f)
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), (trial, f)
+        assert (fast.query_lens, fast.context_lens, len(fast.groups)) == (want.query_lens, want.context_lens, 1)
+        (fg,), (wg,) = fast.groups, want.groups
+        for f in ("q_index", "q_valid", "kv_slots", "mask", "q_rows"):
+            a, b = getattr(fg, f), getattr(wg, f)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (trial, f)
+        assert (fg.seqs, fg.tokens, fg.query_lens, fg.verify) == (wg.seqs, wg.tokens, wg.query_lens, wg.verify)
