@@ -90,6 +90,13 @@ def _in_graph(moe: MoE, n_routed: int) -> bool:
             and e.w13.dtype.is_floating_point and e.w13.dtype.itemsize >= 2)
 
 
+def _graph_inputs(d: "DecodeBatch", cache: ModelCache) -> tuple:
+    """What every graph reads besides its own arguments: the batch's tensors, the cache's tensors."""
+    latent = cache.latent.data if cache.latent is not None else None
+    conv, recurrent = (cache.kda.conv, cache.kda.recurrent) if cache.kda is not None else (None, None)
+    return (d.positions, d.slot_mapping, d.kv_slots, d.mask, d.state_slots), latent, conv, recurrent
+
+
 @dataclass(frozen=True)
 class DecodeBatch:
     """A decode step's attention inputs as plain tensors, one row per query token."""
@@ -182,7 +189,7 @@ class CompiledDecode:
         (:func:`routed_rows`)."""
         model, impl = self.model, self.impl
         backbone, rotary = model.model, model.rotary
-        prev = self.moes[k - 1] if 0 < k <= len(self.moes) and not whole else None
+        prev = self.moes[k - 1] if k > 0 and not whole else None
         cache = self.cache
         mla_rows = {l.index: cache.mla_index[l.index] for l in layers if not l.is_kda}
         kda_rows = {l.index: cache.kda_index[l.index] for l in layers if l.is_kda}
@@ -255,9 +262,7 @@ class CompiledDecode:
     def stages(self, ids: torch.Tensor, d: DecodeBatch, cache: ModelCache):
         """The decode step of ``ids`` [B] as :meth:`CausalLM.stages` runs it (same protocol: yields a
         :class:`Dispatch` and then ``COMBINE`` per MoE block); returns the final-normed hidden states."""
-        latent = cache.latent.data if cache.latent is not None else None
-        conv, recurrent = (cache.kda.conv, cache.kda.recurrent) if cache.kda is not None else (None, None)
-        tensors = (d.positions, d.slot_mapping, d.kv_slots, d.mask, d.state_slots)
+        tensors, latent, conv, recurrent = _graph_inputs(d, cache)
         times = cache.times
         self._fallback = None
         first, shared, residual, blocks, rope = ids, None, None, [], None
@@ -285,15 +290,18 @@ class CompiledDecode:
         """The whole-step graph runs ``d``: there is one, and its pairs (rows × top-k) are no more than the
         experts (each pair reads its expert's weights; more pairs than experts read them more than once,
         where the segments' grouped GEMMs read each expert once)."""
+        return d.positions.shape[0] <= self.whole_max
+
+    @property
+    def whole_max(self) -> int:
+        """The largest batch the whole-step graph takes (0: there is none)."""
         cfg = self.model.cfg
-        return self.whole and d.positions.shape[0] * cfg.num_experts_per_tok <= cfg.n_routed_experts
+        return cfg.n_routed_experts // cfg.num_experts_per_tok if self.whole else 0
 
     def forward(self, ids: torch.Tensor, d: DecodeBatch, cache: ModelCache) -> torch.Tensor:
         """The decode step of ``ids`` [B] as one graph (:meth:`takes_whole`), the routed experts in it;
         returns the final-normed hidden states."""
-        latent = cache.latent.data if cache.latent is not None else None
-        conv, recurrent = (cache.kda.conv, cache.kda.recurrent) if cache.kda is not None else (None, None)
-        tensors = (d.positions, d.slot_mapping, d.kv_slots, d.mask, d.state_slots)
+        tensors, latent, conv, recurrent = _graph_inputs(d, cache)
         self._fallback = None
         t = time.perf_counter()
         h = self._run(len(self._eager) - 1, ids, None, None, [], None, tensors, latent, conv, recurrent)
@@ -331,8 +339,7 @@ class CompiledDecode:
         device = next(self.model.parameters()).device
         slots = cache.latent.data.shape[1] if cache.latent is not None else context + 2
         n_state = cache.kda.num_slots if cache.kda is not None else 1
-        cfg = self.model.cfg
-        whole_max = cfg.n_routed_experts // cfg.num_experts_per_tok if self.whole else 0  # (takes_whole)
+        whole_max = self.whole_max
         for batch, length in ((1, context), (2, context), (2, context + 1)):
             length = max(2, min(length, slots))
             d = DecodeBatch(
