@@ -43,6 +43,7 @@ actor, the step, the layer and the phase.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -54,7 +55,7 @@ from model.moe import RoutedExperts, weighted_sum
 
 from .dense import dense_returns, serve_dense
 
-from .group import current_mesh
+from .group import collective_timeout, current_mesh
 from .messages import PlacementTable
 
 
@@ -219,6 +220,9 @@ class _Collectives:
         mesh = current_mesh() if self.p2p and group is None else None
         self.send, self.recv = ((mesh.send, mesh.recv) if mesh is not None else
                                 (partial(dist.isend, group=group), partial(dist.irecv, group=group)))
+        # gloo's own sends and receives wait their context's join timeout unless told: the group's
+        # collective timeout, so that a stuck peer fails the step as on the sockets
+        self.p2p_timeout = collective_timeout() if self.p2p and mesh is None else None
 
     def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int,
             phase: str, async_op: bool = False):
@@ -230,7 +234,7 @@ class _Collectives:
         try:
             if not self.p2p:
                 return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=async_op)
-            works = _P2P([], [], (out, inp))
+            works = _P2P([], [], (out, inp), self.p2p_timeout)
             for tensor, splits, op, into in ((inp, in_splits, self.send, works.sends),
                                              (out, out_splits, self.recv, works.recvs)):
                 start = 0
@@ -284,10 +288,11 @@ class _P2P:
     sends: list
     recvs: list
     keep: tuple  # the tensors they read or write, alive until they finish
+    timeout: timedelta | None = None  # gloo's own ops: the group's collective timeout
 
     def wait(self) -> None:
         for work in self.recvs + self.sends:
-            work.wait()
+            work.wait() if self.timeout is None else work.wait(self.timeout)
         self.sends, self.recvs = [], []
 
 

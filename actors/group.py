@@ -36,6 +36,7 @@ def open_store(ip: str) -> dist.TCPStore:
 # doorbell costs more than the socket's own at one token, and the bytes moved equal at 19 MB)
 TRANSPORTS = ("auto", "socket", "shm", "group")
 _mesh: SocketMesh | None = None  # the current epoch's exchange links (gloo groups, transports auto and socket)
+_collective: timedelta | None = None  # the current group's collective timeout
 
 
 def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore | None = None, *,
@@ -46,12 +47,13 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     (:mod:`actors.wire`) between its ``num_attention`` attention ranks and the expert actors after them
     (``colocated``: between every two workers), keyed by the group's token; with ``shm`` the links
     between two processes on one node then move to shared memory (:mod:`actors.shm`)."""
-    global _mesh
+    global _mesh, _collective
     if info.transport not in TRANSPORTS:
         raise ValueError(f"exchange transport must be one of {', '.join(TRANSPORTS)}, got {info.transport!r}")
     # the rendezvous waits the join timeout for every member; the group's collectives and exchange
     # sockets then wait the collective timeout
     joining, collective = timedelta(seconds=info.rendezvous_timeout_s), timedelta(seconds=info.timeout_s)
+    _collective = collective
     if store is None:
         store = dist.TCPStore(info.address, info.port, world_size, is_master=rank == 0, timeout=joining)
     else:
@@ -80,6 +82,13 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
 def current_mesh() -> SocketMesh | None:
     """The exchange sockets of the group this process is in (None: the group's own ops)."""
     return _mesh
+
+
+def collective_timeout() -> timedelta | None:
+    """The collective timeout of the group this process joined last (None: none joined). gloo's own
+    point-to-point ops keep the join timeout their context was made with (``_set_pg_timeout`` reaches
+    the collectives only): their waits pass this one."""
+    return _collective
 
 
 def link_kinds() -> dict[str, int]:
