@@ -6,7 +6,6 @@ layer and two micro-batches posted before collected (two-batch overlap), a worke
 the group's direct sockets (every worker connected to every other). A step without every worker's
 token counts is refused."""
 
-import multiprocessing as mp
 import queue
 import socket
 import traceback
@@ -18,6 +17,7 @@ from actors.colocated import ColocatedExchange
 from actors.framing import TOKEN_BYTES
 from actors.group import current_mesh, join_group
 from actors.messages import GroupInfo, PlacementTable
+from tests.actors.procs import context as mp_context
 from tests.actors.exact import DTYPES, FORMATS, E, H, K, Tally, experts, single
 
 pytestmark = pytest.mark.operator
@@ -110,7 +110,7 @@ def _refusal(rank, W, port, q):
 
 
 def _spawn(W, target, answers):
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

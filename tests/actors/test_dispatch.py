@@ -3,7 +3,6 @@ the single process bit for bit (1, 2 and 4 expert actors, both formats, bf16 and
 collective whose peer is gone or stuck raises a clear error instead of hanging: over the group's
 direct sockets (actors/wire.py, the default transport) and over gloo's own sends."""
 
-import multiprocessing as mp
 import queue
 import socket
 import time
@@ -21,6 +20,7 @@ from actors.router import balanced_layer
 from model.layers import silu_glu
 from model.moe import RoutedExperts
 from tests.actors import exact
+from tests.actors.procs import context as mp_context
 
 H, I, E, K = 16, 8, 10, 3
 TOKEN = b"e" * TOKEN_BYTES  # the epoch's token, the same in every process
@@ -154,7 +154,7 @@ def _run(rank, world, port, A, configs, mode, transport, q):
 def _spawn(world, A, configs, mode, wait_for, transport="auto") -> dict:
     """Answers per config key; waits for `wait_for` answers in all, or until none came for 90 s (a
     crashed rank leaves its peers to their collective timeout: the tests then name what is missing)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_run, args=(r, world, port, A, configs, mode, transport, q), daemon=True)
@@ -381,7 +381,7 @@ def test_the_exchange_equals_the_single_process_bit_for_bit(X):
     """Each expert actor count, placement, format and dtype: every attention rank's routed rows are the
     single process's bit for bit, so they do not change with the number of expert actors, the format
     or a replicated placement."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_exact, args=(r, X, port, q), daemon=True) for r in range(EXACT_A + X)]

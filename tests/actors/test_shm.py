@@ -4,7 +4,6 @@ no segment name left behind, and a peer process killed or stopped. Everything th
 share runs over both in tests/actors/test_wire.py."""
 
 import glob
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -21,6 +20,7 @@ from actors.dispatch import _P2P
 from actors.framing import TOKEN_BYTES
 from actors.shm import ShmStream, upgrade
 from actors.wire import SocketMesh
+from tests.actors.procs import context as mp_context
 
 TOKEN = b"s" * TOKEN_BYTES
 
@@ -102,7 +102,7 @@ def test_no_segment_name_outlives_the_handshake_and_a_dead_creators_is_swept():
     (a, e), upgraded = _meshes()
     _close(a, e)
     assert upgraded == [1, 1] and not _mine()
-    child = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    child = mp_context().Process(target=time.sleep, args=(0,))
     child.start()
     child.join()  # a pid that no process has now
     stale = os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{child.pid}-deadbeef")
@@ -142,7 +142,7 @@ def _expert(port: int, q, exchange: bool) -> None:
 def _with_expert(timeout_s: float, exchange: bool = False):
     """(this process's attention mesh, the expert process, a queue of its answers), their link in
     shared memory."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     proc = ctx.Process(target=_expert, args=(master.port, q, exchange), daemon=True)
