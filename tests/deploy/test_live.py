@@ -60,7 +60,7 @@ import openai
 import pytest
 import ray
 from live import (ADMIN, CONSTRAINED, KEY, Stream, chat_reference, close_after, deploy, deploy_config, finish, metrics,
-                  moeray, oracle_soon, run_cli, serve_config, series, start_streams)
+                  moeray, oracle, oracle_soon, run_cli, serve_config, series, start_streams)
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.util.placement_group import placement_group_table
@@ -85,6 +85,9 @@ SHAPE = "2 attention × 2 expert actors"  # both apps', between tests
 # fast as without; 800, then 1200, ran out before the last change once actors ran at niceness 0); they are
 # closed just past the last change and compared as far as they went
 K2_TOKENS = 1600
+# the single process's answers to them, computed beside the app's start: as far as the streams usually go
+# (~350 tokens when they are closed); a run whose streams went further computes more (_long_answers)
+K2_ORACLE_TOKENS = 500
 K3_TOKENS = 250
 FAULT_TOKENS = 120  # the faults-during-changes streams
 ENGINE_TOKENS = 40  # the healed app's output after its engine replica was killed
@@ -299,7 +302,7 @@ def k2(serve_port, tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
     path = preset("kimi-k2-tiny", seed=8)
     # (the single process's answers computed while the app starts: mostly other processes starting)
-    oracles = {"long": oracle_soon(path, _prompts(8), K2_TOKENS), "faults": oracle_soon(path, FAULT_PROMPTS, FAULT_TOKENS),
+    oracles = {"long": oracle_soon(path, _prompts(8), K2_ORACLE_TOKENS), "faults": oracle_soon(path, FAULT_PROMPTS, FAULT_TOKENS),
                "engine": oracle_soon(path, ENGINE_PROMPTS, ENGINE_TOKENS)}
     # speculative decoding on (ngram, 4 drafts, every one of up to 16 sequences drafting): every test of
     # this app is then also a test of exact outputs with drafts, its faults and changes among them
@@ -313,6 +316,14 @@ def k2(serve_port, tmp_path_factory):
         yield App("k2", url, path, cfg.admin_api_key, {k: o.result() for k, o in oracles.items()}, root)
     finally:
         serve.delete("k2")
+
+
+def _long_answers(k2, streams) -> list[str]:
+    """The single process's answers to the long streams' prompts, at least as far as ``streams`` went
+    (a greedy answer's first tokens do not depend on its length; 8 tokens' margin for a character
+    that a stream's last token left half decoded)."""
+    need = max(len(s.pieces) for s in streams) + 8
+    return k2.expected["long"] if need <= K2_ORACLE_TOKENS else oracle(k2.path, _prompts(8), need)
 
 
 def _moeray_up(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -462,7 +473,7 @@ class TestK2:
         assert all(s.ended is None for s in streams), "a stream ended before the last change"
         close_after(streams, 16)
         got = ["".join(s.pieces) for s in streams]
-        expected = k2.expected["long"]
+        expected = _long_answers(k2, streams)
         # a grammar-constrained greedy answer, fault-free, as long as the longest constrained stream
         constrained = chat_reference(url, "k2", max(len(s.pieces) for s in streams[-2:]), CONSTRAINED)
         for text, want, s in zip(got, [*expected, constrained, constrained], streams):
@@ -945,10 +956,12 @@ class TestColocatedK3:
 # Two prompts of 2,400 tokens in one request, on kimi-k2-small's rows (hidden 1,024, fp32: 4,160 bytes a row): a
 # step budget of 5,000 prefills both in one step, one on each worker, so each worker sends the other
 # 2,400 rows, 10 MB, while the other sends it as much — over twice the socket buffers (tcp_wmem's 4 MiB).
-# Its width is what matters here, not its depth: two layers (a dense one and one MoE layer, one exchange)
-# and 16 experts, which costs the three prefills (two workers and the single process) a quarter of the
-# eight layers' compute (the exchange itself at 32 MiB: tests/actors/test_wire.py).
-WIDE = (("num_hidden_layers", 2), ("n_routed_experts", 16))
+# Its width is what matters here (a row's bytes: the hidden size, top-k), not its depth nor its compute: two
+# layers (a dense one and one MoE layer, one exchange), 16 experts, 4 heads and narrow MLPs, which cost the
+# three prefills (two workers and the single process) about a twentieth of the full preset's eight layers
+# (the exchange itself at 32 MiB: tests/actors/test_wire.py).
+WIDE = (("num_hidden_layers", 2), ("n_routed_experts", 16), ("num_attention_heads", 4), ("num_key_value_heads", 4),
+        ("intermediate_size", 256), ("moe_intermediate_size", 64))
 WIDE_PROMPTS = [[(i * 37 + j * 11) % 700 + 11 for j in range(2400)] for i in range(2)]
 
 
