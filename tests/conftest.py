@@ -102,15 +102,16 @@ def pytest_ignore_collect(collection_path, config):
 
 # ---- xdist groups (``-n 2 --dist loadgroup``, as CI runs the suite) -----------------------------------
 # Every test of the session's Ray cluster and Serve proxy runs on one worker, in file order, first; the
-# other worker runs the rest meanwhile, a module at a time (its module fixtures built once), and last the
-# tests with a cluster or processes of their own (the `operator` mark, one after another, never two beside each other).
+# other worker runs the tests with a cluster or processes of their own first (the `operator` mark, one after
+# another, never two beside each other: one unit of ~7 minutes), then the rest, a module at a time (its module
+# fixtures built once), which the first worker shares once the Ray tests are done: both end together (with
+# the own group last, the first worker idled its last three minutes while the other ran it).
 # The in-process tier's runner starts no Ray: it runs beside the Ray tests too. pytest-xdist's own loadgroup renames test ids
 # to carry the group, which pytest 9.2's structured node ids ignore; so the workers write each test's
 # group to a file (collection ends before scheduling starts) and :class:`_GroupScheduling` reads it.
 RAY_GROUP = "ray"
-# Tests with a cluster or processes of their own (the ``operator`` mark): one group, handed out last, so the
-# worker that is not running the session cluster's tests takes it once its own queue is done (it idles for
-# most of the run otherwise), one after the other.
+# Tests with a cluster or processes of their own (the ``operator`` mark): one group, the first unit of the
+# worker that is not running the session cluster's tests, one after the other.
 OWN_GROUP = "own"
 
 
@@ -156,7 +157,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class _GroupScheduling(LoadScopeScheduling):
-        """Tests of one group on one worker, in collection order; the Ray group goes out first."""
+        """Tests of one group on one worker, in collection order; the Ray group goes out first, the own group second."""
 
         _groups: dict | None = None
 
@@ -166,10 +167,10 @@ def pytest_xdist_make_scheduler(config, log):
             return self._groups.get(nodeid) or nodeid.split("::")[0]
 
         def _assign_work_unit(self, node) -> None:
-            if OWN_GROUP in self.workqueue and len(self.workqueue) > 1:
-                self.workqueue.move_to_end(OWN_GROUP)
-            if RAY_GROUP in self.workqueue and not self.assigned_work.get(node):
-                self.workqueue.move_to_end(RAY_GROUP, last=False)
+            if not self.assigned_work.get(node):  # a worker's first unit: the Ray group, then the own group
+                for first in (OWN_GROUP, RAY_GROUP):
+                    if first in self.workqueue:
+                        self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
     config.option.loadscopereorder = False
