@@ -210,7 +210,7 @@ def test_gpu_expert_cost_over_every_actor_at_once_is_the_cost_models():
 
 
 @pytest.mark.operator
-def test_cpu_profile_then_simulate_on_cpu(tmp_path):
+def test_cpu_profile_then_simulate_on_cpu(tmp_path, monkeypatch):
     """`moeray simulate --profile` times the real engine and actors on this machine (its own
     one-node Ray cluster) and saves the fits; `--gpu cpu` simulates from them."""
     exe = Path(sys.executable).parent / "moeray"
@@ -229,23 +229,23 @@ def test_cpu_profile_then_simulate_on_cpu(tmp_path):
     # fitted from a 2 × 2 engine and 2 colocated workers, after the 1 × 1 fits
     assert {"per_process_s", "per_process_token_s"} <= set(table["exchange"])
     assert set(table["colocated"]) == {"base_s", "per_token_s"}
-    run = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
-                          "--attention", "1", "--experts", "2", "--requests", "16", "--rate", "0",
-                          "--prompt-tokens", "24", "--output-tokens", "24", "--max-num-seqs", "64",
-                          "--max-tokens-per-step", "256", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    # simulating from it: in this process (the same app; the profile above ran as a subprocess)
+    monkeypatch.setenv("MOERAY_CACHE_DIR", env["MOERAY_CACHE_DIR"])
+    run = in_process("simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
+                     "--attention", "1", "--experts", "2", "--requests", "16", "--rate", "0",
+                     "--prompt-tokens", "24", "--output-tokens", "24", "--max-num-seqs", "64",
+                     "--max-tokens-per-step", "256", "--json")
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(run.stdout)
     assert row["tokens_per_s"] > 0 and 0 < row["itl_p50_s"] < 1.0
-    run = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
-                          "--colocated", "--attention", "2", "--experts", "2", "--requests", "16", "--rate", "0",
-                          "--prompt-tokens", "24", "--output-tokens", "24", "--json"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    run = in_process("simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile", str(prof),
+                     "--colocated", "--attention", "2", "--experts", "2", "--requests", "16", "--rate", "0",
+                     "--prompt-tokens", "24", "--output-tokens", "24", "--json")
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(run.stdout)
     assert row["layout"] == "colocated" and row["tokens_per_s"] > 0
-    missing = subprocess.run([str(exe), "simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile",
-                              str(tmp_path / "none.json"), "--attention", "1", "--experts", "1"],
-                             capture_output=True, text=True, timeout=120, env=env)
+    missing = in_process("simulate", "--model", "kimi-k2-tiny", "--gpu", "cpu", "--cpu-profile",
+                         str(tmp_path / "none.json"), "--attention", "1", "--experts", "1")
     assert missing.returncode == 2 and "moeray simulate --profile" in missing.stderr
 
 
