@@ -36,7 +36,7 @@ import torch
 
 from model.moe import RoutedExperts
 
-from .dense import serve_dense
+from .dense import FEW_PAIRS, serve_dense, serve_dense_few
 from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _sum_pairs, _view
 from .messages import PlacementTable
 
@@ -71,6 +71,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
         self.tokens: tuple[tuple[int, ...], ...] = ()  # [micro-batch][worker] tokens, this step
         self._issued = 0  # exchanges posted this step: micro-batch = issued % micro-batches
         self.rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
+        self._lists: dict[int, tuple[list[int], list[int]]] = {}  # unreplicated layer → its routing as lists
 
     def begin_step(self, step: int, tokens: tuple[tuple[int, ...], ...] = ()) -> None:
         self.reset_timers(step)
@@ -148,6 +149,8 @@ class ColocatedExchange(_Collectives, _PairCounts):
         x, idx, w = _view(rows[:, :hb], self.dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
             _view(rows[:, hb + 4 * k:], torch.float32)
         N = rows.shape[0]
+        if N * k <= FEW_PAIRS and self.device.type == "cpu" and not self.routing.replicated(p.layer):
+            return self._collect_dense_few(p, x, idx, w)
         flat = idx.long().reshape(-1)
         if self.routing.replicated(p.layer):
             sender = torch.repeat_interleave(torch.arange(self.world, device=self.device),
@@ -165,6 +168,39 @@ class ColocatedExchange(_Collectives, _PairCounts):
         to = _per_sender(per_token, tokens)  # rows for each worker's tokens, in y's order
         bounds = [sum(tokens[:s]) for s in range(len(tokens) + 1)]
         dense = _DenseBack.expect(actor[bounds[r]: bounds[r + 1]], self.world)  # what comes back, from whom
+        return self._send_back(p, y, to, dense)
+
+    def _collect_dense_few(self, p: _Posted, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """:meth:`_collect_dense` for a decode step's few pairs (at most ``FEW_PAIRS``) of an unreplicated
+        layer on CPU, the same bits: the same expert rows (:func:`~actors.dense.serve_dense_few`), sent
+        and combined the same way, with the pairs' routing and bookkeeping on the host — each pair's
+        expert actor and slot looked up in lists, what goes back to whom counted in Python over the
+        step's few pairs — instead of ~25 small tensor ops a MoE layer."""
+        tokens, r, k = p.tokens, self.rank, self.top_k
+        actor_of, local_of = self._single_lists(p.layer)
+        ids = idx.tolist()
+        actor = [[actor_of[e] for e in row] for row in ids]
+        local = [[local_of[e] for e in row] for row in ids]
+        t = time.perf_counter()
+        y, per_token, served = serve_dense_few(self.experts[p.layer], x, w, actor, local, r, k)
+        self.expert_s += time.perf_counter() - t
+        self.rows_served[self.table.layer_index(p.layer)] += torch.bincount(served, minlength=self.table.max_local)
+        bounds = [sum(tokens[:s]) for s in range(len(tokens) + 1)]
+        to = [sum(per_token[bounds[s]: bounds[s + 1]]) for s in range(len(tokens))]
+        return self._send_back(p, y, to, _DenseBack.expect_few(actor[bounds[r]: bounds[r + 1]], self.world))
+
+    def _single_lists(self, layer: int) -> tuple[list[int], list[int]]:
+        """An unreplicated layer's expert → (expert actor, local slot) maps as lists, made once."""
+        lists = self._lists.get(layer)
+        if lists is None:
+            actor_of, local_of = self.routing.single[layer]
+            lists = self._lists[layer] = (actor_of.tolist(), local_of.tolist())
+        return lists
+
+    def _send_back(self, p: _Posted, y: torch.Tensor, to: list[int], dense: _DenseBack) -> torch.Tensor:
+        """Send each worker the rows ``y`` of its tokens (``to``: how many, in rank order), get this
+        worker's tokens' rows from each (``dense``: what comes back, from whom) and combine them."""
+        r = self.rank
         starts = [sum(to[:s]) for s in range(len(to) + 1)]
         own = y[starts[r]: starts[r + 1]]
         others = torch.cat([y[starts[s]: starts[s + 1]] for s in range(self.world) if s != r]) \

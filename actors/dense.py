@@ -29,7 +29,8 @@ def serve_dense(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor:
     the local slot of every pair run [P])."""
     N, k = actor.shape
     if N * k <= FEW_PAIRS and x.device.type == "cpu" and device.type == "cpu":
-        return _serve_dense_few(experts, x, w, actor.tolist(), local.tolist(), me, k)
+        y, per_token, served = serve_dense_few(experts, x, w, actor.tolist(), local.tolist(), me, k)
+        return y, torch.tensor(per_token, dtype=torch.long), served
     mine = actor == me  # [N, k]
     pairs = mine.reshape(-1).nonzero().squeeze(1)  # [P] this actor's pairs, in batch order
     if pairs.numel() == N * k:  # every pair here (one actor): each token's sum goes back, one row
@@ -47,12 +48,13 @@ def serve_dense(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor:
     return y[back.reshape(-1)[pairs]], back.sum(1), served
 
 
-FEW_PAIRS = 64  # a dense step of up to this many pairs keeps its bookkeeping on the host (_serve_dense_few)
+FEW_PAIRS = 64  # a dense step of up to this many pairs keeps its bookkeeping on the host (serve_dense_few)
 
 
-def _serve_dense_few(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor: list[list[int]],
-                     local: list[list[int]], me: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`serve_dense` for a decode step's few pairs on CPU, the same bits: the same expert call over
+def serve_dense_few(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor: list[list[int]],
+                    local: list[list[int]], me: int, k: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """:func:`serve_dense` for a decode step's few pairs on CPU, the same bits (its rows per token a
+    list): the same expert call over
     the same rows and the same :func:`weighted_sum` for the tokens summed here, with the pairs'
     bookkeeping (which are here, which tokens come back summed, which rows go back) done on the host
     from ``actor`` and ``local`` as lists — ~15 small tensor ops a MoE layer fewer. A loop over the
@@ -62,7 +64,7 @@ def _serve_dense_few(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, a
     served_t = torch.tensor([local[t][j] for t, j in pairs], dtype=torch.long)
     y = experts.grouped(x[[t for t, _ in pairs]].to(experts.device), served_t.to(experts.device)).to(x.device)  # [P, H]
     if len(pairs) == N * k:  # every pair here (one actor): each token's sum goes back, one row
-        return weighted_sum(y.view(N, k, x.shape[1]), w), torch.ones(N, dtype=torch.long), served_t
+        return weighted_sum(y.view(N, k, x.shape[1]), w), [1] * N, served_t
     whole = [all(a == row[0] for a in row) for row in actor]  # tokens whose k pairs one actor runs
     summed = [t for t in range(N) if whole[t] and actor[t][0] == me]  # ... this one
     if summed:
@@ -73,4 +75,4 @@ def _serve_dense_few(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, a
     per_token = [0] * N
     for i in keep:
         per_token[pairs[i][0]] += 1
-    return y[keep], torch.tensor(per_token, dtype=torch.long), served_t
+    return y[keep], per_token, served_t

@@ -182,6 +182,21 @@ class _DenseBack:
         order = pairs[torch.argsort(by, stable=True)]
         return cls(torch.bincount(by, minlength=n_actors).tolist(), order, whole)
 
+    @classmethod
+    def expect_few(cls, actor: list[list[int]], n_actors: int) -> _DenseBack:
+        """:meth:`expect` from ``actor`` as lists (a decode step's few pairs, on the host): the same
+        counts, order and tokens summed."""
+        if n_actors == 1:
+            return cls([len(actor)])
+        whole = [all(a == row[0] for a in row) for row in actor]
+        k = len(actor[0]) if actor else 0
+        pairs = [(row[j], t * k + j) for t, row in enumerate(actor) for j in range(k) if j == 0 or not whole[t]]
+        counts = [0] * n_actors
+        for a, _ in pairs:
+            counts[a] += 1
+        order = [pair for _, pair in sorted(pairs, key=lambda ap: ap[0])]  # stable: batch order within an actor
+        return cls(counts, torch.tensor(order, dtype=torch.long), torch.tensor(whole, dtype=torch.bool))
+
     def combine(self, back: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The tokens' routed rows [T, H] from the rows that came back ``back`` [R, H] (in arrival
         order) and the weights ``w`` [T, k]: a whole token's row as it came, any other's summed here."""

@@ -242,7 +242,7 @@ def test_local_dispatch_equals_the_single_process_bit_for_bit(dtype):
 @pytest.mark.parametrize("dtype", exact.DTYPES)
 def test_the_dense_formats_few_pairs_path_equals_its_tensor_path_bit_for_bit(dtype, monkeypatch):
     """An expert actor's side of the dense format (actors/dense.py: serve_dense) at a decode step's
-    few pairs does its bookkeeping on the host (_serve_dense_few): the same rows back, bit for bit, the
+    few pairs does its bookkeeping on the host (serve_dense_few): the same rows back, bit for bit, the
     same rows per token and the same slots served as the tensor path, for tokens whose pairs are all
     here (summed here), some here, none here, and a step whose every pair is here."""
     import actors.dense as dense
