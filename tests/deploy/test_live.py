@@ -110,6 +110,7 @@ class App:
     admin: str  # its admin key
     expected: dict  # label → the single-process model's texts
     root: Path | None = None  # the cache directory `moeray up` would have written (K2)
+    parity_tokens: int = 80  # the colocated apps' parity streams' length (PARITY_TOKENS)
 
     def cli(self, *args):
         """`moeray ARGS --url URL --admin-key KEY`: its report and when it returned."""
@@ -780,6 +781,9 @@ WORKERS = "2 workers (attention + experts each)"
 COLOCATED = dict(layout="colocated", workers=2, max_tokens_per_step=32, num_blocks=32, hang_floor_s=2.0,
                  heartbeat_timeout_s=1.5)
 PARITY_TOKENS = 80
+# K3's 24 blocks a worker are preempted at 48 tokens as well (the parity prompts then need ~67 of its 48
+# blocks; asserted: the preemptions grow)
+K3_PARITY_TOKENS = 48
 PARITY_PROMPTS = [[(i * 41 + j * 13) % 700 + 11 for j in range(10 + 9 * i)] for i in range(10)]  # 10 to 91 tokens
 STREAM_TOKENS = 450  # outlives the changes made while it runs (asserted; 360 ran out before the last once, at niceness 0); with the chat stream's 55-token prompt it must fit one worker's 32 blocks of 16
 STREAM_PROMPTS = [[(i * 29 + j * 3) % 700 + 13 for j in range(8 + 5 * i)] for i in range(4)]
@@ -794,7 +798,7 @@ def _equal_at_2_and_3_workers(app: App) -> None:
     workers 3`, with 3 (preemptions counted: the small cache did preempt); then back to 2 (as found)."""
     url = app.url
     before = _preemptions(url)
-    assert finish(start_streams(url, app.name, PARITY_PROMPTS, PARITY_TOKENS)) == app.expected["parity"]
+    assert finish(start_streams(url, app.name, PARITY_PROMPTS, app.parity_tokens)) == app.expected["parity"]
     assert _preemptions(url) > before, "the cache was not small enough to preempt"
     st = _status(url)
     assert st["layout"] == "colocated" and [w["index"] for w in st["workers"]] == [0, 1]
@@ -808,7 +812,7 @@ def _equal_at_2_and_3_workers(app: App) -> None:
     assert f"{WORKERS} → 3 workers (attention + experts each)" in out, out
     st = _status(url)
     assert len({w["node"] for w in st["workers"]}) == 3 and st["shape"] == "3 workers (attention + experts each)"
-    assert finish(start_streams(url, app.name, PARITY_PROMPTS, PARITY_TOKENS)) == app.expected["parity"]
+    assert finish(start_streams(url, app.name, PARITY_PROMPTS, app.parity_tokens)) == app.expected["parity"]
     out, _ = app.cli("scale", "workers", "2")  # as found
     assert f"3 workers (attention + experts each) → {WORKERS}" in out, out
 
@@ -912,13 +916,13 @@ def ck3(serve_port):
     """kimi-k3-tiny (hybrid: KDA state re-prefilled) in the colocated layout, 2 workers, the router's
     rebalance window 16 steps."""
     path = preset("kimi-k3-tiny", seed=9)
-    oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, PARITY_TOKENS), "skewed": oracle_soon(path, SKEWED, 12)}
+    oracles = {"parity": oracle_soon(path, PARITY_PROMPTS, K3_PARITY_TOKENS), "skewed": oracle_soon(path, SKEWED, 12)}
     # a step budget of 128 (prompts sent together still prefill in chunks): one under K3's snapshot grid
     # (64) would take no KDA snapshot, so nothing to hit; 24 blocks a worker, so that its sequences are preempted
     url = deploy(serve_port, path, "ck3", rebalance_window_steps=16,
                  **(COLOCATED | {"max_tokens_per_step": 128, "num_blocks": 24}))
     try:
-        yield App("ck3", url, path, ADMIN, {k: o.result() for k, o in oracles.items()})
+        yield App("ck3", url, path, ADMIN, {k: o.result() for k, o in oracles.items()}, parity_tokens=K3_PARITY_TOKENS)
     finally:
         serve.delete("ck3")
 
