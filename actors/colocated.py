@@ -36,7 +36,8 @@ import torch
 
 from model.moe import RoutedExperts
 
-from .dense import FEW_PAIRS, serve_dense, serve_dense_few
+from . import dense as dense_format
+from .dense import serve_dense, serve_dense_few
 from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _sum_pairs, _view
 from .messages import PlacementTable
 
@@ -149,7 +150,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
         x, idx, w = _view(rows[:, :hb], self.dtype), _view(rows[:, hb: hb + 4 * k], torch.int32), \
             _view(rows[:, hb + 4 * k:], torch.float32)
         N = rows.shape[0]
-        if N * k <= FEW_PAIRS and self.device.type == "cpu" and not self.routing.replicated(p.layer):
+        if N * k <= dense_format.FEW_PAIRS and self.device.type == "cpu" and not self.routing.replicated(p.layer):
             return self._collect_dense_few(p, x, idx, w)
         flat = idx.long().reshape(-1)
         if self.routing.replicated(p.layer):

@@ -235,9 +235,9 @@ class _Collectives:
         mesh = current_mesh() if self.p2p and group is None else None
         self.send, self.recv = ((mesh.send, mesh.recv) if mesh is not None else
                                 (partial(dist.isend, group=group), partial(dist.irecv, group=group)))
-        # gloo's own sends and receives wait their context's join timeout unless told: the group's
-        # collective timeout, so that a stuck peer fails the step as on the sockets
-        self.p2p_timeout = collective_timeout() if self.p2p and mesh is None else None
+        # gloo's own sends and receives wait their context's join timeout unless told: the joined group's
+        # collective timeout (actors/group.py), so that a stuck peer fails the step as on the sockets
+        self.p2p_timeout = collective_timeout() if self.p2p and mesh is None and group is None else None
 
     def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int,
             phase: str, async_op: bool = False):

@@ -53,7 +53,7 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     # the rendezvous waits the join timeout for every member; the group's collectives and exchange
     # sockets then wait the collective timeout
     joining, collective = timedelta(seconds=info.rendezvous_timeout_s), timedelta(seconds=info.timeout_s)
-    _collective = collective
+    _collective = None
     if store is None:
         store = dist.TCPStore(info.address, info.port, world_size, is_master=rank == 0, timeout=joining)
     else:
@@ -74,6 +74,7 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
                     _mesh = None
                     raise
         store.set_timeout(collective)
+        _collective = collective
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -128,7 +129,8 @@ def break_exchange() -> None:
 
 def leave_group() -> None:
     """Leave the current process group, if any (an abort on NCCL, see the module docstring)."""
-    global _mesh
+    global _mesh, _collective
+    _collective = None
     if _mesh is not None:
         _mesh.close()
         _mesh = None

@@ -7,9 +7,9 @@ is safe (forking an xdist worker, with its threads, would not be)."""
 
 import multiprocessing as mp
 
+# (the test modules by the names pytest imports them under, which their children's targets are pickled by)
 PRELOAD = ["torch", "torch.distributed", "actors.dispatch", "actors.colocated", "actors.group", "actors.shm",
-           "model.moe", "tests.actors.exact", "tests.actors.test_dispatch", "tests.actors.test_colocated_exchange",
-           "tests.actors.test_shm"]
+           "model.moe", "tests.actors.exact", "test_dispatch", "test_colocated_exchange", "test_shm"]
 
 
 def context():
