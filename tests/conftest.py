@@ -80,7 +80,7 @@ def serve_port(ray_cluster):
 # ---- the tiers, each declared where the test stands --------------------------------------------------------
 # cluster: a test of the session's Ray cluster (it uses one of these fixtures, transitively) or one that
 # says so (``pytest.mark.cluster``); operator: one with a cluster or processes of its own
-# (``pytest.mark.operator``, itself a cluster test); ray_queue: a module or test that runs in the Ray tests' queue.
+# (``pytest.mark.operator``, itself a cluster test); ray_queue: a module that runs in the Ray tests' queue.
 CLUSTER_FIXTURES = {"ray_cluster", "idle_cluster", "serve_port"}
 
 

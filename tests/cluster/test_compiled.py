@@ -100,10 +100,6 @@ def test_the_single_process_whole_step_graph_gives_the_eager_tokens(name):
     assert tally["batch"] == 2 * 3 and sum(tally[r] for r in FALLBACK_REASONS) == 2 * 3, tally
 
 
-# in the Ray tests' queue, before the cluster test below: the graphs it compiles (the segments, as the actors
-# compile them) are then on disk (torch's inductor cache) when that test's actors start, and each of them
-# loads them instead of compiling them cold (two colocated workers compiled the same graphs at once)
-@pytest.mark.ray_queue
 @pytest.mark.parametrize("name", PRESETS)
 def test_compiled_decode_gives_the_single_process_tokens(name):
     """The engine (in-process executor) with compile: decode against the eager single process, greedy
