@@ -21,6 +21,12 @@ def dense_returns(actor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return whole, returned
 
 
+def whole_few(actor: list[list[int]]) -> list[bool]:
+    """:func:`dense_returns`' ``whole`` from ``actor`` as lists (a decode step's few pairs, on the host):
+    the tokens whose k pairs one actor runs (their slot 0 alone comes back, carrying the sum)."""
+    return [all(a == row[0] for a in row) for row in actor]
+
+
 def serve_dense(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, actor: torch.Tensor, local: torch.Tensor,
                  me: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert actor ``me``'s side of the dense format: the pairs it runs of N tokens (``x`` [N, H],
@@ -65,7 +71,7 @@ def serve_dense_few(experts: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ac
     y = experts.grouped(x[[t for t, _ in pairs]].to(experts.device), served_t.to(experts.device)).to(x.device)  # [P, H]
     if len(pairs) == N * k:  # every pair here (one actor): each token's sum goes back, one row
         return weighted_sum(y.view(N, k, x.shape[1]), w), [1] * N, served_t
-    whole = [all(a == row[0] for a in row) for row in actor]  # tokens whose k pairs one actor runs
+    whole = whole_few(actor)
     summed = [t for t in range(N) if whole[t] and actor[t][0] == me]  # ... this one
     if summed:
         first = {t: i for i, (t, j) in reversed(list(enumerate(pairs)))}  # a token's first row in y

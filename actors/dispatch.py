@@ -53,8 +53,7 @@ import torch.distributed as dist
 
 from model.moe import RoutedExperts, weighted_sum
 
-from .dense import dense_returns, serve_dense
-
+from .dense import dense_returns, serve_dense, whole_few
 from .group import collective_timeout, current_mesh
 from .messages import PlacementTable
 
@@ -188,7 +187,7 @@ class _DenseBack:
         counts, order and tokens summed."""
         if n_actors == 1:
             return cls([len(actor)])
-        whole = [all(a == row[0] for a in row) for row in actor]
+        whole = whole_few(actor)
         k = len(actor[0]) if actor else 0
         pairs = [(row[j], t * k + j) for t, row in enumerate(actor) for j in range(k) if j == 0 or not whole[t]]
         counts = [0] * n_actors
