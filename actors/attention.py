@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from model.cache import build_attn_meta
+from model.cache import build_attn_meta, read_blocks, write_blocks
 from model.loader import load_model, parse_dtype
 from model.logits import LogitsState, grammars_for, stateful
 from model.moe import COMBINE, Dispatch, run_stages
@@ -125,6 +125,17 @@ class AttentionWorker(ServesSteps):
     def shutdown(self) -> None:
         self.close_channel()
         leave_group()
+
+    # ---- prefill/decode disaggregation: moving cached blocks (cluster/pd.py) ---------------------
+    def read_blocks(self, blocks: list[int], snapshot: int | None = None) -> dict[str, torch.Tensor]:
+        """Copies of cache ``blocks`` (and KDA ``snapshot``): :func:`model.cache.read_blocks`, never beside a step."""
+        with self.busy:
+            return read_blocks(self.cache, blocks, snapshot)
+
+    def write_blocks(self, blocks: list[int], snapshot: int | None, parts: dict[str, torch.Tensor]) -> None:
+        """Write ``parts`` into cache ``blocks`` (and KDA ``snapshot``): :func:`model.cache.write_blocks`."""
+        with self.busy:
+            write_blocks(self.cache, blocks, snapshot, parts)
 
     # ---- data plane ----------------------------------------------------------------------
     @torch.no_grad()

@@ -73,6 +73,13 @@ class Executor(Protocol):
     # operations
     def kill(self, kind: str, index: int) -> str: ...
 
+    # cached blocks (prefill/decode disaggregation: cluster/pd.py)
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
+        """Copies of attention replica ``replica``'s cache ``blocks`` (and KDA ``snapshot``)."""
+
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+        """Write ``parts`` (:meth:`read_blocks`' form) into replica ``replica``'s ``blocks`` and ``snapshot``."""
+
     def describe(self) -> dict: ...
 
 
@@ -190,6 +197,20 @@ class RayExecutor:
 
     def replace(self, dead: list[MemberId], table: PlacementTable) -> tuple[float, float, int]:
         return self.fleet.replace(dead, table)
+
+    # ---- cached blocks ----------------------------------------------------------------------
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
+        """A Ray call to the replica (the blocks come back through the object store), under the step timeout."""
+        import ray
+
+        ref = self.fleet.attention[replica].actor.read_blocks.remote(blocks, snapshot)
+        return ray.get(ref, timeout=self.config.faults.step_timeout_s)
+
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+        import ray
+
+        ref = self.fleet.attention[replica].actor.write_blocks.remote(blocks, snapshot, parts)
+        ray.get(ref, timeout=self.config.faults.step_timeout_s)
 
     # ---- operations ------------------------------------------------------------------------
     def kill(self, kind: str, index: int) -> str:

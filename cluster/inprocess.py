@@ -73,6 +73,13 @@ class InProcessExecutor:
             raise StepFailed(f"step {step_no} failed in this process: {type(error).__name__}: {error}", [], [], [])
         return results, []
 
+    # ---- cached blocks (prefill/decode disaggregation: cluster/pd.py) -------------------------------
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
+        return self.workers[replica].read_blocks(blocks, snapshot)
+
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+        self.workers[replica].write_blocks(blocks, snapshot, parts)
+
     # ---- shape changes: refused --------------------------------------------------------------
     def prepare(self, kind: str, table: PlacementTable):
         raise EngineError(f"the in-process executor cannot change its shape ({kind}): serve on Ray to scale or "

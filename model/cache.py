@@ -171,6 +171,34 @@ class ModelCache:
         return self.kda.layer(self.kda_index[layer])
 
 
+def read_blocks(cache: ModelCache, blocks: list[int], snapshot: int | None = None) -> dict[str, torch.Tensor]:
+    """Copies of what ``blocks`` hold: ``latent`` [MLA layers, len(blocks), block_size, latent_dim] (every MLA
+    row, the MTP layer's too), and with ``snapshot`` (hybrid models) the KDA ``conv`` and ``recurrent`` state
+    saved there, every layer — what prefill/decode disaggregation moves (cluster/kv_transfer.py)."""
+    out = {}
+    if cache.latent is not None:
+        bs, data = cache.latent.block_size, cache.latent.data
+        rows = data.view(data.shape[0], -1, bs, data.shape[2])  # [layers, num_blocks, block_size, width]
+        out["latent"] = rows[:, torch.tensor(blocks, dtype=torch.long, device=data.device)].contiguous()
+    if snapshot is not None:
+        conv, recurrent = cache.kda.snapshot(snapshot)
+        out["conv"], out["recurrent"] = conv.clone(), recurrent.clone()
+    return out
+
+
+def write_blocks(cache: ModelCache, blocks: list[int], snapshot: int | None, parts: dict[str, torch.Tensor]) -> None:
+    """:func:`read_blocks` backwards: ``parts``' latent rows into ``blocks``, its KDA state into ``snapshot``.
+    The caller checked every shape and dtype (cluster/kv_transfer.py); a mismatch here still raises."""
+    if cache.latent is not None:
+        bs, data = cache.latent.block_size, cache.latent.data
+        rows = data.view(data.shape[0], -1, bs, data.shape[2])
+        rows[:, torch.tensor(blocks, dtype=torch.long, device=data.device)] = parts["latent"].to(data.device)
+    if snapshot is not None:
+        conv, recurrent = cache.kda.snapshot(snapshot)
+        conv.copy_(parts["conv"])
+        recurrent.copy_(parts["recurrent"])
+
+
 # A group's padded query rows (sequences × its longest query) may reach this many times its real
 # tokens before the next, longer query starts a new group (see :func:`group_sequences`).
 MAX_QUERY_PAD = 1.5
