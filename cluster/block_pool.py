@@ -179,13 +179,18 @@ class BlockPool(_FreeAndCached):
     def take(self, blocks: Sequence[int], num_query_tokens: int) -> None:
         """Hold each of ``blocks`` (found by :meth:`lookup`) once more — cached ones leave the LRU —
         and count a query of ``num_query_tokens`` prompt tokens that hit ``len(blocks)`` blocks."""
+        self.pin(blocks)
+        self.num_queries_tokens += num_query_tokens
+        self.num_hit_tokens += len(blocks) * self.block_size
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """Hold each of ``blocks`` once more (cached ones leave the LRU), counting no query: a block
+        held while another engine copies it, or while it is written from one (cluster/pd.py)."""
         for block in blocks:
             if self._ref[block] == 0:
                 del self._lru[block]
                 self._num_held += 1
             self._ref[block] += 1
-        self.num_queries_tokens += num_query_tokens
-        self.num_hit_tokens += len(blocks) * self.block_size
 
     def match(self, token_ids: Sequence[int], extra_key: str | None = None) -> list[int]:
         """The blocks holding the longest cached prefix of ``token_ids`` (full blocks whose chained

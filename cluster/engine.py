@@ -171,17 +171,18 @@ class Engine:
             raise ValueError(f"prompt + max_tokens ({len(prompt_ids) + params.max_tokens}) exceeds one replica's "
                              f"cache ({cap} tokens)")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                    replica: int | None = None) -> int:
         """Check and queue a request (offline use); it shares cached blocks only with requests of the
-        same ``cache_salt``."""
+        same ``cache_salt``; ``replica``: the attention replica it must start on (cluster/pd.py)."""
         self.validate(prompt_ids, params)
-        return self.admit(EngineRequest(tuple(prompt_ids), params, cache_salt))
+        return self.admit(EngineRequest(tuple(prompt_ids), params, cache_salt, replica))
 
     def admit(self, request: EngineRequest) -> int:
         """Queue a request already checked by :meth:`validate` (the async engine checks on its
         caller's thread, so a bad request is refused before it is queued). Returns its sequence id."""
         seq = Seq(next(self._ids), list(request.prompt_ids), len(request.prompt_ids), request.params,
-                  cache_salt=request.cache_salt)
+                  cache_salt=request.cache_salt, home=request.replica)
         self.scheduler.add(seq)
         self.requests[seq.seq_id] = Request(seq)
         return seq.seq_id

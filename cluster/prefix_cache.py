@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 from actors.messages import SeqChunk
 
+from model.cache import CacheFull
+
 from .block_pool import BlockPool, SnapshotPool
 from .config import CacheConfig, SnapshotPlan
 from .seq import CacheHold, Seq
@@ -45,6 +47,19 @@ class Hit:
 
 
 NO_HIT = Hit()
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Blocks held on one replica while they cross engines: read out (:meth:`PrefixCache.pin`) or
+    written in (:meth:`PrefixCache.adopt`)."""
+
+    replica: int
+    hashes: tuple[bytes, ...]
+    blocks: tuple[int, ...]
+    snapshot: int | None = None  # hybrid models: the KDA snapshot at their end
+    fresh: int = 0  # adopt: blocks[fresh:] are new (to write); blocks[:fresh] were cached here already
+    new_snapshot: bool = False  # adopt: the snapshot is new (to write)
 
 
 class PrefixCache:
@@ -332,6 +347,79 @@ class PrefixCache:
         """The key a snapshot of ``token_ids``' first ``boundary`` tokens under ``salt`` has."""
         n = boundary // self.block_size
         return self.blocks[0].chain([], token_ids, salt, n)[n - 1]
+
+    # ---- blocks that cross engines (prefill/decode disaggregation: cluster/pd.py) ----------------
+    def deepest(self, num_tokens: int) -> int:
+        """The most prompt tokens a hit can cover for a prompt of ``num_tokens``: its full blocks before the
+        last token (on hybrid models: to the last snapshot-grid boundary before it); 0 without caching."""
+        if not self.caching:
+            return 0
+        step = self.grid or self.block_size
+        return (num_tokens - 1) // step * step
+
+    def probe(self, token_ids: list[int], salt: str | None) -> list[Hit]:
+        """What a prompt of ``token_ids`` under ``salt`` would find cached on each replica (changes nothing)."""
+        seq = Seq(-1, list(token_ids), len(token_ids), None, cache_salt=salt)
+        return [self.hit(seq, r) for r in range(len(self.blocks))]
+
+    def chain_of(self, token_ids: list[int], salt: str | None, num_tokens: int) -> list[bytes]:
+        """The chained hashes of the first ``num_tokens`` tokens' blocks (a multiple of the block size)."""
+        return self.blocks[0].chain([], token_ids, salt, num_tokens // self.block_size)
+
+    def pin(self, replica: int, hashes: list[bytes]) -> Moved | None:
+        """Hold the blocks registered under ``hashes`` on ``replica`` (and on hybrid models the snapshot at
+        their end) while another engine copies them; None unless every one of them is cached there."""
+        blocks = self.blocks[replica].lookup(hashes)
+        if len(blocks) < len(hashes) or not hashes:
+            return None
+        snap = None
+        if self.grid is not None:
+            snap = self.snaps[replica].lookup(hashes[-1]) if self.snaps is not None else None
+            if snap is None:
+                return None
+            self.snaps[replica].hold(snap)
+        self.blocks[replica].pin(blocks)
+        return Moved(replica, tuple(hashes), tuple(blocks), snap)
+
+    def adopt(self, replica: int, hashes: list[bytes]) -> Moved | None:
+        """Room on ``replica`` for blocks arriving under ``hashes``: those already cached there are held, the
+        rest allocated (held, no content yet), and on hybrid models a snapshot for their end. Write the
+        arrivals into ``Moved.blocks[Moved.fresh:]`` (and ``Moved.snapshot`` when ``Moved.new_snapshot``),
+        then :meth:`commit`; or :meth:`unpin` to give it all back unwritten. None when there is no room."""
+        pool = self.blocks[replica]
+        have = pool.lookup(hashes)
+        pool.pin(have)
+        try:
+            fresh = pool.allocate(len(hashes) - len(have))
+        except CacheFull:
+            pool.free(have)
+            return None
+        snap, new = None, False
+        if self.grid is not None:  # hybrid: the KDA state at their end comes too
+            snaps = self.snaps[replica] if self.snaps is not None else None
+            snap = snaps.lookup(hashes[-1]) if snaps is not None else None
+            if snap is not None:
+                snaps.hold(snap)
+            else:
+                snap, new = (snaps.allocate() if snaps is not None else None), True
+                if snap is None:
+                    pool.free(have + fresh)
+                    return None
+        return Moved(replica, tuple(hashes), tuple(have + fresh), snap, len(have), new)
+
+    def commit(self, moved: Moved) -> None:
+        """The arrivals of :meth:`adopt` are written: register them, so that a prefix hit finds them (they
+        stay held until :meth:`unpin`, then cached)."""
+        r = moved.replica
+        self.blocks[r].register_hashes(list(moved.blocks), list(moved.hashes))
+        if moved.new_snapshot:  # (False when another snapshot has the key: this one goes back free on unpin)
+            self.snaps[r].register(moved.snapshot, moved.hashes[-1])
+
+    def unpin(self, moved: Moved) -> None:
+        """Let go of what :meth:`pin` or :meth:`adopt` held (unregistered arrivals become free)."""
+        self.blocks[moved.replica].free(list(moved.blocks))
+        if moved.snapshot is not None:
+            self.snaps[moved.replica].release(moved.snapshot)
 
     # ---- status ----------------------------------------------------------------------------
     def status(self, replica: int) -> dict:

@@ -430,7 +430,8 @@ class Scheduler:
         huge weight is least-loaded placement. Without prefix caching every hit is 0: least
         loaded."""
         best, best_key = None, None
-        for r in range(self.num_replicas):
+        where = [seq.home] if seq.home is not None and seq.home < self.num_replicas else range(self.num_replicas)
+        for r in where:  # (a sequence whose prompt's blocks were sent to one replica waits for room there)
             if not self.cache.has_free_slot(r):
                 continue
             hit = self.cache.hit(seq, r)
@@ -448,6 +449,7 @@ class Scheduler:
         slot = self.cache.admit(seq, replica, hit)
         self.admitted[replica] = self.admitted.get(replica, 0) + 1
         seq.replica, seq.block_table, seq.num_cached, seq.reset_state_next = replica, list(hit.blocks), hit.tokens, True
+        seq.home = None  # (a later re-admission, after its replica's loss, goes wherever placement likes)
         self._loads[replica] += 1
         if seq.num_hit is None:
             seq.num_hit = hit.tokens

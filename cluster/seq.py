@@ -38,3 +38,4 @@ class Seq(Sequence):
     is_refresh: bool = False  # a refresh of a finished sequence's cache (no request, never samples)
     reset_state_next: bool = False  # its next chunk is its first on its replica: zero or restore its KDA state
     cache: CacheHold = field(default_factory=CacheHold)  # its standing with the prefix cache (the cache's)
+    home: int | None = None  # the replica its first admission must take (its prompt's blocks were sent there: cluster/pd.py)

@@ -23,6 +23,7 @@ class EngineRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams  # the actors sample with it; the scheduler stops at its limits
     cache_salt: str | None = None  # its cached blocks are shared only with requests of the same salt
+    replica: int | None = None  # admitted on this attention replica (prefill/decode disaggregation sent its blocks there)
 
 
 @dataclass(frozen=True)
