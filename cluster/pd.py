@@ -1,0 +1,247 @@
+"""Prefill/decode disaggregation: a prefill engine computes a long prompt's cache, a decode engine
+decodes it (docs/architecture.md, "Prefill/decode disaggregation").
+
+:class:`Disaggregated` coordinates two :class:`~cluster.engine.Engine` s serving one model. Each
+request goes to the decode engine; what decides its route (:meth:`Disaggregated.route`) is how much of
+its prompt the decode engine would have to compute itself — the prompt less the longest prefix its own
+prefix cache holds on any replica:
+
+- at least ``min_uncached_tokens`` (selective PD): the prefill engine computes the prompt's full blocks
+  up to the deepest point a prefix hit can reach (its own prefix cache serving what it has seen), the
+  blocks — MLA latents of every layer, and on hybrid models the KDA state snapshot at their end — cross
+  once, as one :class:`~cluster.kv_transfer.KVBlocks`, to the decode replica the request will run on, are
+  checked there (fingerprint, shapes, checksum) and enter that replica's prefix cache, registered under
+  the same chained hashes; the decode engine then admits the request as a prefix hit and computes only
+  the rest (less than a block, or a snapshot-grid step on hybrid models: at least the last prompt token,
+  whose logits give the first token — sampled where the stream's sampling state lives);
+- otherwise (``local``): the decode engine prefills it as a single engine does.
+
+Exactly what a single engine with a warm prefix cache computes, so the tokens are the single process's
+(tests/cluster/test_pd.py). A transfer that fails — the prefill engine lost the blocks, the blocks do not
+fit (a :class:`~cluster.kv_transfer.TransferError`), no room on decode — is counted by reason and the
+request prefilled on decode: slower, never wrong.
+
+Accounting: the prefill engine's blocks are held under a lease (:class:`Leases`) from when they are read
+until the decode engine has them (or the lease expires), and the decode engine's arrivals are held until
+their request is admitted; both counts return to 0 when nothing is in flight (:meth:`Disaggregated.status`).
+
+Owns: the routes, the transfers, the leases. Never: schedules a step of either engine, or touches a
+cache's tensors or its pools directly (the engines' executors and prefix caches do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from model.sampling import SamplingParams
+
+from .engine import Engine
+from .kv_transfer import Fingerprint, KVBlocks, TransferError, fingerprint, mismatch
+from .prefix_cache import Moved
+from .seq import Seq
+
+ROUTES = ("pd", "local")
+
+
+@dataclass
+class Route:
+    """How one request was served."""
+
+    kind: str  # "pd" (its prompt's blocks came from the prefill engine) or "local"
+    reason: str  # why, in words (a failed transfer's error among them)
+    tokens: int = 0  # prompt tokens whose blocks crossed
+    nbytes: int = 0  # their bytes
+    written: int = 0  # prompt tokens whose blocks were written on decode (the rest it cached already)
+    hit: int | None = None  # prompt tokens the decode engine found cached when it admitted the request
+
+
+@dataclass
+class Lease:
+    """Blocks the prefill engine holds for a transfer, until the decode engine has them or ``expires``."""
+
+    moved: Moved
+    expires: float
+
+
+class Leases:
+    """The prefill engine's holds for transfers in flight: granted when its blocks are pinned, ended when the
+    decode engine acknowledges them, on a failure, or past their time (:meth:`expire`)."""
+
+    def __init__(self, engine: Engine, lease_s: float, clock=time.monotonic):
+        self.cache, self.lease_s, self.clock = engine.scheduler.cache, lease_s, clock
+        self.live: list[Lease] = []
+        self.expired = 0
+
+    def grant(self, moved: Moved) -> Lease:
+        lease = Lease(moved, self.clock() + self.lease_s)
+        self.live.append(lease)
+        return lease
+
+    def end(self, lease: Lease) -> None:
+        """Let the lease's blocks go (idempotent: an expired lease was let go already)."""
+        if lease in self.live:
+            self.live.remove(lease)
+            self.cache.unpin(lease.moved)
+
+    def expire(self) -> int:
+        """End every lease past its time; returns how many."""
+        now = self.clock()
+        late = [lease for lease in self.live if lease.expires <= now]
+        for lease in late:
+            self.end(lease)
+        self.expired += len(late)
+        return len(late)
+
+    @property
+    def blocks_held(self) -> int:
+        return sum(len(lease.moved.blocks) for lease in self.live)
+
+
+class Disaggregated:
+    """A prefill engine and a decode engine serving one model (see the module docstring). Both must be
+    started, cache prefixes, and share the model, dtype, block size and MTP setting."""
+
+    def __init__(self, prefill: Engine, decode: Engine, *, min_uncached_tokens: int = 256, lease_s: float = 30.0,
+                 clock=time.monotonic):
+        if min_uncached_tokens < 1:
+            raise ValueError(f"min_uncached_tokens must be >= 1, got {min_uncached_tokens}")
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        for name, eng in (("prefill", prefill), ("decode", decode)):
+            if not eng.config.cache.prefix_caching:
+                raise ValueError(f"the {name} engine must cache prefixes (prefix_caching: true): the blocks that "
+                                 "cross are found and kept by their prefix hashes")
+        self.prefill, self.decode = prefill, decode
+        self.fp = {name: self._fingerprint(eng) for name, eng in (("prefill", prefill), ("decode", decode))}
+        problem = mismatch(self.fp["prefill"], self.fp["decode"])
+        if problem:
+            raise ValueError(f"the prefill and decode engines must serve the same cache layout: {problem}")
+        self.min_uncached_tokens = min_uncached_tokens
+        self.leases = Leases(prefill, lease_s, clock)
+        self.arrived: list[Moved] = []  # decode-side arrivals held until their requests are admitted
+        self.routes: Counter = Counter()
+        self.failures: Counter = Counter()  # failed transfers by reason (the kind of error)
+        self.bytes_moved = 0
+        self.transfer_s = 0.0
+
+    @staticmethod
+    def _fingerprint(eng: Engine) -> Fingerprint:
+        c = eng.config
+        return fingerprint(eng.model_cfg, c.dtype, c.cache.block_size, c.mtp)
+
+    # ---- routes ----------------------------------------------------------------------------
+    def route(self, prompt: list[int], salt: str | None = None, planned: Counter | None = None) -> tuple[Route, int, int]:
+        """(the route, the prompt tokens whose blocks would cross, the decode replica they would go to: the
+        scheduler's placement rule, counting ``planned`` requests per replica as load too)."""
+        cache = self.decode.scheduler.cache
+        cut = cache.deepest(len(prompt))
+        hits = cache.probe(prompt, salt)
+        sched, planned = self.decode.scheduler, planned or Counter()
+        load = [sched.load(r) + planned[r] for r in range(len(hits))]
+        replica = max(range(len(hits)), key=lambda r: (hits[r].tokens - sched.load_weight * load[r], -load[r],
+                                                       cache.blocks[r].num_available))
+        uncached = len(prompt) - hits[replica].tokens
+        if uncached < self.min_uncached_tokens or cut <= hits[replica].tokens:
+            return Route("local", f"{uncached} uncached prompt tokens < {self.min_uncached_tokens}"
+                         if uncached < self.min_uncached_tokens else "the decode engine caches every full block"), 0, replica
+        return Route("pd", f"{uncached} uncached prompt tokens >= {self.min_uncached_tokens}", cut), cut, replica
+
+    # ---- serving ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 cache_salt: str | None = None) -> tuple[list[Seq], list[Route]]:
+        """Serve ``prompts`` (every engine idle before and after); returns the decode engine's finished
+        sequences and each request's :class:`Route`."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        for p, sp in zip(prompts, plist):
+            self.decode.validate(p, sp)  # a request refused here takes nothing on either engine
+        self.leases.expire()
+        planned: Counter = Counter()
+        plan = []
+        for p in prompts:
+            plan.append(self.route(p, cache_salt, planned))
+            planned[plan[-1][2]] += 1
+        pd = [i for i, (r, _, _) in enumerate(plan) if r.kind == "pd"]
+        if pd:
+            # the prompt's full blocks up to the cut, plus one token (a prefill samples one; it is not used)
+            self.prefill.generate([prompts[i][: plan[i][1] + 1] for i in pd],
+                                         SamplingParams(max_tokens=1), cache_salt)
+            for i in pd:
+                route, cut, replica = plan[i]
+                try:
+                    route.nbytes, route.written = self._move(prompts[i], cache_salt, cut, replica)
+                except (TransferError, LookupError, MemoryError) as e:
+                    self.failures[type(e).__name__] += 1
+                    plan[i] = (Route("local", f"transfer failed: {e}"), 0, replica)
+        try:
+            ids = [self.decode.add_request(p, sp, cache_salt, replica=replica if route.kind == "pd" else None)
+                   for p, sp, (route, _, replica) in zip(prompts, plist, plan)]
+            while self.decode.busy:
+                self.decode.pipelined()
+            seqs = [self.decode.release(i).seq for i in ids]
+        finally:
+            for moved in self.arrived:  # admitted (or gone): the arrivals are the decode engine's cache now
+                self.decode.scheduler.cache.unpin(moved)
+            self.arrived = []
+        routes = [r for r, _, _ in plan]
+        for route, seq in zip(routes, seqs):
+            route.hit = seq.num_hit
+            self.routes[route.kind] += 1
+        return seqs, routes
+
+    def _move(self, prompt: list[int], salt: str | None, cut: int, dst: int) -> tuple[int, int]:
+        """The blocks of ``prompt``'s first ``cut`` tokens from the prefill engine (the replica that holds them)
+        into the decode engine's replica ``dst``; returns (their bytes, the tokens written there). Raises LookupError (the prefill engine
+        no longer holds them), TransferError (they do not fit), MemoryError (no room on decode)."""
+        t0 = time.perf_counter()
+        cache = self.prefill.scheduler.cache
+        hashes = cache.chain_of(prompt, salt, cut)
+        moved = next((m for m in (cache.pin(r, hashes) for r in range(len(cache.blocks))) if m is not None), None)
+        if moved is None:
+            raise LookupError(f"the prefill engine no longer holds the {len(hashes)} blocks of the prompt")
+        lease = self.leases.grant(moved)
+        try:
+            parts = self.prefill.executor.read_blocks(moved.replica, list(moved.blocks), moved.snapshot)
+            kv = KVBlocks.of(self.fp["prefill"], hashes, parts)
+            written = self.receive(kv, dst)
+        finally:
+            self.leases.end(lease)  # acknowledged, or failed: the prefill engine lets go either way
+        self.bytes_moved += kv.nbytes
+        self.transfer_s += time.perf_counter() - t0
+        return kv.nbytes, written
+
+    def receive(self, kv: KVBlocks, replica: int) -> int:
+        """Check ``kv`` and write it into the decode engine's replica ``replica``, registered in its prefix
+        cache and held until the request is admitted (the blocks it caches already are not written again);
+        returns the tokens written. Between steps only (nothing in flight)."""
+        if self.decode.inflight:
+            raise RuntimeError("blocks are written into the decode engine between its steps only")
+        kv.check(self.fp["decode"])
+        cache = self.decode.scheduler.cache
+        moved = cache.adopt(replica, list(kv.hashes))
+        if moved is None:
+            raise MemoryError(f"no room on decode replica {replica} for {len(kv.hashes)} blocks")
+        try:
+            parts = {}
+            if "latent" in kv.parts:
+                parts["latent"] = kv.parts["latent"][:, moved.fresh:]
+            snapshot = moved.snapshot if moved.new_snapshot else None
+            if snapshot is not None:
+                parts["conv"], parts["recurrent"] = kv.parts["conv"], kv.parts["recurrent"]
+            self.decode.executor.write_blocks(replica, list(moved.blocks[moved.fresh:]), snapshot, parts)
+            cache.commit(moved)
+        except BaseException:
+            cache.unpin(moved)  # unwritten arrivals go back free, unregistered
+            raise
+        self.arrived.append(moved)
+        return (len(moved.blocks) - moved.fresh) * kv.fingerprint.block_size
+
+    # ---- status ----------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Routes taken, transfers (bytes, seconds, failures by reason), and what is held for them now: the
+        prefill engine's leased blocks and the decode engine's arrivals not yet admitted (0 when idle)."""
+        return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
+                "transfer_s": self.transfer_s, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
+                "prefill_blocks_leased": self.leases.blocks_held,
+                "decode_blocks_arriving": sum(len(m.blocks) for m in self.arrived)}

@@ -1,0 +1,193 @@
+"""Prefill/decode disaggregation (cluster/pd.py) between two real engines in this process (the in-process
+executor: real AttentionWorkers, caches and prefix caches, no Ray): the single process's greedy and seeded
+tokens on K2, K3 (the KDA state crosses with the latents) and DeepSeek-V3; both routes taken, and the
+decode engine admitting every transferred prompt as a hit of exactly what crossed; prefix hits on both
+sides; a transfer refused or lost costs a local prefill, never a token; nothing stays held; and every
+field of a transfer that does not fit is named when it is refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import single
+from cluster.config import EngineConfig
+from cluster.engine import Engine
+from cluster.inprocess import InProcessExecutor
+from cluster.kv_transfer import KVBlocks, TransferError, fingerprint
+from cluster.pd import Disaggregated
+from cluster.spec import ClusterSpec
+from model.config import load_config
+from model.sampling import SamplingParams
+from tests.presets import preset
+
+pytestmark = pytest.mark.ray_queue
+
+MODELS = ("kimi-k2-tiny", "kimi-k3-tiny", "deepseek-v3-tiny")
+MIN_UNCACHED = 32
+
+
+def engine(path, attention, **knobs) -> Engine:
+    knobs = dict(num_blocks=96, block_size=16, prefix_caching=True, max_tokens_per_step=64) | knobs
+    cfg = EngineConfig.of(path, **knobs)
+    spec = ClusterSpec(attention=attention, experts=1)
+    return Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))).start()
+
+
+def pair(path, prefill=1, decode=2, **kw) -> Disaggregated:
+    return Disaggregated(engine(path, prefill), engine(path, decode), min_uncached_tokens=MIN_UNCACHED, **kw)
+
+
+def turn(seed):
+    """Three prompts on one 100-token head (past K3's 64-token snapshot grid), two short ones (local), two
+    long ones of their own."""
+    head = single.prompts(1, 100, 101, seed=100)[0]
+    return ([head + p for p in single.prompts(3, 4, 40, seed=seed)] + single.prompts(2, 3, 20, seed=seed + 1)
+            + single.prompts(2, 130, 150, seed=seed + 2))
+
+
+def idle(pd: Disaggregated) -> None:
+    """Nothing held for a transfer, and no block or snapshot held on either engine."""
+    s = pd.status()
+    assert (s["leases"], s["prefill_blocks_leased"], s["decode_blocks_arriving"]) == (0, 0, 0), s
+    for eng in (pd.prefill, pd.decode):
+        for r in range(len(eng.scheduler.cache.blocks)):
+            st = eng.scheduler.cache.status(r)
+            assert (st["blocks_held"], st["snapshots_held"]) == (0, 0), st
+
+
+@pytest.fixture(scope="module")
+def paths():
+    return {name: str(preset(name, seed=2, dtype="float32")) for name in MODELS}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_pd_gives_the_single_process_tokens_by_both_routes(paths, name):
+    path = paths[name]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
+    first, second = turn(1), turn(4)
+    params = [greedy if i % 2 else seeded for i in range(len(first))]
+    want = [single.alone(path, [p], sp)[0] for ps in (first, second) for p, sp in zip(ps, params)]
+    pd = pair(path)
+    try:
+        got, routes = [], []
+        for ps in (first, second):
+            seqs, rs = pd.generate(ps, params)
+            got += [s.output_ids for s in seqs]
+            routes += rs
+            idle(pd)
+        assert got == want
+        kinds = [r.kind for r in routes]
+        assert kinds[:7] == ["pd"] * 3 + ["local"] * 2 + ["pd"] * 2, [r.reason for r in routes]
+        for r, p in zip(routes, first + second):
+            if r.kind == "pd":  # admitted on decode as a hit of exactly what crossed: nothing computed twice
+                assert r.hit == r.tokens == pd.decode.scheduler.cache.deepest(len(p)) > 0 and r.nbytes > 0
+            else:
+                assert r.tokens == 0 and "uncached" in r.reason or "caches every" in r.reason
+        # prefix hits on both sides: the second turn's head was cached by the prefill engine (its own prefix
+        # cache) and, on decode, where the first turn's head went — those blocks were not written again
+        assert sum(pd.prefill.scheduler.cache.hits.values()) >= 2 * 96
+        assert any(r.kind == "pd" and r.written < r.tokens for r in routes[7:])
+        assert pd.status()["routes"] == {"pd": kinds.count("pd"), "local": kinds.count("local")}
+    finally:
+        pd.prefill.shutdown()
+        pd.decode.shutdown()
+
+
+def test_a_transfer_refused_or_lost_is_prefilled_on_decode(paths, monkeypatch):
+    path = paths["kimi-k2-tiny"]
+    ps, sp = turn(1), SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [single.alone(path, [p], sp)[0] for p in ps]
+    pd = pair(path, decode=1)
+    receive = pd.receive
+
+    def corrupted(kv, replica):  # one byte of the latent flipped in transit
+        kv.parts["latent"].view(-1).view(torch.uint8)[5] ^= 0x40
+        return receive(kv, replica)
+
+    try:
+        monkeypatch.setattr(pd, "receive", corrupted)
+        seqs, routes = pd.generate(ps[:3], sp)
+        assert [s.output_ids for s in seqs] == want[:3]
+        assert [r.kind for r in routes] == ["local"] * 3 and all("checksum" in r.reason for r in routes)
+        assert pd.status()["failures"] == {"TransferError": 3}
+        idle(pd)
+        monkeypatch.setattr(pd, "receive", receive)
+        # the prefill engine lost the blocks before they could be read (evicted under it): a local prefill
+        monkeypatch.setattr(pd.prefill.scheduler.cache, "pin", lambda replica, hashes: None)
+        seqs, routes = pd.generate(ps[5:], sp)
+        assert [s.output_ids for s in seqs] == want[5:]
+        assert [r.kind for r in routes] == ["local"] * 2 and all("no longer holds" in r.reason for r in routes)
+        assert pd.status()["failures"] == {"TransferError": 3, "LookupError": 2}
+        idle(pd)
+    finally:
+        pd.prefill.shutdown()
+        pd.decode.shutdown()
+
+
+def test_a_lease_not_acknowledged_expires(paths):
+    path = paths["kimi-k2-tiny"]
+    now = [0.0]
+    pd = pair(path, decode=1, lease_s=5.0, clock=lambda: now[0])
+    try:
+        ps = turn(1)[5:]
+        pd.generate(ps, SamplingParams(max_tokens=2))
+        cache = pd.prefill.scheduler.cache
+        moved = cache.pin(0, cache.chain_of(ps[0], None, cache.deepest(len(ps[0]))))
+        assert moved is not None and len(moved.blocks) == 8
+        pd.leases.grant(moved)  # read, and never acknowledged (the decode engine went away)
+        assert pd.status()["prefill_blocks_leased"] == cache.status(0)["blocks_held"] == 8
+        now[0] = 4.9
+        assert pd.leases.expire() == 0
+        now[0] = 5.0
+        assert pd.leases.expire() == 1
+        assert pd.status()["leases_expired"] == 1
+        idle(pd)
+    finally:
+        pd.prefill.shutdown()
+        pd.decode.shutdown()
+
+
+def test_engines_of_another_layout_are_refused(paths):
+    path = paths["kimi-k2-tiny"]
+    with pytest.raises(ValueError, match="block size: .* 32 tokens each, this engine's 16"):
+        Disaggregated(engine(path, 1, block_size=32), engine(path, 1))
+    with pytest.raises(ValueError, match="prefix_caching"):
+        Disaggregated(engine(path, 1), engine(path, 1, prefix_caching=False))
+
+
+def blocks_of(name, n=2, **fp_changes):
+    """A well-formed transfer of ``n`` blocks for model ``name`` (zeros), and the receiving fingerprint."""
+    cfg = load_config(str(preset(name, seed=2, dtype="float32")))
+    fp = fingerprint(cfg, "float32", 16, mtp=False)
+    parts = {"latent": torch.zeros(fp.latent[0], n, 16, fp.latent[1])}
+    if fp.conv is not None:
+        parts["conv"], parts["recurrent"] = torch.zeros(fp.conv), torch.zeros(fp.recurrent)
+    return KVBlocks.of(fp, [bytes([i]) * 16 for i in range(n)], parts), fp
+
+
+@pytest.mark.parametrize("what, change, message", [
+    ("block size", lambda kv, fp: (kv, replace(fp, block_size=32)), "block size: the blocks hold 16"),
+    ("dtype", lambda kv, fp: (kv, replace(fp, dtype="bfloat16")), "dtype: the blocks are float32"),
+    ("model", lambda kv, fp: (kv, replace(fp, model="0" * 32)), "model: the blocks come from another"),
+    ("mtp rows", lambda kv, fp: (kv, replace(fp, latent=(fp.latent[0] + 1, fp.latent[1]))),
+     "latent: the blocks' rows"),
+    ("latent shape", lambda kv, fp: (KVBlocks.of(kv.fingerprint, list(kv.hashes), {**kv.parts, "latent": kv.parts["latent"][:, :1]}), fp),
+     r"latent: shape \(\d+, 1, 16, \d+\), this engine's is"),
+    ("latent dtype", lambda kv, fp: (KVBlocks.of(kv.fingerprint, list(kv.hashes), {**kv.parts, "latent": kv.parts["latent"].double()}), fp),
+     "latent: dtype float64"),
+    ("kda state missing", lambda kv, fp: (KVBlocks.of(kv.fingerprint, list(kv.hashes), {"latent": kv.parts["latent"]}), fp),
+     "conv: missing"),
+    ("tokens", lambda kv, fp: (kv.__class__(kv.fingerprint, kv.hashes, 48, kv.parts, kv.crc), fp), "tokens: 2 blocks cover 32"),
+    ("checksum", lambda kv, fp: (kv.__class__(kv.fingerprint, kv.hashes, kv.tokens, kv.parts, kv.crc ^ 1), fp),
+     "checksum: the blocks' bytes changed"),
+])
+def test_a_transfer_that_does_not_fit_is_refused_naming_what(what, change, message):
+    kv, fp = blocks_of("kimi-k3-tiny")
+    kv.check(fp)  # well formed: accepted
+    bad, want = change(kv, fp)
+    with pytest.raises(TransferError, match=message):
+        bad.check(want)
