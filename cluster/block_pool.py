@@ -30,6 +30,7 @@ evicted — only which blocks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -63,6 +64,9 @@ class _FreeAndCached:
         return len(self._lru)
 
 
+_GENERATIONS = itertools.count()
+
+
 class BlockPool(_FreeAndCached):
     """Reference-counted cache blocks with an LRU of cached full blocks, keyed by chained hashes."""
 
@@ -80,6 +84,8 @@ class BlockPool(_FreeAndCached):
     def clear(self) -> None:
         """Forget every hold and every hash: the replica and its cache are gone. Block tables
         handed out before are void (freeing them raises). The counters keep counting."""
+        self.generation = next(_GENERATIONS)  # unique to this pool's life until the next clear(): a hold taken
+        # under another generation died with the replica (cluster/pd.py's transfers check it)
         self._ref = [0] * self.num_blocks
         # A held block's hash stays here as the chain memo even when another block owns the table
         # entry (a duplicate); a free block has None.

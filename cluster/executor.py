@@ -201,16 +201,23 @@ class RayExecutor:
     # ---- cached blocks ----------------------------------------------------------------------
     def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
         """A Ray call to the replica (the blocks come back through the object store), under the step timeout."""
-        import ray
-
-        ref = self.fleet.attention[replica].actor.read_blocks.remote(blocks, snapshot)
-        return ray.get(ref, timeout=self.config.faults.step_timeout_s)
+        return self._blocks_call(replica, "read_blocks", blocks, snapshot)
 
     def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+        self._blocks_call(replica, "write_blocks", blocks, snapshot, parts)
+
+    def _blocks_call(self, replica: int, method: str, *args):
+        """``method`` of attention replica ``replica`` through Ray, under the step timeout; a dead or silent
+        actor raises TransportError naming it."""
         import ray
 
-        ref = self.fleet.attention[replica].actor.write_blocks.remote(blocks, snapshot, parts)
-        ray.get(ref, timeout=self.config.faults.step_timeout_s)
+        from .kv_transfer import TransportError
+
+        member = self.fleet.attention[replica]
+        try:
+            return ray.get(getattr(member.actor, method).remote(*args), timeout=self.config.faults.step_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise TransportError(f"{method} on attention replica {replica} failed: {type(e).__name__}: {e}") from None
 
     # ---- operations ------------------------------------------------------------------------
     def kill(self, kind: str, index: int) -> str:

@@ -27,6 +27,10 @@ class TransferError(ValueError):
     """A transfer that does not fit the engine receiving it (the message names what differs)."""
 
 
+class TransportError(ConnectionError):
+    """Reading or writing a transfer's blocks failed (the actor holding them died or did not answer)."""
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """What two engines must share for one's cached blocks to mean the same in the other's cache."""

@@ -23,7 +23,10 @@ request prefilled on decode: slower, never wrong.
 
 Accounting: the prefill engine's blocks are held under a lease (:class:`Leases`) from when they are read
 until the decode engine has them (or the lease expires), and the decode engine's arrivals are held until
-their request is admitted; both counts return to 0 when nothing is in flight (:meth:`Disaggregated.status`).
+their request is queued — then cached, evictable like any cached block (held until admission, a request
+waiting for room on its replica could wait on blocks held for another: the fault harness found that
+deadlock); both counts return to 0 when nothing is in flight (:meth:`Disaggregated.status`). A request
+aborted at any point (its client gone, or past the deadline) lets go of everything it held.
 
 Owns: the routes, the transfers, the leases. Never: schedules a step of either engine, or touches a
 cache's tensors or its pools directly (the engines' executors and prefix caches do).
@@ -34,22 +37,27 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 from model.sampling import SamplingParams
 
 from .engine import Engine
-from .kv_transfer import Fingerprint, KVBlocks, TransferError, fingerprint, mismatch
+from .kv_transfer import Fingerprint, KVBlocks, TransferError, TransportError, fingerprint, mismatch
 from .prefix_cache import Moved
 from .seq import Seq
 
-ROUTES = ("pd", "local")
+ROUTES = ("pd", "local", "aborted")
+
+
+class LeaseExpired(LookupError):
+    """The prefill engine's lease on a transfer's blocks ran out before the decode engine had them."""
 
 
 @dataclass
 class Route:
     """How one request was served."""
 
-    kind: str  # "pd" (its prompt's blocks came from the prefill engine) or "local"
+    kind: str  # "pd" (its prompt's blocks came from the prefill engine), "local", or "aborted" (its client went away)
     reason: str  # why, in words (a failed transfer's error among them)
     tokens: int = 0  # prompt tokens whose blocks crossed
     nbytes: int = 0  # their bytes
@@ -120,11 +128,12 @@ class Disaggregated:
             raise ValueError(f"the prefill and decode engines must serve the same cache layout: {problem}")
         self.min_uncached_tokens = min_uncached_tokens
         self.leases = Leases(prefill, lease_s, clock)
-        self.arrived: list[Moved] = []  # decode-side arrivals held until their requests are admitted
+        self.arrived: dict[int, Moved] = {}  # decode-side arrivals, by request, held until it is queued
         self.routes: Counter = Counter()
         self.failures: Counter = Counter()  # failed transfers by reason (the kind of error)
         self.bytes_moved = 0
         self.transfer_s = 0.0
+        self.evicted = 0  # transfers evicted on decode before their request was admitted (room ran short)
 
     @staticmethod
     def _fingerprint(eng: Engine) -> Fingerprint:
@@ -150,12 +159,18 @@ class Disaggregated:
 
     # ---- serving ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 cache_salt: str | None = None) -> tuple[list[Seq], list[Route]]:
-        """Serve ``prompts`` (every engine idle before and after); returns the decode engine's finished
-        sequences and each request's :class:`Route`."""
+                 cache_salt: str | None = None, *, deadline_s: float = 600.0,
+                 aborted: Callable[[int], bool] | None = None) -> tuple[list[Seq | None], list[Route]]:
+        """Serve ``prompts`` (both engines idle before and after); returns the decode engine's finished
+        sequences and each request's :class:`Route`. ``aborted(i)``: request ``i``'s client went away
+        (asked before and after its transfer, and between the decode engine's steps): it ends where it is,
+        everything it held is let go, and its sequence is None. Past ``deadline_s`` every request still
+        running is aborted and TimeoutError raised (nothing stays held)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         for p, sp in zip(prompts, plist):
             self.decode.validate(p, sp)  # a request refused here takes nothing on either engine
+        deadline = time.monotonic() + deadline_s
+        gone = aborted or (lambda i: False)
         self.leases.expire()
         planned: Counter = Counter()
         plan = []
@@ -165,35 +180,76 @@ class Disaggregated:
         pd = [i for i, (r, _, _) in enumerate(plan) if r.kind == "pd"]
         if pd:
             # the prompt's full blocks up to the cut, plus one token (a prefill samples one; it is not used)
-            self.prefill.generate([prompts[i][: plan[i][1] + 1] for i in pd],
-                                         SamplingParams(max_tokens=1), cache_salt)
+            ids = [self.prefill.add_request(prompts[i][: plan[i][1] + 1], SamplingParams(max_tokens=1), cache_salt)
+                   for i in pd]
+            self._drain(self.prefill, ids, deadline)
             for i in pd:
-                route, cut, replica = plan[i]
-                try:
-                    route.nbytes, route.written = self._move(prompts[i], cache_salt, cut, replica)
-                except (TransferError, LookupError, MemoryError) as e:
-                    self.failures[type(e).__name__] += 1
-                    plan[i] = (Route("local", f"transfer failed: {e}"), 0, replica)
+                self._transfer(i, plan, prompts[i], cache_salt, gone)
         try:
-            ids = [self.decode.add_request(p, sp, cache_salt, replica=replica if route.kind == "pd" else None)
-                   for p, sp, (route, _, replica) in zip(prompts, plist, plan)]
-            while self.decode.busy:
-                self.decode.pipelined()
-            seqs = [self.decode.release(i).seq for i in ids]
+            ids = {i: self.decode.add_request(p, sp, cache_salt, replica=rep if route.kind == "pd" else None)
+                   for i, (p, sp, (route, _, rep)) in enumerate(zip(prompts, plist, plan)) if route.kind != "aborted"}
         finally:
-            for moved in self.arrived:  # admitted (or gone): the arrivals are the decode engine's cache now
+            # queued: the arrivals are the decode engine's cache now — cached, so that a replica short of room
+            # may evict them (held until admission, a request waiting for room could wait on its own blocks)
+            for moved in self.arrived.values():
                 self.decode.scheduler.cache.unpin(moved)
-            self.arrived = []
+            self.arrived = {}
+        done = self._drain(self.decode, list(ids.values()), deadline, {seq_id: i for i, seq_id in ids.items()}, gone)
+        seqs = [done.get(ids[i]) if i in ids else None for i in range(len(prompts))]
         routes = [r for r, _, _ in plan]
-        for route, seq in zip(routes, seqs):
-            route.hit = seq.num_hit
+        for i, (route, seq) in enumerate(zip(routes, seqs)):
+            if seq is None or seq.finish_reason == "abort":
+                route.kind, seqs[i] = "aborted", None
+            else:
+                route.hit = seq.num_hit
+                self.evicted += route.kind == "pd" and route.hit < route.tokens  # computed again on decode
             self.routes[route.kind] += 1
         return seqs, routes
 
-    def _move(self, prompt: list[int], salt: str | None, cut: int, dst: int) -> tuple[int, int]:
+    def _transfer(self, i: int, plan: list, prompt: list[int], salt: str | None, gone) -> None:
+        """Request ``i``'s blocks across (``plan[i]`` becomes its outcome): a failure leaves it local."""
+        route, cut, replica = plan[i]
+        if gone(i):
+            plan[i] = (Route("aborted", "the client went away before its transfer"), 0, replica)
+            return
+        try:
+            route.nbytes, route.written = self._move(i, prompt, salt, cut, replica)
+        except (TransferError, TransportError, LookupError, MemoryError) as e:
+            self.failures[type(e).__name__] += 1
+            plan[i] = (Route("local", f"transfer failed: {e}"), 0, replica)
+            return
+        if gone(i):  # after the blocks arrived: they stay cached on decode, the request is not queued
+            self.decode.scheduler.cache.unpin(self.arrived.pop(i))
+            plan[i] = (Route("aborted", "the client went away during its transfer"), 0, replica)
+
+    def _drain(self, eng: Engine, ids: list[int], deadline: float, index: dict | None = None, gone=None) -> dict:
+        """Run ``eng`` until it is idle; returns its finished sequences by id. Aborts a request whose
+        client went away (``gone(index[id])``), and every one still running past ``deadline``."""
+        while eng.busy:
+            late = time.monotonic() > deadline
+            for seq_id in ids:
+                if late or (gone is not None and gone(index[seq_id])):
+                    eng.abort(seq_id)
+            if late:
+                while eng.busy:  # the aborted requests' steps in flight come back and are dropped
+                    eng.pipelined()
+                for seq_id in ids:
+                    eng.release(seq_id)
+                raise TimeoutError(f"prefill/decode: {len(ids)} requests not done by their deadline (aborted)")
+            eng.pipelined()
+        out = {}
+        for seq_id in ids:
+            req = eng.release(seq_id)
+            if req is not None:
+                out[seq_id] = req.seq
+        return out
+
+    def _move(self, i: int, prompt: list[int], salt: str | None, cut: int, dst: int) -> tuple[int, int]:
         """The blocks of ``prompt``'s first ``cut`` tokens from the prefill engine (the replica that holds them)
-        into the decode engine's replica ``dst``; returns (their bytes, the tokens written there). Raises LookupError (the prefill engine
-        no longer holds them), TransferError (they do not fit), MemoryError (no room on decode)."""
+        into the decode engine's replica ``dst`` for request ``i``; returns (their bytes, the tokens written
+        there). Raises LookupError (the prefill engine no longer holds them, or their lease ran out),
+        TransportError (reading or writing them failed), TransferError (they do not fit), MemoryError (no
+        room on decode)."""
         t0 = time.perf_counter()
         cache = self.prefill.scheduler.cache
         hashes = cache.chain_of(prompt, salt, cut)
@@ -204,17 +260,20 @@ class Disaggregated:
         try:
             parts = self.prefill.executor.read_blocks(moved.replica, list(moved.blocks), moved.snapshot)
             kv = KVBlocks.of(self.fp["prefill"], hashes, parts)
-            written = self.receive(kv, dst)
+            if self.leases.expire() and lease.expires <= self.leases.clock():
+                raise LeaseExpired(f"the lease on the prompt's blocks ran out ({self.leases.lease_s:g} s) before "
+                                   "the decode engine had them")
+            written = self.receive(kv, dst, i)
         finally:
             self.leases.end(lease)  # acknowledged, or failed: the prefill engine lets go either way
         self.bytes_moved += kv.nbytes
         self.transfer_s += time.perf_counter() - t0
         return kv.nbytes, written
 
-    def receive(self, kv: KVBlocks, replica: int) -> int:
+    def receive(self, kv: KVBlocks, replica: int, key: int = 0) -> int:
         """Check ``kv`` and write it into the decode engine's replica ``replica``, registered in its prefix
-        cache and held until the request is admitted (the blocks it caches already are not written again);
-        returns the tokens written. Between steps only (nothing in flight)."""
+        cache and held (as ``self.arrived[key]``) until its request is queued (the blocks it caches already
+        are not written again); returns the tokens written. Between steps only (nothing in flight)."""
         if self.decode.inflight:
             raise RuntimeError("blocks are written into the decode engine between its steps only")
         kv.check(self.fp["decode"])
@@ -234,14 +293,14 @@ class Disaggregated:
         except BaseException:
             cache.unpin(moved)  # unwritten arrivals go back free, unregistered
             raise
-        self.arrived.append(moved)
+        self.arrived[key] = moved
         return (len(moved.blocks) - moved.fresh) * kv.fingerprint.block_size
 
     # ---- status ----------------------------------------------------------------------------
     def status(self) -> dict:
         """Routes taken, transfers (bytes, seconds, failures by reason), and what is held for them now: the
-        prefill engine's leased blocks and the decode engine's arrivals not yet admitted (0 when idle)."""
+        prefill engine's leased blocks and the decode engine's arrivals not yet queued (0 when idle)."""
         return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
-                "transfer_s": self.transfer_s, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
+                "transfer_s": self.transfer_s, "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
                 "prefill_blocks_leased": self.leases.blocks_held,
-                "decode_blocks_arriving": sum(len(m.blocks) for m in self.arrived)}
+                "decode_blocks_arriving": sum(len(m.blocks) for m in self.arrived.values())}

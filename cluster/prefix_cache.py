@@ -60,6 +60,7 @@ class Moved:
     snapshot: int | None = None  # hybrid models: the KDA snapshot at their end
     fresh: int = 0  # adopt: blocks[fresh:] are new (to write); blocks[:fresh] were cached here already
     new_snapshot: bool = False  # adopt: the snapshot is new (to write)
+    generation: int = 0  # the replica's pool generation when they were held (a later one: it died since)
 
 
 class PrefixCache:
@@ -379,7 +380,7 @@ class PrefixCache:
                 return None
             self.snaps[replica].hold(snap)
         self.blocks[replica].pin(blocks)
-        return Moved(replica, tuple(hashes), tuple(blocks), snap)
+        return Moved(replica, tuple(hashes), tuple(blocks), snap, generation=self.blocks[replica].generation)
 
     def adopt(self, replica: int, hashes: list[bytes]) -> Moved | None:
         """Room on ``replica`` for blocks arriving under ``hashes``: those already cached there are held, the
@@ -405,7 +406,7 @@ class PrefixCache:
                 if snap is None:
                     pool.free(have + fresh)
                     return None
-        return Moved(replica, tuple(hashes), tuple(have + fresh), snap, len(have), new)
+        return Moved(replica, tuple(hashes), tuple(have + fresh), snap, len(have), new, pool.generation)
 
     def commit(self, moved: Moved) -> None:
         """The arrivals of :meth:`adopt` are written: register them, so that a prefix hit finds them (they
@@ -416,7 +417,10 @@ class PrefixCache:
             self.snaps[r].register(moved.snapshot, moved.hashes[-1])
 
     def unpin(self, moved: Moved) -> None:
-        """Let go of what :meth:`pin` or :meth:`adopt` held (unregistered arrivals become free)."""
+        """Let go of what :meth:`pin` or :meth:`adopt` held (unregistered arrivals become free) — nothing
+        when the replica died since (its pools were emptied: :meth:`forget`; or removed)."""
+        if moved.replica >= len(self.blocks) or self.blocks[moved.replica].generation != moved.generation:
+            return
         self.blocks[moved.replica].free(list(moved.blocks))
         if moved.snapshot is not None:
             self.snaps[moved.replica].release(moved.snapshot)

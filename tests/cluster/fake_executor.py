@@ -115,6 +115,46 @@ class FakeReplica:
                 self.snapshots[c.snapshot] = self.state[c.state_slot]
         return out
 
+    # ---- cached blocks (prefill/decode disaggregation) ------------------------------------------
+    def read_blocks(self, blocks: list[int], snapshot: int | None, layout) -> dict:
+        """What ``blocks`` (and ``snapshot``) hold, in the real transfer's tensors (``layout``: the
+        engine's :class:`~cluster.kv_transfer.Fingerprint`): each slot's (position, token, hash) as three
+        int64 in the first six float32 lanes of the first latent row (position -1: never written), the
+        snapshot's folded state in the first two lanes of the recurrent state — bit patterns, copied
+        exactly."""
+        import torch
+
+        bs = self.block_size
+        rows = torch.full((len(blocks), bs, 3), -1, dtype=torch.int64)
+        for i, b in enumerate(blocks):
+            for j in range(bs):
+                entry = self.cache.get(b * bs + j)
+                if entry is not None:
+                    rows[i, j] = torch.tensor(entry, dtype=torch.int64)
+        latent = torch.zeros(layout.latent[0], len(blocks), bs, layout.latent[1])
+        latent[0, :, :, :6] = rows.view(torch.float32)
+        parts = {"latent": latent}
+        if snapshot is not None:
+            recurrent = torch.zeros(layout.recurrent)
+            recurrent.view(-1)[:2] = torch.tensor([self.snapshots[snapshot]], dtype=torch.int64).view(torch.float32)
+            parts["conv"], parts["recurrent"] = torch.zeros(layout.conv), recurrent
+        return parts
+
+    def write_blocks(self, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+        import torch
+
+        bs = self.block_size
+        rows = parts["latent"][0, :, :, :6].contiguous().view(torch.int64).tolist()  # [n, bs, 3]
+        for i, b in enumerate(blocks):
+            for j in range(bs):
+                pos, token, h = rows[i][j]
+                if pos < 0:
+                    self.cache.pop(b * bs + j, None)
+                else:
+                    self.cache[b * bs + j] = (pos, token, h)
+        if snapshot is not None:
+            self.snapshots[snapshot] = int(parts["recurrent"].reshape(-1)[:2].contiguous().view(torch.int64)[0])
+
     def _read(self, chunk, n: int) -> list[int]:
         """The first ``n`` tokens of ``chunk``'s sequence as its cache holds them; each position's
         content must continue the prefix read so far."""
@@ -181,6 +221,31 @@ class FakeExecutor:
     def fail_next(self, count: int, *dead: tuple[str, int]) -> None:
         """The next ``count`` steps collected fail as :meth:`fail_step` says."""
         self.failing = (count, list(dead))
+
+    # ---- cached blocks (prefill/decode disaggregation) ------------------------------------------
+    layout = None  # the engine's kv_transfer.Fingerprint (set by the test): the shapes blocks travel in
+    fail_reads = 0  # this many read_blocks calls fail (the replica holding the blocks died mid-transfer)
+    fail_writes = 0  # this many write_blocks calls fail (the transport broke)
+    on_read = None  # called after each read (a test's clock moves here)
+
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
+        from cluster.kv_transfer import TransportError
+
+        if self.fail_reads:
+            self.fail_reads -= 1
+            raise TransportError(f"read_blocks on attention replica {replica} failed: it died")
+        parts = self.replicas[replica].read_blocks(blocks, snapshot, self.layout)
+        if self.on_read is not None:
+            self.on_read()
+        return parts
+
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+        from cluster.kv_transfer import TransportError
+
+        if self.fail_writes:
+            self.fail_writes -= 1
+            raise TransportError(f"write_blocks on attention replica {replica} failed: the connection broke")
+        self.replicas[replica].write_blocks(blocks, snapshot, parts)
 
     # ---- the step ------------------------------------------------------------------------------
     def launch(self, reqs: list[StepRequest], expert_req: ExpertStep) -> list:

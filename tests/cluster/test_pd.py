@@ -104,9 +104,9 @@ def test_a_transfer_refused_or_lost_is_prefilled_on_decode(paths, monkeypatch):
     pd = pair(path, decode=1)
     receive = pd.receive
 
-    def corrupted(kv, replica):  # one byte of the latent flipped in transit
+    def corrupted(kv, replica, key=0):  # one byte of the latent flipped in transit
         kv.parts["latent"].view(-1).view(torch.uint8)[5] ^= 0x40
-        return receive(kv, replica)
+        return receive(kv, replica, key)
 
     try:
         monkeypatch.setattr(pd, "receive", corrupted)
