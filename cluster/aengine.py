@@ -44,10 +44,12 @@ class _Add:
 
 @dataclass(frozen=True)
 class _Call:
-    """Inbox: run ``fn(engine)`` between steps; its result or exception goes to ``future``."""
+    """Inbox: run ``fn(engine)`` between steps (``settled``: with no step in flight); its result or exception
+    goes to ``future``."""
 
     fn: Callable
     future: concurrent.futures.Future
+    settled: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moeray-engine", daemon=True)
         self.error: BaseException | None = None
+        self._settled: list[_Call] = []  # control calls waiting for the steps in flight to finish
 
     def start(self) -> "AsyncEngine":
         self._thread.start()
@@ -162,16 +165,18 @@ class AsyncEngine:
         for r in requests:
             self.engine.validate(list(r.prompt_ids), r.params)
 
-    def control(self, fn: Callable[[Engine], object], *, even_if_unavailable: bool = False
-                ) -> concurrent.futures.Future:
+    def control(self, fn: Callable[[Engine], object], *, even_if_unavailable: bool = False,
+                settled: bool = False) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread at the next step boundary; the future holds its
         result or its exception (which does not stop the engine). ``even_if_unavailable``: also while
-        the engine waits for capacity or has failed (status, chaos), as long as its thread runs."""
+        the engine waits for capacity or has failed (status, chaos), as long as its thread runs.
+        ``settled``: once the steps in flight are finished and their tokens delivered (no step sent
+        ahead: :meth:`Engine.settle`), as writing cache blocks from outside needs."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if not (self._thread.is_alive() if even_if_unavailable else self.healthy):
             fut.set_exception(RuntimeError(f"engine is not running: {self.error}"))
             return fut
-        self._inbox.put(_Call(fn, fut))
+        self._inbox.put(_Call(fn, fut, settled))
         return fut
 
     async def change(self, begin: Callable[[Engine], Transition], timeout_s: float) -> EpochChange:
@@ -201,6 +206,9 @@ class AsyncEngine:
                 if self.unavailable is not None:
                     self._heal()
                     continue
+                if self._settled:
+                    self._run_settled()
+                    continue
                 if not engine.busy:
                     engine.advance()  # an epoch change can happen while idle too
                     continue
@@ -226,6 +234,24 @@ class AsyncEngine:
                 self.error = e
                 self._fail_all(e)
 
+    def _run_settled(self) -> None:
+        """Finish the steps in flight (their tokens delivered), then run the settled control calls."""
+        calls, self._settled = self._settled, []
+        try:
+            for ev in self.engine.settle():
+                self._deliver(ev)
+        except BaseException as e:  # the loop handles the failure; the calls are answered with it
+            for call in calls:
+                if call.future.set_running_or_notify_cancel():
+                    call.future.set_exception(e)
+            raise
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                try:
+                    call.future.set_result(call.fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's
+                    call.future.set_exception(e)
+
     def _heal(self) -> None:
         if time.monotonic() < self._next_heal:
             return
@@ -234,7 +260,12 @@ class AsyncEngine:
         self.unavailable = None
 
     def _fail_all(self, err: BaseException) -> None:
-        """Every open request (running or queued) ends with ``err``; the scheduler is emptied."""
+        """Every open request (running or queued) ends with ``err``; the scheduler is emptied; control calls
+        waiting for a settled boundary get ``err`` too."""
+        calls, self._settled = self._settled, []
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(err)
         for seq_id, stream in list(self._streams.items()):
             stream.push(err)
             self.engine.abort(seq_id)
@@ -261,7 +292,9 @@ class AsyncEngine:
             # a call whose caller stopped waiting (a control route that answered 503 at its timeout
             # cancels it) is not run: the caller was told it did not happen. Once running it cannot be
             # cancelled, so answering it cannot raise (an InvalidStateError here ended the thread)
-            if item.future.set_running_or_notify_cancel():
+            if item.settled:  # run by the loop, where a step failure while settling is handled as any other
+                self._settled.append(item)
+            elif item.future.set_running_or_notify_cancel():
                 try:
                     result = item.fn(self.engine)
                 except BaseException as e:  # noqa: BLE001 — the caller's error, not the engine's

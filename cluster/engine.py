@@ -230,6 +230,15 @@ class Engine:
         self._record()
         return events
 
+    def settle(self) -> list[StreamChunk]:
+        """Finish every step in flight, launching none: a boundary where the actors run nothing the engine
+        sent (cache blocks may be written from outside: cluster/pd.py). Returns the finished steps' events."""
+        events = []
+        while self.inflight:
+            events += self.finish()
+            self._record()
+        return events
+
     def launch(self) -> Launched | None:
         """Schedule the next step and send it to the actors; None when there is nothing to run.
         Nothing may be in flight (a step boundary: an epoch change whose actors are ready happens

@@ -34,6 +34,7 @@ cache's tensors or its pools directly (the engines' executors and prefix caches 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -51,6 +52,11 @@ ROUTES = ("pd", "local", "aborted")
 
 class LeaseExpired(LookupError):
     """The prefill engine's lease on a transfer's blocks ran out before the decode engine had them."""
+
+
+# a transfer's failures, each a local prefill: lost blocks or an expired lease, a broken read or write, blocks
+# that do not fit, no room on decode
+FAILURES = (LookupError, TransportError, TransferError, MemoryError)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class Lease:
 
     moved: Moved
     expires: float
+    key: int | None = None  # the request's (the async front ends a lease by it: cluster/apd.py)
 
 
 class Leases:
@@ -82,10 +89,15 @@ class Leases:
         self.live: list[Lease] = []
         self.expired = 0
 
-    def grant(self, moved: Moved) -> Lease:
-        lease = Lease(moved, self.clock() + self.lease_s)
+    def grant(self, moved: Moved, key: int | None = None) -> Lease:
+        lease = Lease(moved, self.clock() + self.lease_s, key)
         self.live.append(lease)
         return lease
+
+    def end_key(self, key: int) -> None:
+        """End request ``key``'s lease, if it holds one."""
+        for lease in [lease for lease in self.live if lease.key == key]:
+            self.end(lease)
 
     def end(self, lease: Lease) -> None:
         """Let the lease's blocks go (idempotent: an expired lease was let go already)."""
@@ -134,6 +146,7 @@ class Disaggregated:
         self.bytes_moved = 0
         self.transfer_s = 0.0
         self.evicted = 0  # transfers evicted on decode before their request was admitted (room ran short)
+        self._lock = threading.Lock()  # the counters: the async front (cluster/apd.py) counts from two engine threads
 
     @staticmethod
     def _fingerprint(eng: Engine) -> Fingerprint:
@@ -200,11 +213,15 @@ class Disaggregated:
         for i, (route, seq) in enumerate(zip(routes, seqs)):
             if seq is None or seq.finish_reason == "abort":
                 route.kind, seqs[i] = "aborted", None
-            else:
-                route.hit = seq.num_hit
-                self.evicted += route.kind == "pd" and route.hit < route.tokens  # computed again on decode
-            self.routes[route.kind] += 1
+            self.finished(route, seq.num_hit if seqs[i] is not None else None)
         return seqs, routes
+
+    def finished(self, route: Route, hit: int | None) -> None:
+        """Count a request's route once it ended (``hit``: the prompt tokens decode found cached)."""
+        with self._lock:
+            route.hit = hit
+            self.evicted += route.kind == "pd" and (hit or 0) < route.tokens  # computed again on decode
+            self.routes[route.kind] += 1
 
     def _transfer(self, i: int, plan: list, prompt: list[int], salt: str | None, gone) -> None:
         """Request ``i``'s blocks across (``plan[i]`` becomes its outcome): a failure leaves it local."""
@@ -214,12 +231,11 @@ class Disaggregated:
             return
         try:
             route.nbytes, route.written = self._move(i, prompt, salt, cut, replica)
-        except (TransferError, TransportError, LookupError, MemoryError) as e:
-            self.failures[type(e).__name__] += 1
+        except FAILURES as e:
             plan[i] = (Route("local", f"transfer failed: {e}"), 0, replica)
             return
         if gone(i):  # after the blocks arrived: they stay cached on decode, the request is not queued
-            self.decode.scheduler.cache.unpin(self.arrived.pop(i))
+            self.release_arrival(i)
             plan[i] = (Route("aborted", "the client went away during its transfer"), 0, replica)
 
     def _drain(self, eng: Engine, ids: list[int], deadline: float, index: dict | None = None, gone=None) -> dict:
@@ -251,24 +267,60 @@ class Disaggregated:
         TransportError (reading or writing them failed), TransferError (they do not fit), MemoryError (no
         room on decode)."""
         t0 = time.perf_counter()
+        lease, kv = self.read(prompt, salt, cut, i)
+        try:
+            written = self.accept(kv, dst, i, lease)
+        finally:
+            self.leases.end(lease)  # acknowledged, or failed: the prefill engine lets go either way
+            self.leases.expire()
+        self.transfer_s += time.perf_counter() - t0
+        return kv.nbytes, written
+
+    def read(self, prompt: list[int], salt: str | None, cut: int, key: int | None = None) -> tuple[Lease, KVBlocks]:
+        """On the prefill engine's side (its thread): pin the blocks of ``prompt``'s first ``cut`` tokens on the
+        replica that holds them, under a lease (request ``key``'s), and read them; leases past their time are
+        ended first. Raises LookupError (it no longer holds them) or TransportError (the read failed; the
+        lease is ended)."""
+        self.leases.expire()
         cache = self.prefill.scheduler.cache
         hashes = cache.chain_of(prompt, salt, cut)
         moved = next((m for m in (cache.pin(r, hashes) for r in range(len(cache.blocks))) if m is not None), None)
         if moved is None:
-            raise LookupError(f"the prefill engine no longer holds the {len(hashes)} blocks of the prompt")
-        lease = self.leases.grant(moved)
+            raise self._failed(LookupError(f"the prefill engine no longer holds the {len(hashes)} blocks of the prompt"))
+        lease = self.leases.grant(moved, key)
         try:
             parts = self.prefill.executor.read_blocks(moved.replica, list(moved.blocks), moved.snapshot)
-            kv = KVBlocks.of(self.fp["prefill"], hashes, parts)
-            if self.leases.expire() and lease.expires <= self.leases.clock():
+        except BaseException as e:
+            self.leases.end(lease)
+            raise self._failed(e)
+        return lease, KVBlocks.of(self.fp["prefill"], hashes, parts)
+
+    def accept(self, kv: KVBlocks, replica: int, key: int, lease: Lease) -> int:
+        """On the decode engine's side (its thread, nothing in flight): :meth:`receive` ``kv`` unless its
+        ``lease`` ran out first (LeaseExpired); returns the tokens written. Failures are counted."""
+        try:
+            if lease.expires <= self.leases.clock():  # (the prefill engine's side ends it: not this thread's)
                 raise LeaseExpired(f"the lease on the prompt's blocks ran out ({self.leases.lease_s:g} s) before "
                                    "the decode engine had them")
-            written = self.receive(kv, dst, i)
-        finally:
-            self.leases.end(lease)  # acknowledged, or failed: the prefill engine lets go either way
-        self.bytes_moved += kv.nbytes
-        self.transfer_s += time.perf_counter() - t0
-        return kv.nbytes, written
+            written = self.receive(kv, replica, key)
+        except BaseException as e:
+            raise self._failed(e)
+        with self._lock:
+            self.bytes_moved += kv.nbytes
+        return written
+
+    def _failed(self, e: BaseException) -> BaseException:
+        """Count a failed transfer by its kind (a transfer's own failures; anything else is not counted)."""
+        if isinstance(e, (TransferError, TransportError, LookupError, MemoryError)):
+            with self._lock:
+                self.failures[type(e).__name__] += 1
+        return e
+
+    def release_arrival(self, key: int) -> None:
+        """On the decode engine's thread: let go of request ``key``'s arrival, if it holds one (queued or gone)."""
+        moved = self.arrived.pop(key, None)
+        if moved is not None:
+            self.decode.scheduler.cache.unpin(moved)
 
     def receive(self, kv: KVBlocks, replica: int, key: int = 0) -> int:
         """Check ``kv`` and write it into the decode engine's replica ``replica``, registered in its prefix

@@ -191,3 +191,55 @@ def test_a_transfer_that_does_not_fit_is_refused_naming_what(what, change, messa
     bad, want = change(kv, fp)
     with pytest.raises(TransferError, match=message):
         bad.check(want)
+
+
+def test_async_pd_keeps_decode_streaming_while_prompts_prefill(paths):
+    """Each engine on its own thread (cluster/apd.py): short requests decode on the decode engine while long
+    ones arrive and prefill on the prefill engine; every stream is the single process's, the long prompts'
+    blocks crossed, the short streams made progress while the long prompts were away, and nothing is held."""
+    import asyncio
+
+    from cluster.aengine import AsyncEngine
+    from cluster.apd import AsyncDisaggregated
+    from cluster.stream import EngineRequest
+
+    path = paths["kimi-k2-tiny"]
+    short, long = single.prompts(3, 3, 12, seed=3), turn(1)[:3] + turn(1)[5:]
+    sp_short, sp_long = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)
+    want = {("short", i): single.alone(path, [p], sp_short)[0] for i, p in enumerate(short)}
+    want |= {("long", i): single.alone(path, [p], sp_long)[0] for i, p in enumerate(long)}
+    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 2)).start()
+    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+    events = []  # (kind, index, event) in the order they happened
+
+    async def one(kind, i, prompt, sp):
+        events.append((kind, i, "sent"))
+        tokens = []
+        async for chunk in front.generate(EngineRequest(tuple(prompt), sp)):
+            tokens += chunk.token_ids
+            events.append((kind, i, "token"))
+        return (kind, i), tokens
+
+    async def main():
+        shorts = [asyncio.create_task(one("short", i, p, sp_short)) for i, p in enumerate(short)]
+        while sum(e[2] == "token" for e in events) < 3:  # the short streams are decoding
+            await asyncio.sleep(0.005)
+        longs = [asyncio.create_task(one("long", i, p, sp_long)) for i, p in enumerate(long)]
+        return dict(await asyncio.gather(*shorts, *longs))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert got == want
+    assert front.routes == {"pd": len(long), "local": len(short)}
+    for i in range(len(long)):  # between a long request's arrival and its first token, the short streams went on
+        sent = events.index(("long", i, "sent"))
+        first = events.index(("long", i, "token"))
+        assert any(k == "short" and e == "token" for k, _, e in events[sent:first]), events[sent:first]
+    try:
+        idle(front.core)
+    finally:
+        front.core.prefill.shutdown()
+        front.core.decode.shutdown()
