@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import AsyncIterator, Callable
 
 from model.sampling import SamplingParams
@@ -41,30 +42,58 @@ class AsyncDisaggregated:
     async def _on(self, engine: AsyncEngine, fn: Callable[[Engine], object], settled: bool = False):
         return await asyncio.wait_for(asyncio.wrap_future(engine.control(fn, settled=settled)), self.timeout_s)
 
+    # ---- what the serving streams (deploy/mux.py) ask of an async engine ------------------------
+    def check(self, requests: list[EngineRequest]) -> None:
+        self.decode.check(requests)  # a request refused here takes nothing on either engine
+
+    def abort(self, seq_id: int) -> None:
+        self.decode.abort(seq_id)  # (the decode engine's sequence ids: those generate_many yields)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
-        """Stream ``request`` (its route counted once it ends: :attr:`routes`)."""
-        self.decode.check([request])  # a request refused here takes nothing on either engine
-        prompt, salt = list(request.prompt_ids), request.cache_salt
-        key = next(self._keys)
-        route, cut, replica = await self._on(self.decode, lambda e: self.core.route(prompt, salt))
-        ended, hit = False, None
+        """Stream one request (its route counted once it ends: :attr:`routes`)."""
+        stream = self.generate_many([request])
         try:
-            if route.kind == "pd":
-                route = await self._transfer(route, prompt, salt, cut, replica, key)
-            ahead = EngineRequest(request.prompt_ids, request.params, salt,
-                                  replica if route.kind == "pd" else None)
-            first = True
-            async for chunk in self.decode.generate(ahead):
-                if first:  # admitted: the arrival is the decode engine's cache now
-                    self.decode.control(lambda e: self.core.release_arrival(key))
-                    first, hit = False, chunk.cached_tokens
+            async for _, _, chunk in stream:
                 yield chunk
-            ended = True
         finally:
-            self.decode.control(lambda e: self.core.release_arrival(key))  # (after a transfer still being written)
-            if not ended:
-                route.kind = "aborted"
-            self.core.finished(route, hit)
+            await stream.aclose()
+
+    async def generate_many(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, int, StreamChunk]]:
+        """:meth:`AsyncEngine.generate_many` through both engines: each sequence routed, the long ones'
+        blocks brought across (concurrently), then all admitted on the decode engine together. While the
+        prefill engine is unavailable every sequence is prefilled on decode."""
+        self.check(requests)
+        keys = [next(self._keys) for _ in requests]
+        prompts = [(list(r.prompt_ids), r.cache_salt) for r in requests]
+        plan = await self._on(self.decode, lambda e: self.core.plan(prompts))
+        if not self.prefill.healthy:
+            plan = [(Route("local", "the prefill engine is unavailable"), 0, rep) if route.kind == "pd" else
+                     (route, cut, rep) for route, cut, rep in plan]
+        routes = [route for route, _, _ in plan]
+        hits, done = {}, set()
+        try:
+            moved = [self._transfer(route, p, salt, cut, rep, key)
+                     for (route, cut, rep), (p, salt), key in zip(plan, prompts, keys) if route.kind == "pd"]
+            if moved:
+                outcome = iter(await asyncio.gather(*moved))
+                routes = [next(outcome) if route.kind == "pd" else route for route in routes]
+            ahead = [EngineRequest(r.prompt_ids, r.params, r.cache_salt, rep if route.kind == "pd" else None)
+                     for r, route, (_, _, rep) in zip(requests, routes, plan)]
+            async for i, seq_id, chunk in self.decode.generate_many(ahead):
+                if i not in hits:  # admitted: its arrival is the decode engine's cache now
+                    hits[i] = chunk.cached_tokens
+                    key = keys[i]
+                    self.decode.control(lambda e: self.core.release_arrival(key))
+                if chunk.finish_reason is not None:
+                    done.add(i)
+                yield i, seq_id, chunk
+        finally:
+            for key in keys:  # (queued behind a transfer still being written)
+                self.decode.control(lambda e, key=key: self.core.release_arrival(key))
+            for i, route in enumerate(routes):
+                if i not in done:
+                    route.kind = "aborted"
+                self.core.finished(route, hits.get(i))
 
     async def _transfer(self, route: Route, prompt: list[int], salt: str | None, cut: int, replica: int,
                         key: int) -> Route:
@@ -73,10 +102,12 @@ class AsyncDisaggregated:
                                                            salt)):
             pass
         try:
+            t0 = time.perf_counter()
             lease, kv = await self._on(self.prefill, lambda e: self.core.read(prompt, salt, cut, key))
             route.written = await self._on(self.decode, lambda e: self.core.accept(kv, replica, key, lease),
                                            settled=True)
-            route.nbytes = kv.nbytes
+            route.nbytes, route.seconds = kv.nbytes, time.perf_counter() - t0
+            self.core.timed(route.seconds)
             return route
         except FAILURES as e:
             return Route("local", f"transfer failed: {e}")

@@ -68,6 +68,7 @@ class Route:
     tokens: int = 0  # prompt tokens whose blocks crossed
     nbytes: int = 0  # their bytes
     written: int = 0  # prompt tokens whose blocks were written on decode (the rest it cached already)
+    seconds: float = 0.0  # the transfer's: from pinning the blocks on prefill to their registration on decode
     hit: int | None = None  # prompt tokens the decode engine found cached when it admitted the request
 
 
@@ -170,6 +171,16 @@ class Disaggregated:
                          if uncached < self.min_uncached_tokens else "the decode engine caches every full block"), 0, replica
         return Route("pd", f"{uncached} uncached prompt tokens >= {self.min_uncached_tokens}", cut), cut, replica
 
+    def plan(self, prompts: list[tuple[list[int], str | None]]) -> list[tuple[Route, int, int]]:
+        """:meth:`route` for requests arriving together ((prompt, salt) each), each counted as load on the
+        replica chosen for the ones before it."""
+        planned: Counter = Counter()
+        out = []
+        for p, salt in prompts:
+            out.append(self.route(p, salt, planned))
+            planned[out[-1][2]] += 1
+        return out
+
     # ---- serving ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, *, deadline_s: float = 600.0,
@@ -185,11 +196,7 @@ class Disaggregated:
         deadline = time.monotonic() + deadline_s
         gone = aborted or (lambda i: False)
         self.leases.expire()
-        planned: Counter = Counter()
-        plan = []
-        for p in prompts:
-            plan.append(self.route(p, cache_salt, planned))
-            planned[plan[-1][2]] += 1
+        plan = self.plan([(p, cache_salt) for p in prompts])
         pd = [i for i, (r, _, _) in enumerate(plan) if r.kind == "pd"]
         if pd:
             # the prompt's full blocks up to the cut, plus one token (a prefill samples one; it is not used)
@@ -273,8 +280,12 @@ class Disaggregated:
         finally:
             self.leases.end(lease)  # acknowledged, or failed: the prefill engine lets go either way
             self.leases.expire()
-        self.transfer_s += time.perf_counter() - t0
+        self.timed(time.perf_counter() - t0)
         return kv.nbytes, written
+
+    def timed(self, seconds: float) -> None:
+        with self._lock:
+            self.transfer_s += seconds
 
     def read(self, prompt: list[int], salt: str | None, cut: int, key: int | None = None) -> tuple[Lease, KVBlocks]:
         """On the prefill engine's side (its thread): pin the blocks of ``prompt``'s first ``cut`` tokens on the
