@@ -214,14 +214,60 @@ class SpeculativeConfig(_Checked):
     def parse(cls, raw) -> "SpeculativeConfig":
         """From a mapping (the serving config's ``speculative``, ``--speculative-config``'s JSON);
         ValueError naming an unknown key."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"speculative must be a mapping such as {{'method': 'suffix', 'num_speculative_tokens': 4}}, "
-                             f"got {raw!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"speculative: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
-        return cls(**raw)
+        return _parse_section(cls, raw, "speculative", "{'method': 'suffix', 'num_speculative_tokens': 4}")
+
+
+def _parse_section(cls, raw, name: str, example: str):
+    """A config section's record from its mapping; ValueError naming the section and an unknown key."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a mapping such as {example}, got {raw!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"{name}: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})")
+    return cls(**raw)
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig(_Checked):
+    """Prefill/decode disaggregation (cluster/pd.py, cluster/apd.py): a second engine of the same model
+    prefills the prompts whose uncached part is long, and their cached blocks cross to the decode
+    engine — the deployment's own shape. Off unless given."""
+
+    min_uncached_tokens: int = knob(256, "A request's prompt less what the decode engine caches of it: at least this "
+                                         "many tokens and it is prefilled on the prefill engine (selective PD); "
+                                         "shorter ones are prefilled on decode.", ge=1)
+    lease_s: float = knob(30.0, "How long the prefill engine holds a transfer's blocks for the decode engine at "
+                                "most.", gt=0)
+    layout: Literal["disaggregated", "colocated"] = knob("disaggregated", "The prefill engine's layout.")
+    attention: int = knob(1, "The prefill engine's attention replicas (disaggregated).", ge=1)
+    experts: int = knob(1, "The prefill engine's expert actors (disaggregated).", ge=1)
+    workers: int = knob(2, "The prefill engine's workers (colocated).", ge=1)
+    max_tokens_per_step: int = knob(2048, "The prefill engine's token budget per step (long chunks: it runs no "
+                                          "decode streams to keep flowing).", ge=1)
+
+    @classmethod
+    def parse(cls, raw) -> "DisaggregationConfig":
+        """From the serving config's ``disaggregation`` mapping; ValueError naming the key at fault."""
+        try:
+            return _parse_section(cls, raw, "disaggregation", "{'min_uncached_tokens': 256}")
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("disaggregation") else f"disaggregation: {msg}") from None
+
+    def prefill_engine(self, config: "EngineConfig", resources: dict | None = None):
+        """(the prefill engine's EngineConfig, its ClusterSpec), from the decode engine's ``config``: the same
+        model, dtype and cache, its own step budget and owner name (its own placement groups)."""
+        from .spec import ClusterSpec
+
+        owner = None if config.owner is None else f"{config.owner}-prefill"
+        budget = dataclasses.replace(config.scheduler, max_tokens_per_step=self.max_tokens_per_step)
+        cfg = dataclasses.replace(config, owner=owner, scheduler=budget)
+        res = dict(resources or {"CPU": 1})
+        if self.layout == "colocated":
+            return cfg, ClusterSpec.of_workers(self.workers, res)
+        return cfg, ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,
+                                expert_resources=dict(res))
 
 
 GROUPS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "faults": FaultConfig, "elastic": ElasticConfig,

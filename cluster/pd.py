@@ -363,6 +363,10 @@ class Disaggregated:
     def status(self) -> dict:
         """Routes taken, transfers (bytes, seconds, failures by reason), and what is held for them now: the
         prefill engine's leased blocks and the decode engine's arrivals not yet queued (0 when idle)."""
+        with self._lock:
+            return self._status()
+
+    def _status(self) -> dict:
         return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
                 "transfer_s": self.transfer_s, "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
                 "prefill_blocks_leased": self.leases.blocks_held,

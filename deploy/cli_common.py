@@ -40,7 +40,8 @@ ADMIN_KEY_HELP = ("The server's admin key (default: for the app `moeray up` star
                   "$MOERAY_ADMIN_KEY).")
 
 
-def parse_json_option(text: str | None, flag: str) -> dict | None:
+def parse_json_option(text: str | None, flag: str,
+                      example: str = '{"method": "suffix", "num_speculative_tokens": 4}') -> dict | None:
     """A flag whose value is a JSON object (``--speculative-config``); ValueError naming the flag."""
     import json
 
@@ -50,7 +51,7 @@ def parse_json_option(text: str | None, flag: str) -> dict | None:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{flag}: not JSON ({e.msg} at character {e.pos}); give an object such as "
-                         '\'{"method": "suffix", "num_speculative_tokens": 4}\'') from None
+                         f"'{example}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"{flag}: give a JSON object, got {text!r}")
     return value

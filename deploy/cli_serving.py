@@ -61,6 +61,12 @@ def up(
     speculative_config: Optional[str] = typer.Option(
         None, help='Speculative decoding as JSON, vLLM\'s names: \'{"method": "suffix", "num_speculative_tokens": 4}\' '
                    "(method suffix or ngram). Off by default."),
+    pd: bool = typer.Option(False, "--pd", help="Prefill/decode disaggregation: a second engine (1 attention × 1 "
+                                                "expert actor) prefills prompts with at least 256 uncached tokens; "
+                                                "their cached blocks cross to the serving engine, which decodes."),
+    pd_config: Optional[str] = typer.Option(None, help='--pd with these settings, as JSON: \'{"min_uncached_tokens": '
+                                                       '512, "layout": "colocated", "workers": 2}\' (the serving '
+                                                       "config's disaggregation keys)."),
     compile_mode: Optional[str] = typer.Option(None, "--compile",
                                                help="decode: run the decode steps compiled (torch.compile; each "
                                                     "attention replica or worker compiles at start). [default: off]"),
@@ -76,7 +82,8 @@ def up(
                  port=port, api_key=api_key,
                  admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
                  gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching,
-                 speculative=parse_json_option(speculative_config, "--speculative-config"), compile=compile_mode)
+                 speculative=parse_json_option(speculative_config, "--speculative-config"), compile=compile_mode,
+                 disaggregation=parse_json_option(pd_config, "--pd-config", '{"min_uncached_tokens": 512}') or ({} if pd else None))
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
     serve_cfg = ServeConfig.from_yaml(config, **flags) if config else ServeConfig.parse(flags, where="moeray up")
     if gcs_redis is not None:
@@ -150,6 +157,13 @@ def _print_serving(out: Console, st: dict) -> None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hang["at"]))
         out.print(f"last hang: {hang['kind']}[{hang['index']}] at step {hang['step']} ({when}): killed and replaced; "
                   f"hangs so far {st.get('hangs', {})}")
+    d = st.get("disaggregation")
+    if d:
+        p = d["prefill"]
+        out.print(f"prefill/decode: prefill engine {p['shape']} ({'healthy' if p['healthy'] else 'UNHEALTHY'}, "
+                  f"running {p['running']}, waiting {p['waiting']}); routes {d['routes']}; "
+                  f"{d['bytes_moved'] / 1e6:,.1f} MB moved in {d['transfer_s']:.2f}s; failed transfers {d['failures']}; "
+                  f"leases {d['leases']} ({d['prefill_blocks_leased']} blocks), arriving {d['decode_blocks_arriving']} blocks")
     spec = st.get("speculative")
     if spec:
         rate = spec["acceptance_rate"]

@@ -45,9 +45,10 @@ class GcsFaultTolerance(BaseModel):
         return lines[0]
 
 
-class _ParsedSpeculative(dict):
-    """The ``speculative`` mapping as given (what the config dumps and documents), with the engine's
-    :class:`~cluster.config.SpeculativeConfig` parsed from it once, at validation (``record``)."""
+class _ParsedSection(dict):
+    """A section's mapping as given (what the config dumps and documents: ``speculative``,
+    ``disaggregation``), with its record (:class:`~cluster.config.SpeculativeConfig`,
+    :class:`~cluster.config.DisaggregationConfig`) parsed from it once, at validation (``record``)."""
 
     def __init__(self, raw: dict, record):
         super().__init__(raw)
@@ -135,6 +136,13 @@ class _Deployment(BaseModel):
                           "num_speculative_tokens: K, ...} (`moeray up --speculative-config JSON`; the keys and "
                           "their defaults: docs/architecture.md \"Speculative decoding\"). Off unless given: it "
                           "pays at low concurrency on repetitive outputs (bench/bench_spec.py).")
+    disaggregation: dict | None = Field(
+        None, description="Prefill/decode disaggregation: a second engine of the model prefills prompts whose "
+                          "uncached part is long and their cached blocks cross to this deployment's engine, which "
+                          "decodes (`moeray up --pd`). Keys, each optional: min_uncached_tokens (256), lease_s "
+                          "(30), the prefill engine's layout (disaggregated), attention (1), experts (1), workers "
+                          "(2) and max_tokens_per_step (2048) (docs/architecture.md \"Prefill/decode "
+                          "disaggregation\"). Off unless given.")
     metrics_prefix: Literal["moeray", "vllm"] = Field(
         "moeray", description="vllm: the serving series under vLLM's names and labels (its dashboards work).")
     expert_metrics: Literal["summary", "full"] = Field(
@@ -151,7 +159,14 @@ class _Deployment(BaseModel):
         from cluster.config import SpeculativeConfig
 
         # parsed once, here (ValueError naming the key): the engine's record is kept beside the mapping
-        return None if raw is None else _ParsedSpeculative(raw, SpeculativeConfig.parse(raw))
+        return None if raw is None else _ParsedSection(raw, SpeculativeConfig.parse(raw))
+
+    @field_validator("disaggregation")
+    @classmethod
+    def _disaggregation(cls, raw: dict | None) -> dict | None:
+        from cluster.config import DisaggregationConfig
+
+        return None if raw is None else _ParsedSection(raw, DisaggregationConfig.parse(raw))
 
     @field_validator("api_keys")
     @classmethod

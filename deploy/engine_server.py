@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.aengine import AsyncEngine
+from cluster.apd import AsyncDisaggregated
 from cluster.engine import Engine
 from cluster.stream import EngineRequest
 from model.config import load_config
@@ -57,12 +58,28 @@ class EngineServer:
         self.name = serve_cfg.name_for(Path(model_path))
         self.max_queue = serve_cfg.max_queue
         config, spec = serve_cfg.engine_config(model_path, owner), serve_cfg.cluster_spec()
-        executor = executor_factory(config, spec, load_config(model_path)) if executor_factory else None
+        mc = load_config(model_path)
+        executor = executor_factory(config, spec, mc) if executor_factory else None
         self.engine = Engine(config, spec, stop_ids=tok.stop_token_ids, executor=executor).start()
         self._closed = False
         self.responses = ResponseStore()  # /v1/responses with store: one per app, so any Ingress replica finds them
         self.aengine = AsyncEngine(self.engine).start()
-        self.streams = EngineStreams(self.aengine)
+        # prefill/decode disaggregation: this deployment's engine decodes; a second one prefills long prompts
+        self.prefill: AsyncEngine | None = None
+        self.pd: AsyncDisaggregated | None = None
+        if serve_cfg.disaggregation is not None:
+            d = serve_cfg.disaggregation.record
+            pconfig, pspec = d.prefill_engine(config, spec.attention_resources)
+            try:
+                pexec = executor_factory(pconfig, pspec, mc) if executor_factory else None
+                prefill = Engine(pconfig, pspec, stop_ids=tok.stop_token_ids, executor=pexec).start()
+            except BaseException:
+                self.shutdown()
+                raise
+            self.prefill = AsyncEngine(prefill).start()
+            self.pd = AsyncDisaggregated(self.prefill, self.aengine, min_uncached_tokens=d.min_uncached_tokens,
+                                         lease_s=d.lease_s)
+        self.streams = EngineStreams(self.pd or self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=serve_cfg.metrics_prefix,
                                      expert_metrics=serve_cfg.expert_metrics)
         self.ingress = serve_ingress()  # set when the Ray nodes start, not by the app (settings.py)
@@ -186,6 +203,11 @@ class EngineServer:
                          "weight_bytes": weights[j] if j < len(weights) else None}
                         for j, x in enumerate(actors["experts"])],
         }
+        if self.pd is not None:  # the prefill engine, the routes and the transfers
+            p = self.prefill.engine.snapshot
+            out["disaggregation"] = {**self.pd.status(), "prefill": {
+                "healthy": self.prefill.healthy, "shape": self.prefill.engine.executor.table.shape(),
+                "running": p.running, "waiting": p.waiting}}
         # colocated: worker i is attention replica i and expert shard i, shown together
         out["workers"] = ([{"index": i, "node": a["node"], "attention": a, "experts": x}
                            for i, (a, x) in enumerate(zip(out["attention"], out["experts"]))] if table.colocated else [])
@@ -198,8 +220,14 @@ class EngineServer:
         self._closed = True
         try:
             self.aengine.stop(timeout=5)
+            if getattr(self, "prefill", None) is not None:
+                self.prefill.stop(timeout=5)
         finally:
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()
+            finally:
+                if getattr(self, "prefill", None) is not None:
+                    self.prefill.engine.shutdown()
 
     def __del__(self):  # Serve calls it when the replica stops
         self.shutdown()

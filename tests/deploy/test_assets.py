@@ -460,3 +460,20 @@ def test_kuberay_gcs_fault_tolerance_uses_the_redis_that_its_own_manifest_runs()
     [env] = [e for e in redis["env"] if e["name"] == "REDIS_PASSWORD"]
     assert env["valueFrom"] == ft["redisPassword"]["valueFrom"]
     assert "--requirepass" in " ".join(redis["command"]) and "--appendonly yes" in " ".join(redis["command"])
+
+
+def test_pd_gpu_serve_config_is_two_engines_of_16_workers_on_4x8_h200():
+    """deploy/serve_config.pd.gpu.yaml (issue 55): a valid `serve deploy` config whose decode engine is the
+    colocated config's 16 workers and whose prefill engine (disaggregation) is 16 more, one GPU each, with
+    the same model, dtype and cache layout (the blocks cross only between such engines)."""
+    args = _check_serve_config(load_yaml("serve_config.pd.gpu.yaml"))["args"]
+    colocated = _check_serve_config(load_yaml("serve_config.colocated.gpu.yaml"))["args"]
+    assert {k: v for k, v in args.items() if k != "disaggregation"} == colocated
+    cfg = ServeConfig.parse(args)
+    d = cfg.disaggregation.record
+    assert d.min_uncached_tokens == 512 and d.max_tokens_per_step > cfg.max_tokens_per_step
+    decode = cfg.engine_config(args["model"], owner="moeray")
+    prefill, spec = d.prefill_engine(decode, cfg.cluster_spec().attention_resources)
+    assert spec.colocated and spec.workers == 16 and spec.attention_resources == {"CPU": 1, "GPU": 1}
+    assert (prefill.model, prefill.dtype, prefill.cache, prefill.owner) == (decode.model, decode.dtype, decode.cache,
+                                                                            "moeray-prefill")

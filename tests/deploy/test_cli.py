@@ -212,3 +212,16 @@ def test_generate_on_a_three_node_cluster_equals_single_process(k2_dir):
 def test_cluster_flag_errors_are_clear(k2_dir):
     proc = moeray("generate", "--model", str(k2_dir), "--prompt-ids", "1", "--experts", "99", "--nodes", "1", check=False)
     _assert_clear_error(proc, "expert actors")
+
+
+@pytest.mark.parametrize("value, words", [
+    ('{"min_uncached_tokens": 0}', ["disaggregation", "min_uncached_tokens", ">= 1"]),
+    ('{"layout": "sideways"}', ["disaggregation", "layout", "colocated"]),
+    ('{"min_uncached": 64}', ["disaggregation", "unknown key 'min_uncached'", "min_uncached_tokens"]),
+    ('{min_uncached_tokens: 64}', ["--pd-config", "not JSON", '{"min_uncached_tokens": 512}']),
+])
+def test_up_refuses_a_bad_pd_config_naming_the_key_before_starting_anything(value, words):
+    r = in_process("up", "--pd-config", value)
+    assert r.returncode != 0
+    for w in words:
+        assert w in r.stderr + r.stdout, (w, r.stderr, r.stdout)

@@ -1,0 +1,57 @@
+"""Prefill/decode disaggregation through the serving app (the `disaggregation` key): a long prompt's
+blocks come from the prefill engine and its answer is the one the decode engine gives once it caches that
+prompt itself; short prompts stay local; /status shows both engines, the routes and nothing held. In this
+process (tests/deploy/inproc.py): both engines over the in-process executor."""
+
+import httpx
+import pytest
+
+from inproc import preset, serve
+
+
+@pytest.fixture(scope="module")
+def server():
+    path = preset("kimi-k2-tiny", seed=4)
+    with serve(path, served_model_name="k2", attention=2, experts=1, max_tokens_per_step=64,
+               disaggregation={"min_uncached_tokens": 32, "max_tokens_per_step": 256}) as s:
+        assert httpx.get(f"{s.url}/health", timeout=30).status_code == 200
+        yield s
+
+
+def complete(server, prompt, **extra):
+    body = {"model": "k2", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def status(server):
+    return httpx.get(f"{server.url}/status", timeout=30).json()
+
+
+def test_a_long_prompt_crosses_and_answers_as_the_decode_engine_would(server):
+    long = [(7 * i) % 700 + 5 for i in range(150)]
+    first = complete(server, long)
+    routes = status(server)["disaggregation"]["routes"]
+    assert routes == {"pd": 1}, routes
+    again = complete(server, long)  # now the decode engine caches every full block of it: prefilled there
+    assert again["token_ids"] == first["token_ids"] and again["text"] == first["text"]
+    short = complete(server, [11, 12, 13])
+    assert short["token_ids"]
+    s = status(server)
+    d = s["disaggregation"]
+    assert d["routes"] == {"pd": 1, "local": 2}, d
+    assert (d["leases"], d["prefill_blocks_leased"], d["decode_blocks_arriving"], d["failures"]) == (0, 0, 0, {})
+    assert d["bytes_moved"] > 0 and d["prefill"]["healthy"] and d["prefill"]["shape"]
+
+
+def test_n_choices_of_a_long_prompt_share_one_answer_path(server):
+    long = [(11 * i) % 700 + 3 for i in range(120)]
+    body = {"n": 2, "temperature": 0.8, "seed": 5}
+    two = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                     json={"model": "k2", "prompt": long, "max_tokens": 6, "ignore_eos": True,
+                           "return_token_ids": True, **body}).json()["choices"]
+    assert len(two) == 2 and all(c["token_ids"] for c in two)
+    d = status(server)["disaggregation"]
+    assert (d["leases"], d["decode_blocks_arriving"]) == (0, 0)
