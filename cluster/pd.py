@@ -57,6 +57,7 @@ class LeaseExpired(LookupError):
 # a transfer's failures, each a local prefill: lost blocks or an expired lease, a broken read or write, blocks
 # that do not fit, no room on decode
 FAILURES = (LookupError, TransportError, TransferError, MemoryError)
+FAILURE_KINDS = ("LookupError", "LeaseExpired", "TransportError", "TransferError", "MemoryError")  # as counted
 
 
 @dataclass

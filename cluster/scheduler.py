@@ -345,8 +345,11 @@ class Scheduler:
             self._take(seq, len(draft))
             plan.chunks[seq.replica].append(self._chunk(seq, 1 + len(draft), draft))
             budget -= len(draft)
+        blocked: dict[int, Seq] = {}  # replica → a prefill in progress that found no room there
         for seq in [s for s in self.running if s.num_uncached > 1 or s.is_refresh]:  # prefills in progress
             n = self._prefill_len(seq, budget)
+            if n and not self.cache.fits(seq.replica, seq, n):
+                blocked.setdefault(seq.replica, seq)
             if n == 0 or not self.cache.fits(seq.replica, seq, n):
                 continue
             self._take(seq, n)
@@ -364,6 +367,11 @@ class Scheduler:
             self.running.append(seq)
             plan.chunks[seq.replica].append(self._chunk(seq, n))
             budget -= n
+        for replica in blocked:
+            if not plan.chunks[replica]:  # nothing runs there: its prefills hold each other's room (they were
+                # admitted on prefix hits, which took the room first) — the newest goes back to wait, its
+                # registered blocks cached for its return, so the others can finish
+                self._preempt(next(s for s in reversed(self.running) if s.replica == replica), plan)
         return plan
 
     def decode_ahead(self, seqs: list[Seq], token: int) -> list[SeqChunk] | None:

@@ -81,7 +81,7 @@ class EngineServer:
                                          lease_s=d.lease_s)
         self.streams = EngineStreams(self.pd or self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=serve_cfg.metrics_prefix,
-                                     expert_metrics=serve_cfg.expert_metrics)
+                                     expert_metrics=serve_cfg.expert_metrics, pd=self.pd.core if self.pd else None)
         self.ingress = serve_ingress()  # set when the Ray nodes start, not by the app (settings.py)
         if executor_factory is None and self.ingress != serve_cfg.ingress:  # on Ray: its nodes decide
             logging.getLogger("ray.serve").warning(

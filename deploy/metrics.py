@@ -104,13 +104,14 @@ class EngineMetrics:
     (the current PlacementTable). ``prefix``: "moeray" or "vllm" (see the module docstring);
     ``expert_metrics``: "summary" (default) or "full" (adds the per-(layer, expert) counter);
     ``max_model_len``: the top of the per-request token-count buckets (default: the scheduler's
-    ``max_context``, the model's context)."""
+    ``max_context``, the model's context); ``pd``: the deployment's prefill/decode coordinator
+    (:class:`~cluster.pd.Disaggregated`), whose routes, transfers and holds are read at scrape time."""
 
     CONTENT_TYPE = CONTENT_TYPE
 
     def __init__(self, engine: Any, model_name: str, *, prefix: Literal["moeray", "vllm"] = "moeray",
                  expert_metrics: Literal["summary", "full"] = "summary", hot_experts: int = HOT_EXPERTS,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, pd: Any = None):
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         if prefix not in PREFIXES:
@@ -119,7 +120,7 @@ class EngineMetrics:
             raise ValueError(f"expert_metrics must be one of {EXPERT_METRICS}, got {expert_metrics!r}")
         if hot_experts < 1:
             raise ValueError(f"hot_experts must be >= 1, got {hot_experts}")
-        self.engine, self.model_name = engine, model_name
+        self.engine, self.model_name, self.pd = engine, model_name, pd
         self.prefix, self.expert_metrics, self.hot_experts = prefix, expert_metrics, hot_experts
         self.max_model_len = int(max_model_len or getattr(engine.scheduler, "max_context", DEFAULT_MAX_MODEL_LEN))
         # the serving series' (name prefix, label names, label values)
@@ -369,7 +370,46 @@ class _ScrapeCollector:
         yield c
         if getattr(getattr(engine, "config", None), "speculative", None) is not None:  # (stub engines have no config)
             yield from self._spec_families(engine.stats, sp, slabels, svalues, name)
+        if o.pd is not None:
+            yield from self._pd_families(o.pd.status(), sp, slabels, svalues, name)
         yield from self._expert_families(o, name)
+
+    @staticmethod
+    def _pd_families(s: dict, sp: str, slabels, svalues, name: str) -> Iterable[Metric]:
+        """Prefill/decode disaggregation (cluster/pd.py): routes, transfers, failures, what is held for them."""
+        from cluster.pd import FAILURE_KINDS, ROUTES
+
+        def family(kind, metric: str, doc: str, rows: list[tuple[tuple, float]], labels=("model_name",)):
+            f = kind(PREFIX + metric, doc, labels=list(labels))
+            for values, v in rows:
+                f.add_metric([name, *values], v)
+            return f
+
+        routes, failures = s["routes"], s["failures"]
+        yield family(CounterMetricFamily, "pd_requests", "Requests ended, by the route their prompt took: pd (its "
+                     "blocks from the prefill engine), local (prefilled on the decode engine), aborted.",
+                     [((r,), routes.get(r, 0)) for r in ROUTES], ("model_name", "route"))
+        yield family(CounterMetricFamily, "kv_transfer_bytes", "Bytes of cached blocks moved from the prefill engine "
+                     "to the decode engine.", [((), s["bytes_moved"])])
+        yield family(CounterMetricFamily, "kv_transfer_seconds", "Time of those transfers, from pinning the blocks on "
+                     "prefill to their registration on decode.", [((), s["transfer_s"])])
+        yield family(CounterMetricFamily, "kv_transfer_failures", "Transfers that failed (each request then "
+                     "prefilled on decode), by kind.", [((k,), failures.get(k, 0)) for k in FAILURE_KINDS],
+                     ("model_name", "reason"))
+        yield family(CounterMetricFamily, "kv_transfer_evicted", "Transfers evicted on decode before their request "
+                     "was admitted (computed again there).", [((), s["evicted_before_admission"])])
+        yield family(CounterMetricFamily, "kv_leases_expired", "Prefill leases that ran out before the decode engine "
+                     "had their blocks.", [((), s["leases_expired"])])
+        yield family(GaugeMetricFamily, "kv_transfer_leased_blocks", "Prefill cache blocks held for transfers now.",
+                     [((), s["prefill_blocks_leased"])])
+        yield family(GaugeMetricFamily, "kv_transfer_arriving_blocks", "Decode cache blocks written for requests "
+                     "not yet queued.", [((), s["decode_blocks_arriving"])])
+        if sp != PREFIX:  # vLLM's NIXL connector's counters of the same meaning
+            for metric, doc, v in (("nixl_num_failed_transfers", "Failed KV transfers.", sum(failures.values())),
+                                   ("nixl_num_kv_expired_reqs", "KV leases expired.", s["leases_expired"])):
+                c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
+                c.add_metric(list(svalues), v)
+                yield c
 
     @staticmethod
     def _spec_families(stats, sp: str, slabels, svalues, name: str) -> Iterable[Metric]:

@@ -59,3 +59,101 @@ def test_pd_across_layouts_gives_the_single_process_tokens(engines, direction):
         for r in range(len(eng.scheduler.cache.blocks)):
             st = eng.scheduler.cache.status(r)
             assert (st["blocks_held"], st["snapshots_held"]) == (0, 0), st
+
+
+FAULTS = ("prefill killed mid-prefill", "prefill killed mid-transfer", "decode killed mid-transfer", "lease expiry",
+          "decode killed after the first token", "client abort during transfer", "rejected before admission")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fault, monkeypatch):
+    """Each lifecycle point of the fault harness (test_pd_fake.py) once on the real cluster, with real kills:
+    the streams that complete are the single process's, the others aborted, and nothing stays held."""
+    path, apart, colocated = engines
+    prefill, decode = apart, colocated
+    seed = 20 + FAULTS.index(fault)
+    ps = single.prompts(2, 70, 140, seed=seed) + single.prompts(1, 3, 10, seed=seed + 1)
+    params = [SamplingParams(max_tokens=5, ignore_eos=True)] * 3
+    now = [0.0]
+    pd = Disaggregated(prefill, decode, min_uncached_tokens=32, lease_s=30.0, clock=lambda: now[0])
+    gone = set()
+    if fault == "prefill killed mid-prefill":
+        launch = prefill.executor.launch
+
+        def killing_launch(reqs, expert_req):
+            sent = launch(reqs, expert_req)
+            if not getattr(killing_launch, "done", False):
+                killing_launch.done = True
+                prefill.executor.kill("attention", 0)
+            return sent
+
+        monkeypatch.setattr(prefill.executor, "launch", killing_launch)
+    elif fault in ("prefill killed mid-transfer", "decode killed mid-transfer", "lease expiry"):
+        side = prefill if fault.startswith("prefill") or fault == "lease expiry" else decode
+        method = "read_blocks" if side is prefill else "write_blocks"
+        original = getattr(side.executor, method)
+
+        def failing(*args):
+            if fault == "lease expiry":
+                now[0] += 60.0  # the lease ran out while the blocks were on their way
+            elif not getattr(failing, "done", False):  # the replica the blocks are read from or written to dies
+                failing.done = True
+                side.executor.kill("attention" if side is prefill else "worker", args[0])
+            return original(*args)
+
+        monkeypatch.setattr(side.executor, method, failing)
+    elif fault == "decode killed after the first token":
+        collect = decode.executor.collect
+
+        def killing_collect(step_no, sent):
+            out = collect(step_no, sent)
+            if not getattr(killing_collect, "done", False) and any(len(q.token_ids) > q.num_prompt_tokens
+                                                                     for q in decode.scheduler.running):
+                killing_collect.done = True
+                decode.executor.kill("worker", 0)
+            return out
+
+        monkeypatch.setattr(decode.executor, "collect", killing_collect)
+    elif fault == "client abort during transfer":
+        gone.add(0)
+    elif fault == "rejected before admission":
+        params = params[:2] + [SamplingParams(max_tokens=100_000)]
+    checks = {}
+
+    def aborted(i):
+        checks[i] = checks.get(i, 0) + 1
+        return i in gone and checks[i] > 1  # after its prefill, during its transfer
+
+    recovered = (len(prefill.stats.recoveries), len(decode.stats.recoveries))
+    if fault == "rejected before admission":
+        with pytest.raises(ValueError, match="exceeds"):
+            pd.generate(ps, params, aborted=aborted)
+        seqs, routes = [None] * 3, []
+    else:
+        seqs, routes = pd.generate(ps, params, deadline_s=120.0, aborted=aborted)
+    for i, (p, sp, seq) in enumerate(zip(ps, params, seqs)):
+        if seq is not None:
+            assert seq.output_ids == single.alone(path, [p], sp)[0], (fault, i)
+        else:
+            assert i in gone or fault == "rejected before admission", (fault, i)
+    s = pd.status()
+    assert (s["leases"], s["prefill_blocks_leased"], s["decode_blocks_arriving"]) == (0, 0, 0), s
+    kinds = [r.kind for r in routes]
+    # the kills landed where they were aimed: that engine recovered (a killed prefill replica mid-transfer is
+    # found at its engine's next step, in the next test's run)
+    if fault in ("prefill killed mid-prefill", "decode killed mid-transfer", "decode killed after the first token"):
+        side = 0 if fault.startswith("prefill") else 1
+        assert len((prefill, decode)[side].stats.recoveries) == recovered[side] + 1, fault
+    if fault in ("prefill killed mid-transfer", "decode killed mid-transfer"):
+        # the dead replica's reads (or writes) fail until its engine's next step replaces it: each such transfer
+        # is a local prefill; the short prompt was local anyway
+        failed = s["failures"].get("TransportError", 0)
+        assert set(s["failures"]) == {"TransportError"} and kinds.count("local") == 1 + failed, (s, kinds)
+    if fault == "lease expiry":
+        assert s["failures"].get("LeaseExpired") == 2 and kinds == ["local"] * 3, (s, kinds)
+    if fault == "client abort during transfer":
+        assert kinds[0] == "aborted" and seqs[0] is None
+    for eng in (prefill, decode):
+        for r in range(len(eng.scheduler.cache.blocks)):
+            st = eng.scheduler.cache.status(r)
+            assert (st["blocks_held"], st["snapshots_held"]) == (0, 0), (fault, st)

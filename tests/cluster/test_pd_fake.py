@@ -50,7 +50,7 @@ class World:
         self.engines, self.fakes = [], []
         for replicas in (1, 2):
             cfg = EngineConfig.of(model=str(model_dir), num_blocks=48, block_size=4, prefix_caching=True,
-                                  max_tokens_per_step=64, num_slots=8)
+                                  max_tokens_per_step=256, num_slots=8)
             fake = FakeExecutor(num_blocks=48, block_size=4, hybrid=bool(self.mc.kda_layers), vocab=self.mc.vocab_size,
                                 num_experts=self.mc.n_routed_experts)
             self.engines.append(Engine(cfg, ClusterSpec(attention=replicas, experts=1), executor=fake).start())
@@ -92,7 +92,7 @@ def episode(w: World, rng: random.Random, fault: str) -> Counter:
     shared = [rng.randrange(1, 700) for _ in range(rng.randrange(grid, grid + 20))]
     ps = [(shared if rng.random() < 0.5 else []) + [rng.randrange(1, 700) for _ in range(rng.randrange(2, grid + 30))]
           for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True) for _ in ps]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 4), ignore_eos=True) for _ in ps]
     victim = rng.randrange(n)
     prefill, decode = w.engines
     pfake, dfake = w.fakes

@@ -55,3 +55,19 @@ def test_n_choices_of_a_long_prompt_share_one_answer_path(server):
     assert len(two) == 2 and all(c["token_ids"] for c in two)
     d = status(server)["disaggregation"]
     assert (d["leases"], d["decode_blocks_arriving"]) == (0, 0)
+
+
+def test_metrics_count_the_routes_and_transfers(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    complete(server, [(13 * i) % 700 + 2 for i in range(90)])  # one that crosses, whatever ran before
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    d = status(server)["disaggregation"]
+    for route in ("pd", "local", "aborted"):
+        assert samples[("moeray:pd_requests_total", (("model_name", "k2"), ("route", route)))] == d["routes"].get(route, 0)
+    assert samples[("moeray:kv_transfer_bytes_total", (("model_name", "k2"),))] == d["bytes_moved"] > 0
+    assert samples[("moeray:kv_transfer_seconds_total", (("model_name", "k2"),))] > 0
+    assert samples[("moeray:kv_transfer_failures_total", (("model_name", "k2"), ("reason", "TransportError")))] == 0
+    assert samples[("moeray:kv_transfer_leased_blocks", (("model_name", "k2"),))] == 0
