@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation (cluster/pd.py) on a real Ray cluster: a disaggregated engine (1 attention
-× 1 expert actor) and a colocated one (2 workers), each the other's prefill engine in turn, on K3 — the
-MLA latents and the KDA state read from one engine's actors and written into the other's through Ray —
+× 1 expert actor) and a colocated one (2 workers), each the other's prefill engine in turn, on K2 and K3 —
+the MLA latents and K3's KDA state read from one engine's actors and written into the other's through Ray —
 give the single process's greedy and seeded tokens, every transferred prompt admitted on decode as a
 hit of exactly what crossed, and nothing held afterwards."""
 
@@ -23,10 +23,9 @@ def engine(path, spec) -> Engine:
     return Engine(cfg, spec).start()
 
 
-@pytest.fixture(scope="module")
-def engines(ray_cluster):
-    wait_until_idle()
-    path = str(preset("kimi-k3-tiny", seed=2, dtype="float32"))
+def both_layouts(name: str):
+    """A disaggregated and a colocated engine of preset ``name`` (fp32), shut down after the module."""
+    path = str(preset(name, seed=2, dtype="float32"))
     apart = engine(path, ClusterSpec(attention=1, experts=1))
     try:
         colocated = engine(path, ClusterSpec.of_workers(2))
@@ -38,9 +37,23 @@ def engines(ray_cluster):
     apart.shutdown()
 
 
+@pytest.fixture(scope="module")
+def engines(ray_cluster):
+    """K3's (its KDA state crosses too): every test here."""
+    wait_until_idle()
+    yield from both_layouts("kimi-k3-tiny")
+
+
+@pytest.fixture(scope="module")
+def k2_engines(engines):
+    """K2's, beside K3's (8 actors: the session's cluster has 12 CPUs)."""
+    yield from both_layouts("kimi-k2-tiny")
+
+
+@pytest.mark.parametrize("model", ["k3", "k2"])
 @pytest.mark.parametrize("direction", ["apart to colocated", "colocated to apart"])
-def test_pd_across_layouts_gives_the_single_process_tokens(engines, direction):
-    path, apart, colocated = engines
+def test_pd_across_layouts_gives_the_single_process_tokens(request, model, direction):
+    path, apart, colocated = request.getfixturevalue("engines" if model == "k3" else "k2_engines")
     prefill, decode = (apart, colocated) if direction.startswith("apart") else (colocated, apart)
     seed = 1 if direction.startswith("apart") else 7
     ps = single.prompts(3, 70, 140, seed=seed) + single.prompts(1, 3, 10, seed=seed + 1)
