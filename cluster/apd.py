@@ -98,9 +98,13 @@ class AsyncDisaggregated:
     async def _transfer(self, route: Route, prompt: list[int], salt: str | None, cut: int, replica: int,
                         key: int) -> Route:
         """The prompt's blocks up to ``cut`` from the prefill engine into decode ``replica``: the route it took."""
-        async for _ in self.prefill.generate(EngineRequest(tuple(prompt[: cut + 1]), SamplingParams(max_tokens=1),
-                                                           salt)):
-            pass
+        try:
+            async for _ in self.prefill.generate(EngineRequest(tuple(prompt[: cut + 1]), SamplingParams(max_tokens=1),
+                                                               salt)):
+                pass
+        except Exception as e:  # noqa: BLE001 — the prefill engine failed it (or went away): decode prefills it
+            self.core.count_failure("PrefillError")
+            return Route("local", f"the prefill engine failed: {type(e).__name__}: {e}")
         try:
             t0 = time.perf_counter()
             lease, kv = await self._on(self.prefill, lambda e: self.core.read(prompt, salt, cut, key))
@@ -111,6 +115,9 @@ class AsyncDisaggregated:
             return route
         except FAILURES as e:
             return Route("local", f"transfer failed: {e}")
+        except TimeoutError as e:  # an engine did not get to its part in time: decode prefills it
+            self.core.count_failure("TimeoutError")
+            return Route("local", f"transfer failed: an engine's part took over {self.timeout_s:g} s ({e})")
         finally:  # acknowledged, failed or abandoned (queued behind the read, if that still runs): let go
             self.prefill.control(lambda e: self.core.leases.end_key(key))
 

@@ -57,7 +57,9 @@ class LeaseExpired(LookupError):
 # a transfer's failures, each a local prefill: lost blocks or an expired lease, a broken read or write, blocks
 # that do not fit, no room on decode
 FAILURES = (LookupError, TransportError, TransferError, MemoryError)
-FAILURE_KINDS = ("LookupError", "LeaseExpired", "TransportError", "TransferError", "MemoryError")  # as counted
+# as counted; the async front adds the prefill engine failing a prompt, and an engine's part overdue
+FAILURE_KINDS = ("LookupError", "LeaseExpired", "TransportError", "TransferError", "MemoryError", "PrefillError",
+                 "TimeoutError")
 
 
 @dataclass
@@ -323,10 +325,13 @@ class Disaggregated:
 
     def _failed(self, e: BaseException) -> BaseException:
         """Count a failed transfer by its kind (a transfer's own failures; anything else is not counted)."""
-        if isinstance(e, (TransferError, TransportError, LookupError, MemoryError)):
-            with self._lock:
-                self.failures[type(e).__name__] += 1
+        if isinstance(e, FAILURES):
+            self.count_failure(type(e).__name__)
         return e
+
+    def count_failure(self, kind: str) -> None:
+        with self._lock:
+            self.failures[kind] += 1
 
     def release_arrival(self, key: int) -> None:
         """On the decode engine's thread: let go of request ``key``'s arrival, if it holds one (queued or gone)."""

@@ -243,3 +243,43 @@ def test_async_pd_keeps_decode_streaming_while_prompts_prefill(paths):
     finally:
         front.core.prefill.shutdown()
         front.core.decode.shutdown()
+
+
+def test_async_pd_prefills_on_decode_when_the_prefill_engine_fails_or_is_gone(paths):
+    """The prefill engine failing a prompt (PrefillError), then gone (stopped: unavailable): each request is
+    prefilled on decode with the single process's tokens, counted, and nothing is held."""
+    import asyncio
+
+    from cluster.aengine import AsyncEngine
+    from cluster.apd import AsyncDisaggregated
+    from cluster.stream import EngineRequest
+
+    path = paths["kimi-k2-tiny"]
+    long, sp = turn(2)[5:], SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [single.alone(path, [p], sp)[0] for p in long]
+    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 1)).start()
+    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+
+    async def run(prompt):
+        return [t async for chunk in front.generate(EngineRequest(tuple(prompt), sp)) for t in chunk.token_ids]
+
+    async def failing(request):  # the prefill engine's stream fails (its step failed for good)
+        raise RuntimeError("engine is not running: a step failed")
+        yield  # (an async generator)
+
+    try:
+        real = prefill.generate
+        prefill.generate = failing
+        assert asyncio.run(run(long[0])) == want[0]
+        assert front.status()["failures"] == {"PrefillError": 1} and front.routes == {"local": 1}
+        prefill.generate = real
+        prefill.stop()
+        assert not prefill.healthy
+        assert asyncio.run(run(long[1])) == want[1]
+        assert front.routes == {"local": 2} and front.status()["failures"] == {"PrefillError": 1}
+        idle(front.core)
+    finally:
+        prefill.stop()
+        decode.stop()
+        front.core.prefill.shutdown()
+        front.core.decode.shutdown()
