@@ -238,8 +238,7 @@ class AsyncEngine:
         """Finish the steps in flight (their tokens delivered), then run the settled control calls."""
         calls, self._settled = self._settled, []
         try:
-            for ev in self.engine.settle():
-                self._deliver(ev)
+            self.engine.settle(self._deliver)
         except BaseException as e:  # the loop handles the failure; the calls are answered with it
             for call in calls:
                 if call.future.set_running_or_notify_cancel():

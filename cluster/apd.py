@@ -79,17 +79,26 @@ class AsyncDisaggregated:
                 routes = [next(outcome) if route.kind == "pd" else route for route in routes]
             ahead = [EngineRequest(r.prompt_ids, r.params, r.cache_salt, rep if route.kind == "pd" else None)
                      for r, route, (_, _, rep) in zip(requests, routes, plan)]
-            async for i, seq_id, chunk in self.decode.generate_many(ahead):
-                if i not in hits:  # admitted: its arrival is the decode engine's cache now
-                    hits[i] = chunk.cached_tokens
-                    key = keys[i]
-                    self.decode.control(lambda e: self.core.release_arrival(key))
-                if chunk.finish_reason is not None:
-                    done.add(i)
-                yield i, seq_id, chunk
+            stream = self.decode.generate_many(ahead)
+            first = asyncio.ensure_future(stream.__anext__())  # queues the sequences in the decode engine ...
+            await asyncio.sleep(0)
+            self._release(keys)  # ... then, behind them, their arrivals: cached once queued (held until
+            # admission, a request waiting for room could wait on blocks held for another)
+            try:
+                item = await first
+                while True:
+                    i, seq_id, chunk = item
+                    hits.setdefault(i, chunk.cached_tokens)
+                    if chunk.finish_reason is not None and chunk.finish_reason != "abort":
+                        done.add(i)
+                    yield i, seq_id, chunk
+                    item = await stream.__anext__()
+            except StopAsyncIteration:
+                pass
+            finally:
+                await stream.aclose()
         finally:
-            for key in keys:  # (queued behind a transfer still being written)
-                self.decode.control(lambda e, key=key: self.core.release_arrival(key))
+            self._release(keys)  # (queued behind a transfer still being written)
             for i, route in enumerate(routes):
                 if i not in done:
                     route.kind = "aborted"
@@ -115,11 +124,20 @@ class AsyncDisaggregated:
             return route
         except FAILURES as e:
             return Route("local", f"transfer failed: {e}")
-        except TimeoutError as e:  # an engine did not get to its part in time: decode prefills it
+        except (TimeoutError, asyncio.TimeoutError) as e:  # an engine did not get to its part in time
             self.core.count_failure("TimeoutError")
             return Route("local", f"transfer failed: an engine's part took over {self.timeout_s:g} s ({e})")
+        except Exception as e:  # noqa: BLE001 — e.g. an engine that stopped meanwhile: decode prefills it
+            self.core.count_failure("Error")
+            return Route("local", f"transfer failed: {type(e).__name__}: {e}")
         finally:  # acknowledged, failed or abandoned (queued behind the read, if that still runs): let go
-            self.prefill.control(lambda e: self.core.leases.end_key(key))
+            self.prefill.control(lambda e: self.core.leases.end_key(key), even_if_unavailable=True)
+
+    def _release(self, keys: list[int]) -> None:
+        """Queue the release of these requests' arrivals on the decode engine's thread (also while it is
+        unavailable: its thread runs them)."""
+        for key in keys:
+            self.decode.control(lambda e, key=key: self.core.release_arrival(key), even_if_unavailable=True)
 
     @property
     def routes(self):

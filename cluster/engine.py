@@ -230,13 +230,19 @@ class Engine:
         self._record()
         return events
 
-    def settle(self) -> list[StreamChunk]:
+    def settle(self, deliver=None) -> list[StreamChunk]:
         """Finish every step in flight, launching none: a boundary where the actors run nothing the engine
-        sent (cache blocks may be written from outside: cluster/pd.py). Returns the finished steps' events."""
+        sent (cache blocks may be written from outside: cluster/pd.py). Each finished step's events go to
+        ``deliver`` as they come (so a later step's failure loses none); else they are returned."""
         events = []
         while self.inflight:
-            events += self.finish()
+            done = self.finish()
             self._record()
+            if deliver is None:
+                events += done
+            else:
+                for ev in done:
+                    deliver(ev)
         return events
 
     def launch(self) -> Launched | None:

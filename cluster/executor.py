@@ -217,6 +217,10 @@ class RayExecutor:
         try:
             return ray.get(getattr(member.actor, method).remote(*args), timeout=self.config.faults.step_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
+            if method == "write_blocks" and isinstance(e, (ray.exceptions.GetTimeoutError, TimeoutError)):
+                # the write may still run later, into blocks the caller is about to give back: the replica goes
+                # (its engine replaces it at the next step, with an empty cache) rather than risk that
+                self.fleet.kill_member(member)
             raise TransportError(f"{method} on attention replica {replica} failed: {type(e).__name__}: {e}") from None
 
     # ---- operations ------------------------------------------------------------------------

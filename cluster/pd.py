@@ -59,7 +59,7 @@ class LeaseExpired(LookupError):
 FAILURES = (LookupError, TransportError, TransferError, MemoryError)
 # as counted; the async front adds the prefill engine failing a prompt, and an engine's part overdue
 FAILURE_KINDS = ("LookupError", "LeaseExpired", "TransportError", "TransferError", "MemoryError", "PrefillError",
-                 "TimeoutError")
+                 "TimeoutError", "Error")
 
 
 @dataclass
@@ -201,20 +201,20 @@ class Disaggregated:
         self.leases.expire()
         plan = self.plan([(p, cache_salt) for p in prompts])
         pd = [i for i, (r, _, _) in enumerate(plan) if r.kind == "pd"]
-        if pd:
-            # the prompt's full blocks up to the cut, plus one token (a prefill samples one; it is not used)
-            ids = [self.prefill.add_request(prompts[i][: plan[i][1] + 1], SamplingParams(max_tokens=1), cache_salt)
-                   for i in pd]
-            self._drain(self.prefill, ids, deadline)
-            for i in pd:
-                self._transfer(i, plan, prompts[i], cache_salt, gone)
         try:
+            if pd:
+                # the prompt's full blocks up to the cut, plus one token (a prefill samples one; it is not used)
+                ids = [self.prefill.add_request(prompts[i][: plan[i][1] + 1], SamplingParams(max_tokens=1),
+                                                cache_salt) for i in pd]
+                self._drain(self.prefill, ids, deadline)
+                for i in pd:
+                    self._transfer(i, plan, prompts[i], cache_salt, gone)
             ids = {i: self.decode.add_request(p, sp, cache_salt, replica=rep if route.kind == "pd" else None)
                    for i, (p, sp, (route, _, rep)) in enumerate(zip(prompts, plist, plan)) if route.kind != "aborted"}
         finally:
             # queued: the arrivals are the decode engine's cache now — cached, so that a replica short of room
             # may evict them (held until admission, a request waiting for room could wait on its own blocks)
-            for moved in self.arrived.values():
+            for moved in list(self.arrived.values()):
                 self.decode.scheduler.cache.unpin(moved)
             self.arrived = {}
         done = self._drain(self.decode, list(ids.values()), deadline, {seq_id: i for i, seq_id in ids.items()}, gone)
@@ -352,8 +352,8 @@ class Disaggregated:
             raise MemoryError(f"no room on decode replica {replica} for {len(kv.hashes)} blocks")
         try:
             parts = {}
-            if "latent" in kv.parts:
-                parts["latent"] = kv.parts["latent"][:, moved.fresh:]
+            if "latent" in kv.parts:  # only the blocks not cached there already (a copy: not the whole storage)
+                parts["latent"] = kv.parts["latent"][:, moved.fresh:].contiguous()
             snapshot = moved.snapshot if moved.new_snapshot else None
             if snapshot is not None:
                 parts["conv"], parts["recurrent"] = kv.parts["conv"], kv.parts["recurrent"]
@@ -376,4 +376,4 @@ class Disaggregated:
         return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
                 "transfer_s": self.transfer_s, "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
                 "prefill_blocks_leased": self.leases.blocks_held,
-                "decode_blocks_arriving": sum(len(m.blocks) for m in self.arrived.values())}
+                "decode_blocks_arriving": sum(len(m.blocks) for m in list(self.arrived.values()))}

@@ -437,9 +437,17 @@ class Scheduler:
         sequence must hold 256 more of its tokens to be chosen; 0 always follows the cache; a
         huge weight is least-loaded placement. Without prefix caching every hit is 0: least
         loaded."""
+        home = seq.home if seq.home is not None and seq.home < self.num_replicas else None
+        if home is not None:  # its prompt's blocks were sent there (cluster/pd.py): there if it has room
+            best = self._best(seq, budget, [home])
+            if best is not None:
+                return best
+        return self._best(seq, budget, range(self.num_replicas))
+
+    def _best(self, seq: Seq, budget: int, where) -> tuple[int, Hit] | None:
+        """:meth:`_place` among the replicas ``where``."""
         best, best_key = None, None
-        where = [seq.home] if seq.home is not None and seq.home < self.num_replicas else range(self.num_replicas)
-        for r in where:  # (a sequence whose prompt's blocks were sent to one replica waits for room there)
+        for r in where:
             if not self.cache.has_free_slot(r):
                 continue
             hit = self.cache.hit(seq, r)

@@ -174,15 +174,16 @@ class ModelCache:
 def read_blocks(cache: ModelCache, blocks: list[int], snapshot: int | None = None) -> dict[str, torch.Tensor]:
     """Copies of what ``blocks`` hold: ``latent`` [MLA layers, len(blocks), block_size, latent_dim] (every MLA
     row, the MTP layer's too), and with ``snapshot`` (hybrid models) the KDA ``conv`` and ``recurrent`` state
-    saved there, every layer — what prefill/decode disaggregation moves (cluster/kv_transfer.py)."""
+    saved there, every layer — what prefill/decode disaggregation moves (cluster/kv_transfer.py). On the host:
+    the copies cross processes, and the engine that receives them holds no GPU."""
     out = {}
     if cache.latent is not None:
         bs, data = cache.latent.block_size, cache.latent.data
         rows = data.view(data.shape[0], -1, bs, data.shape[2])  # [layers, num_blocks, block_size, width]
-        out["latent"] = rows[:, torch.tensor(blocks, dtype=torch.long, device=data.device)].contiguous()
+        out["latent"] = rows[:, torch.tensor(blocks, dtype=torch.long, device=data.device)].to("cpu").contiguous()
     if snapshot is not None:
         conv, recurrent = cache.kda.snapshot(snapshot)
-        out["conv"], out["recurrent"] = conv.clone(), recurrent.clone()
+        out["conv"], out["recurrent"] = conv.to("cpu", copy=True), recurrent.to("cpu", copy=True)
     return out
 
 
@@ -195,8 +196,8 @@ def write_blocks(cache: ModelCache, blocks: list[int], snapshot: int | None, par
         rows[:, torch.tensor(blocks, dtype=torch.long, device=data.device)] = parts["latent"].to(data.device)
     if snapshot is not None:
         conv, recurrent = cache.kda.snapshot(snapshot)
-        conv.copy_(parts["conv"])
-        recurrent.copy_(parts["recurrent"])
+        conv.copy_(parts["conv"].to(conv.device))
+        recurrent.copy_(parts["recurrent"].to(recurrent.device))
 
 
 # A group's padded query rows (sequences × its longest query) may reach this many times its real

@@ -86,7 +86,7 @@ def test_pd_gives_the_single_process_tokens_by_both_routes(paths, name):
             if r.kind == "pd":  # admitted on decode as a hit of exactly what crossed: nothing computed twice
                 assert r.hit == r.tokens == pd.decode.scheduler.cache.deepest(len(p)) > 0 and r.nbytes > 0
             else:
-                assert r.tokens == 0 and "uncached" in r.reason or "caches every" in r.reason
+                assert r.tokens == 0 and ("uncached" in r.reason or "caches every" in r.reason), r
         # prefix hits on both sides: the second turn's head was cached by the prefill engine (its own prefix
         # cache) and, on decode, where the first turn's head went — those blocks were not written again
         assert sum(pd.prefill.scheduler.cache.hits.values()) >= 2 * 96
@@ -281,5 +281,40 @@ def test_async_pd_prefills_on_decode_when_the_prefill_engine_fails_or_is_gone(pa
     finally:
         prefill.stop()
         decode.stop()
+        front.core.prefill.shutdown()
+        front.core.decode.shutdown()
+
+
+def test_async_pd_one_request_of_several_sequences_releases_every_arrival(paths):
+    """A request of several sequences (n choices of one long prompt, and another long prompt) through the async
+    front's generate_many: each sequence's tokens are the single process's, and every arrival is let go."""
+    import asyncio
+
+    from cluster.aengine import AsyncEngine
+    from cluster.apd import AsyncDisaggregated
+    from cluster.stream import EngineRequest
+
+    path = paths["kimi-k2-tiny"]
+    long, sp = turn(3)[5:], SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = [long[0], long[0], long[1]]
+    want = [single.alone(path, [p], sp)[0] for p in prompts]
+    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 2)).start()
+    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+
+    async def run():
+        got = [[] for _ in prompts]
+        async for i, _, chunk in front.generate_many([EngineRequest(tuple(p), sp) for p in prompts]):
+            got[i] += chunk.token_ids
+        return got
+
+    try:
+        assert asyncio.run(run()) == want
+        assert front.routes == {"pd": 3}
+    finally:
+        prefill.stop()
+        decode.stop()
+    try:
+        idle(front.core)
+    finally:
         front.core.prefill.shutdown()
         front.core.decode.shutdown()
