@@ -436,7 +436,8 @@ class Scheduler:
         sequences, then more room. With ``load_weight`` = 256, a replica running one more
         sequence must hold 256 more of its tokens to be chosen; 0 always follows the cache; a
         huge weight is least-loaded placement. Without prefix caching every hit is 0: least
-        loaded."""
+        loaded. A sequence with a ``home`` (its prompt's blocks were sent there: cluster/pd.py) goes there
+        when it has room, else where the rule says."""
         home = seq.home if seq.home is not None and seq.home < self.num_replicas else None
         if home is not None:  # its prompt's blocks were sent there (cluster/pd.py): there if it has room
             best = self._best(seq, budget, [home])
