@@ -258,16 +258,19 @@ class DisaggregationConfig(_Checked):
     def prefill_engine(self, config: "EngineConfig", resources: dict | None = None):
         """(the prefill engine's EngineConfig, its ClusterSpec), from the decode engine's ``config``: the same
         model, dtype and cache, its own step budget and owner name (its own placement groups)."""
-        from .spec import ClusterSpec
-
         owner = None if config.owner is None else f"{config.owner}-prefill"
         budget = dataclasses.replace(config.scheduler, max_tokens_per_step=self.max_tokens_per_step)
-        cfg = dataclasses.replace(config, owner=owner, scheduler=budget)
+        return dataclasses.replace(config, owner=owner, scheduler=budget), self.spec(resources)
+
+    def spec(self, resources: dict | None = None):
+        """The prefill engine's ClusterSpec, each actor reserving ``resources`` (default one CPU)."""
+        from .spec import ClusterSpec
+
         res = dict(resources or {"CPU": 1})
         if self.layout == "colocated":
-            return cfg, ClusterSpec.of_workers(self.workers, res)
-        return cfg, ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,
-                                expert_resources=dict(res))
+            return ClusterSpec.of_workers(self.workers, res)
+        return ClusterSpec(attention=self.attention, experts=self.experts, attention_resources=res,
+                           expert_resources=dict(res))
 
 
 GROUPS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "faults": FaultConfig, "elastic": ElasticConfig,

@@ -29,9 +29,11 @@ def connected(spec: ClusterSpec, *, nodes: int | None = None, address: str | Non
 @contextlib.contextmanager
 def started(spec: ClusterSpec, *, nodes: int | None = None, address: str | None = None,
             env: dict[str, str] | None = None,
-            gcs_redis: GcsRedis | None = None) -> Iterator[tuple[str, LocalCluster | None]]:
+            gcs_redis: GcsRedis | None = None,
+            actors: int | None = None) -> Iterator[tuple[str, LocalCluster | None]]:
     """Yield (GCS address, the :class:`LocalCluster` started here or None for ``address``); stop the
-    nodes started here on exit. Connects no driver."""
+    nodes started here on exit. Connects no driver. ``actors``: the actors the nodes must hold (default
+    ``spec``'s; more with a prefill engine beside it)."""
     if address is not None and nodes is not None:
         raise ValueError("give --address (an existing cluster) or --nodes (start one here), not both")
     if address is not None:
@@ -43,7 +45,8 @@ def started(spec: ClusterSpec, *, nodes: int | None = None, address: str | None 
     # With a head node that can be started again, the actors go to the other nodes (the head gets no CPU for
     # them, as KubeRay's head holds no model actors), so that they outlive it.
     spare_head = gcs_redis is not None and n > 1
-    per_node = max(2, math.ceil((spec.attention + spec.experts) / (n - spare_head)) + 1)
+    actors = spec.attention + spec.experts if actors is None else actors
+    per_node = max(2, math.ceil(actors / (n - spare_head)) + 1)
     with LocalCluster(nodes=n, num_cpus=per_node, env=env, gcs_redis=gcs_redis,
                       head_num_cpus=0 if spare_head else None) as cluster:
         yield cluster.address, cluster

@@ -257,6 +257,15 @@ class _Deployment(BaseModel):
                            expert_nodes=tuple(self.expert_nodes) if self.expert_nodes else None,
                            attention_nodes=tuple(self.attention_nodes) if self.attention_nodes else None)
 
+    def actor_count(self) -> int:
+        """Every actor the deployment runs: its engine's, and the prefill engine's with ``disaggregation``."""
+        spec = self.cluster_spec()
+        n = spec.attention + spec.experts
+        if self.disaggregation is not None:
+            prefill = self.disaggregation.record.spec()
+            n += prefill.attention + prefill.experts
+        return n
+
     def name_for(self, model_path: Path) -> str:
         return self.served_model_name or (self.model if "/" not in self.model else model_path.name)
 

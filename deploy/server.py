@@ -218,7 +218,7 @@ def serve_foreground(serve_cfg: ServeConfig, root: Path, *, nodes: int | None, a
                 gcs_redis = GcsRedis(ft.redis_address, ft.password(), namespace)
         _update(status, "starting Ray")
         with started(spec, nodes=nodes, address=address, env=ingress_env(serve_cfg.ingress),
-                     gcs_redis=gcs_redis) as (gcs_address, cluster):
+                     gcs_redis=gcs_redis, actors=serve_cfg.actor_count()) as (gcs_address, cluster):
             on_signal()
             # On several nodes of its own this process keeps the serving port itself (deploy/gate.py) and Serve's
             # proxy listens on a port of its own behind it.

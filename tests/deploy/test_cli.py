@@ -225,3 +225,15 @@ def test_up_refuses_a_bad_pd_config_naming_the_key_before_starting_anything(valu
     assert r.returncode != 0
     for w in words:
         assert w in r.stderr + r.stdout, (w, r.stderr, r.stdout)
+
+
+def test_moeray_up_sizes_its_nodes_for_the_prefill_engine_too():
+    """`moeray up --pd` on one machine: the local nodes hold both engines' actors (they were sized for the
+    serving engine's alone, and the prefill engine's reservation waited out its timeout)."""
+    from deploy.config import ServeConfig
+
+    assert ServeConfig.parse({"model": "kimi-k2-tiny"}).actor_count() == 2
+    assert ServeConfig.parse({"model": "kimi-k2-tiny", "disaggregation": {}}).actor_count() == 4
+    both = ServeConfig.parse({"model": "kimi-k2-tiny", "layout": "colocated", "workers": 3,
+                              "disaggregation": {"layout": "colocated", "workers": 2}})
+    assert both.actor_count() == 5
