@@ -122,7 +122,7 @@ def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fa
             out = collect(step_no, sent)
             if not getattr(killing_collect, "done", False) and any(len(q.token_ids) > q.num_prompt_tokens
                                                                      for q in decode.scheduler.running):
-                killing_collect.done = True
+                killing_collect.done = True  # (a running stream with its first tokens: it outlives the kill)
                 decode.executor.kill("worker", 0)
             return out
 
@@ -157,6 +157,8 @@ def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fa
     if fault in ("prefill killed mid-prefill", "decode killed mid-transfer", "decode killed after the first token"):
         side = 0 if fault.startswith("prefill") else 1
         assert len((prefill, decode)[side].stats.recoveries) == recovered[side] + 1, fault
+    if fault == "decode killed after the first token":  # the kill came while streams were still running
+        assert getattr(decode.executor.collect, "done", False) and all(s is not None for s in seqs)
     if fault in ("prefill killed mid-transfer", "decode killed mid-transfer"):
         # the dead replica's reads (or writes) fail until its engine's next step replaces it: each such transfer
         # is a local prefill; the short prompt was local anyway

@@ -97,15 +97,17 @@ def episode(w: World, rng: random.Random, fault: str) -> Counter:
     prefill, decode = w.engines
     pfake, dfake = w.fakes
     gone_at = {}  # request → how many of its aborted() checks pass before its client goes away
-    if fault == "prefill killed mid-prefill":
-        pfake.fail_step(prefill.step_no + 1 + rng.randrange(2), ("attention", 0))
+    if fault == "prefill killed mid-prefill":  # the victim's prompt long enough to cross: the prefill engine runs
+        ps[victim] = shared + [rng.randrange(1, 700) for _ in range(grid + 10)]
+        pfake.fail_next(1, ("attention", 0))
     elif fault == "killed mid-transfer":
         pfake.fail_reads = 1
     elif fault == "transport error":
         dfake.fail_writes = 1
     elif fault == "lease expiry":
         pfake.on_read = lambda: w.now.__setitem__(0, w.now[0] + LEASE_S)
-    elif fault == "decode killed after the first token":
+    elif fault == "decode killed after the first token":  # streams long enough to be running at that step
+        params = [SamplingParams(max_tokens=8, ignore_eos=True) for _ in ps]
         dfake.fail_step(decode.step_no + 2 + rng.randrange(3), ("attention", rng.randrange(2)))
     elif fault == "client abort before transfer":
         gone_at[victim] = 0
@@ -129,13 +131,17 @@ def episode(w: World, rng: random.Random, fault: str) -> Counter:
             return Counter({"rejected": 1})
         seqs, routes = w.pd.generate(ps, params, deadline_s=20.0, aborted=aborted)
     finally:
+        # a kill scheduled for a step that never came (the batch ended first) did not land: counted below
+        landed = (pfake.failing[0] == 0 if fault.startswith("prefill killed") else
+                  not dfake.faults if fault.startswith("decode killed") else False)
+        pfake.failing = (0, [])
         pfake.fail_reads = dfake.fail_writes = 0
         pfake.on_read = None
         pfake.faults.clear()
         dfake.faults.clear()
     problem = w.idle()
     assert problem is None, f"{fault}: {problem}"
-    out = Counter()
+    out = Counter({f"landed: {fault}": 1} if landed else {})
     for i, (p, sp, seq, route) in enumerate(zip(ps, params, seqs, routes)):
         out[route.kind] += 1
         if seq is None:
@@ -172,3 +178,6 @@ def test_ten_thousand_faults_leave_nothing_held_and_every_stream_exact(model_dir
     assert all(seen[f] >= TOTAL_FAULTS // 2 // len(FAULTS) for f in FAULTS), seen
     assert seen["pd"] > 1000 and seen["local"] > 1000 and seen["aborted"] > 500, seen
     assert seen["TransportError"] > 500 and seen["LeaseExpired"] > 200, seen
+    # the kills landed mid-run (a step of the batch failed), not after the streams had ended
+    for f in ("prefill killed mid-prefill", "decode killed after the first token"):
+        assert seen[f"landed: {f}"] > 0.8 * seen[f], (f, seen[f"landed: {f}"], seen[f])
