@@ -112,12 +112,8 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
-        stream = self.generate_many([request])
-        try:
-            async for _, _, chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()
+        async for chunk in chunks_of(self.generate_many([request])):
+            yield chunk
 
     async def generate_many(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, int, StreamChunk]]:
         """Stream the sequences of one request (its ``n`` choices, its list of prompts), which enter the
@@ -341,6 +337,15 @@ class AsyncEngine:
         if ev.finish_reason is not None:
             self._streams.pop(ev.seq_id, None)
             self.engine.release(ev.seq_id)
+
+
+async def chunks_of(stream: AsyncIterator[tuple[int, int, StreamChunk]]) -> AsyncIterator[StreamChunk]:
+    """The chunks of a one-request ``generate_many`` stream, closing it (aborting what runs) when left."""
+    try:
+        async for _, _, chunk in stream:
+            yield chunk
+    finally:
+        await stream.aclose()
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 
 from model.sampling import SamplingParams
 
-from .aengine import AsyncEngine
+from .aengine import AsyncEngine, chunks_of
 from .engine import Engine
 from .pd import FAILURES, Disaggregated, Route
 from .stream import EngineRequest, StreamChunk
@@ -51,12 +51,8 @@ class AsyncDisaggregated:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
         """Stream one request (its route counted once it ends: :attr:`routes`)."""
-        stream = self.generate_many([request])
-        try:
-            async for _, _, chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()
+        async for chunk in chunks_of(self.generate_many([request])):
+            yield chunk
 
     async def generate_many(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, int, StreamChunk]]:
         """:meth:`AsyncEngine.generate_many` through both engines: each sequence routed, the long ones'

@@ -348,9 +348,10 @@ class Scheduler:
         blocked: dict[int, Seq] = {}  # replica → a prefill in progress that found no room there
         for seq in [s for s in self.running if s.num_uncached > 1 or s.is_refresh]:  # prefills in progress
             n = self._prefill_len(seq, budget)
-            if n and not self.cache.fits(seq.replica, seq, n):
+            if n == 0:
+                continue
+            if not self.cache.fits(seq.replica, seq, n):
                 blocked.setdefault(seq.replica, seq)
-            if n == 0 or not self.cache.fits(seq.replica, seq, n):
                 continue
             self._take(seq, n)
             plan.chunks[seq.replica].append(self._chunk(seq, n))
