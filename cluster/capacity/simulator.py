@@ -358,6 +358,11 @@ class Simulator:
                 hi = mid - 1
         return lo
 
+    def price(self, chunks: list[list[tuple[int, int]]], rng: np.random.Generator) -> StepTime:
+        """One step of ``chunks`` ((new tokens, context after the step) per sequence, per attention replica),
+        its routing drawn from ``rng``: what a real engine's step would cost on this shape."""
+        return self._chunks_time(chunks, sum(n for per in chunks for n, _ in per), rng)
+
     def _chunks_time(self, chunks: list[list[tuple[int, int]]], num_tokens: int, rng: np.random.Generator) -> StepTime:
         if self.cost.pipelined:
             # each replica's sequences dealt into the micro-batches; each micro-batch routed on its own
