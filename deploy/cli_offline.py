@@ -109,6 +109,11 @@ def plan(
                    "attention replica's KDA verify buffers are counted."),
     max_num_seqs: int = typer.Option(256, help="Sequences running at once (the serving config's max_num_seqs): the "
                                                "roofline's batch, and how many may verify drafts together."),
+    pd_prefill: Optional[str] = typer.Option(
+        None, help="Prefill/decode disaggregation: the prefill pool's devices, N (colocated workers) or AxE; the "
+                   "decode pool is the rest of the cluster in --layout. Both are planned, and the blocks a prompt "
+                   "of --prompt-tokens sends from one to the other priced."),
+    prompt_tokens: int = typer.Option(2000, help="With --pd-prefill: the prompt whose transfer is priced."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Will the model fit this cluster? Weight and cache bytes per actor kind (or per colocated worker),
@@ -138,6 +143,16 @@ def plan(
               context=context or min(model_cfg.max_position_embeddings, 131072), dtype_bytes=4 if dtype == "float32" else 2,
               utilization=utilization, link_gbps=link_gbps, snapshot_bytes=snapshot_bytes, speculative=speculative,
               max_num_seqs=max_num_seqs)
+    if pd_prefill is not None:
+        from .plan_pd import plan_pools
+
+        out, text, ok = plan_pools(model_cfg, pd_prefill, layout=layout, nodes=nodes, gpus_per_node=gpus_per_node,
+                                   attention=attention, experts=experts, workers=workers,
+                                   prompt_tokens=prompt_tokens, **kw)
+        print(json.dumps(out, indent=2) if as_json else text)
+        if not ok:
+            raise typer.Exit(1)
+        return
     if layout == "colocated":
         shown = plan_colocated(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node,
                                workers=workers or nodes * gpus_per_node, **kw)
@@ -207,6 +222,15 @@ def simulate(
                                                           "engine and actors on --model and save the table."),
     cpu_profile: Optional[Path] = typer.Option(None, help="The CPU profile to read or write (default: "
                                                           "cpu_profile.json in the cache directory)."),
+    pd_prefill: Optional[str] = typer.Option(
+        None, help="Prefill/decode disaggregation: the prefill pool, N (colocated workers) or AxE; the decode pool "
+                   "is --attention/--experts (--colocated). Compared with one engine on all the devices."),
+    pd: bool = typer.Option(False, "--pd", help="With --search --gpus N: size the prefill and decode pools (every "
+                                                "split into two colocated pools that fit, at most 8) against one "
+                                                "engine on the N devices, under the offered load (--rate)."),
+    min_uncached_tokens: int = typer.Option(256, help="PD: prompts at least this long go to the prefill pool "
+                                                      "(the serving config's disaggregation.min_uncached_tokens)."),
+    link_gbps: float = typer.Option(400.0, help="PD: the link a request's blocks cross to its decode replica, Gb/s."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON: one summary per shape."),
     plot: Optional[Path] = typer.Option(None, help="Draw tokens/s per GPU against ITL p50 to this PNG."),
 ):
@@ -241,7 +265,24 @@ def simulate(
         requests=requests, prompt_tokens=sim.lengths(prompt_tokens, "--prompt-tokens"),
         output_tokens=sim.lengths(output_tokens, "--output-tokens"), trace=trace, routing=routing, skew=skew,
         seed=seed, max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step, block_size=block_size,
-        cpu_profile=profile_path, failures_per_hour=failures_per_hour)
+        cpu_profile=profile_path, failures_per_hour=failures_per_hour, pd_prefill=pd_prefill, pd=pd,
+        min_uncached_tokens=min_uncached_tokens, link_gbps=link_gbps)
+    if pd or pd_prefill is not None:
+        if plot is not None:
+            raise ValueError("--plot draws a search of one engine's shapes; with --pd, use --json")
+        if min_uncached_tokens < 1 or link_gbps <= 0:
+            raise ValueError("--min-uncached-tokens must be >= 1 and --link-gbps > 0")
+        if pd and not search:
+            raise ValueError("--pd sizes the pools of --gpus with --search; for given pools use --pd-prefill")
+        if pd_prefill is not None:
+            sim.pool_shape(pd_prefill)  # its error first
+        with err.status("simulating prefill/decode disaggregation"):
+            rows = sim.run_pd(model_cfg, args)
+        if as_json:
+            print(sim.dump(rows))
+        else:
+            Console().print(sim.pd_table(rows))
+        return
     with err.status("simulating"):
         rows = sim.run(model_cfg, args)
     if plot is not None:

@@ -41,6 +41,10 @@ class SimArgs:
     failures_per_hour: float = 0.0
     micro_batches: int = 1
     exchange: str = "moeray"
+    pd_prefill: str | None = None  # prefill/decode disaggregation: the prefill pool's shape (`N` or `AxE`)
+    pd: bool = False  # with --search: size the prefill and decode pools of --gpus
+    min_uncached_tokens: int = 256
+    link_gbps: float = 400.0
 
 
 def plan_for(model_cfg, gpu: str, shape, context: int):
@@ -199,3 +203,115 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def dump(rows: list[dict]) -> str:
     return json.dumps(rows, indent=2)
+
+
+# ---- prefill/decode disaggregation (cluster/capacity/pd.py) ---------------------------------------
+def pool_shape(text: str, flag: str = "--pd-prefill"):
+    """``N`` (N colocated workers) or ``AxE`` (A attention replicas, E expert actors)."""
+    from cluster.capacity.stepcost import Shape
+
+    try:
+        if "x" in text.lower():
+            a, e = (int(x) for x in text.lower().split("x"))
+            shape = Shape(a, e)
+        else:
+            n = int(text)
+            shape = Shape(n, n, colocated=True)
+    except ValueError:
+        raise ValueError(f"{flag} must be N (colocated workers) or AxE (attention replicas x expert actors), "
+                         f"got {text!r}") from None
+    if shape.attention < 1 or shape.experts < 1:
+        raise ValueError(f"{flag} needs at least one device per kind, got {text!r}")
+    return shape
+
+
+def run_pd(model_cfg, a: SimArgs) -> list[dict]:
+    """Prefill/decode disaggregation against one engine on all the devices (the colocated layout), under one
+    workload: the pools of ``--pd-prefill`` and the decode shape given, or with ``--search`` every split of
+    ``--gpus`` into a colocated prefill pool and a colocated decode pool that both fit (at most 8, spread).
+    Each row says whether it meets --tpot-ms (ITL p50 and p99) and --ttft-ms (TTFT p50), ``best`` marks the
+    most tokens/s per GPU among those that do, and ``pays`` on each PD row: it meets the targets and serves more
+    per GPU than one engine (or meets them where one engine does not)."""
+    from cluster.capacity.pd import Link, PDSimulator
+    from cluster.capacity.search import split_grid
+    from cluster.capacity.simulator import Simulator
+    from cluster.capacity.stepcost import GpuCost, Shape
+    from cluster.capacity.workload import poisson_workload, trace_workload
+    from cluster.costmodel import load_gpu
+
+    if a.gpu == "cpu":
+        raise ValueError("prefill/decode disaggregation is simulated on GPUs (--gpu h200, ...), not from a CPU profile")
+    gpu = load_gpu(a.gpu)
+    context = _top(a.prompt_tokens) + _top(a.output_tokens)
+
+    def sim(shape):
+        return Simulator(model_cfg, shape, GpuCost(model_cfg, gpu, shape, exchange=a.exchange),
+                         config=engine_config(model_cfg, a, False, shape), seed=a.seed)
+
+    def fit(shape) -> bool:
+        return fits(model_cfg, a.gpu, shape, context)
+
+    if a.search:
+        if not a.gpus or a.gpus < 2:
+            raise ValueError("--pd --search needs --gpus N (at least 2): it tries every split into two pools")
+        sizes = [p for p in range(1, a.gpus) if fit(Shape(p, p, colocated=True))
+                 and fit(Shape(a.gpus - p, a.gpus - p, colocated=True))]
+        if not sizes:
+            raise ValueError(f"no split of {a.gpus} devices into two colocated pools fits this model")
+        pools = [(Shape(p, p, colocated=True), Shape(a.gpus - p, a.gpus - p, colocated=True))
+                 for p in split_grid(sizes, 8)]
+        total = a.gpus
+    else:
+        if a.pd_prefill is None or a.attention is None or a.experts is None:
+            raise ValueError("give the prefill pool (--pd-prefill N or AxE) and the decode pool (--attention and "
+                             "--experts, --colocated), or --pd --search with --gpus")
+        decode = Shape(a.attention, a.experts, colocated=a.colocated)
+        pools = [(pool_shape(a.pd_prefill), decode)]
+        for name, shape in zip(("prefill", "decode"), pools[0]):
+            if not fit(shape):
+                raise ValueError(f"the {name} pool ({_label(shape)}) does not fit this model on {a.gpu}: "
+                                 f"`moeray plan` says why")
+        total = pools[0][0].devices + decode.devices
+    rate = 4.0 if a.rate is None else a.rate
+    workload = (trace_workload(a.trace) if a.trace else
+                poisson_workload(rate, a.requests, a.prompt_tokens, a.output_tokens, seed=a.seed))
+    link = Link(gbps=a.link_gbps)
+    rows = [PDSimulator(sim(p), sim(d), min_uncached_tokens=a.min_uncached_tokens, link=link).run(workload)
+            for p, d in pools]
+    alone = Shape(total, total, colocated=True)
+    if fit(alone):
+        rows.append(sim(alone).run(workload).summary() | {"layout": "one engine", "prefill": "", "decode": f"{total} colocated"})
+    for r in rows:
+        r["exchange"] = a.exchange
+        r["meets"] = ((a.tpot_ms is None or max(r["itl_p50_s"], r["itl_p99_s"]) * 1e3 <= a.tpot_ms)
+                      and (a.ttft_ms is None or r["ttft_p50_s"] * 1e3 <= a.ttft_ms))
+    meeting = [r for r in rows if r["meets"]]
+    best = max(meeting, key=lambda r: r["tokens_per_s_per_gpu"]) if meeting else None
+    one = rows[-1] if rows[-1]["layout"] == "one engine" else None
+    for r in rows:
+        r["best"] = r is best
+        if r["layout"] == "pd":
+            r["pays"] = r["meets"] and (one is None or not one["meets"]
+                                        or r["tokens_per_s_per_gpu"] > one["tokens_per_s_per_gpu"])
+    return rows
+
+
+def _label(shape) -> str:
+    return f"{shape.attention} colocated workers" if shape.colocated else f"{shape.attention}x{shape.experts}"
+
+
+def pd_table(rows: list[dict]) -> "object":
+    from rich.table import Table
+
+    t = Table("layout", "prefill", "decode", "GPUs", "tok/s", "tok/s/GPU", "TTFT p50", "TTFT p99", "ITL p50",
+              "ITL p99", "transfer p50", "routes", "meets", "best", "PD pays")
+    for r in rows:
+        routes = ", ".join(f"{k} {v}" for k, v in sorted(r.get("routes", {}).items()))
+        t.add_row(r["layout"], r["prefill"], r["decode"], str(r["gpus"]), f"{r['tokens_per_s']:,.0f}",
+                  f"{r['tokens_per_s_per_gpu']:,.1f}", f"{r['ttft_p50_s'] * 1e3:,.1f} ms",
+                  f"{r['ttft_p99_s'] * 1e3:,.1f} ms", f"{r['itl_p50_s'] * 1e3:,.2f} ms",
+                  f"{r['itl_p99_s'] * 1e3:,.2f} ms",
+                  f"{r['transfer_p50_s'] * 1e3:,.2f} ms" if "transfer_p50_s" in r else "", routes,
+                  "yes" if r["meets"] else "no", "★" if r["best"] else "",
+                  ("yes" if r["pays"] else "no") if "pays" in r else "")
+    return t

@@ -120,6 +120,13 @@ class Recovery:
 
 
 
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 # ---- the simulation -----------------------------------------------------------------------------
 @dataclass
 class SimResult:
@@ -137,13 +144,11 @@ class SimResult:
     decode_steps: int = 0
     failures: int = 0  # failures that happened (and were recovered) while work remained
     batches: list[int] = field(default_factory=list)  # per step and attention replica: sequences that sampled
+    first_s: dict[int, float] = field(default_factory=dict)  # per request (its workload index): its first token's time
+    hit_tokens: dict[int, int] = field(default_factory=dict)  # per request: prompt tokens found cached at admission
 
     def summary(self) -> dict:
-        def pct(xs, q):
-            if not xs:
-                return 0.0
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(q * len(xs)))]
+        pct = _pct
         tps = self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
         return {"attention": self.shape.attention, "experts": self.shape.experts,
                 "redundant_slots": self.shape.redundant_slots, "standbys": self.shape.standbys,
@@ -208,12 +213,16 @@ class Simulator:
         return rows, touched
 
     def run(self, workload: list[SimRequest], *, record_steps: bool = False,
-            max_steps: int = 10_000_000) -> SimResult:
+            max_steps: int = 10_000_000, admit=None) -> SimResult:
+        """Serve ``workload`` (request ``i``'s prompt ids are drawn from ``i``); ``admit(scheduler, seq)``
+        queues each arrival instead of ``scheduler.add`` (a PD decode pool registers its prompt's blocks
+        first: :mod:`cluster.capacity.pd`)."""
         cfg = self.cfg
+        admit = admit or (lambda sched, seq: sched.add(seq))
         sched = Scheduler.for_engine(self.config, cfg, self.shape.attention)
         gen = np.random.default_rng(self.seed)
         pending = sorted(range(len(workload)), key=lambda i: (workload[i].arrival_s, i))
-        arrival, first, last = {}, {}, {}
+        arrival, first, last, hits = {}, {}, {}, {}
         ttft, itl, steps, batches = [], [], [], []
         decode_s, decode_tokens, decode_steps, n_failures = 0.0, 0, 0, 0
         t, out_tokens, paused, nxt, n_steps = 0.0, 0, 0.0, 0, 0
@@ -228,7 +237,7 @@ class Simulator:
                 # (a 256-GPU decode simulation holds ~10^8 prompt tokens)
                 ids = array("i", ((i * 7919 + j * 104729) % max(cfg.vocab_size - 1, 1) + 1
                                   for j in range(r.prompt_tokens)))
-                sched.add(Seq(i, ids, r.prompt_tokens, params))
+                admit(sched, Seq(i, ids, r.prompt_tokens, params))
                 arrival[i] = r.arrival_s
                 nxt += 1
             if not sched.has_work:
@@ -264,6 +273,7 @@ class Simulator:
                 sid = applied.seq.seq_id
                 if sid not in first:
                     first[sid] = t
+                    hits[sid] = applied.seq.num_hit or 0
                     ttft.append(t - arrival[sid])
                 else:
                     itl.append(t - last[sid])
@@ -272,7 +282,8 @@ class Simulator:
                 raise RuntimeError(f"no end after {max_steps} steps")
         start = min((r.arrival_s for r in workload), default=0.0)
         return SimResult(self.shape, self.shape.devices, t - start, out_tokens, ttft, itl, steps,
-                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps, n_failures, batches)
+                         self.imbalance(), paused, decode_s, decode_tokens, decode_steps, n_failures, batches,
+                         first, hits)
 
     def run_steady(self, batch: int, *, context: int, output_tokens: int, steps: int = 200,
                    warmup: int = 50, one_replica: bool = False) -> SimResult:
