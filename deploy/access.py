@@ -23,10 +23,13 @@ ADMIN_OFF = ("the admin routes are off: this server has no admin key. Give it on
 
 
 class ScaleRequest(BaseModel):
-    """Body of POST /admin/scale/experts and /admin/scale/attention."""
+    """Body of POST /admin/scale/experts, /attention and /workers."""
 
     model_config = ConfigDict(extra="forbid")
     n: int = Field(..., ge=1, le=4096, description="The number of actors of that kind after the change.")
+    engine: Literal["decode", "prefill"] = Field(
+        "decode", description="Which engine of a prefill/decode deployment changes: the serving (decode) engine, "
+                              "or the prefill engine (the serving config's disaggregation section).")
 
 
 class ChaosRequest(BaseModel):

@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
 
 
 scale_app = typer.Typer(help="Change the number of expert actors or attention replicas (or, in the colocated "
-                             "layout, workers) of the running app, live: in-flight requests keep streaming.",
+                             "layout, workers) of the running app, live: in-flight requests keep streaming. "
+                             "`moeray scale prefill ...` changes a prefill/decode deployment's prefill engine.",
                         no_args_is_help=True)
 
 
@@ -54,41 +55,55 @@ def _change(route: str, body: dict, url: str | None, admin_key: str | None, as_j
         _print_change(c)
 
 
-@scale_app.command("experts")
-@user_errors
-def scale_experts(
-    n: int = typer.Argument(..., help="Expert actors after the change."),
-    url: Optional[str] = typer.Option(None, help=URL_HELP),
-    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Re-shard the routed experts over N expert actors (up or down)."""
-    _change("/admin/scale/experts", {"n": n}, url, admin_key, as_json)
+def _scale_commands(app: typer.Typer, engine: str) -> None:
+    """``experts``, ``attention`` and ``workers`` on ``app``, each changing ``engine``'s shape."""
+    which = "" if engine == "decode" else f" of the {engine} engine"
+
+    def send(kind: str, n: int, url, admin_key, as_json) -> None:
+        _change(f"/admin/scale/{kind}", {"n": n} | ({"engine": engine} if engine != "decode" else {}), url,
+                admin_key, as_json)
+
+    @app.command("experts", help=f"Re-shard the routed experts{which} over N expert actors (up or down).")
+    @user_errors
+    def scale_experts(
+        n: int = typer.Argument(..., help="Expert actors after the change."),
+        url: Optional[str] = typer.Option(None, help=URL_HELP),
+        admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
+        as_json: bool = typer.Option(False, "--json"),
+    ):
+        send("experts", n, url, admin_key, as_json)
+
+    @app.command("attention", help=f"Add attention replicas{which} (they take new sequences at once) or remove "
+                                   "some (their sequences move).")
+    @user_errors
+    def scale_attention(
+        n: int = typer.Argument(..., help="Attention replicas after the change."),
+        url: Optional[str] = typer.Option(None, help=URL_HELP),
+        admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
+        as_json: bool = typer.Option(False, "--json"),
+    ):
+        send("attention", n, url, admin_key, as_json)
+
+    @app.command("workers", help=f"Colocated layout: move{which} to N workers, each an attention replica and an "
+                                 "expert shard (a removed worker's sequences are re-prefilled on the others, its "
+                                 "experts move to the rest).")
+    @user_errors
+    def scale_workers(
+        n: int = typer.Argument(..., help="Workers after the change (the colocated layout)."),
+        url: Optional[str] = typer.Option(None, help=URL_HELP),
+        admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
+        as_json: bool = typer.Option(False, "--json"),
+    ):
+        send("workers", n, url, admin_key, as_json)
 
 
-@scale_app.command("attention")
-@user_errors
-def scale_attention(
-    n: int = typer.Argument(..., help="Attention replicas after the change."),
-    url: Optional[str] = typer.Option(None, help=URL_HELP),
-    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Add attention replicas (they take new sequences at once) or remove some (their sequences move)."""
-    _change("/admin/scale/attention", {"n": n}, url, admin_key, as_json)
-
-
-@scale_app.command("workers")
-@user_errors
-def scale_workers(
-    n: int = typer.Argument(..., help="Workers after the change (the colocated layout)."),
-    url: Optional[str] = typer.Option(None, help=URL_HELP),
-    admin_key: Optional[str] = typer.Option(None, help=ADMIN_KEY_HELP),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Colocated layout: move to N workers, each an attention replica and an expert shard (a removed
-    worker's sequences are re-prefilled on the others, its experts move to the rest)."""
-    _change("/admin/scale/workers", {"n": n}, url, admin_key, as_json)
+_scale_commands(scale_app, "decode")  # the serving engine: `moeray scale experts N`
+for _engine in ("prefill", "decode"):  # a prefill/decode deployment's engines: `moeray scale prefill experts N`
+    _group = typer.Typer(help=f"Change the {_engine} engine's shape (a prefill/decode deployment"
+                              + ("; the same as `moeray scale ...`)." if _engine == "decode" else ")."),
+                         no_args_is_help=True)
+    _scale_commands(_group, _engine)
+    scale_app.add_typer(_group, name=_engine)
 
 
 chaos_app = typer.Typer(help="Fault injection against your own running app: a real `ray.kill` of one actor. "

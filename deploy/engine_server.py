@@ -152,19 +152,27 @@ class EngineServer:
         fut = self.aengine.control(fn, even_if_unavailable=True)
         return await asyncio.wait_for(asyncio.wrap_future(fut), CONTROL_TIMEOUT_S)
 
-    async def change(self, kind: str, value: int | None) -> dict:
-        """An epoch change (``kind``: experts, attention, rebalance), waited for; ``{"ok", "change"}`` or
+    async def change(self, kind: str, value: int | None, engine: str = "decode") -> dict:
+        """An epoch change (``kind``: experts, attention, workers, rebalance) of the serving engine, or with
+        ``engine="prefill"`` of a PD deployment's prefill engine, waited for; ``{"ok", "change"}`` or
         ``{"ok": False, "status", "error"}`` (a shape the router refuses is the caller's error)."""
+        target = self.aengine
+        if engine == "prefill":
+            if self.prefill is None:
+                return {"ok": False, "status": 400, "error": "this deployment has no prefill engine (the serving "
+                                                             "config's disaggregation section starts one)"}
+            target = self.prefill
         begin = {"experts": lambda e: e.begin_scale_experts(value),
                  "attention": lambda e: e.begin_scale_attention(value),
                  "workers": lambda e: e.begin_scale_workers(value),
                  "rebalance": lambda e: e.begin_rebalance(value)}[kind]
+        which = "the prefill engine: " if engine == "prefill" else ""
         try:
-            change = await self.aengine.change(begin, ADMIN_TIMEOUT_S)
+            change = await target.change(begin, ADMIN_TIMEOUT_S)
         except ValueError as e:
-            return {"ok": False, "status": 400, "error": str(e)}
+            return {"ok": False, "status": 400, "error": f"{which}{e}"}
         except Exception as e:  # noqa: BLE001 — the change did not happen; the engine serves on
-            return {"ok": False, "status": 503, "error": f"{type(e).__name__}: {e}"}
+            return {"ok": False, "status": 503, "error": f"{which}{type(e).__name__}: {e}"}
         return {"ok": True, "change": change.as_dict()}
 
     async def status(self) -> dict:

@@ -157,9 +157,10 @@ class Ingress:
         return await self._ask_engine(self.engine.status, "/status")
 
     # ---- routes: admin ----------------------------------------------------------------------
-    async def _admin(self, kind: str, value: int | None):
+    async def _admin(self, kind: str, value: int | None, engine: str = "decode"):
         """An epoch change through the engine server: its report, or the engine's refusal as an error."""
-        out = await self._ask_engine(self.engine.change, f"the {kind} change", kind, value, timeout_s=ADMIN_TIMEOUT_S)
+        out = await self._ask_engine(self.engine.change, f"the {kind} change", kind, value, engine,
+                                     timeout_s=ADMIN_TIMEOUT_S)
         if not out["ok"]:
             raise oa.APIError(out["status"], out["error"], param="n" if kind != "rebalance" else "redundant_slots",
                               retry_after_s=5 if out["status"] == 503 else None)
@@ -169,19 +170,19 @@ class Ingress:
         self.access.check_admin(request)
         body = await self._parse(request, ScaleRequest)
         self._check_max("experts", body.n)
-        return await self._admin("experts", body.n)
+        return await self._admin("experts", body.n, body.engine)
 
     async def scale_attention(self, request: Request):
         self.access.check_admin(request)
         body = await self._parse(request, ScaleRequest)
         self._check_max("attention", body.n)
-        return await self._admin("attention", body.n)
+        return await self._admin("attention", body.n, body.engine)
 
     async def scale_workers(self, request: Request):
         self.access.check_admin(request)
         body = await self._parse(request, ScaleRequest)
         self._check_max("workers", body.n)
-        return await self._admin("workers", body.n)
+        return await self._admin("workers", body.n, body.engine)
 
     async def rebalance(self, request: Request):
         self.access.check_admin(request)

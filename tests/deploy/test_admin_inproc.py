@@ -201,5 +201,7 @@ def test_scale_over_the_configured_maximum_is_refused_before_anything_changes(ap
     assert "max_expert_actors (2)" in r.json()["error"]["message"]
     done = _moeray("scale", "experts", "3", "--url", url, "--admin-key", apps["admin"])
     assert done.returncode == 2 and "max_expert_actors" in done.stderr, done.stderr
+    r = httpx.post(f"{url}/admin/scale/attention", json={"n": 1, "engine": "prefill"}, headers=admin, timeout=30)
+    assert r.status_code == 400 and "has no prefill engine" in r.json()["error"]["message"], r.text
     after = httpx.get(f"{url}/status", headers=_bearer(KEYS[0]), timeout=30).json()
     assert (after["epoch"], after["shape"]) == (before["epoch"], before["shape"])

@@ -9,10 +9,13 @@ import pytest
 from inproc import preset, serve
 
 
+ADMIN = "pd-admin"
+
+
 @pytest.fixture(scope="module")
 def server():
     path = preset("kimi-k2-tiny", seed=4)
-    with serve(path, served_model_name="k2", attention=2, experts=1, max_tokens_per_step=64,
+    with serve(path, served_model_name="k2", attention=2, experts=1, max_tokens_per_step=64, admin_api_key=ADMIN,
                disaggregation={"min_uncached_tokens": 32, "max_tokens_per_step": 256}) as s:
         assert httpx.get(f"{s.url}/health", timeout=30).status_code == 200
         yield s
@@ -90,3 +93,30 @@ def test_metrics_count_the_routes_and_transfers(server):
     assert samples[("moeray:kv_transfer_seconds_total", (("model_name", "k2"),))] > 0
     assert samples[("moeray:kv_transfer_failures_total", (("model_name", "k2"), ("reason", "TransportError")))] == 0
     assert samples[("moeray:kv_transfer_leased_blocks", (("model_name", "k2"),))] == 0
+
+
+def test_scale_reaches_the_engine_named(server):
+    """`moeray scale prefill ...` (the body's engine) reaches the prefill engine, and only it: this in-process
+    engine refuses any change of shape, and the refusal names the prefill engine; the decode engine is asked
+    without it; an unknown engine is a 400 naming the field. Neither engine's shape changed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    before = status(server)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(f"{server.url}/admin/scale/attention", json={"n": 2, "engine": "prefill"}, headers=admin, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["message"].startswith("the prefill engine: "), r.text
+    assert "cannot change its shape (attention)" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/admin/scale/experts", json={"n": 2}, headers=admin, timeout=60)
+    assert r.status_code == 503 and "the prefill engine" not in r.text and "cannot change its shape" in r.text
+    r = httpx.post(f"{server.url}/admin/scale/experts", json={"n": 2, "engine": "both"}, headers=admin, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "engine", r.text
+    env = {k: v for k, v in os.environ.items() if k != "MOERAY_ADMIN_KEY"} | {"COLUMNS": "300"}
+    done = subprocess.run([str(Path(sys.executable).parent / "moeray"), "scale", "prefill", "workers", "2", "--url",
+                           server.url, "--admin-key", ADMIN], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0 and "the prefill engine: " in done.stderr, done.stderr
+    after = status(server)
+    assert (after["shape"], after["disaggregation"]["prefill"]["shape"]) == (
+        before["shape"], before["disaggregation"]["prefill"]["shape"])
