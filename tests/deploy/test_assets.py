@@ -477,3 +477,59 @@ def test_pd_gpu_serve_config_is_two_engines_of_16_workers_on_4x8_h200():
     assert spec.colocated and spec.workers == 16 and spec.attention_resources == {"CPU": 1, "GPU": 1}
     assert (prefill.model, prefill.dtype, prefill.cache, prefill.owner) == (decode.model, decode.dtype, decode.cache,
                                                                             "moeray-prefill")
+
+
+def _json6902(doc: dict, ops: list[dict]) -> dict:
+    """Apply a JSON 6902 patch of `replace` operations (what kustomize does with deploy/kuberay-pd/pd.yaml)."""
+    import copy
+
+    out = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "replace", op
+        *parents, last = [int(k) if k.isdigit() else k for k in op["path"].strip("/").split("/")]
+        node = out
+        for key in parents:
+            node = node[key]
+        assert last in node if isinstance(node, dict) else last < len(node), op["path"]  # replace needs it there
+        node[last] = op["value"]
+    return out
+
+
+def test_kuberay_pd_overlay_is_the_base_with_the_pd_serve_config_on_4_gpu_pods():
+    """deploy/kuberay-pd (issue 55): a kustomization of the base RayService whose patch carries exactly
+    deploy/serve_config.pd.gpu.yaml and gives the GPU group the pods both engines need."""
+    kust = load_yaml("kuberay-pd/kustomization.yaml")
+    assert kust["kind"] == "Kustomization" and kust["resources"] == ["../kuberay-rayservice.yaml"]
+    (patch,) = kust["patches"]
+    assert patch["target"]["kind"] == "RayService" and patch["target"]["name"] == load_yaml("kuberay-rayservice.yaml")["metadata"]["name"]
+    svc = _json6902(load_yaml("kuberay-rayservice.yaml"), load_yaml(f"kuberay-pd/{patch['path']}"))
+    inner = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    assert inner == load_yaml("serve_config.pd.gpu.yaml")
+    args = _check_serve_config(inner)["args"]
+    cfg = ServeConfig.parse(args)
+    workers = [g for g in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    gpus = sum(int(g["replicas"]) * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+               for g in workers)
+    assert all(g["minReplicas"] == g["replicas"] == g["maxReplicas"] for g in workers)
+    assert gpus == (cfg.workers + cfg.disaggregation.record.workers) * cfg.gpus_per_actor == 32
+
+
+@pytest.mark.parametrize("name", ["ray-cluster-aws.yaml", "ray-cluster-gcp.yaml"])
+def test_ray_up_configs_say_how_to_start_both_pd_engines(name):
+    """The `ray up` YAMLs (issue 55): their header starts 4 GPU nodes with `ray up`'s own --min-workers /
+    --max-workers and deploys serve_config.pd.gpu.yaml; the node type allows 4 nodes of 8 GPUs, the workers of
+    both engines."""
+    from ray.scripts.scripts import up
+
+    header = (DEPLOY / name).read_text().split("cluster_name:")[0]
+    line = next(line for line in header.splitlines() if f"ray up deploy/{name} --min-workers" in line)
+    flags = _start_flags(line.replace("ray up", "ray start"))
+    assert {"--min-workers", "--max-workers"} <= {opt for p in up.params for opt in p.opts} and set(flags) == {
+        "--min-workers", "--max-workers"}
+    n = int(line.split("--min-workers")[1].split()[0])
+    assert "serve_config.pd.gpu.yaml" in header
+    cfg = _prepared(name)
+    gpu = cfg["available_node_types"]["gpu_worker"]
+    assert gpu["max_workers"] >= n and cfg["max_workers"] >= n
+    args = load_yaml("serve_config.pd.gpu.yaml")["applications"][0]["args"]
+    assert n * 8 == args["workers"] + args["disaggregation"]["workers"]
