@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation against one engine (issue 55): running streams' inter-token latency while
 long prompts arrive, the long prompts' TTFT, and what a transfer costs against its floor.
 
-    python bench/bench_pd.py [--preset kimi-k2-tiny] [--streams 8] [--arrivals 4] [--long 2000]
+    python bench/bench_pd.py [--preset kimi-k2-tiny] [--streams 8] [--arrivals 4] [--long 2000 | 100:2000]
                              [--gap 0.5] [--rounds 3] [--thresholds 64,1024] [--quick]
 
 On a local Ray cluster (one node, 2 CPUs of this machine shared by every actor), the preset's checkpoint
@@ -119,7 +119,8 @@ def main() -> None:
     ap.add_argument("--preset", default="kimi-k2-tiny")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--arrivals", type=int, default=4)
-    ap.add_argument("--long", type=int, default=2000)
+    ap.add_argument("--long", default="2000", help="the arriving prompts' tokens: N, or LO:HI drawn uniformly per "
+                                                   "prompt (mixed lengths: what a threshold sweep weighs)")
     ap.add_argument("--answer", type=int, default=160)
     ap.add_argument("--gap", type=float, default=0.5)
     ap.add_argument("--rounds", type=int, default=3)
@@ -128,7 +129,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 round, 4 streams, 2 arrivals of 600 tokens")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.streams, args.arrivals, args.long, args.answer = 1, 4, 2, 600, 60
+        args.rounds, args.streams, args.arrivals, args.long, args.answer = 1, 4, 2, "600", 60
+    lo, _, hi = args.long.partition(":")
+    lo, hi = int(lo), int(hi or lo)
     thresholds = [int(t) for t in args.thresholds.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     path = str(build_preset(args.preset, tmp / "ckpt", seed=0, dtype="float32", progress=False))
@@ -151,7 +154,7 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 short = [[rng.randrange(10, 900) for _ in range(16)] for _ in range(args.streams)]
-                long = [[rng.randrange(10, 900) for _ in range(args.long)] for _ in range(args.arrivals)]
+                long = [[rng.randrange(10, 900) for _ in range(rng.randint(lo, hi))] for _ in range(args.arrivals)]
                 # no arrivals: the baseline ITL
                 q = asyncio.run(one_round(decode, short, [], 0.0, args.answer, f"quiet-{r}"))
                 quiet += itl(q, None)

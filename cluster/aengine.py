@@ -77,6 +77,7 @@ class AsyncEngine:
         self.unavailable: str | None = None  # why new requests are refused (no capacity to recover), or None
         self._next_heal = 0.0
         self._inbox: queue.Queue = queue.Queue()
+        self._queued, self._queued_lock = 0, threading.Lock()  # sequences in the inbox, not yet admitted
         self._streams: dict[int, _Stream] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moeray-engine", daemon=True)
@@ -108,7 +109,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests submitted but not yet running (queued here, or in the scheduler at the last step)."""
-        return self._inbox.qsize() + self.engine.snapshot.waiting
+        return self._queued + self.engine.snapshot.waiting
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
         """Stream one request. Raises ValueError for bad input before anything is queued."""
@@ -125,6 +126,8 @@ class AsyncEngine:
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
         streams = [_Stream(loop, out, i) for i in range(len(requests))]
         ready: asyncio.Future = loop.create_future()
+        with self._queued_lock:
+            self._queued += len(requests)
         self._inbox.put(_Add(list(zip(requests, streams)), ready))
         try:
             seq_ids = await asyncio.shield(ready)
@@ -302,6 +305,9 @@ class AsyncEngine:
             if stream is not None:  # ends the sequence's place in its request's stream
                 stream.push(StreamChunk((), "abort", seq_id=item.seq_id))
         self.engine.publish()  # admissions and aborts change what /metrics shows
+        if isinstance(item, _Add):  # (counted by the snapshot now)
+            with self._queued_lock:
+                self._queued -= len(item.requests)
 
     def _add(self, jobs: list, ready: asyncio.Future) -> None:
         """Admit one request's sequences together (all or none), before the next step."""

@@ -38,6 +38,7 @@ class AsyncDisaggregated:
         self.core = Disaggregated(prefill.engine, decode.engine, min_uncached_tokens=min_uncached_tokens,
                                   lease_s=lease_s)
         self._keys = itertools.count()
+        self._entering = 0  # sequences taken in by generate_many and not yet queued on decode (in a transfer)
 
     async def _on(self, engine: AsyncEngine, fn: Callable[[Engine], object], settled: bool = False):
         return await asyncio.wait_for(asyncio.wrap_future(engine.control(fn, settled=settled)), self.timeout_s)
@@ -45,6 +46,12 @@ class AsyncDisaggregated:
     # ---- what the serving streams (deploy/mux.py) ask of an async engine ------------------------
     def check(self, requests: list[EngineRequest]) -> None:
         self.decode.check(requests)  # a request refused here takes nothing on either engine
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to run: those in a transfer (not yet queued on decode) and decode's waiting ones
+        (what a queue limit counts: the serving app's ``max_queue``)."""
+        return self._entering + self.decode.num_waiting
 
     def abort(self, seq_id: int) -> None:
         self.decode.abort(seq_id)  # (the decode engine's sequence ids: those generate_many yields)
@@ -61,7 +68,13 @@ class AsyncDisaggregated:
         self.check(requests)
         keys = [next(self._keys) for _ in requests]
         prompts = [(list(r.prompt_ids), r.cache_salt) for r in requests]
-        plan = await self._on(self.decode, lambda e: self.core.plan(prompts))
+        entering = len(requests)
+        self._entering += entering
+        try:
+            plan = await self._on(self.decode, lambda e: self.core.plan(prompts))
+        except BaseException:
+            self._entering -= entering
+            raise
         if not self.prefill.healthy:
             plan = [(Route("local", "the prefill engine is unavailable"), 0, rep) if route.kind == "pd" else
                      (route, cut, rep) for route, cut, rep in plan]
@@ -78,6 +91,7 @@ class AsyncDisaggregated:
             stream = self.decode.generate_many(ahead)
             first = asyncio.ensure_future(stream.__anext__())  # queues the sequences in the decode engine ...
             await asyncio.sleep(0)
+            self._entering, entering = self._entering - entering, 0  # (counted there now)
             self._release(keys)  # ... then, behind them, their arrivals: cached once queued (held until
             # admission, a request waiting for room could wait on blocks held for another)
             try:
@@ -94,6 +108,7 @@ class AsyncDisaggregated:
             finally:
                 await stream.aclose()
         finally:
+            self._entering -= entering  # (a request that ended before it was queued)
             self._release(keys)  # (queued behind a transfer still being written)
             for i, route in enumerate(routes):
                 if i not in done:

@@ -96,7 +96,8 @@ class EngineServer:
     async def submit(self, sink: str, key: int, requests: list[EngineRequest]) -> Reject | None:
         """Admit one request's sequences together; their chunks ride on subscription ``sink``. None, or
         a :class:`Reject` when the request was not admitted."""
-        if self.aengine.num_waiting + self.streams.num_starting + len(requests) > self.max_queue:
+        front = self.pd or self.aengine  # (with PD, the requests in a transfer wait too)
+        if front.num_waiting + self.streams.num_starting + len(requests) > self.max_queue:
             return Reject(503, f"the request queue is full ({self.max_queue} waiting); retry shortly")
         try:
             self.streams.submit(sink, key, requests)

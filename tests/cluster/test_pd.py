@@ -320,6 +320,66 @@ def test_async_pd_one_request_of_several_sequences_releases_every_arrival(paths)
         front.core.decode.shutdown()
 
 
+def test_async_pd_counts_requests_in_a_transfer_as_waiting(paths):
+    """A request away on the prefill engine is waiting (the serving app's max_queue counts
+    ``AsyncDisaggregated.num_waiting``): three long requests held in their prefill count 3 (sequences), and 0
+    once they ran (here the prefill engine fails them: each is prefilled on decode, the single process's tokens)."""
+    import asyncio
+
+    from cluster.aengine import AsyncEngine
+    from cluster.apd import AsyncDisaggregated
+    from cluster.stream import EngineRequest
+
+    path = paths["kimi-k2-tiny"]
+    long, sp = turn(4)[5:], SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = [long[0], long[1], long[0]]
+    want = [single.alone(path, [p], sp)[0] for p in prompts]
+    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 1)).start()
+    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+    held = []
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def stuck(request):  # the prefill engine holds every prompt until the gate opens, then fails it
+            held.append(request)
+            await gate.wait()
+            raise RuntimeError("the prefill engine lost it")
+            yield
+
+        prefill.generate = stuck
+
+        async def run(p):
+            return [t async for chunk in front.generate(EngineRequest(tuple(p), sp)) for t in chunk.token_ids]
+
+        tasks = [asyncio.create_task(run(prompts[0]))]
+        tasks.append(asyncio.create_task(
+            _collect(front.generate_many([EngineRequest(tuple(p), sp) for p in prompts[1:]]), 2)))
+        while len(held) < 3:
+            await asyncio.sleep(0.005)
+        waiting = front.num_waiting
+        gate.set()
+        first, (second, third) = await asyncio.gather(*tasks)
+        return waiting, [first, second, third]
+
+    try:
+        waiting, got = asyncio.run(main())
+        assert waiting == 3 and front.num_waiting == 0
+        assert got == want and front.routes == {"local": 3}
+    finally:
+        prefill.stop()
+        decode.stop()
+        front.core.prefill.shutdown()
+        front.core.decode.shutdown()
+
+
+async def _collect(stream, n: int) -> list[list[int]]:
+    out = [[] for _ in range(n)]
+    async for i, _, chunk in stream:
+        out[i] += chunk.token_ids
+    return out
+
+
 # ---- Must show 4: running streams' ITL while long prompts arrive ------------------------------------------
 ITL_STREAMS, ITL_TOKENS, ARRIVALS, ARRIVAL_TOKENS = 8, 400, 2, 2000
 
