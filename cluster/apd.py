@@ -26,7 +26,7 @@ from model.sampling import SamplingParams
 
 from .aengine import AsyncEngine, chunks_of
 from .engine import Engine
-from .pd import FAILURES, Disaggregated, Route
+from .pd import FAILURES, Disaggregated, PrefillError, Route
 from .stream import EngineRequest, StreamChunk
 
 
@@ -39,6 +39,8 @@ class AsyncDisaggregated:
                                   lease_s=lease_s)
         self._keys = itertools.count()
         self._entering = 0  # sequences taken in by generate_many and not yet queued on decode (in a transfer)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the requests' loop: a recovery's prefill runs there
+        decode.engine.on_rewound = self._rewound
 
     async def _on(self, engine: AsyncEngine, fn: Callable[[Engine], object], settled: bool = False):
         return await asyncio.wait_for(asyncio.wrap_future(engine.control(fn, settled=settled)), self.timeout_s)
@@ -66,6 +68,7 @@ class AsyncDisaggregated:
         blocks brought across (concurrently), then all admitted on the decode engine together. While the
         prefill engine is unavailable every sequence is prefilled on decode."""
         self.check(requests)
+        self._loop = asyncio.get_running_loop()
         keys = [next(self._keys) for _ in requests]
         prompts = [(list(r.prompt_ids), r.cache_salt) for r in requests]
         entering = len(requests)
@@ -143,6 +146,48 @@ class AsyncDisaggregated:
             return Route("local", f"transfer failed: {type(e).__name__}: {e}")
         finally:  # acknowledged, failed or abandoned (queued behind the read, if that still runs): let go
             self.prefill.control(lambda e: self.core.leases.end_key(key), even_if_unavailable=True)
+
+    # ---- a decode engine's recovery through the prefill engine ----------------------------------------
+    def _rewound(self, eng: Engine, seqs: list) -> None:
+        """On the decode engine's thread, as it recovers: each sequence of :meth:`Disaggregated.to_recover` is
+        set aside (parked: decode's other streams go on) while the prefill engine makes its blocks and they are
+        brought to its replica (:meth:`_bring_back`, on the requests' event loop); then it is queued again,
+        to compute only its tail there. Without a loop or a healthy prefill engine decode re-prefills them."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not self.prefill.healthy:
+            return
+        for seq, tokens, cut, replica in self.core.to_recover(seqs):
+            # parked at most as long as its transfer may take (each part's timeout), then prefilled on decode
+            eng.scheduler.park(seq, time.monotonic() + 4 * self.timeout_s)
+            asyncio.run_coroutine_threadsafe(self._bring_back(seq.seq_id, seq.cache_salt, tokens, cut, replica), loop)
+
+    async def _bring_back(self, seq_id: int, salt: str | None, tokens: list[int], cut: int, replica: int) -> None:
+        """A parked sequence's blocks from the prefill engine into decode ``replica``, then it is unparked there
+        (or, on any failure, unparked to be prefilled on decode: counted)."""
+        key, home = -1 - seq_id, None  # (requests' keys are >= 0)
+        try:
+            async def prefill():
+                async for _ in self.prefill.generate(EngineRequest(tuple(tokens[: cut + 1]),
+                                                                   SamplingParams(max_tokens=1), salt)):
+                    pass
+            try:
+                await asyncio.wait_for(prefill(), self.timeout_s)
+            except Exception as e:  # noqa: BLE001 — failed or overdue
+                raise PrefillError(f"{type(e).__name__}: {e}") from e
+            lease, kv = await self._on(self.prefill, lambda e: self.core.read(tokens, salt, cut, key))
+            try:
+                await self._on(self.decode, lambda e: self.core.accept(kv, replica, key, lease), settled=True)
+            finally:
+                self.prefill.control(lambda e: self.core.leases.end_key(key), even_if_unavailable=True)
+            home = replica
+            self.core.recovered_by("pd")
+        except Exception as e:  # noqa: BLE001 — decode prefills it itself
+            self.core.recovered_by("local", e)
+        finally:
+            def back(e: Engine) -> None:
+                e.scheduler.unpark(seq_id, home)
+                self.core.release_arrival(key)  # (queued: the arrivals are cached)
+            self.decode.control(back, even_if_unavailable=True)
 
     def _release(self, keys: list[int]) -> None:
         """Queue the release of these requests' arrivals on the decode engine's thread (also while it is

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from actors.messages import AHEAD, ExpertStep, PlacementTable, SampledToken, StepRequest
 from actors.router import Router
@@ -128,6 +130,9 @@ class Engine:
         self._unrecorded: StepResults | None = None  # the last finished step's results, until _record()
         self.failed_in_a_row = 0  # steps failed (and recovered) since the last one that completed
         self.snapshot: SchedulerSnapshot = self.scheduler.snapshot()  # what other threads read (publish)
+        # after a recovery, ``on_rewound(engine, seqs)`` gets the sequences queued again for a whole re-prefill
+        # (prompt plus generated tokens): prefill/decode disaggregation has their blocks made elsewhere (cluster/pd.py)
+        self.on_rewound: Callable[["Engine", list], None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -438,6 +443,12 @@ class Engine:
         for kind, index in failure.hung:
             self.stats.observe_hang(kind, index, step)
         self.heal()
+        again = [s for s in self.scheduler.waiting if s.output_ids and not s.is_refresh and not s.num_cached]
+        if again and self.on_rewound is not None:
+            try:
+                self.on_rewound(self, again)
+            except Exception:  # noqa: BLE001 — a helper's failure: the sequences are prefilled here, as without it
+                logging.getLogger(__name__).exception("on_rewound failed; the sequences are re-prefilled here")
         self.stats.observe_recovery(time.monotonic() - t0)
         self.failed_in_a_row += 1
         if self.failed_in_a_row > self.config.faults.max_step_retries:

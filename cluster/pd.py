@@ -50,6 +50,10 @@ from .seq import Seq
 ROUTES = ("pd", "local", "aborted")
 
 
+class PrefillError(RuntimeError):
+    """The prefill engine did not make a prompt's blocks (it failed the request, or ran past its time)."""
+
+
 class LeaseExpired(LookupError):
     """The prefill engine's lease on a transfer's blocks ran out before the decode engine had them."""
 
@@ -151,6 +155,10 @@ class Disaggregated:
         self.transfer_s = 0.0
         self.evicted = 0  # transfers evicted on decode before their request was admitted (room ran short)
         self._lock = threading.Lock()  # the counters: the async front (cluster/apd.py) counts from two engine threads
+        self.recovered: Counter = Counter()  # sequences re-prefilled after a decode failure, by where ("pd", "local")
+        # a decode engine's recovery re-prefills its lost sequences through the prefill engine (:meth:`rewound`);
+        # here both engines run on this thread (the async front sets its own)
+        decode.on_rewound = lambda eng, seqs: self._rewound_here(seqs)
 
     @staticmethod
     def _fingerprint(eng: Engine) -> Fingerprint:
@@ -365,6 +373,54 @@ class Disaggregated:
         self.arrived[key] = moved
         return (len(moved.blocks) - moved.fresh) * kv.fingerprint.block_size
 
+    # ---- recovery through the prefill engine ----------------------------------------------
+    def to_recover(self, seqs: list[Seq]) -> list[tuple[Seq, list[int], int, int]]:
+        """Of the sequences a decode engine's recovery queued again for a whole re-prefill (their replica died,
+        with its cache), those whose tokens — prompt plus generated — are at least ``min_uncached_tokens`` past
+        what decode still caches: (sequence, its tokens, the tokens whose blocks would cross, their replica).
+        On the decode engine's thread."""
+        out = []
+        planned: Counter = Counter()
+        for seq in seqs:
+            tokens = list(seq.token_ids)
+            route, cut, replica = self.route(tokens, seq.cache_salt, planned)
+            if route.kind == "pd":
+                out.append((seq, tokens, cut, replica))
+                planned[replica] += 1
+        return out
+
+    def recovered_by(self, kind: str, e: BaseException | None = None) -> None:
+        """Count one recovered sequence (``kind``: "pd", or "local" after the failure ``e``)."""
+        if e is not None and not isinstance(e, FAILURES):  # (a transfer's own failures were counted already)
+            self.count_failure("PrefillError" if isinstance(e, PrefillError) else
+                               "TimeoutError" if isinstance(e, TimeoutError) else "Error")
+        with self._lock:
+            self.recovered[kind] += 1
+
+    def _rewound_here(self, seqs: list[Seq]) -> None:
+        """Both engines on this thread: each sequence of :meth:`to_recover` is prefilled on the prefill engine
+        and its blocks brought to its replica before decode's recovery ends; it then computes only its tail
+        there, exactly as a prefix hit. A failure leaves it to decode's own re-prefill, counted."""
+        for seq, tokens, cut, replica in self.to_recover(seqs):
+            key, salt = -1 - seq.seq_id, seq.cache_salt  # (requests' keys are >= 0)
+            try:
+                ids = [self.prefill.add_request(tokens[: cut + 1], SamplingParams(max_tokens=1), salt)]
+                try:
+                    self._drain(self.prefill, ids, time.monotonic() + self.leases.lease_s)
+                except TimeoutError as e:
+                    raise PrefillError(str(e)) from e
+                lease, kv = self.read(tokens, salt, cut, key)
+                try:
+                    self.accept(kv, replica, key, lease)
+                finally:
+                    self.leases.end(lease)
+                self.decode.scheduler.rehome(seq, replica)
+                self.recovered_by("pd")
+            except Exception as e:  # noqa: BLE001 — counted; decode re-prefills it as it would alone
+                self.recovered_by("local", e)
+            finally:
+                self.release_arrival(key)  # (queued already: the arrivals are cached)
+
     # ---- status ----------------------------------------------------------------------------
     def status(self) -> dict:
         """Routes taken, transfers (bytes, seconds, failures by reason), and what is held for them now: the
@@ -374,6 +430,7 @@ class Disaggregated:
 
     def _status(self) -> dict:
         return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
+                "recovered": dict(self.recovered),
                 "transfer_s": self.transfer_s, "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
                 "prefill_blocks_leased": self.leases.blocks_held,
                 "decode_blocks_arriving": sum(len(m.blocks) for m in list(self.arrived.values()))}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -115,6 +116,9 @@ class Scheduler:
         self.seqs: dict[int, Seq] = {}  # every sequence added and not finished, by id
         self.block_size, self.max_num_seqs, self.budget = block_size, max_num_seqs, max_tokens_per_step
         self.waiting: deque[Seq] = deque()
+        # waiting sequences set aside until their blocks arrive from elsewhere (cluster/apd.py, after a recovery):
+        # by id, with the time past which they wait no longer (:meth:`park`)
+        self.parked: dict[int, tuple[Seq, float]] = {}
         self.running: list[Seq] = []
         self.released: list[list[int]] = []  # per replica: sequences that left it since its last step
         self._loads: list[int] = []  # per replica: sequences holding a place there
@@ -164,6 +168,31 @@ class Scheduler:
                              f"holds {self.cache.max_tokens()}")
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+
+    def rehome(self, seq: Seq, replica: int) -> None:
+        """A waiting sequence's prefix was brought to ``replica`` (cluster/pd.py, after a recovery): its next
+        admission takes that replica when it has room (as a request's ``home``)."""
+        if seq in self.waiting and seq.replica is None:
+            seq.home = replica
+
+    def park(self, seq: Seq, until: float) -> None:
+        """Set a waiting sequence aside (not admitted) until :meth:`unpark`, or ``until`` (``time.monotonic``)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.parked[seq.seq_id] = (seq, until)
+
+    def unpark(self, seq_id: int, home: int | None = None) -> None:
+        """Back to the front of the queue (its prefix brought to replica ``home``, when given); nothing if it is
+        not parked (it ended meanwhile, or waited past its time)."""
+        seq, _ = self.parked.pop(seq_id, (None, 0.0))
+        if seq is not None:
+            if home is not None:
+                seq.home = home
+            self.waiting.appendleft(seq)
+
+    def _overdue(self) -> list[int]:
+        now = time.monotonic()
+        return [i for i, (_, until) in self.parked.items() if until <= now]
 
     def requeue(self, seqs: list[Seq]) -> None:
         """Back to the front of the queue, in order, for a full re-prefill from prompt plus generated
@@ -301,6 +330,8 @@ class Scheduler:
                 self._loads[job.replica] += 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self.parked.pop(seq.seq_id, None)
 
     def cache_status(self) -> list[dict]:
         """Per replica: the prefix cache's status there and the sequences placed there."""
@@ -309,14 +340,14 @@ class Scheduler:
     def snapshot(self) -> SchedulerSnapshot:
         pools = self.cache.blocks
         return SchedulerSnapshot(
-            running=len(self.running) - len(self.cache.jobs), waiting=len(self.waiting),
+            running=len(self.running) - len(self.cache.jobs), waiting=len(self.waiting) + len(self.parked),
             blocks_held=tuple(p.num_held for p in pools), blocks_available=tuple(p.num_available for p in pools),
             blocks_cached=tuple(p.num_cached for p in pools), blocks_total=tuple(p.num_blocks for p in pools),
             prefix_queries=tuple(sorted(self.cache.queries.items())), prefix_hits=tuple(sorted(self.cache.hits.items())))
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.parked and self._overdue()))
 
     def load(self, replica: int) -> int:
         """Sequences (refresh jobs included) on ``replica`` now: counted as they come and go."""
@@ -324,6 +355,8 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> Plan:
+        for seq_id in self._overdue():  # (what was to bring their blocks failed to say so: prefilled here)
+            self.unpark(seq_id)
         plan = Plan([[] for _ in range(self.num_replicas)])
         budget = self.budget
         decodes = [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]

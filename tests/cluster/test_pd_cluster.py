@@ -120,10 +120,10 @@ def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fa
 
         def killing_collect(step_no, sent):
             out = collect(step_no, sent)
-            if not getattr(killing_collect, "done", False) and any(len(q.token_ids) > q.num_prompt_tokens
-                                                                     for q in decode.scheduler.running):
-                killing_collect.done = True  # (a running stream with its first tokens: it outlives the kill)
-                decode.executor.kill("worker", 0)
+            running = [q for q in decode.scheduler.running if len(q.token_ids) > q.num_prompt_tokens > 32]
+            if not getattr(killing_collect, "done", False) and running:
+                killing_collect.done = True  # (a long stream with its first tokens: it outlives the kill)
+                decode.executor.kill("worker", running[0].replica)
             return out
 
         monkeypatch.setattr(decode.executor, "collect", killing_collect)
@@ -159,6 +159,8 @@ def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fa
         assert len((prefill, decode)[side].stats.recoveries) == recovered[side] + 1, fault
     if fault == "decode killed after the first token":  # the kill came while streams were still running
         assert getattr(decode.executor.collect, "done", False) and all(s is not None for s in seqs)
+        # and the killed worker's long streams were re-prefilled through the prefill engine
+        assert s["recovered"].get("pd", 0) >= 1 and not s["recovered"].get("local"), s
     if fault in ("prefill killed mid-transfer", "decode killed mid-transfer"):
         # the dead replica's reads (or writes) fail until its engine's next step replaces it: each such transfer
         # is a local prefill; the short prompt was local anyway

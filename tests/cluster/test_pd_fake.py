@@ -123,7 +123,7 @@ def episode(w: World, rng: random.Random, fault: str) -> Counter:
         checks[i] += 1
         return i in gone_at and checks[i] > gone_at[i]
 
-    before = dict(w.pd.failures)
+    before, recovered = dict(w.pd.failures), Counter(w.pd.recovered)
     try:
         if fault == "rejected before admission":
             with pytest.raises(ValueError, match="exceeds"):
@@ -149,6 +149,7 @@ def episode(w: World, rng: random.Random, fault: str) -> Counter:
             continue
         assert seq.output_ids == w.oracle(p, sp), (fault, i, route)
     failed = Counter(w.pd.failures) - Counter(before)
+    out.update({f"recovered {k}": v for k, v in (Counter(w.pd.recovered) - recovered).items()})
     tried = out["pd"] + failed["TransportError"] + failed["LeaseExpired"]  # transfers that got their blocks read
     # (a LookupError is no fault of the harness: a long batch's prefills evicted an earlier one's blocks)
     if fault in ("killed mid-transfer", "transport error"):
@@ -178,6 +179,60 @@ def test_ten_thousand_faults_leave_nothing_held_and_every_stream_exact(model_dir
     assert all(seen[f] >= TOTAL_FAULTS // 2 // len(FAULTS) for f in FAULTS), seen
     assert seen["pd"] > 1000 and seen["local"] > 1000 and seen["aborted"] > 500, seen
     assert seen["TransportError"] > 500 and seen["LeaseExpired"] > 200, seen
+    # a decode worker's lost sequences were re-prefilled through the prefill engine (their blocks brought back)
+    assert seen["recovered pd"] > 0.5 * seen["decode killed after the first token"], seen
     # the kills landed mid-run (a step of the batch failed), not after the streams had ended
     for f in ("prefill killed mid-prefill", "decode killed after the first token"):
         assert seen[f"landed: {f}"] > 0.8 * seen[f], (f, seen[f"landed: {f}"], seen[f])
+
+
+def test_async_front_recovers_a_decode_worker_through_the_prefill_engine(model_dir):
+    """The async front (each engine on its own thread): a decode worker killed while long streams run; its
+    sequences are re-prefilled on the prefill engine (reached from the decode engine's recovery through the
+    requests' event loop) and their blocks brought back; every stream equals its fault-free run and nothing
+    stays held."""
+    import asyncio
+
+    from cluster.aengine import AsyncEngine
+    from cluster.apd import AsyncDisaggregated
+    from cluster.stream import EngineRequest
+
+    w = World(model_dir)
+    prefill, decode = (AsyncEngine(e).start() for e in w.engines)
+    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=8, lease_s=LEASE_S)
+    rng = random.Random(5)
+    ps = [[rng.randrange(1, 700) for _ in range(rng.randrange(60, 80))] for _ in range(2)]  # (the fake pools: 48 blocks)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def one(p):
+        return [t async for chunk in front.generate(EngineRequest(tuple(p), sp)) for t in chunk.token_ids]
+
+    dfake, decode_engine = w.fakes[1], w.engines[1]
+    collect = dfake.collect
+
+    def killing_collect(step_no, sent):  # on the engine thread: once a stream has its first tokens, kill both
+        out = collect(step_no, sent)
+        if not getattr(killing_collect, "armed", False) and any(
+                len(q.token_ids) > q.num_prompt_tokens for q in decode_engine.scheduler.running):
+            killing_collect.armed = True
+            dfake.fail_next(1, ("attention", 0), ("attention", 1))
+        return out
+
+    dfake.collect = killing_collect
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in ps)), 120)
+
+    try:
+        got = asyncio.run(main())
+        assert killing_collect.armed and dfake.failing[0] == 0, "the kill did not land"
+        assert got == [w.oracle(p, sp) for p in ps]
+        assert front.core.recovered["pd"] >= 1 and not front.core.recovered["local"], front.core.status()
+        assert front.routes == {"pd": 2}, front.core.status()
+    finally:
+        prefill.stop()
+        decode.stop()
+    try:
+        assert w.idle() is None, w.idle()
+    finally:
+        w.close()
