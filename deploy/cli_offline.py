@@ -227,7 +227,9 @@ def simulate(
                    "is --attention/--experts (--colocated). Compared with one engine on all the devices."),
     pd: bool = typer.Option(False, "--pd", help="With --search --gpus N: size the prefill and decode pools (every "
                                                 "split into two colocated pools that fit, at most 8) against one "
-                                                "engine on the N devices, under the offered load (--rate)."),
+                                                "engine on the N devices, under the offered load (--rate). With PD "
+                                                "(and the one engine it is compared with) --max-num-seqs and "
+                                                "--max-tokens-per-step are per attention replica."),
     min_uncached_tokens: int = typer.Option(256, help="PD: prompts at least this long go to the prefill pool "
                                                       "(the serving config's disaggregation.min_uncached_tokens)."),
     link_gbps: float = typer.Option(400.0, help="PD: the link a request's blocks cross to its decode replica, Gb/s."),

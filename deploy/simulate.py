@@ -6,7 +6,7 @@ this machine's profile (``--profile`` makes it)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 COLUMNS = ("attention", "experts", "redundant_slots", "standbys", "gpus", "tokens_per_s", "tokens_per_s_per_gpu",
@@ -229,7 +229,8 @@ def run_pd(model_cfg, a: SimArgs) -> list[dict]:
     """Prefill/decode disaggregation against one engine on all the devices (the colocated layout), under one
     workload: the pools of ``--pd-prefill`` and the decode shape given, or with ``--search`` every split of
     ``--gpus`` into a colocated prefill pool and a colocated decode pool that both fit (at most 8, spread).
-    Each row says whether it meets --tpot-ms (ITL p50 and p99) and --ttft-ms (TTFT p50), ``best`` marks the
+    Each engine's --max-num-seqs and --max-tokens-per-step are per attention replica here (times its replicas),
+    so that pools of every size run at the same load per device. Each row says whether it meets --tpot-ms (ITL p50 and p99) and --ttft-ms (TTFT p50), ``best`` marks the
     most tokens/s per GPU among those that do, and ``pays`` on each PD row: it meets the targets and serves more
     per GPU than one engine (or meets them where one engine does not)."""
     from cluster.capacity.pd import Link, PDSimulator
@@ -245,8 +246,11 @@ def run_pd(model_cfg, a: SimArgs) -> list[dict]:
     context = _top(a.prompt_tokens) + _top(a.output_tokens)
 
     def sim(shape):
+        # pools of every size at the same load per device: --max-num-seqs and --max-tokens-per-step per replica
+        per = replace(a, max_num_seqs=a.max_num_seqs * shape.attention,
+                      max_tokens_per_step=a.max_tokens_per_step * shape.attention)
         return Simulator(model_cfg, shape, GpuCost(model_cfg, gpu, shape, exchange=a.exchange),
-                         config=engine_config(model_cfg, a, False, shape), seed=a.seed)
+                         config=engine_config(model_cfg, per, False, shape), seed=a.seed)
 
     def fit(shape) -> bool:
         return fits(model_cfg, a.gpu, shape, context)

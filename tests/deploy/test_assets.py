@@ -99,7 +99,8 @@ def test_every_yaml_and_json_under_deploy_parses():
             "kuberay-rayservice.yaml", "grafana/moeray-dashboard.json"} <= names
     for p in files:
         doc = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-        assert isinstance(doc, dict) and doc, p
+        ops = isinstance(doc, list) and all(isinstance(op, dict) and {"op", "path"} <= set(op) for op in doc)
+        assert (isinstance(doc, dict) or ops) and doc, p  # a document, or a JSON 6902 patch (deploy/kuberay-pd)
 
 
 # ---- Serve -------------------------------------------------------------------------------
