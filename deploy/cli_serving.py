@@ -163,7 +163,8 @@ def _print_serving(out: Console, st: dict) -> None:
         out.print(f"prefill/decode: prefill engine {p['shape']} ({'healthy' if p['healthy'] else 'UNHEALTHY'}, "
                   f"running {p['running']}, waiting {p['waiting']}); routes {d['routes']}; "
                   f"{d['bytes_moved'] / 1e6:,.1f} MB moved in {d['transfer_s']:.2f}s; failed transfers {d['failures']}; "
-                  f"leases {d['leases']} ({d['prefill_blocks_leased']} blocks), arriving {d['decode_blocks_arriving']} blocks")
+                  f"leases {d['leases']} ({d['prefill_blocks_leased']} blocks), arriving {d['decode_blocks_arriving']} blocks"
+                  + (f"; sequences recovered {d['recovered']}" if d.get("recovered") else ""))
     spec = st.get("speculative")
     if spec:
         rate = spec["acceptance_rate"]

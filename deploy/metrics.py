@@ -398,6 +398,9 @@ class _ScrapeCollector:
                      ("model_name", "reason"))
         yield family(CounterMetricFamily, "kv_transfer_evicted", "Transfers evicted on decode before their request "
                      "was admitted (computed again there).", [((), s["evicted_before_admission"])])
+        yield family(CounterMetricFamily, "pd_recovered_sequences", "Sequences of a lost decode worker re-prefilled, "
+                     "by where: pd (through the prefill engine) or local (on decode).",
+                     [((k,), s.get("recovered", {}).get(k, 0)) for k in ("pd", "local")], ("model_name", "route"))
         yield family(CounterMetricFamily, "kv_leases_expired", "Prefill leases that ran out before the decode engine "
                      "had their blocks.", [((), s["leases_expired"])])
         yield family(GaugeMetricFamily, "kv_transfer_leased_blocks", "Prefill cache blocks held for transfers now.",

@@ -93,6 +93,8 @@ def test_metrics_count_the_routes_and_transfers(server):
     assert samples[("moeray:kv_transfer_seconds_total", (("model_name", "k2"),))] > 0
     assert samples[("moeray:kv_transfer_failures_total", (("model_name", "k2"), ("reason", "TransportError")))] == 0
     assert samples[("moeray:kv_transfer_leased_blocks", (("model_name", "k2"),))] == 0
+    for route in ("pd", "local"):  # (no worker was lost here)
+        assert samples[("moeray:pd_recovered_sequences_total", (("model_name", "k2"), ("route", route)))] == 0
 
 
 def test_scale_reaches_the_engine_named(server):
