@@ -153,18 +153,26 @@ class AsyncDisaggregated:
         set aside (parked: decode's other streams go on) while the prefill engine makes its blocks and they are
         brought to its replica (:meth:`_bring_back`, on the requests' event loop); then it is queued again,
         to compute only its tail there. Without a loop or a healthy prefill engine decode re-prefills them."""
-        loop = self._loop
+        loop, todo = self._loop, self.core.to_recover(seqs)
         if loop is None or loop.is_closed() or not self.prefill.healthy:
+            for _ in todo:
+                self.core.recovered_by("local")
             return
-        for seq, tokens, cut, replica in self.core.to_recover(seqs):
+        for seq, tokens, cut, replica in todo:
+            key = next(self._keys)  # this parking's own (a later one of the same sequence gets another)
             # parked at most as long as its transfer may take (each part's timeout), then prefilled on decode
-            eng.scheduler.park(seq, time.monotonic() + 4 * self.timeout_s)
-            asyncio.run_coroutine_threadsafe(self._bring_back(seq.seq_id, seq.cache_salt, tokens, cut, replica), loop)
+            eng.scheduler.park(seq, time.monotonic() + 4 * self.timeout_s, key)
+            try:
+                asyncio.run_coroutine_threadsafe(self._bring_back(seq.seq_id, key, seq.cache_salt, tokens, cut,
+                                                                  replica), loop)
+            except RuntimeError:  # the loop closed meanwhile: prefilled on decode
+                eng.scheduler.unpark(seq.seq_id, None, key)
 
-    async def _bring_back(self, seq_id: int, salt: str | None, tokens: list[int], cut: int, replica: int) -> None:
+    async def _bring_back(self, seq_id: int, key: int, salt: str | None, tokens: list[int], cut: int,
+                          replica: int) -> None:
         """A parked sequence's blocks from the prefill engine into decode ``replica``, then it is unparked there
-        (or, on any failure, unparked to be prefilled on decode: counted)."""
-        key, home = -1 - seq_id, None  # (requests' keys are >= 0)
+        (or, on any failure, unparked to be prefilled on decode); counted by where it was re-prefilled."""
+        home, error = None, None
         try:
             async def prefill():
                 async for _ in self.prefill.generate(EngineRequest(tuple(tokens[: cut + 1]),
@@ -174,18 +182,18 @@ class AsyncDisaggregated:
                 await asyncio.wait_for(prefill(), self.timeout_s)
             except Exception as e:  # noqa: BLE001 — failed or overdue
                 raise PrefillError(f"{type(e).__name__}: {e}") from e
-            lease, kv = await self._on(self.prefill, lambda e: self.core.read(tokens, salt, cut, key))
             try:
+                lease, kv = await self._on(self.prefill, lambda e: self.core.read(tokens, salt, cut, key))
                 await self._on(self.decode, lambda e: self.core.accept(kv, replica, key, lease), settled=True)
-            finally:
+            finally:  # (a read that ran past its wait still took a lease: ended behind it)
                 self.prefill.control(lambda e: self.core.leases.end_key(key), even_if_unavailable=True)
             home = replica
-            self.core.recovered_by("pd")
         except Exception as e:  # noqa: BLE001 — decode prefills it itself
-            self.core.recovered_by("local", e)
+            error = e
         finally:
             def back(e: Engine) -> None:
-                e.scheduler.unpark(seq_id, home)
+                if e.scheduler.unpark(seq_id, home, key):  # (not if it ended, or waited past its time, meanwhile)
+                    self.core.recovered_by("pd" if home is not None else "local", error)
                 self.core.release_arrival(key)  # (queued: the arrivals are cached)
             self.decode.control(back, even_if_unavailable=True)
 

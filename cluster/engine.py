@@ -275,7 +275,7 @@ class Engine:
         that stops at that step (a stop token or string) has its extra token dropped, so the
         streams are exactly those of the plain loop."""
         if (len(self.inflight) != 1 or not self.config.scheduler.async_scheduling or not self.epochs.settled
-                or self.scheduler.waiting):
+                or self.scheduler.waiting or self.scheduler.overdue):
             return None
         current = self.inflight[0]
         chunks = [c for replica in current.plan.chunks for c in replica]
@@ -542,7 +542,7 @@ class Engine:
         return {"table": self.table, "changes": [c.as_dict() for c in self.epochs.changes],
                 "changing": t is not None, "change": self.executor.progress(t.prepared) if t else None,
                 "ping_pong": self.ping_pong,
-                "running": len(sched.running), "waiting": len(sched.waiting), "steps": stats.steps,
+                "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.parked), "steps": stats.steps,
                 "failures": dict(stats.actor_failures), "recoveries_s": list(stats.recoveries),
                 "hangs": dict(stats.actor_hangs),
                 "last_hang": dataclasses.asdict(stats.last_hang) if stats.last_hang else None,

@@ -370,6 +370,9 @@ class Disaggregated:
         except BaseException:
             cache.unpin(moved)  # unwritten arrivals go back free, unregistered
             raise
+        earlier = self.arrived.pop(key, None)
+        if earlier is not None:  # (never while keys are unique; if one came twice, the first is let go)
+            self.decode.scheduler.cache.unpin(earlier)
         self.arrived[key] = moved
         return (len(moved.blocks) - moved.fresh) * kv.fingerprint.block_size
 

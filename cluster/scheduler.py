@@ -118,7 +118,7 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         # waiting sequences set aside until their blocks arrive from elsewhere (cluster/apd.py, after a recovery):
         # by id, with the time past which they wait no longer (:meth:`park`)
-        self.parked: dict[int, tuple[Seq, float]] = {}
+        self.parked: dict[int, tuple[Seq, float, int]] = {}
         self.running: list[Seq] = []
         self.released: list[list[int]] = []  # per replica: sequences that left it since its last step
         self._loads: list[int] = []  # per replica: sequences holding a place there
@@ -175,24 +175,33 @@ class Scheduler:
         if seq in self.waiting and seq.replica is None:
             seq.home = replica
 
-    def park(self, seq: Seq, until: float) -> None:
-        """Set a waiting sequence aside (not admitted) until :meth:`unpark`, or ``until`` (``time.monotonic``)."""
+    def park(self, seq: Seq, until: float, token: int = 0) -> None:
+        """Set a waiting sequence aside (not admitted) until :meth:`unpark` with the same ``token``, or ``until``
+        (``time.monotonic``), when the scheduler takes it back itself."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-            self.parked[seq.seq_id] = (seq, until)
+            self.parked[seq.seq_id] = (seq, until, token)
 
-    def unpark(self, seq_id: int, home: int | None = None) -> None:
-        """Back to the front of the queue (its prefix brought to replica ``home``, when given); nothing if it is
-        not parked (it ended meanwhile, or waited past its time)."""
-        seq, _ = self.parked.pop(seq_id, (None, 0.0))
-        if seq is not None:
-            if home is not None:
-                seq.home = home
-            self.waiting.appendleft(seq)
+    def unpark(self, seq_id: int, home: int | None = None, token: int = 0) -> bool:
+        """Back to the front of the queue (its prefix brought to replica ``home``, when given); False, and
+        nothing done, unless it is parked under ``token`` (it ended, or waited past its time, meanwhile)."""
+        seq, _, parked_as = self.parked.get(seq_id, (None, 0.0, None))
+        if seq is None or parked_as != token:
+            return False
+        del self.parked[seq_id]
+        if home is not None:
+            seq.home = home
+        self.waiting.appendleft(seq)
+        return True
+
+    @property
+    def overdue(self) -> bool:
+        """A parked sequence waited past its time (the next :meth:`schedule` takes it back)."""
+        return bool(self.parked) and bool(self._overdue())
 
     def _overdue(self) -> list[int]:
         now = time.monotonic()
-        return [i for i, (_, until) in self.parked.items() if until <= now]
+        return [i for i, (_, until, _) in self.parked.items() if until <= now]
 
     def requeue(self, seqs: list[Seq]) -> None:
         """Back to the front of the queue, in order, for a full re-prefill from prompt plus generated
@@ -347,7 +356,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or (self.parked and self._overdue()))
+        return bool(self.waiting or self.running or self.overdue)
 
     def load(self, replica: int) -> int:
         """Sequences (refresh jobs included) on ``replica`` now: counted as they come and go."""
@@ -356,7 +365,7 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> Plan:
         for seq_id in self._overdue():  # (what was to bring their blocks failed to say so: prefilled here)
-            self.unpark(seq_id)
+            self.unpark(seq_id, None, self.parked[seq_id][2])
         plan = Plan([[] for _ in range(self.num_replicas)])
         budget = self.budget
         decodes = [s for s in self.running if s.num_uncached == 1 and not s.is_refresh]

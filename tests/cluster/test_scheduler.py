@@ -71,3 +71,33 @@ def test_finish_frees_everything():
         s.finish(q, "stop")
     assert all(a.num_held == 0 for a in s.cache.blocks) and all(a.num_free == 4 for a in s.cache.slots)
     assert not s.has_work
+
+
+def test_parked_sequences_wait_for_their_token_or_their_time():
+    """A parked sequence (PD: its blocks are coming from the prefill engine) is not admitted; only an unpark
+    with its own token brings it back, to the front of the queue with its home; past its time the scheduler
+    takes it back itself; one that ends while parked is gone; parked ones count as waiting."""
+    import time
+
+    s = _sched()
+    a, b = _seq(1, 6), _seq(2, 6)
+    s.add(a)
+    s.add(b)
+    s.park(a, time.monotonic() + 60, token=7)
+    assert s.snapshot().waiting == 2 and not s.overdue
+    plan = s.schedule()
+    assert [c.seq_id for per in plan.chunks for c in per] == [2]
+    assert not s.unpark(1, home=1, token=8) and 1 in s.parked  # another parking's token: nothing
+    assert s.unpark(1, home=1, token=7) and s.waiting[0] is a and a.home == 1
+    assert not s.unpark(1, token=7)  # once
+    c = _seq(3, 4)
+    s.add(c)
+    s.park(c, time.monotonic() - 1, token=1)  # past its time already
+    assert s.overdue and s.has_work
+    s.schedule()
+    assert 3 not in s.parked and not s.overdue
+    d = _seq(4, 4)
+    s.add(d)
+    s.park(d, time.monotonic() + 60, token=2)
+    s.finish(d, "abort")
+    assert 4 not in s.parked and not s.unpark(4, token=2)
