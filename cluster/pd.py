@@ -401,17 +401,32 @@ class Disaggregated:
             self.recovered[kind] += 1
 
     def _rewound_here(self, seqs: list[Seq]) -> None:
-        """Both engines on this thread: each sequence of :meth:`to_recover` is prefilled on the prefill engine
-        and its blocks brought to its replica before decode's recovery ends; it then computes only its tail
-        there, exactly as a prefix hit. A failure leaves it to decode's own re-prefill, counted."""
-        for seq, tokens, cut, replica in self.to_recover(seqs):
+        """Both engines on this thread: the sequences of :meth:`to_recover` are prefilled on the prefill engine
+        together and each one's blocks brought to its replica before decode's recovery ends; each then computes
+        only its tail there, exactly as a prefix hit. A failure leaves it to decode's own re-prefill, counted."""
+        todo = self.to_recover(seqs)
+        if not todo:
+            return
+        failed: BaseException | None = None
+        ids: list[int] = []
+        try:
+            for seq, tokens, cut, _ in todo:
+                ids.append(self.prefill.add_request(tokens[: cut + 1], SamplingParams(max_tokens=1), seq.cache_salt))
+        except Exception as e:  # noqa: BLE001 — (the prefill engine refused one: none is sent)
+            failed = PrefillError(f"{type(e).__name__}: {e}")
+            for seq_id in ids:
+                self.prefill.abort(seq_id)
+                self.prefill.release(seq_id)
+        if failed is None:
+            try:
+                self._drain(self.prefill, ids, time.monotonic() + self.leases.lease_s)
+            except Exception as e:  # noqa: BLE001 — none of them: decode re-prefills them all
+                failed = PrefillError(f"{type(e).__name__}: {e}")
+        for seq, tokens, cut, replica in todo:
             key, salt = -1 - seq.seq_id, seq.cache_salt  # (requests' keys are >= 0)
             try:
-                ids = [self.prefill.add_request(tokens[: cut + 1], SamplingParams(max_tokens=1), salt)]
-                try:
-                    self._drain(self.prefill, ids, time.monotonic() + self.leases.lease_s)
-                except TimeoutError as e:
-                    raise PrefillError(str(e)) from e
+                if failed is not None:
+                    raise failed
                 lease, kv = self.read(tokens, salt, cut, key)
                 try:
                     self.accept(kv, replica, key, lease)
