@@ -437,13 +437,14 @@ class Engine:
     # ---- recovery (decided by the epoch owner) --------------------------------------------------
     def _recover(self, failed: list[Plan], failure: StepFailed, step: int) -> None:
         t0 = time.monotonic()
+        queued = {s.seq_id for s in self.scheduler.waiting}  # (those queued again by this recovery are not)
         dead = self.epochs.recover([[c for chunks in p.chunks for c in chunks] for p in failed], failure)
         for kind, _ in dead:
             self.stats.observe_failure(kind)
         for kind, index in failure.hung:
             self.stats.observe_hang(kind, index, step)
         self.heal()
-        again = [s for s in self.scheduler.waiting if s.output_ids and not s.is_refresh and not s.num_cached]
+        again = [s for s in self.scheduler.waiting if s.seq_id not in queued and not s.is_refresh and not s.num_cached]
         if again and self.on_rewound is not None:
             try:
                 self.on_rewound(self, again)
