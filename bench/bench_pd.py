@@ -185,6 +185,10 @@ def main() -> None:
         n = s["routes"].get("pd", 0)
         if n:
             per_s, per_b = s["transfer_s"] / n, s["bytes_moved"] / n
+            read_ms, write_ms = 1e3 * s["read_s"] / n, 1e3 * s["write_s"] / n
+            print(f"{name}: of each transfer, the actors' read {read_ms:.1f} ms and write {write_ms:.1f} ms (Ray calls "
+                  f"through the object store), the rest {1e3 * per_s - read_ms - write_ms:.1f} ms waiting for the "
+                  "engines' threads (decode settles its steps in flight first)")
             print(f"{name}: {n} transfers, {per_b / 1e6:.2f} MB each, {1e3 * per_s:.1f} ms each against a floor of "
                   f"{1e3 * per_b / bw:.2f} ms ({per_s * bw / per_b:.0f}x); routes {s['routes']}; failures {s['failures']}")
         else:

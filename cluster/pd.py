@@ -153,6 +153,7 @@ class Disaggregated:
         self.failures: Counter = Counter()  # failed transfers by reason (the kind of error)
         self.bytes_moved = 0
         self.transfer_s = 0.0
+        self.io_s = {"read": 0.0, "write": 0.0}  # of which the actors' reads and writes (executor calls)
         self.evicted = 0  # transfers evicted on decode before their request was admitted (room ran short)
         self._lock = threading.Lock()  # the counters: the async front (cluster/apd.py) counts from two engine threads
         self.recovered: Counter = Counter()  # sequences re-prefilled after a decode failure, by where ("pd", "local")
@@ -294,6 +295,10 @@ class Disaggregated:
         self.timed(time.perf_counter() - t0)
         return kv.nbytes, written
 
+    def _io(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.io_s[kind] += seconds
+
     def timed(self, seconds: float) -> None:
         with self._lock:
             self.transfer_s += seconds
@@ -310,8 +315,10 @@ class Disaggregated:
         if moved is None:
             raise self._failed(LookupError(f"the prefill engine no longer holds the {len(hashes)} blocks of the prompt"))
         lease = self.leases.grant(moved, key)
+        t0 = time.perf_counter()
         try:
             parts = self.prefill.executor.read_blocks(moved.replica, list(moved.blocks), moved.snapshot)
+            self._io("read", time.perf_counter() - t0)
         except BaseException as e:
             self.leases.end(lease)
             raise self._failed(e)
@@ -365,7 +372,9 @@ class Disaggregated:
             snapshot = moved.snapshot if moved.new_snapshot else None
             if snapshot is not None:
                 parts["conv"], parts["recurrent"] = kv.parts["conv"], kv.parts["recurrent"]
+            t0 = time.perf_counter()
             self.decode.executor.write_blocks(replica, list(moved.blocks[moved.fresh:]), snapshot, parts)
+            self._io("write", time.perf_counter() - t0)
             cache.commit(moved)
         except BaseException:
             cache.unpin(moved)  # unwritten arrivals go back free, unregistered
@@ -449,6 +458,7 @@ class Disaggregated:
     def _status(self) -> dict:
         return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
                 "recovered": dict(self.recovered),
-                "transfer_s": self.transfer_s, "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
+                "transfer_s": self.transfer_s, "read_s": self.io_s["read"], "write_s": self.io_s["write"],
+                "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,
                 "prefill_blocks_leased": self.leases.blocks_held,
                 "decode_blocks_arriving": sum(len(m.blocks) for m in list(self.arrived.values()))}
