@@ -40,6 +40,8 @@ class AsyncDisaggregated:
         self._keys = itertools.count()
         self._entering = 0  # sequences taken in by generate_many and not yet queued on decode (in a transfer)
         self._loop: asyncio.AbstractEventLoop | None = None  # the requests' loop: a recovery's prefill runs there
+        self.max_recovering = 8  # a decode recovery's sequences brought back at once (the rest wait, parked)
+        self._recovering: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         decode.engine.on_rewound = self._rewound
 
     async def _on(self, engine: AsyncEngine, fn: Callable[[Engine], object], settled: bool = False):
@@ -173,7 +175,18 @@ class AsyncDisaggregated:
         """A parked sequence's blocks from the prefill engine into decode ``replica``, then it is unparked there
         (or, on any failure, unparked to be prefilled on decode); counted by where it was re-prefilled."""
         home, error = None, None
+        loop = asyncio.get_running_loop()
+        if self._recovering is None or self._recovering[0] is not loop:  # (one per loop: it binds to it)
+            self._recovering = (loop, asyncio.Semaphore(self.max_recovering))
+        gate = self._recovering[1]
         try:
+            await gate.acquire()  # a dead replica's many sequences do not all prefill at once
+        except BaseException:
+            self.decode.control(lambda e: e.scheduler.unpark(seq_id, None, key), even_if_unavailable=True)
+            raise
+        try:
+            if await self._on(self.decode, lambda e: e.scheduler.parked.get(seq_id, (None, 0.0, None))[2]) != key:
+                return  # it ended (or waited past its time) meanwhile: nothing to bring
             async def prefill():
                 async for _ in self.prefill.generate(EngineRequest(tuple(tokens[: cut + 1]),
                                                                    SamplingParams(max_tokens=1), salt)):
@@ -191,6 +204,8 @@ class AsyncDisaggregated:
         except Exception as e:  # noqa: BLE001 — decode prefills it itself
             error = e
         finally:
+            gate.release()
+
             def back(e: Engine) -> None:
                 if e.scheduler.unpark(seq_id, home, key):  # (not if it ended, or waited past its time, meanwhile)
                     self.core.recovered_by("pd" if home is not None else "local", error)

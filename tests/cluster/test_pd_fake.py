@@ -200,6 +200,7 @@ def test_async_front_recovers_a_decode_worker_through_the_prefill_engine(model_d
     w = World(model_dir)
     prefill, decode = (AsyncEngine(e).start() for e in w.engines)
     front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=8, lease_s=LEASE_S)
+    front.max_recovering = 1  # brought back one at a time: the other waits, parked
     rng = random.Random(5)
     ps = [[rng.randrange(1, 700) for _ in range(rng.randrange(60, 80))] for _ in range(2)]  # (the fake pools: 48 blocks)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
