@@ -76,10 +76,9 @@ class PDSimulator:
                 start = max(pre.first_s[k], free[r])
                 transfer[i] = self.link.seconds(transfer_bytes(cfg, cuts[i]))
                 free[r] = ready[i] = start + transfer[i]
-        routes, evicted = Counter(), 0
+        routes = Counter()
 
         def admit(sched, seq):
-            nonlocal evicted
             i = seq.seq_id
             if i not in ready:
                 routes["local"] += 1

@@ -58,6 +58,28 @@ def idle(pd: Disaggregated) -> None:
             assert (st["blocks_held"], st["snapshots_held"]) == (0, 0), st
 
 
+def async_front(path, decode: int = 2):
+    """An async front over a prefill engine (1 replica) and a decode engine of ``decode`` replicas, each on its
+    own thread (cluster/apd.py)."""
+    from cluster.aengine import AsyncEngine
+    from cluster.apd import AsyncDisaggregated
+
+    prefill, dec = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, decode)).start()
+    return AsyncDisaggregated(prefill, dec, min_uncached_tokens=MIN_UNCACHED)
+
+
+def close(front, *, check: bool = True) -> None:
+    """Stop both engines' threads; then (``check``) nothing is held, and both engines are shut down."""
+    front.prefill.stop()
+    front.decode.stop()
+    try:
+        if check:
+            idle(front.core)
+    finally:
+        front.core.prefill.shutdown()
+        front.core.decode.shutdown()
+
+
 @pytest.fixture(scope="module")
 def paths():
     return {name: str(preset(name, seed=2, dtype="float32")) for name in MODELS}
@@ -199,8 +221,6 @@ def test_async_pd_keeps_decode_streaming_while_prompts_prefill(paths):
     blocks crossed, the short streams made progress while the long prompts were away, and nothing is held."""
     import asyncio
 
-    from cluster.aengine import AsyncEngine
-    from cluster.apd import AsyncDisaggregated
     from cluster.stream import EngineRequest
 
     path = paths["kimi-k2-tiny"]
@@ -208,8 +228,7 @@ def test_async_pd_keeps_decode_streaming_while_prompts_prefill(paths):
     sp_short, sp_long = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)
     want = {("short", i): single.alone(path, [p], sp_short)[0] for i, p in enumerate(short)}
     want |= {("long", i): single.alone(path, [p], sp_long)[0] for i, p in enumerate(long)}
-    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 2)).start()
-    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+    front = async_front(path)
     events = []  # (kind, index, event) in the order they happened
 
     async def one(kind, i, prompt, sp):
@@ -229,20 +248,14 @@ def test_async_pd_keeps_decode_streaming_while_prompts_prefill(paths):
 
     try:
         got = asyncio.run(main())
+        assert got == want
+        assert front.routes == {"pd": len(long), "local": len(short)}
+        for i in range(len(long)):  # between a long request's arrival and its first token, the short streams went on
+            sent = events.index(("long", i, "sent"))
+            first = events.index(("long", i, "token"))
+            assert any(k == "short" and e == "token" for k, _, e in events[sent:first]), events[sent:first]
     finally:
-        prefill.stop()
-        decode.stop()
-    assert got == want
-    assert front.routes == {"pd": len(long), "local": len(short)}
-    for i in range(len(long)):  # between a long request's arrival and its first token, the short streams went on
-        sent = events.index(("long", i, "sent"))
-        first = events.index(("long", i, "token"))
-        assert any(k == "short" and e == "token" for k, _, e in events[sent:first]), events[sent:first]
-    try:
-        idle(front.core)
-    finally:
-        front.core.prefill.shutdown()
-        front.core.decode.shutdown()
+        close(front)
 
 
 def test_async_pd_prefills_on_decode_when_the_prefill_engine_fails_or_is_gone(paths):
@@ -250,15 +263,13 @@ def test_async_pd_prefills_on_decode_when_the_prefill_engine_fails_or_is_gone(pa
     prefilled on decode with the single process's tokens, counted, and nothing is held."""
     import asyncio
 
-    from cluster.aengine import AsyncEngine
-    from cluster.apd import AsyncDisaggregated
     from cluster.stream import EngineRequest
 
     path = paths["kimi-k2-tiny"]
     long, sp = turn(2)[5:], SamplingParams(max_tokens=4, ignore_eos=True)
     want = [single.alone(path, [p], sp)[0] for p in long]
-    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 1)).start()
-    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+    front = async_front(path, decode=1)
+    prefill = front.prefill
 
     async def run(prompt):
         return [t async for chunk in front.generate(EngineRequest(tuple(prompt), sp)) for t in chunk.token_ids]
@@ -277,12 +288,8 @@ def test_async_pd_prefills_on_decode_when_the_prefill_engine_fails_or_is_gone(pa
         assert not prefill.healthy
         assert asyncio.run(run(long[1])) == want[1]
         assert front.routes == {"local": 2} and front.status()["failures"] == {"PrefillError": 1}
-        idle(front.core)
     finally:
-        prefill.stop()
-        decode.stop()
-        front.core.prefill.shutdown()
-        front.core.decode.shutdown()
+        close(front)
 
 
 def test_async_pd_one_request_of_several_sequences_releases_every_arrival(paths):
@@ -290,16 +297,13 @@ def test_async_pd_one_request_of_several_sequences_releases_every_arrival(paths)
     front's generate_many: each sequence's tokens are the single process's, and every arrival is let go."""
     import asyncio
 
-    from cluster.aengine import AsyncEngine
-    from cluster.apd import AsyncDisaggregated
     from cluster.stream import EngineRequest
 
     path = paths["kimi-k2-tiny"]
     long, sp = turn(3)[5:], SamplingParams(max_tokens=5, ignore_eos=True)
     prompts = [long[0], long[0], long[1]]
     want = [single.alone(path, [p], sp)[0] for p in prompts]
-    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 2)).start()
-    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+    front = async_front(path)
 
     async def run():
         got = [[] for _ in prompts]
@@ -311,13 +315,7 @@ def test_async_pd_one_request_of_several_sequences_releases_every_arrival(paths)
         assert asyncio.run(run()) == want
         assert front.routes == {"pd": 3}
     finally:
-        prefill.stop()
-        decode.stop()
-    try:
-        idle(front.core)
-    finally:
-        front.core.prefill.shutdown()
-        front.core.decode.shutdown()
+        close(front)
 
 
 def test_async_pd_counts_requests_in_a_transfer_as_waiting(paths):
@@ -326,16 +324,14 @@ def test_async_pd_counts_requests_in_a_transfer_as_waiting(paths):
     once they ran (here the prefill engine fails them: each is prefilled on decode, the single process's tokens)."""
     import asyncio
 
-    from cluster.aengine import AsyncEngine
-    from cluster.apd import AsyncDisaggregated
     from cluster.stream import EngineRequest
 
     path = paths["kimi-k2-tiny"]
     long, sp = turn(4)[5:], SamplingParams(max_tokens=3, ignore_eos=True)
     prompts = [long[0], long[1], long[0]]
     want = [single.alone(path, [p], sp)[0] for p in prompts]
-    prefill, decode = AsyncEngine(engine(path, 1)).start(), AsyncEngine(engine(path, 1)).start()
-    front = AsyncDisaggregated(prefill, decode, min_uncached_tokens=MIN_UNCACHED)
+    front = async_front(path, decode=1)
+    prefill = front.prefill
     held = []
 
     async def main():
@@ -367,10 +363,7 @@ def test_async_pd_counts_requests_in_a_transfer_as_waiting(paths):
         assert waiting == 3 and front.num_waiting == 0
         assert got == want and front.routes == {"local": 3}
     finally:
-        prefill.stop()
-        decode.stop()
-        front.core.prefill.shutdown()
-        front.core.decode.shutdown()
+        close(front)
 
 
 async def _collect(stream, n: int) -> list[list[int]]:

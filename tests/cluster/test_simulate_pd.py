@@ -26,21 +26,22 @@ H200 = load_gpu("h200")
 
 def sim(cfg, shape, num_blocks=40_000):
     config = EngineConfig.of(model="simulated", block_size=64, num_blocks=num_blocks, max_num_seqs=256,
-                             max_tokens_per_step=8192)
+                             max_tokens_per_step=8192, snapshot_bytes=16 << 30)  # (K3: 36 KDA snapshots a replica)
     return Simulator(cfg, shape, GpuCost(cfg, H200, shape, exchange="fp8-dedup"), config=config)
 
 
+@pytest.mark.parametrize("decode", [Shape(8, 8, colocated=True), Shape(8, 8)], ids=["colocated", "disaggregated"])
 @pytest.mark.parametrize("cfg", [K2, K3], ids=["k2", "k3"])
-def test_pd_routes_and_admits_what_crossed(cfg):
+def test_pd_routes_and_admits_what_crossed(cfg, decode):
     """Long prompts go to the prefill pool and every one is admitted on decode as a hit of the blocks that
     crossed (the real prefix cache: on K3 with its KDA snapshot); short ones prefill on decode; the transfer
     costs its bytes at the link's rate."""
     work = [SimRequest(0.05 * i, 2000 if i % 2 else 100, 20) for i in range(24)]
-    pd = PDSimulator(sim(cfg, Shape(4, 4, colocated=True)), sim(cfg, Shape(8, 8, colocated=True)),
-                     min_uncached_tokens=256, link=Link(gbps=100))
+    pd = PDSimulator(sim(cfg, Shape(4, 4, colocated=True)), sim(cfg, decode), min_uncached_tokens=256,
+                     link=Link(gbps=100))
     out = pd.run(work)
     assert out["routes"] == {"pd": 12, "local": 12} and out["evicted"] == 0
-    assert (out["gpus"], out["prefill_gpus"], out["decode_gpus"]) == (12, 4, 8)
+    assert (out["gpus"], out["prefill_gpus"], out["decode_gpus"]) == (4 + decode.devices, 4, decode.devices)
     cut = 1984 if cfg is K2 else 1984 // 64 * 64  # the deepest full block (K3: snapshot grid) before the last token
     assert out["transfer_bytes_mean"] == transfer_bytes(cfg, cut)
     assert out["transfer_p50_s"] == pytest.approx(50e-6 + transfer_bytes(cfg, cut) * 8 / 100e9)
