@@ -30,7 +30,7 @@ from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
 from model.timing import StepTimes
 
 from .device import choose_device
-from .channel import ServesSteps
+from .channel import ServesSteps, StepServer
 from .group import exchange_device, join_group, leave_group, open_store
 from .dispatch import DistDispatcher, LocalExchange
 from .messages import (AHEAD, GroupInfo, PlacementTable, SampledToken, SeqChunk, StepRequest, StepResult,
@@ -124,9 +124,33 @@ class AttentionWorker(ServesSteps):
 
     def shutdown(self) -> None:
         self.close_channel()
+        self.close_blocks_channel()
         leave_group()
 
     # ---- prefill/decode disaggregation: moving cached blocks (cluster/pd.py) ---------------------
+    _blocks_server: StepServer | None = None
+
+    def open_blocks_channel(self, token: bytes) -> tuple[str, int]:
+        """Serve :meth:`read_blocks` and :meth:`write_blocks` to the engine that holds ``token`` over a direct
+        connection of their own (a step channel's kind, beside the steps' own: its calls never take a step's
+        number), replacing any earlier one; returns where it listens."""
+        from .group import node_ip
+
+        self.close_blocks_channel()
+        self._blocks_server = StepServer(node_ip(), token, self._serve_blocks, f"{self.name} blocks")
+        return self._blocks_server.address
+
+    def _serve_blocks(self, request: tuple, received_at: float = 0.0):
+        op, *args = request
+        if op not in ("read", "write"):
+            raise ValueError(f"{self.name}: no blocks operation {op!r}")
+        return self.read_blocks(*args) if op == "read" else self.write_blocks(*args)
+
+    def close_blocks_channel(self) -> None:
+        if self._blocks_server is not None:
+            self._blocks_server.close()
+            self._blocks_server = None
+
     def read_blocks(self, blocks: list[int], snapshot: int | None = None) -> dict[str, torch.Tensor]:
         """Copies of cache ``blocks`` (and KDA ``snapshot``): :func:`model.cache.read_blocks`, never beside a step."""
         with self.busy:

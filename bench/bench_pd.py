@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=0.5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--thresholds", default="64,4096")
+    ap.add_argument("--transports", default="channel", help="how the blocks move, comma-separated: channel (each "
+                                                            "actor's direct blocks channel), object_store (Ray calls)")
     ap.add_argument("--max-tokens-per-step", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="1 round, 4 streams, 2 arrivals of 600 tokens")
     args = ap.parse_args()
@@ -146,8 +148,10 @@ def main() -> None:
         decode = AsyncEngine(Engine(cfg, ClusterSpec(attention=1, experts=1)).start()).start()
         prefill = AsyncEngine(Engine(cfg, ClusterSpec(attention=1, experts=1)).start()).start()
         fronts = {"one engine": decode}
-        for t in thresholds:
-            fronts[f"PD (min_uncached_tokens {t})"] = AsyncDisaggregated(prefill, decode, min_uncached_tokens=t)
+        for via in args.transports.split(","):
+            for t in thresholds:
+                fronts[f"PD {via} (min_uncached_tokens {t})"] = AsyncDisaggregated(prefill, decode, min_uncached_tokens=t,
+                                                                                  transport=via)
         rows: dict = {name: [] for name in fronts}
         quiet: list[float] = []
         same = True
@@ -179,15 +183,15 @@ def main() -> None:
     print(f"running streams with no arrivals: ITL p50 {pct(quiet, 0.5):.1f} ms, p99 {pct(quiet, 0.99):.1f} ms")
     for name, v in rows.items():
         p50, p99, ttft = (med([x[k] for x in v]) for k in ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms"))
-        print(f"{name:<34} ITL p50 {p50:7.1f} ms  p99 {p99:7.1f} ms ({p99 / pct(quiet, 0.99):.2f}x quiet)  "
+        print(f"{name:<46} ITL p50 {p50:7.1f} ms  p99 {p99:7.1f} ms ({p99 / pct(quiet, 0.99):.2f}x quiet)  "
               f"long TTFT p50 {ttft:8.1f} ms")
     for name, s in status.items():
         n = s["routes"].get("pd", 0)
         if n:
             per_s, per_b = s["transfer_s"] / n, s["bytes_moved"] / n
             read_ms, write_ms = 1e3 * s["read_s"] / n, 1e3 * s["write_s"] / n
-            print(f"{name}: of each transfer, the actors' read {read_ms:.1f} ms and write {write_ms:.1f} ms (Ray calls "
-                  f"through the object store), the rest {1e3 * per_s - read_ms - write_ms:.1f} ms waiting for the "
+            print(f"{name}: of each transfer, the actors' read {read_ms:.1f} ms and write {write_ms:.1f} ms (over "
+                  f"{s['transport']}), the rest {1e3 * per_s - read_ms - write_ms:.1f} ms waiting for the "
                   "engines' threads (decode settles its steps in flight first)")
             print(f"{name}: {n} transfers, {per_b / 1e6:.2f} MB each, {1e3 * per_s:.1f} ms each against a floor of "
                   f"{1e3 * per_b / bw:.2f} ms ({per_s * bw / per_b:.0f}x); routes {s['routes']}; failures {s['failures']}")

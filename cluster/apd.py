@@ -32,11 +32,12 @@ from .stream import EngineRequest, StreamChunk
 
 class AsyncDisaggregated:
     def __init__(self, prefill: AsyncEngine, decode: AsyncEngine, *, min_uncached_tokens: int = 256,
-                 lease_s: float = 30.0, timeout_s: float = 60.0):
-        """``timeout_s``: the longest wait for one engine's part of a transfer (a call between its steps)."""
+                 lease_s: float = 30.0, timeout_s: float = 60.0, transport: str = "channel"):
+        """``timeout_s``: the longest wait for one engine's part of a transfer (a call between its steps);
+        ``transport``: how the blocks move (cluster/kv_transfer.py ``TRANSPORTS``)."""
         self.prefill, self.decode, self.timeout_s = prefill, decode, timeout_s
         self.core = Disaggregated(prefill.engine, decode.engine, min_uncached_tokens=min_uncached_tokens,
-                                  lease_s=lease_s)
+                                  lease_s=lease_s, transport=transport)
         self._keys = itertools.count()
         self._entering = 0  # sequences taken in by generate_many and not yet queued on decode (in a transfer)
         self._loop: asyncio.AbstractEventLoop | None = None  # the requests' loop: a recovery's prefill runs there

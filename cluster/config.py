@@ -239,6 +239,10 @@ class DisaggregationConfig(_Checked):
                                          "shorter ones are prefilled on decode.", ge=1)
     lease_s: float = knob(30.0, "How long the prefill engine holds a transfer's blocks for the decode engine at "
                                 "most.", gt=0)
+    transport: Literal["channel", "object_store"] = knob(
+        "channel", "How a transfer's blocks leave the prefill engine's actor and reach the decode engine's: each "
+                   "actor's blocks channel (a direct connection beside its step channel) or Ray calls through the "
+                   "object store (bench/bench_pd.py --transports measures both).")
     layout: Literal["disaggregated", "colocated"] = knob("disaggregated", "The prefill engine's layout.")
     attention: int = knob(1, "The prefill engine's attention replicas (disaggregated).", ge=1)
     experts: int = knob(1, "The prefill engine's expert actors (disaggregated).", ge=1)

@@ -74,10 +74,12 @@ class Executor(Protocol):
     def kill(self, kind: str, index: int) -> str: ...
 
     # cached blocks (prefill/decode disaggregation: cluster/pd.py)
-    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
-        """Copies of attention replica ``replica``'s cache ``blocks`` (and KDA ``snapshot``)."""
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None, via: str = "channel") -> dict:
+        """Copies of attention replica ``replica``'s cache ``blocks`` (and KDA ``snapshot``), moved ``via`` one of
+        :data:`cluster.kv_transfer.TRANSPORTS` (where the executor has a choice)."""
 
-    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
+                     via: str = "channel") -> None:
         """Write ``parts`` (:meth:`read_blocks`' form) into replica ``replica``'s ``blocks`` and ``snapshot``."""
 
     def describe(self) -> dict: ...
@@ -199,31 +201,57 @@ class RayExecutor:
         return self.fleet.replace(dead, table)
 
     # ---- cached blocks ----------------------------------------------------------------------
-    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
-        """A Ray call to the replica (the blocks come back through the object store), under the step timeout."""
-        return self._blocks_call(replica, "read_blocks", blocks, snapshot)
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None, via: str = "channel") -> dict:
+        """Copies of the blocks, over ``via``: the replica's blocks channel (a direct connection of its own,
+        opened at the first call) or a Ray call (the blocks come back through the object store); under the
+        step timeout."""
+        return self._blocks_call(replica, via, "read", blocks, snapshot)
 
-    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
-        self._blocks_call(replica, "write_blocks", blocks, snapshot, parts)
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
+                     via: str = "channel") -> None:
+        self._blocks_call(replica, via, "write", blocks, snapshot, parts)
 
-    def _blocks_call(self, replica: int, method: str, *args):
-        """``method`` of attention replica ``replica`` through Ray, under the step timeout; a dead or silent
-        actor raises TransportError naming it."""
+    def _blocks_call(self, replica: int, via: str, op: str, *args):
+        """``op`` ("read" or "write") of attention replica ``replica``'s blocks over ``via``, under the step
+        timeout; a dead, silent or failing actor raises TransportError naming it."""
         import ray
 
-        from .kv_transfer import TransportError
+        from .kv_transfer import TRANSPORTS, TransportError
 
-        member = self.fleet.attention[replica]
+        if via not in TRANSPORTS:
+            raise ValueError(f"no blocks transport {via!r}: one of {', '.join(TRANSPORTS)}")
+        member, timeout = self.fleet.attention[replica], self.config.faults.step_timeout_s
         try:
-            return ray.get(getattr(member.actor, method).remote(*args), timeout=self.config.faults.step_timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            if method == "write_blocks" and isinstance(e, (ray.exceptions.GetTimeoutError, TimeoutError)):
+            if via == "object_store":
+                return ray.get(getattr(member.actor, f"{op}_blocks").remote(*args), timeout=timeout)
+            return self._over_channel(member, replica, timeout, (op, *args))
+        except (ray.exceptions.RayError, TimeoutError, OSError, StepError) as e:
+            if member.blocks is not None and not isinstance(e, StepError):  # its answers may be out of step now
+                member.blocks.close()
+                member.blocks = None
+            if op == "write" and isinstance(e, (ray.exceptions.GetTimeoutError, TimeoutError)):
                 # the write may still run later, into blocks the caller is about to give back: the replica goes
                 # (its engine replaces it at the next step, with an empty cache) rather than risk that
                 self.fleet.kill_member(member)
-            raise TransportError(f"{method} on attention replica {replica} failed: {type(e).__name__}: {e}") from None
+            raise TransportError(f"{op}_blocks on attention replica {replica} failed: {type(e).__name__}: {e}") from None
 
-    # ---- operations ------------------------------------------------------------------------
+    def _over_channel(self, member, replica: int, timeout: float, request: tuple):
+        import secrets
+
+        import ray
+
+        from actors.channel import TOKEN_BYTES, StepChannel
+
+        if member.blocks is None:
+            token = secrets.token_bytes(TOKEN_BYTES)
+            address = ray.get(member.actor.open_blocks_channel.remote(token), timeout=timeout)
+            member.blocks = StepChannel(f"attention[{replica}] blocks", tuple(address), token, timeout,
+                                        connect_timeout_s=min(30.0, timeout))
+        member.blocks_calls += 1
+        member.blocks.send(member.blocks_calls, request)
+        return member.blocks.recv(member.blocks_calls, time.monotonic() + timeout,
+                                  alive=lambda: self.fleet.reachable(member))
+
     def kill(self, kind: str, index: int) -> str:
         return self.fleet.kill(kind, index)
 

@@ -74,10 +74,11 @@ class InProcessExecutor:
         return results, []
 
     # ---- cached blocks (prefill/decode disaggregation: cluster/pd.py) -------------------------------
-    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
-        return self.workers[replica].read_blocks(blocks, snapshot)
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None, via: str = "channel") -> dict:
+        return self.workers[replica].read_blocks(blocks, snapshot)  # (in process: nothing to choose)
 
-    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
+                     via: str = "channel") -> None:
         self.workers[replica].write_blocks(blocks, snapshot, parts)
 
     # ---- shape changes: refused --------------------------------------------------------------

@@ -27,6 +27,11 @@ class TransferError(ValueError):
     """A transfer that does not fit the engine receiving it (the message names what differs)."""
 
 
+# how a transfer's blocks leave and reach the actors (an executor's read_blocks/write_blocks ``via``): each
+# actor's blocks channel (a direct connection beside its step channel), or Ray calls through the object store
+TRANSPORTS = ("channel", "object_store")
+
+
 class TransportError(ConnectionError):
     """Reading or writing a transfer's blocks failed (the actor holding them died or did not answer)."""
 

@@ -36,6 +36,8 @@ class Member:
     actor: Any  # a Ray ActorHandle
     home: Home
     channel: StepChannel | None = None
+    blocks: StepChannel | None = None  # its cached blocks' channel (attention members, opened at the first transfer)
+    blocks_calls: int = 0  # calls made over it (their numbers)
 
 
 @dataclass
@@ -56,10 +58,11 @@ class Prepared:
 
 
 def retire(member: Member) -> None:
-    """Close ``member``'s step channel and kill its actor."""
-    if member.channel is not None:
-        member.channel.close()
-        member.channel = None
+    """Close ``member``'s channels and kill its actor."""
+    for ch in (member.channel, member.blocks):
+        if ch is not None:
+            ch.close()
+    member.channel = member.blocks = None
     kill_actor(member.actor)
 
 

@@ -43,7 +43,7 @@ from typing import Callable
 from model.sampling import SamplingParams
 
 from .engine import Engine
-from .kv_transfer import Fingerprint, KVBlocks, TransferError, TransportError, fingerprint, mismatch
+from .kv_transfer import TRANSPORTS, Fingerprint, KVBlocks, TransferError, TransportError, fingerprint, mismatch
 from .prefix_cache import Moved
 from .seq import Seq
 
@@ -132,7 +132,9 @@ class Disaggregated:
     started, cache prefixes, and share the model, dtype, block size and MTP setting."""
 
     def __init__(self, prefill: Engine, decode: Engine, *, min_uncached_tokens: int = 256, lease_s: float = 30.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, transport: str = "channel"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if min_uncached_tokens < 1:
             raise ValueError(f"min_uncached_tokens must be >= 1, got {min_uncached_tokens}")
         if lease_s <= 0:
@@ -146,7 +148,7 @@ class Disaggregated:
         problem = mismatch(self.fp["prefill"], self.fp["decode"])
         if problem:
             raise ValueError(f"the prefill and decode engines must serve the same cache layout: {problem}")
-        self.min_uncached_tokens = min_uncached_tokens
+        self.min_uncached_tokens, self.transport = min_uncached_tokens, transport
         self.leases = Leases(prefill, lease_s, clock)
         self.arrived: dict[int, Moved] = {}  # decode-side arrivals, by request, held until it is queued
         self.routes: Counter = Counter()
@@ -317,7 +319,8 @@ class Disaggregated:
         lease = self.leases.grant(moved, key)
         t0 = time.perf_counter()
         try:
-            parts = self.prefill.executor.read_blocks(moved.replica, list(moved.blocks), moved.snapshot)
+            parts = self.prefill.executor.read_blocks(moved.replica, list(moved.blocks), moved.snapshot,
+                                                        via=self.transport)
             self._io("read", time.perf_counter() - t0)
         except BaseException as e:
             self.leases.end(lease)
@@ -373,7 +376,8 @@ class Disaggregated:
             if snapshot is not None:
                 parts["conv"], parts["recurrent"] = kv.parts["conv"], kv.parts["recurrent"]
             t0 = time.perf_counter()
-            self.decode.executor.write_blocks(replica, list(moved.blocks[moved.fresh:]), snapshot, parts)
+            self.decode.executor.write_blocks(replica, list(moved.blocks[moved.fresh:]), snapshot, parts,
+                                              via=self.transport)
             self._io("write", time.perf_counter() - t0)
             cache.commit(moved)
         except BaseException:
@@ -456,7 +460,8 @@ class Disaggregated:
             return self._status()
 
     def _status(self) -> dict:
-        return {"routes": dict(self.routes), "failures": dict(self.failures), "bytes_moved": self.bytes_moved,
+        return {"transport": self.transport, "routes": dict(self.routes), "failures": dict(self.failures),
+                "bytes_moved": self.bytes_moved,
                 "recovered": dict(self.recovered),
                 "transfer_s": self.transfer_s, "read_s": self.io_s["read"], "write_s": self.io_s["write"],
                 "evicted_before_admission": self.evicted, "leases": len(self.leases.live), "leases_expired": self.leases.expired,

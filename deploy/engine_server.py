@@ -78,7 +78,7 @@ class EngineServer:
                 raise
             self.prefill = AsyncEngine(prefill).start()
             self.pd = AsyncDisaggregated(self.prefill, self.aengine, min_uncached_tokens=d.min_uncached_tokens,
-                                         lease_s=d.lease_s)
+                                         lease_s=d.lease_s, transport=d.transport)
         self.streams = EngineStreams(self.pd or self.aengine)
         self.metrics = EngineMetrics(self.engine, self.name, prefix=serve_cfg.metrics_prefix,
                                      expert_metrics=serve_cfg.expert_metrics, pd=self.pd.core if self.pd else None)

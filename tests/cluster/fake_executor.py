@@ -224,7 +224,7 @@ class FakeExecutor:
     fail_writes = 0  # this many write_blocks calls fail (the transport broke)
     on_read = None  # called after each read (a test's clock moves here)
 
-    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None) -> dict:
+    def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None, via: str = "channel") -> dict:
         from cluster.kv_transfer import TransportError
 
         if self.fail_reads:
@@ -235,7 +235,8 @@ class FakeExecutor:
             self.on_read()
         return parts
 
-    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict) -> None:
+    def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
+                     via: str = "channel") -> None:
         from cluster.kv_transfer import TransportError
 
         if self.fail_writes:

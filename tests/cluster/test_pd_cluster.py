@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation (cluster/pd.py) on a real Ray cluster: a disaggregated engine (1 attention
 × 1 expert actor) and a colocated one (2 workers), each the other's prefill engine in turn, on K2 and K3 —
-the MLA latents and K3's KDA state read from one engine's actors and written into the other's through Ray —
+the MLA latents and K3's KDA state read from one engine's actors and written into the other's over their
+blocks channels or through Ray's object store (each transport both ways) —
 give the single process's greedy and seeded tokens, every transferred prompt admitted on decode as a
 hit of exactly what crossed, and nothing held afterwards."""
 
@@ -21,6 +22,27 @@ from tests.presets import preset
 def engine(path, spec) -> Engine:
     cfg = EngineConfig.of(model=path, num_blocks=64, block_size=16, prefix_caching=True, max_tokens_per_step=128)
     return Engine(cfg, spec).start()
+
+
+def kill_and_wait(executor, kind: str, index: int, timeout_s: float = 30.0) -> None:
+    """Kill ``kind[index]`` and wait until its process has ended: ray.kill returns before then, and a call over
+    a direct channel could still be answered meanwhile (the fault would not land where the test puts it)."""
+    import os
+    import time
+
+    import ray
+
+    actor = executor.fleet.attention[index].actor
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    executor.kill(kind, index)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{kind}[{index}] (pid {pid}) still runs {timeout_s:g}s after its kill")
 
 
 def both_layouts(name: str):
@@ -60,9 +82,10 @@ def test_pd_across_layouts_gives_the_single_process_tokens(request, model, direc
     params = [SamplingParams(max_tokens=6, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.9, seed=5, ignore_eos=True)] * 2
     want = [single.alone(path, [p], sp)[0] for p, sp in zip(ps, params)]
-    pd = Disaggregated(prefill, decode, min_uncached_tokens=32)
+    transport = "channel" if direction.startswith("apart") else "object_store"  # each transport, both ways
+    pd = Disaggregated(prefill, decode, min_uncached_tokens=32, transport=transport)
     seqs, routes = pd.generate(ps, params)
-    assert [s.output_ids for s in seqs] == want
+    assert [s.output_ids for s in seqs] == want and pd.status()["transport"] == transport
     assert [r.kind for r in routes] == ["pd"] * 3 + ["local"], [r.reason for r in routes]
     for r, p in zip(routes[:3], ps):
         assert r.hit == r.tokens == decode.scheduler.cache.deepest(len(p)) >= 64 and r.nbytes > 0
@@ -106,13 +129,13 @@ def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fa
         method = "read_blocks" if side is prefill else "write_blocks"
         original = getattr(side.executor, method)
 
-        def failing(*args):
+        def failing(*args, **kw):
             if fault == "lease expiry":
                 now[0] += 60.0  # the lease ran out while the blocks were on their way
             elif not getattr(failing, "done", False):  # the replica the blocks are read from or written to dies
                 failing.done = True
-                side.executor.kill("attention" if side is prefill else "worker", args[0])
-            return original(*args)
+                kill_and_wait(side.executor, "attention" if side is prefill else "worker", args[0])
+            return original(*args, **kw)
 
         monkeypatch.setattr(side.executor, method, failing)
     elif fault == "decode killed after the first token":
