@@ -179,6 +179,8 @@ def test_engines_of_another_layout_are_refused(paths):
         Disaggregated(engine(path, 1, block_size=32), engine(path, 1))
     with pytest.raises(ValueError, match="prefix_caching"):
         Disaggregated(engine(path, 1), engine(path, 1, prefix_caching=False))
+    with pytest.raises(ValueError, match="transport must be one of channel, object_store, got 'rdma'"):
+        Disaggregated(engine(path, 1), engine(path, 1), transport="rdma")
 
 
 def blocks_of(name, n=2, **fp_changes):

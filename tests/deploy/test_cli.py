@@ -217,6 +217,7 @@ def test_cluster_flag_errors_are_clear(k2_dir):
 @pytest.mark.parametrize("value, words", [
     ('{"min_uncached_tokens": 0}', ["disaggregation", "min_uncached_tokens", ">= 1"]),
     ('{"layout": "sideways"}', ["disaggregation", "layout", "colocated"]),
+    ('{"transport": "rdma"}', ["disaggregation", "transport", "channel", "object_store"]),
     ('{"min_uncached": 64}', ["disaggregation", "unknown key 'min_uncached'", "min_uncached_tokens"]),
     ('{min_uncached_tokens: 64}', ["--pd-config", "not JSON", '{"min_uncached_tokens": 512}']),
 ])
