@@ -1,0 +1,281 @@
+"""The KV tier beyond the device: cached blocks kept in host memory and on disk, each entry checking itself
+(docs/architecture.md, "The KV tier").
+
+A :class:`Tier` is one level: a directory of entries, size-bounded, evicted least recently used first. The
+node tier is a directory in host memory (``/dev/shm``: shared by every process of the node, and it outlives
+them); the disk tier any directory. An entry is what one block holds — its MLA latent rows, or a KDA state
+snapshot — stored as a safetensors file whose metadata carries the entry's key, the fingerprint of the engine
+layout that wrote it (:class:`~cluster.kv_transfer.Fingerprint`: model and config, dtype, block size, row
+shapes) and a CRC-32 of every byte. A read checks all three: an entry missing, torn (a write cut short, a
+truncated file), of another layout, or whose bytes changed is a **miss** — counted by its reason and removed —
+never an answer. Writes are atomic (a temporary file renamed into place): a reader sees a whole entry or none.
+
+:class:`Tiers` stacks them: what the node tier evicts moves to the disk tier (when there is one) instead of
+vanishing; a read looks top-down and a lower tier's hit is promoted back up.
+
+Several processes may share a tier (every attention actor of a node does): the entries are files, their last
+use their modification time (set from the nanosecond clock), and making room takes a lock on the directory (``fcntl.flock``), so each entry is
+evicted once. What one process knows of the tier's size is refreshed by a scan when its own count says it is
+full, or every ``rescan_every`` writes.
+
+Owns: the entries' files, their format and checks, each tier's size bound and LRU order, the counters.
+Never: decides what is written or read (the engine does), or touches a device cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import struct
+import threading
+import time
+from collections import Counter
+from dataclasses import astuple
+from pathlib import Path
+
+import torch
+
+from .kv_transfer import Fingerprint, checksum
+
+MAGIC = "moeray-kv-1"
+_SUFFIX = ".kv"
+MISSES = ("absent", "torn", "layout", "corrupt")  # why a read found nothing: see Tier.get
+
+
+def layout_digest(fp: Fingerprint) -> str:
+    """A digest of every field of ``fp``: entries of another model, config, dtype, block size or row shape
+    never share a name with this layout's (a key alone is not enough: the same tokens cached in two dtypes)."""
+    return hashlib.blake2b(json.dumps(astuple(fp), default=str).encode(), digest_size=16).hexdigest()
+
+
+class Tier:
+    """One level of the KV tier: ``path`` (made if missing), at most ``capacity_bytes`` of entries."""
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fp: Fingerprint, *, name: str = "node",
+                 rescan_every: int = 64):
+        if capacity_bytes <= 0:
+            raise ValueError(f"the {name} tier's size must be > 0 bytes, got {capacity_bytes}")
+        self.path, self.capacity, self.name = Path(path), int(capacity_bytes), name
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.fp, self.layout = fp, layout_digest(fp)
+        self.rescan_every = rescan_every
+        self.spill_to = None  # what takes an evicted entry's file before it goes (Tiers: the disk tier)
+        self._lock = threading.Lock()  # this process's counters and size estimate
+        self.hits = 0
+        self.misses: Counter = Counter()  # by reason (MISSES)
+        self.bytes_in = self.bytes_out = 0  # written, read back
+        self.evictions = 0
+        self.load_s = 0.0  # reading hits back
+        self._writes = 0
+        self._used = self._scan()[1]
+
+    # ---- entries --------------------------------------------------------------------------------
+    def _file(self, key: bytes) -> Path:
+        return self.path / (hashlib.blake2b(self.layout.encode() + key, digest_size=20).hexdigest() + _SUFFIX)
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._file(key).exists()
+
+    def put(self, key: bytes, parts: dict[str, torch.Tensor]) -> int:
+        """Store ``parts`` (tensors, CPU or not) under ``key``, replacing what it held; returns the entry's bytes.
+        Then evicts the least recently used entries (this one last) until the tier fits."""
+        return self.put_bytes(key, self.encode(key, parts))
+
+    def encode(self, key: bytes, parts: dict[str, torch.Tensor]) -> bytes:
+        from safetensors.torch import save
+
+        tensors = {n: t.detach().contiguous().cpu() for n, t in parts.items()}
+        meta = {"magic": MAGIC, "key": key.hex(), "layout": self.layout, "crc32": str(checksum(tensors))}
+        return save(tensors, metadata=meta)
+
+    def put_bytes(self, key: bytes, data: bytes) -> int:
+        """Store an encoded entry (:meth:`encode`, or moved from another tier of the same layout)."""
+        if len(data) > self.capacity:
+            raise ValueError(f"an entry of {len(data)} bytes does not fit the {self.name} tier ({self.capacity} bytes)")
+        final = self._file(key)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        _used_now(tmp)
+        os.replace(tmp, final)  # atomic: readers see the whole entry or the one it replaced
+        with self._lock:
+            self.bytes_in += len(data)
+            self._used += len(data)
+            self._writes += 1
+            full = self._used > self.capacity or self._writes % self.rescan_every == 0
+        if full:
+            self.make_room(self.spill_to)
+        return len(data)
+
+    def get(self, key: bytes) -> dict[str, torch.Tensor] | None:
+        """The parts stored under ``key``, bit for bit, or None: a miss, counted by why — ``absent`` (never
+        written, or evicted), ``torn`` (not a whole entry), ``layout`` (another key or layout under this name),
+        ``corrupt`` (its bytes changed). A bad entry is removed."""
+        got = self.fetch(key)
+        return None if got is None else got[0]
+
+    def fetch(self, key: bytes) -> tuple[dict[str, torch.Tensor], bytes] | None:
+        """:meth:`get`, with the entry's bytes as stored (to move it to another tier as it is)."""
+        t0 = time.perf_counter()
+        f = self._file(key)
+        try:
+            with open(f, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            self._miss("absent")
+            return None
+        parts = self._decode(key, data)
+        if parts is None:
+            return None
+        try:
+            _used_now(f)
+        except FileNotFoundError:  # evicted meanwhile: what was read is still whole and checked
+            pass
+        with self._lock:
+            self.hits += 1
+            self.bytes_out += len(data)
+            self.load_s += time.perf_counter() - t0
+        return parts, data
+
+    def _decode(self, key: bytes, data: bytes) -> dict[str, torch.Tensor] | None:
+        from safetensors.torch import load
+
+        reason = None
+        try:
+            meta = _metadata(data)
+            parts = load(data)
+        except Exception:  # noqa: BLE001 — any malformed entry is a torn one
+            reason = "torn"
+        else:
+            if meta.get("magic") != MAGIC or meta.get("key") != key.hex() or meta.get("layout") != self.layout:
+                reason = "layout"
+            elif meta.get("crc32") != str(checksum(parts)):
+                reason = "corrupt"
+        if reason is None:
+            return parts
+        self._miss(reason)
+        self._remove(self._file(key))
+        return None
+
+    def _miss(self, reason: str) -> None:
+        with self._lock:
+            self.misses[reason] += 1
+
+    def _remove(self, f: Path) -> int:
+        try:
+            size = f.stat().st_size
+            f.unlink()
+        except FileNotFoundError:
+            return 0
+        with self._lock:
+            self._used -= size
+        return size
+
+    # ---- size -----------------------------------------------------------------------------------
+    def _scan(self) -> tuple[list[tuple[int, int, Path]], int]:
+        """(mtime_ns, size, path) of every entry, oldest first, and their total bytes."""
+        out = []
+        for e in os.scandir(self.path):
+            if e.name.endswith(_SUFFIX):
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
+        out.sort()
+        return out, sum(s for _, s, _ in out)
+
+    def make_room(self, evicted=None) -> int:
+        """Evict the least recently used entries until the tier fits (under the directory's lock: one process
+        at a time); ``evicted(path)`` sees each one before it goes (a lower tier takes it). Returns how many."""
+        with open(self.path / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                entries, used = self._scan()
+                n = 0
+                for _, size, f in entries:
+                    if used <= self.capacity:
+                        break
+                    if evicted is not None:
+                        evicted(f)
+                    try:
+                        f.unlink()
+                    except FileNotFoundError:
+                        pass
+                    used -= size
+                    n += 1
+                with self._lock:
+                    self._used, self.evictions = used, self.evictions + n
+                return n
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def used_bytes(self) -> int:
+        return self._scan()[1]
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"tier": self.name, "path": str(self.path), "capacity_bytes": self.capacity,
+                    "used_bytes": self._used, "hits": self.hits, "misses": dict(self.misses),
+                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "evictions": self.evictions,
+                    "load_s": self.load_s}
+
+
+def _used_now(f: Path) -> None:
+    """Record a use of ``f`` as its modification time: the LRU order. Set from the nanosecond clock, as the
+    kernel's own file times tick only every few milliseconds (ties would evict in name order)."""
+    now = time.time_ns()
+    os.utime(f, ns=(now, now))
+
+
+def _metadata(data: bytes) -> dict:
+    """A safetensors file's ``__metadata__`` (its header: 8 bytes of length, then JSON)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise ValueError("header past the end")
+    return json.loads(data[8:8 + n]).get("__metadata__") or {}
+
+
+class Tiers:
+    """The node tier over an optional disk tier: the node tier's evictions move down, a lower hit moves up."""
+
+    def __init__(self, node: Tier, disk: Tier | None = None):
+        if disk is not None and disk.layout != node.layout:
+            raise ValueError("the node and disk tiers must hold one layout")
+        self.node, self.disk = node, disk
+        self.levels = [node] + ([disk] if disk is not None else [])
+        if disk is not None:
+            node.spill_to = self._spill
+
+    def put(self, key: bytes, parts: dict[str, torch.Tensor]) -> None:
+        self.node.put(key, parts)
+
+    def _spill(self, f: Path) -> None:
+        """A node-tier entry on its way out: copied whole to the disk tier (its key is in its metadata)."""
+        try:
+            data = f.read_bytes()
+            key = bytes.fromhex(_metadata(data)["key"])
+        except Exception:  # noqa: BLE001 — a torn entry is dropped, not moved
+            return
+        if len(data) <= self.disk.capacity:
+            self.disk.put_bytes(key, data)
+
+    def get(self, key: bytes) -> dict[str, torch.Tensor] | None:
+        """The entry from the highest tier that holds it whole (a lower hit is promoted), or None."""
+        parts = self.node.get(key)
+        if parts is not None or self.disk is None:
+            return parts
+        got = self.disk.fetch(key)
+        if got is None:
+            return None
+        self.node.put_bytes(key, got[1])
+        return got[0]
+
+    def __contains__(self, key: bytes) -> bool:
+        return any(key in t for t in self.levels)
+
+    def status(self) -> list[dict]:
+        return [t.status() for t in self.levels]

@@ -1,0 +1,179 @@
+"""The KV tier's store (cluster/kv_tier.py): every block read back is the one written, bit for bit, through
+≥ 10,000 randomized write/read/evict cycles over a node tier and a disk tier; a corrupted, truncated or
+foreign entry is a counted miss, never an answer; the size bound and LRU order hold, across processes too."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import random
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from cluster.kv_tier import Tier, Tiers, layout_digest
+from cluster.kv_transfer import Fingerprint
+
+FP = Fingerprint(model="m" * 32, dtype="bfloat16", block_size=16, latent=(3, 64), conv=(2, 3, 3, 32),
+                 recurrent=(2, 2, 16, 16))
+
+
+def block(rng: torch.Generator, fp: Fingerprint = FP, snapshot: bool = False) -> dict[str, torch.Tensor]:
+    """One block's parts in ``fp``'s layout, random bits (NaN patterns and all: they must survive exactly)."""
+    dtype = getattr(torch, fp.dtype)
+    raw = torch.randint(-2**15, 2**15, (fp.latent[0], fp.block_size, fp.latent[1]), generator=rng, dtype=torch.int16)
+    parts = {"latent": raw.view(dtype) if dtype.itemsize == 2 else raw.to(dtype)}
+    if snapshot:
+        parts["conv"] = torch.randn(fp.conv, generator=rng).to(dtype)
+        parts["recurrent"] = torch.randn(fp.recurrent, generator=rng)
+    return parts
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                        and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def entry_size(tmp_path) -> int:
+    t = Tier(tmp_path / "probe", 1 << 30, FP)
+    return t.put(b"k" * 16, block(torch.Generator().manual_seed(0)))
+
+
+def test_ten_thousand_random_cycles_read_back_bit_identical_and_lru_keeps_the_recent(tmp_path):
+    size = entry_size(tmp_path)
+    node_n, disk_n = 24, 64  # entries each tier holds
+    tiers = Tiers(Tier(tmp_path / "node", node_n * size, FP, rescan_every=16),
+                  Tier(tmp_path / "disk", disk_n * size, FP, name="disk", rescan_every=16))
+    rng, gen = random.Random(56), torch.Generator().manual_seed(56)
+    written: dict[bytes, dict] = {}
+    sizes: dict[bytes, int] = {}
+    recent: OrderedDict[bytes, None] = OrderedDict()  # stored keys by last use (the node tier's LRU order)
+    keys = [os.urandom(16) for _ in range(120)]  # the working set: more than both tiers hold
+    served = missed = 0
+
+    def newest_that_fit() -> set[bytes]:
+        """The most recently used keys whose entries fit the node tier together: LRU keeps every one."""
+        out, total = set(), 0
+        for k in reversed(recent):
+            total += sizes[k]
+            if total > tiers.node.capacity:
+                break
+            out.add(k)
+        return out
+
+    for cycle in range(10_000):
+        key = rng.choice(keys)
+        if rng.random() < 0.4:
+            written[key] = block(gen, snapshot=rng.random() < 0.2)
+            sizes[key] = len(tiers.node.encode(key, written[key]))
+            tiers.put(key, written[key])
+        else:
+            keep = newest_that_fit()
+            got = tiers.get(key)
+            if got is None:
+                missed += 1
+                assert key not in keep, (cycle, "LRU lost one of the most recently used entries")
+                continue
+            served += 1
+            assert key in written and same(got, written[key]), (cycle, "read back different bits")
+        recent.pop(key, None)
+        recent[key] = None
+        assert tiers.node.used_bytes() <= tiers.node.capacity and tiers.disk.used_bytes() <= tiers.disk.capacity
+    node, disk = tiers.status()
+    assert served > 2000 and missed > 500, (served, missed)
+    assert disk["hits"] > 100 and node["evictions"] > 100 and disk["evictions"] > 0, (node, disk)
+    assert set(node["misses"]) <= {"absent"} and set(disk["misses"]) <= {"absent"}, (node, disk)
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "empty", "another key's entry"])
+def test_a_damaged_entry_is_a_counted_miss_and_goes(tmp_path, damage):
+    tier = Tier(tmp_path, 1 << 20, FP)
+    gen = torch.Generator().manual_seed(1)
+    a, b = block(gen), block(gen)
+    tier.put(b"a" * 16, a)
+    tier.put(b"b" * 16, b)
+    f = tier._file(b"a" * 16)
+    data = bytearray(f.read_bytes())
+    if damage == "flip a byte":
+        data[-100] ^= 0x01  # in the tensor bytes: the header still parses, the checksum does not match
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = bytearray(tier._file(b"b" * 16).read_bytes())  # a whole entry, of another key
+    f.write_bytes(bytes(data))
+    assert tier.get(b"a" * 16) is None
+    want = {"flip a byte": "corrupt", "truncate": "torn", "empty": "torn", "another key's entry": "layout"}[damage]
+    assert tier.status()["misses"] == {want: 1} and not f.exists()
+    assert tier.get(b"a" * 16) is None and tier.status()["misses"] == {want: 1, "absent": 1}
+    assert same(tier.get(b"b" * 16), b)  # the other entry untouched
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "float16"), ("block_size", 32), ("model", "n" * 32),
+                                          ("latent", (3, 32))])
+def test_the_same_key_under_another_layout_never_hits(tmp_path, field, value):
+    """Keys alone are not enough (SGLang #33268: a dtype missing from the key): the layout names the entry."""
+    ours = Tier(tmp_path, 1 << 20, FP)
+    ours.put(b"k" * 16, block(torch.Generator().manual_seed(2)))
+    other_fp = dataclasses.replace(FP, **{field: value})
+    assert layout_digest(other_fp) != ours.layout
+    other = Tier(tmp_path, 1 << 20, other_fp)
+    assert other.get(b"k" * 16) is None and other.status()["misses"] == {"absent": 1}
+    # and an entry of another layout planted under this layout's name is refused by its metadata
+    ours._file(b"j" * 16).write_bytes(other.encode(b"j" * 16, block(torch.Generator().manual_seed(3), FP)))
+    assert ours.get(b"j" * 16) is None and ours.status()["misses"] == {"layout": 1}
+
+
+def test_the_size_bound_holds_and_an_entry_too_large_is_refused(tmp_path):
+    size = entry_size(tmp_path)
+    tier = Tier(tmp_path / "t", 3 * size, FP)
+    gen = torch.Generator().manual_seed(4)
+    for i in range(5):
+        tier.put(bytes([i]) * 16, block(gen))
+    assert tier.used_bytes() <= 3 * size and tier.status()["evictions"] == 2
+    assert [tier.get(bytes([i]) * 16) is not None for i in range(5)] == [False, False, True, True, True]
+    with pytest.raises(ValueError, match="does not fit the node tier"):
+        Tier(tmp_path / "small", size // 2, FP).put(b"x" * 16, block(gen))
+    with pytest.raises(ValueError, match="size must be > 0"):
+        Tier(tmp_path / "none", 0, FP)
+
+
+def _hammer(path: str, capacity: int, seed: int, rounds: int, q) -> None:
+    tier = Tier(path, capacity, FP, rescan_every=8)
+    rng = random.Random(seed)
+    wrong = 0
+    for _ in range(rounds):
+        k = rng.randrange(40)
+        key = k.to_bytes(16, "little")
+        # each key always holds the same content (a function of the key), whoever writes it
+        want = block(torch.Generator().manual_seed(k))
+        if rng.random() < 0.5:
+            tier.put(key, want)
+        else:
+            got = tier.get(key)
+            wrong += got is not None and not same(got, want)
+    q.put((wrong, tier.status()))
+
+
+def test_processes_sharing_a_tier_never_read_a_torn_or_wrong_entry(tmp_path):
+    """Two processes write, read and evict in one directory at once (every actor of a node does): each read is
+    a whole, right entry or a miss, and the bound holds when both are done."""
+    size = entry_size(tmp_path)
+    path = str(tmp_path / "shared")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_hammer, args=(path, 12 * size, s, 400, q)) for s in (1, 2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert [w for w, _ in results] == [0, 0], results
+    for _, st in results:
+        assert st["hits"] > 0 and set(st["misses"]) <= {"absent"}, st  # atomic writes: never a torn entry
+    Tier(path, 12 * size, FP).make_room()
+    assert Tier(path, 12 * size, FP).used_bytes() <= 12 * size
