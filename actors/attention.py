@@ -30,6 +30,7 @@ from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
 from model.timing import StepTimes
 
 from .device import choose_device
+from .kv_tier import block_key, snapshot_key, tier_key
 from .channel import ServesSteps, StepServer
 from .group import exchange_device, join_group, leave_group, open_store
 from .dispatch import DistDispatcher, LocalExchange
@@ -46,12 +47,14 @@ class AttentionWorker(ServesSteps):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0,
-                 local_experts: bool = False, mtp: bool = False, compile: str = "off", max_batch: int = 256):
+                 local_experts: bool = False, mtp: bool = False, compile: str = "off", max_batch: int = 256,
+                 tier: dict | None = None):
         """``local_experts``: hold every routed expert too, for :meth:`use_local_experts` (the
         in-process executor); an attention actor holds none. ``mtp``: hold the checkpoint's MTP
         layer too (its routed experts on the expert actors) and draft with it each step
         (speculative decoding's ``method: mtp``). ``compile``: "decode" compiles the decode step for
-        batches up to ``max_batch`` now (model/compiled.py), before the actor serves."""
+        batches up to ``max_batch`` now (model/compiled.py), before the actor serves. ``tier``: the KV tier
+        (cluster/kv_transfer.py ``tier_spec``: its directories, sizes and this cache's layout), or None."""
         super().__init__()
         if threads:
             torch.set_num_threads(threads)
@@ -72,6 +75,11 @@ class AttentionWorker(ServesSteps):
             log.info("%s: decode step compiled in %.1f s", self.name, s)
         elif compile != "off":
             raise ValueError(f"compile must be 'off' or 'decode', got {compile!r}")
+        self.tier = None  # the KV tier (actors/tier.py): blocks written through, entries loaded
+        if tier is not None:
+            from .tier import ActorTier
+
+            self.tier = ActorTier(tier, self.cache)
         self.cache.times = StepTimes()  # the step's compute per layer kind (the per-token profile)
         self._route_s = 0.0  # the step's time in the exchange's issue and collect calls
         self._moe = self.model.moe_blocks()  # the MTP layer's too, with mtp
@@ -125,6 +133,8 @@ class AttentionWorker(ServesSteps):
     def shutdown(self) -> None:
         self.close_channel()
         self.close_blocks_channel()
+        if self.tier is not None:
+            self.tier.close()
         leave_group()
 
     # ---- prefill/decode disaggregation: moving cached blocks (cluster/pd.py) ---------------------
@@ -142,9 +152,18 @@ class AttentionWorker(ServesSteps):
 
     def _serve_blocks(self, request: tuple, received_at: float = 0.0):
         op, *args = request
-        if op not in ("read", "write"):
+        if op in ("read", "write"):
+            return self.read_blocks(*args) if op == "read" else self.write_blocks(*args)
+        if op not in ("tier_probe", "tier_load", "tier_flush", "tier_status"):
             raise ValueError(f"{self.name}: no blocks operation {op!r}")
-        return self.read_blocks(*args) if op == "read" else self.write_blocks(*args)
+        if self.tier is None:
+            raise RuntimeError(f"{self.name} has no KV tier (kv_offloading_size is 0)")
+        if op == "tier_load":
+            with self.busy:  # into the cache: never beside a step
+                return self.tier.load([(k, i, tier_key(k, h)) for k, i, h in args[0]])
+        if op == "tier_probe":
+            return self.tier.probe([block_key(h) for h in args[0]], [snapshot_key(h) for h in args[1]])
+        return self.tier.flush(*args) if op == "tier_flush" else self.tier.status()
 
     def close_blocks_channel(self) -> None:
         if self._blocks_server is not None:
@@ -170,6 +189,8 @@ class AttentionWorker(ServesSteps):
             raise RuntimeError(f"{self.name}: step {req.step} is for epoch {req.epoch}, this actor is in "
                                f"epoch {self.table.epoch}")
         refuse_ahead(self.name, req.step, req.ahead, self.completed)
+        if req.tier_writes and self.tier is not None:  # before this step may reuse their rows
+            self.tier.copy_out([(k, i, tier_key(k, h)) for k, i, h in req.tier_writes])
         self.logits_state.release(req.release)
         for seq_id in req.release:
             self.params.pop(seq_id, None)

@@ -157,6 +157,9 @@ class StepRequest:
     peer_tokens: tuple[tuple[int, ...], ...] = ()
     # MoE layers nobody exchanges in this step (the MTP layer's, in a step whose batch drafts nothing)
     skip: tuple[int, ...] = ()
+    # the KV tier: ("block" | "snapshot", id, prefix hash) registered since the last step, copied out as this
+    # step begins and written through by the actor's writer thread (actors/tier.py)
+    tier_writes: tuple[tuple[str, int, bytes], ...] = ()
 
 
 @dataclass(frozen=True)

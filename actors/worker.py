@@ -37,12 +37,12 @@ class ColocatedWorker(AttentionWorker):
     def __init__(self, model_path: str, *, index: int | None, table: PlacementTable, num_blocks: int,
                  block_size: int = 16, num_slots: int = 64, dtype: str = "float32", impl: str = "absorbed",
                  threads: int | None = 1, exchange: str = "auto", num_snapshots: int = 0, expert_threads: int = 1,
-                 mtp: bool = False, compile: str = "off", max_batch: int = 256):
+                 mtp: bool = False, compile: str = "off", max_batch: int = 256, tier: dict | None = None):
         """``index`` None: a warm standby, holding the attention weights and no experts until
         :meth:`enter_epoch` gives it a shard."""
         super().__init__(model_path, index=index, table=table, num_blocks=num_blocks, block_size=block_size,
                          num_slots=num_slots, dtype=dtype, impl=impl, threads=threads, exchange=exchange,
-                         num_snapshots=num_snapshots, mtp=mtp, compile=compile, max_batch=max_batch)
+                         num_snapshots=num_snapshots, mtp=mtp, compile=compile, max_batch=max_batch, tier=tier)
         self.shard = ExpertShard(model_path, self.cfg, {} if index is None else table.experts_of(index),
                                  dtype=self.dtype, device=self.device, expert_threads=expert_threads,
                                  on_progress=None)

@@ -74,6 +74,36 @@ class CacheConfig(_Checked):
     snapshot_bytes: int = knob(1 << 30, "Hybrid models with prefix caching: bytes of KDA state snapshots per attention "
                                         "replica (prefix hits need one at their boundary); `moeray plan` counts them.",
                                ge=0)
+    kv_offloading_size: float = knob(0.0, "GiB of host memory per node for the KV tier (cluster/kv_tier.py): every "
+                                          "full block (and KDA snapshot) is written through to it, and a request's "
+                                          "prefix found there is loaded instead of prefilled; shared by the node's "
+                                          "actors and outliving them. 0: off. Needs prefix_caching.", ge=0)
+    kv_offloading_path: str = knob("/dev/shm/moeray-kv", "The KV tier's directory on each node (in host memory: "
+                                                         "tmpfs); a folder per model layout under it.")
+    kv_offloading_disk: str | None = knob(None, "A directory on each node for the KV tier's disk level: what the "
+                                                "host-memory tier evicts moves there. Off unless given.")
+    kv_offloading_disk_size: float = knob(0.0, "GiB the KV tier's disk level may hold (with kv_offloading_disk).",
+                                          ge=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_offloading_size and not self.prefix_caching:
+            raise ValueError("engine setting 'kv_offloading_size' needs 'prefix_caching': the tier keeps blocks by "
+                             "their prefix hashes")
+        if bool(self.kv_offloading_disk) != bool(self.kv_offloading_disk_size):
+            raise ValueError("engine settings 'kv_offloading_disk' and 'kv_offloading_disk_size' go together: give "
+                             "both (a directory and its GiB) or neither")
+        if self.kv_offloading_disk and not self.kv_offloading_size:
+            raise ValueError("engine setting 'kv_offloading_disk' needs 'kv_offloading_size' (the host-memory tier "
+                             "above it)")
+
+    def tier(self) -> dict | None:
+        """The KV tier an attention actor opens (cluster/kv_tier.py ``open_tiers``): plain data; None when off."""
+        if not self.kv_offloading_size:
+            return None
+        gib = 1 << 30
+        return {"path": self.kv_offloading_path, "bytes": int(self.kv_offloading_size * gib),
+                "disk": self.kv_offloading_disk, "disk_bytes": int(self.kv_offloading_disk_size * gib)}
 
 
 # The environment every Ray node that moeray starts or documents runs with (LocalCluster, `moeray

@@ -41,6 +41,7 @@ from .seq import Seq
 from .stats import EngineStats, StepRecord
 from .stream import EngineRequest, StreamChunk
 from .spec import ClusterSpec
+from .tiering import TierLoads
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "EpochChange", "NoCapacity", "Request",
            "RequestsFailed", "Transition"]
@@ -69,6 +70,7 @@ class Launched:
     table: PlacementTable  # the epoch it ran in (its statistics are laid out by it)
     t_plan: float = 0.0  # its scheduling began (time.perf_counter, as t0)
     ahead: bool = False  # sent ahead of the step before it (async scheduling)
+    tier: tuple = ()  # the KV tier writes it carries (PrefixCache.TierOut), held until it is back
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class Engine:
         # after a recovery, ``on_rewound(engine, seqs)`` gets the sequences queued again for a whole re-prefill
         # (prompt plus generated tokens): prefill/decode disaggregation has their blocks made elsewhere (cluster/pd.py)
         self.on_rewound: Callable[["Engine", list], None] | None = None
+        self.tier = TierLoads(self) if self.scheduler.cache.tiered else None  # the KV tier's lookups
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -258,6 +261,8 @@ class Engine:
             raise RuntimeError("launch() with a step in flight: finish it first")
         self.epochs.advance()
         t0 = time.perf_counter()
+        if self.tier is not None and self.scheduler.waiting:
+            self.tier.before_schedule()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if plan.empty:
@@ -316,15 +321,19 @@ class Engine:
                        for m in range(len(micro[0])))
         peers = tokens if self.executor.table.colocated else ()  # a worker serves every worker's rows
         skip = self._skip_mtp(plan)
+        cache = self.scheduler.cache
+        tier = [cache.take_tier_writes(r) if cache.tiered else None for r in range(len(plan.chunks))]
         reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
-                            self.scheduler.take_released(r), peer_tokens=peers, skip=skip)
-                for r, (chunks, groups) in enumerate(zip(plan.chunks, micro))]
+                            self.scheduler.take_released(r), peer_tokens=peers, skip=skip,
+                            tier_writes=tuple(out.items) if out is not None else ())
+                for r, (chunks, groups, out) in enumerate(zip(plan.chunks, micro, tier))]
         self.stats.micro_batched_steps += len(tokens) > 1
         t1 = time.perf_counter()
         sent = self.executor.launch(reqs, ExpertStep(self.step_no, epoch, tokens, ahead, skip))
         self.stats.add_time(schedule=t1 - t_plan, launch=time.perf_counter() - t1)
         self.stats.ahead_steps += ahead
-        launched = Launched(self.step_no, plan, sent, t1, self.executor.table, t_plan, ahead)
+        launched = Launched(self.step_no, plan, sent, t1, self.executor.table, t_plan, ahead,
+                            tuple(out for out in tier if out is not None))
         self.inflight.append(launched)
         return launched
 
@@ -356,10 +365,13 @@ class Engine:
         except StepFailed as failure:
             # a step sent ahead read this one's samples: it is undone too (its actors refuse it)
             failed = [s.plan for s in reversed(self.inflight)] + [launched.plan]
+            for s in [launched, *self.inflight]:
+                self._tier_done(s)
             self.inflight.clear()
             self._recover(failed, failure, launched.step)
             return []
         self.failed_in_a_row = 0
+        self._tier_done(launched)
         t1 = time.perf_counter()
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
@@ -375,6 +387,10 @@ class Engine:
         self._unrecorded = StepResults(launched.plan.num_tokens, attn, expert, t1 - launched.t0, launched.table,
                                     verifying=bool(update.verified), stamps=stamps)
         return events
+
+    def _tier_done(self, launched: Launched) -> None:
+        for out in launched.tier:  # its actors copied those blocks out as it began (or it failed): let them go
+            self.scheduler.cache.tier_done(out)
 
     def publish(self) -> None:
         """Take the scheduler's snapshot for readers on other threads (``/metrics``, the queue check):
@@ -553,5 +569,6 @@ class Engine:
                 "cache": [(a.num_held, a.num_blocks) for a in sched.cache.blocks],
                 "sequences": [sched.load(r) for r in range(len(sched.cache.blocks))],
                 "prefix_cache": sched.cache_status(),
+                "kv_tier": self.tier.status() if self.tier is not None else None,
                 "speculative": speculative_status(self.config.speculative, self.stats),
                 "actors": self.executor.describe()}

@@ -82,6 +82,9 @@ class Executor(Protocol):
                      via: str = "channel") -> None:
         """Write ``parts`` (:meth:`read_blocks`' form) into replica ``replica``'s ``blocks`` and ``snapshot``."""
 
+    def tier(self, replica: int, op: str, *args):
+        """A KV tier operation of attention replica ``replica``'s actor (cluster/tiering.py)."""
+
     def describe(self) -> dict: ...
 
 
@@ -210,6 +213,11 @@ class RayExecutor:
     def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
                      via: str = "channel") -> None:
         self._blocks_call(replica, via, "write", blocks, snapshot, parts)
+
+    def tier(self, replica: int, op: str, *args):
+        """A KV tier operation of attention replica ``replica`` (actors/attention.py ``_serve_blocks``: tier_probe,
+        tier_load, tier_flush, tier_status) over its blocks channel, under the step timeout."""
+        return self._blocks_call(replica, "channel", op, *args)
 
     def _blocks_call(self, replica: int, via: str, op: str, *args):
         """``op`` ("read" or "write") of attention replica ``replica``'s blocks over ``via``, under the step

@@ -28,6 +28,7 @@ from model.config import ModelConfig
 
 from .config import EngineConfig, compiled, snapshot_plan
 from .errors import EngineError, NoCapacity
+from .kv_transfer import tier_spec
 from .executor import MemberId, member_names, parse_name
 from .homes import Homes
 from .members import Home, Member, Prepared, kill_actor, retire
@@ -370,11 +371,11 @@ class Fleet:
                 self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange,
                 threads=c.data_plane.actor_threads, num_snapshots=snapshot_plan(c, self.model_cfg).count,
-                expert_threads=c.data_plane.expert_threads, mtp=c.mtp, **compiled(c)), home)
+                expert_threads=c.data_plane.expert_threads, mtp=c.mtp, tier=tier_spec(c, self.model_cfg), **compiled(c)), home)
         actor = RemoteAttention.options(**opts).remote(
             self.path, index=index, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
             num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, exchange=c.data_plane.exchange, threads=c.data_plane.actor_threads,
-            num_snapshots=snapshot_plan(c, self.model_cfg).count, mtp=c.mtp, **compiled(c))
+            num_snapshots=snapshot_plan(c, self.model_cfg).count, mtp=c.mtp, tier=tier_spec(c, self.model_cfg), **compiled(c))
         return Member(actor, home)
 
     def _new_expert(self, home: Home, table: PlacementTable, index: int) -> Member:

@@ -23,6 +23,7 @@ from actors.messages import ExpertStep, PlacementTable, StepRequest
 from model.config import ModelConfig
 
 from .config import EngineConfig, compiled, snapshot_plan
+from .kv_transfer import tier_spec
 from .errors import EngineError, NoCapacity, StepFailed
 from .executor import MemberId
 from .spec import ClusterSpec
@@ -45,7 +46,7 @@ class InProcessExecutor:
             w = AttentionWorker(c.model, index=i, table=table, num_blocks=c.cache.num_blocks, block_size=c.cache.block_size,
                                 num_slots=c.cache.num_slots, dtype=c.dtype, impl=c.data_plane.impl, threads=None,
                                 exchange=c.data_plane.exchange, num_snapshots=snapshot_plan(c, self.model_cfg).count,
-                                local_experts=True, mtp=c.mtp, **compiled(c))
+                                local_experts=True, mtp=c.mtp, tier=tier_spec(c, self.model_cfg), **compiled(c))
             w.use_local_experts(table)
             self.workers.append(w)
         self.table = table
@@ -76,6 +77,9 @@ class InProcessExecutor:
     # ---- cached blocks (prefill/decode disaggregation: cluster/pd.py) -------------------------------
     def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None, via: str = "channel") -> dict:
         return self.workers[replica].read_blocks(blocks, snapshot)  # (in process: nothing to choose)
+
+    def tier(self, replica: int, op: str, *args):
+        return self.workers[replica]._serve_blocks((op, *args))
 
     def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
                      via: str = "channel") -> None:

@@ -15,12 +15,14 @@ touches a cache (the actors read and write the blocks: model/cache.py ``read_blo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import zlib
 from dataclasses import dataclass, field
 
 import torch
+
+from actors.kv_tier import checksum
 
 
 class TransferError(ValueError):
@@ -77,14 +79,21 @@ def mismatch(got: Fingerprint, want: Fingerprint) -> str | None:
     return None
 
 
-def checksum(parts: dict[str, torch.Tensor]) -> int:
-    """CRC-32 over every part's bytes, in name order."""
-    crc = 0
-    for name in sorted(parts):
-        t = parts[name].detach().contiguous().cpu()
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", crc)
-    return crc
+def layout_digest(fp: Fingerprint) -> str:
+    """A digest of every field of ``fp``: the KV tier's entries (actors/kv_tier.py) are named and checked by it,
+    so that those of another model, config, dtype, block size or row shape never hit (a key alone is not
+    enough: the same tokens cached in two dtypes)."""
+    return hashlib.blake2b(json.dumps(dataclasses.astuple(fp), default=str).encode(), digest_size=16).hexdigest()
+
+
+def tier_spec(config, model_cfg) -> dict | None:
+    """What an attention actor of an engine of ``config`` serving ``model_cfg`` opens as its KV tier: the cache
+    config's directories and sizes (CacheConfig.tier()) and the layout digest of its cache; None when off."""
+    spec = config.cache.tier()
+    if spec is None:
+        return None
+    fp = fingerprint(model_cfg, config.dtype, config.cache.block_size, config.mtp)
+    return {**spec, "layout": layout_digest(fp)}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ hands the scheduler blocks, slots and refresh jobs to place); touches tensors or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 
 from actors.messages import SeqChunk
@@ -47,6 +47,19 @@ class Hit:
 
 
 NO_HIT = Hit()
+
+
+@dataclass
+class TierOut:
+    """What one replica registered and has not yet written through to the KV tier (cluster/kv_tier.py): each
+    ("block" | "snapshot", id, prefix hash), held so that nothing reuses it before the step that carries it (its
+    actor copies them out as that step begins) has come back."""
+
+    replica: int
+    generation: int  # the replica's pool generation (a later one: it died since, and the holds with it)
+    items: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    snaps: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,9 @@ class PrefixCache:
         # per replica index, over the engine's life: prompt tokens looked up, and found cached
         self.queries: dict[int, int] = {}
         self.hits: dict[int, int] = {}
+        # the KV tier: every block and snapshot registered is written through (taken by the engine's next step)
+        self.tiered = self.caching and bool(cache.kv_offloading_size)
+        self._tier_out: dict[int, TierOut] = {}
 
     # ---- replicas --------------------------------------------------------------------------
     def resize(self, num_replicas: int) -> None:
@@ -280,8 +296,10 @@ class PrefixCache:
         saving = hold.pending_snapshot
         if saving is not None and chunk.snapshot == saving[0] and saving[1] == end:
             hold.pending_snapshot = None
-            if self.snaps[replica].register(saving[0], self._snapshot_key(seq, end)):
+            key = self._snapshot_key(seq, end)
+            if self.snaps[replica].register(saving[0], key):
                 self._keep_snapshot(seq, saving[0], end)
+                self._write_through(replica, "snapshot", saving[0], key)
             else:
                 self.snaps[replica].release(saving[0])
         n = (min(end, hold.snapshot_at) if self.grid else end) // self.block_size
@@ -289,8 +307,41 @@ class PrefixCache:
             hashes = self._hashes(seq, n, ahead)
             self.blocks[replica].register_hashes(seq.block_table[hold.num_registered_blocks:n],
                                                  hashes[hold.num_registered_blocks:n])
+            for b, h in zip(seq.block_table[hold.num_registered_blocks:n], hashes[hold.num_registered_blocks:n]):
+                self._write_through(replica, "block", b, h)
             hold.num_registered_blocks = n
         return seq.is_refresh and end == len(seq.token_ids)
+
+    def _write_through(self, replica: int, kind: str, i: int, h: bytes) -> None:
+        if not self.tiered:
+            return
+        gen = self.blocks[replica].generation
+        out = self._tier_out.get(replica)
+        if out is None or out.generation != gen:
+            out = self._tier_out[replica] = TierOut(replica, gen)
+        if kind == "block":
+            self.blocks[replica].pin([i])
+            out.blocks.append(i)
+        else:
+            self.snaps[replica].hold(i)
+            out.snaps.append(i)
+        out.items.append((kind, i, h))
+
+    def take_tier_writes(self, replica: int) -> TierOut | None:
+        """What ``replica`` has to write through, for the step being sent to it (held until :meth:`tier_done`)."""
+        out = self._tier_out.pop(replica, None)
+        if out is not None and (replica >= len(self.blocks) or out.generation != self.blocks[replica].generation):
+            return None  # the replica died since: its holds went with its pools
+        return out
+
+    def tier_done(self, out: TierOut) -> None:
+        """The step that carried ``out`` came back (or failed): let go of its holds."""
+        r = out.replica
+        if r >= len(self.blocks) or self.blocks[r].generation != out.generation:
+            return
+        self.blocks[r].free(out.blocks)
+        for snap in out.snaps:
+            self.snaps[r].release(snap)
 
     def failed(self, job: Seq) -> int:
         """A refresh job's step failed (its KDA state is half-advanced): it starts again from its
@@ -415,6 +466,16 @@ class PrefixCache:
         self.blocks[r].register_hashes(list(moved.blocks), list(moved.hashes))
         if moved.new_snapshot:  # (False when another snapshot has the key: this one goes back free on unpin)
             self.snaps[r].register(moved.snapshot, moved.hashes[-1])
+
+    def trim(self, moved: Moved, n: int) -> Moved:
+        """The first ``n`` blocks of what :meth:`adopt` held (MLA models: no snapshot at the end); the rest are
+        let go unwritten (free again)."""
+        if moved.snapshot is not None:
+            raise ValueError("an adoption with a KDA snapshot at its end is kept whole or given back")
+        if moved.replica < len(self.blocks) and self.blocks[moved.replica].generation == moved.generation:
+            self.blocks[moved.replica].free(list(moved.blocks[n:]))
+        return Moved(moved.replica, moved.hashes[:n], moved.blocks[:n], None, min(moved.fresh, n), False,
+                     moved.generation)
 
     def unpin(self, moved: Moved) -> None:
         """Let go of what :meth:`pin` or :meth:`adopt` held (unregistered arrivals become free) — nothing

@@ -1,4 +1,4 @@
-"""The KV tier's store (cluster/kv_tier.py): every block read back is the one written, bit for bit, through
+"""The KV tier's store (actors/kv_tier.py): every block read back is the one written, bit for bit, through
 ≥ 10,000 randomized write/read/evict cycles over a node tier and a disk tier; a corrupted, truncated or
 foreign entry is a counted miss, never an answer; the size bound and LRU order hold, across processes too."""
 
@@ -13,11 +13,12 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from cluster.kv_tier import Tier, Tiers, layout_digest
-from cluster.kv_transfer import Fingerprint
+from actors.kv_tier import Tier, Tiers
+from cluster.kv_transfer import Fingerprint, layout_digest
 
 FP = Fingerprint(model="m" * 32, dtype="bfloat16", block_size=16, latent=(3, 64), conv=(2, 3, 3, 32),
                  recurrent=(2, 2, 16, 16))
+LAYOUT = layout_digest(FP)
 
 
 def block(rng: torch.Generator, fp: Fingerprint = FP, snapshot: bool = False) -> dict[str, torch.Tensor]:
@@ -37,15 +38,15 @@ def same(a: dict, b: dict) -> bool:
 
 
 def entry_size(tmp_path) -> int:
-    t = Tier(tmp_path / "probe", 1 << 30, FP)
+    t = Tier(tmp_path / "probe", 1 << 30, LAYOUT)
     return t.put(b"k" * 16, block(torch.Generator().manual_seed(0)))
 
 
 def test_ten_thousand_random_cycles_read_back_bit_identical_and_lru_keeps_the_recent(tmp_path):
     size = entry_size(tmp_path)
     node_n, disk_n = 24, 64  # entries each tier holds
-    tiers = Tiers(Tier(tmp_path / "node", node_n * size, FP, rescan_every=16),
-                  Tier(tmp_path / "disk", disk_n * size, FP, name="disk", rescan_every=16))
+    tiers = Tiers(Tier(tmp_path / "node", node_n * size, LAYOUT, rescan_every=16),
+                  Tier(tmp_path / "disk", disk_n * size, LAYOUT, name="disk", rescan_every=16))
     rng, gen = random.Random(56), torch.Generator().manual_seed(56)
     written: dict[bytes, dict] = {}
     sizes: dict[bytes, int] = {}
@@ -89,7 +90,7 @@ def test_ten_thousand_random_cycles_read_back_bit_identical_and_lru_keeps_the_re
 
 @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "empty", "another key's entry"])
 def test_a_damaged_entry_is_a_counted_miss_and_goes(tmp_path, damage):
-    tier = Tier(tmp_path, 1 << 20, FP)
+    tier = Tier(tmp_path, 1 << 20, LAYOUT)
     gen = torch.Generator().manual_seed(1)
     a, b = block(gen), block(gen)
     tier.put(b"a" * 16, a)
@@ -116,11 +117,11 @@ def test_a_damaged_entry_is_a_counted_miss_and_goes(tmp_path, damage):
                                           ("latent", (3, 32))])
 def test_the_same_key_under_another_layout_never_hits(tmp_path, field, value):
     """Keys alone are not enough (SGLang #33268: a dtype missing from the key): the layout names the entry."""
-    ours = Tier(tmp_path, 1 << 20, FP)
+    ours = Tier(tmp_path, 1 << 20, LAYOUT)
     ours.put(b"k" * 16, block(torch.Generator().manual_seed(2)))
     other_fp = dataclasses.replace(FP, **{field: value})
     assert layout_digest(other_fp) != ours.layout
-    other = Tier(tmp_path, 1 << 20, other_fp)
+    other = Tier(tmp_path, 1 << 20, layout_digest(other_fp))
     assert other.get(b"k" * 16) is None and other.status()["misses"] == {"absent": 1}
     # and an entry of another layout planted under this layout's name is refused by its metadata
     ours._file(b"j" * 16).write_bytes(other.encode(b"j" * 16, block(torch.Generator().manual_seed(3), FP)))
@@ -129,20 +130,20 @@ def test_the_same_key_under_another_layout_never_hits(tmp_path, field, value):
 
 def test_the_size_bound_holds_and_an_entry_too_large_is_refused(tmp_path):
     size = entry_size(tmp_path)
-    tier = Tier(tmp_path / "t", 3 * size, FP)
+    tier = Tier(tmp_path / "t", 3 * size, LAYOUT)
     gen = torch.Generator().manual_seed(4)
     for i in range(5):
         tier.put(bytes([i]) * 16, block(gen))
     assert tier.used_bytes() <= 3 * size and tier.status()["evictions"] == 2
     assert [tier.get(bytes([i]) * 16) is not None for i in range(5)] == [False, False, True, True, True]
     with pytest.raises(ValueError, match="does not fit the node tier"):
-        Tier(tmp_path / "small", size // 2, FP).put(b"x" * 16, block(gen))
+        Tier(tmp_path / "small", size // 2, LAYOUT).put(b"x" * 16, block(gen))
     with pytest.raises(ValueError, match="size must be > 0"):
-        Tier(tmp_path / "none", 0, FP)
+        Tier(tmp_path / "none", 0, LAYOUT)
 
 
 def _hammer(path: str, capacity: int, seed: int, rounds: int, q) -> None:
-    tier = Tier(path, capacity, FP, rescan_every=8)
+    tier = Tier(path, capacity, LAYOUT, rescan_every=8)
     rng = random.Random(seed)
     wrong = 0
     for _ in range(rounds):
@@ -175,5 +176,5 @@ def test_processes_sharing_a_tier_never_read_a_torn_or_wrong_entry(tmp_path):
     assert [w for w, _ in results] == [0, 0], results
     for _, st in results:
         assert st["hits"] > 0 and set(st["misses"]) <= {"absent"}, st  # atomic writes: never a torn entry
-    Tier(path, 12 * size, FP).make_room()
-    assert Tier(path, 12 * size, FP).used_bytes() <= 12 * size
+    Tier(path, 12 * size, LAYOUT).make_room()
+    assert Tier(path, 12 * size, LAYOUT).used_bytes() <= 12 * size

@@ -4,9 +4,9 @@
 A :class:`Tier` is one level: a directory of entries, size-bounded, evicted least recently used first. The
 node tier is a directory in host memory (``/dev/shm``: shared by every process of the node, and it outlives
 them); the disk tier any directory. An entry is what one block holds — its MLA latent rows, or a KDA state
-snapshot — stored as a safetensors file whose metadata carries the entry's key, the fingerprint of the engine
-layout that wrote it (:class:`~cluster.kv_transfer.Fingerprint`: model and config, dtype, block size, row
-shapes) and a CRC-32 of every byte. A read checks all three: an entry missing, torn (a write cut short, a
+snapshot — stored as a safetensors file whose metadata carries the entry's key, the digest of the cache layout
+that wrote it (cluster/kv_transfer.py ``layout_digest``: model and config, dtype, block size, row shapes) and
+a CRC-32 of every byte. A read checks all three: an entry missing, torn (a write cut short, a
 truncated file), of another layout, or whose bytes changed is a **miss** — counted by its reason and removed —
 never an answer. Writes are atomic (a temporary file renamed into place): a reader sees a whole entry or none.
 
@@ -32,35 +32,38 @@ import secrets
 import struct
 import threading
 import time
+import zlib
 from collections import Counter
-from dataclasses import astuple
 from pathlib import Path
 
 import torch
 
-from .kv_transfer import Fingerprint, checksum
 
 MAGIC = "moeray-kv-1"
 _SUFFIX = ".kv"
 MISSES = ("absent", "torn", "layout", "corrupt")  # why a read found nothing: see Tier.get
 
 
-def layout_digest(fp: Fingerprint) -> str:
-    """A digest of every field of ``fp``: entries of another model, config, dtype, block size or row shape
-    never share a name with this layout's (a key alone is not enough: the same tokens cached in two dtypes)."""
-    return hashlib.blake2b(json.dumps(astuple(fp), default=str).encode(), digest_size=16).hexdigest()
+def checksum(parts: dict[str, torch.Tensor]) -> int:
+    """CRC-32 over every part's bytes, in name order."""
+    crc = 0
+    for name in sorted(parts):
+        t = parts[name].detach().contiguous().cpu()
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", crc)
+    return crc
 
 
 class Tier:
     """One level of the KV tier: ``path`` (made if missing), at most ``capacity_bytes`` of entries."""
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fp: Fingerprint, *, name: str = "node",
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, layout: str, *, name: str = "node",
                  rescan_every: int = 64):
         if capacity_bytes <= 0:
             raise ValueError(f"the {name} tier's size must be > 0 bytes, got {capacity_bytes}")
         self.path, self.capacity, self.name = Path(path), int(capacity_bytes), name
         self.path.mkdir(parents=True, exist_ok=True)
-        self.fp, self.layout = fp, layout_digest(fp)
+        self.layout = layout
         self.rescan_every = rescan_every
         self.spill_to = None  # what takes an evicted entry's file before it goes (Tiers: the disk tier)
         self._lock = threading.Lock()  # this process's counters and size estimate
@@ -279,3 +282,27 @@ class Tiers:
 
     def status(self) -> list[dict]:
         return [t.status() for t in self.levels]
+
+
+def block_key(h: bytes) -> bytes:
+    """A block's entry key: its chained prefix hash (salted, as the prefix cache's)."""
+    return b"B" + h
+
+
+def snapshot_key(h: bytes) -> bytes:
+    """A KDA snapshot's entry key: the chained hash of the block ending at its boundary."""
+    return b"S" + h
+
+
+def tier_key(kind: str, h: bytes) -> bytes:
+    """The entry key of a "block" or a "snapshot" registered under prefix hash ``h``."""
+    return block_key(h) if kind == "block" else snapshot_key(h)
+
+
+def open_tiers(spec: dict) -> Tiers:
+    """The tiers of ``spec`` (cluster/kv_transfer.py ``tier_spec``: directories, sizes, the cache's layout digest):
+    each a folder per layout under its directory (so the size bound is per layout)."""
+    sub = spec["layout"]
+    node = Tier(Path(spec["path"]) / sub, spec["bytes"], sub, name="node")
+    disk = Tier(Path(spec["disk"]) / sub, spec["disk_bytes"], sub, name="disk") if spec.get("disk") else None
+    return Tiers(node, disk)

@@ -1,0 +1,120 @@
+"""An attention actor's side of the KV tier (cluster/kv_tier.py): the blocks the engine names are copied out of
+the cache as a step begins (write-through; a writer thread files them, off the step's path), and entries are
+probed and loaded into cache blocks between steps (docs/architecture.md, "The KV tier").
+
+Owns: the actor's tiers handle, its writer thread and queue, its counters. Never: decides what is written or
+loaded (the engine's prefix cache does), or reads the environment (the engine's config says where the tier is).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from .kv_tier import open_tiers
+from model.cache import ModelCache, read_blocks
+
+log = logging.getLogger(__name__)
+
+
+class ActorTier:
+    """The KV tier as one attention actor's cache sees it (``spec``: cluster/kv_transfer.py ``tier_spec``)."""
+
+    def __init__(self, spec: dict, cache: ModelCache, max_queued: int = 1024):
+        self.tiers, self.cache = open_tiers(spec), cache
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self.copied = self.dropped = self.write_errors = self.loaded = 0
+        self.thread = threading.Thread(target=self._write, name="moeray-kv-tier", daemon=True)
+        self.thread.start()
+
+    # ---- write-through ------------------------------------------------------------------------
+    def copy_out(self, items) -> None:
+        """Copy each (kind, id, key) — a "block" or a KDA "snapshot" — out of the cache now (its rows may be
+        reused once this step is done) and queue it for the writer; a full queue drops it (counted)."""
+        for kind, i, key in items:
+            parts = self._read(kind, i)
+            try:
+                self.queue.put_nowait((key, parts))
+                self.copied += 1
+            except queue.Full:
+                self.dropped += 1
+
+    def _read(self, kind: str, i: int) -> dict[str, torch.Tensor]:
+        if kind == "block":
+            return {"latent": read_blocks(self.cache, [i])["latent"]}
+        conv, recurrent = self.cache.kda.snapshot(i)
+        return {"conv": conv.to("cpu", copy=True), "recurrent": recurrent.to("cpu", copy=True)}
+
+    def _write(self) -> None:
+        while True:
+            key, parts = self.queue.get()
+            try:
+                if key is None:
+                    return
+                self.tiers.put(key, parts)
+            except Exception:  # noqa: BLE001 — a write that fails is a later miss, never a wrong answer
+                self.write_errors += 1
+                log.exception("KV tier: a write-through failed")
+            finally:
+                self.queue.task_done()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is filed (tests, and an orderly stop); False if it took longer."""
+        end = time.monotonic() + timeout_s
+        while self.queue.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.002)
+        return True
+
+    # ---- reading back -------------------------------------------------------------------------
+    def probe(self, blocks: list[bytes], snapshots: list[bytes]) -> tuple[int, list[bool]]:
+        """How many of ``blocks``' keys, in order, the tiers hold (up to the first absent), and which of
+        ``snapshots``' keys they hold. A probe only: a later load checks every entry."""
+        n = 0
+        for key in blocks:
+            if key not in self.tiers:
+                break
+            n += 1
+        return n, [key in self.tiers for key in snapshots]
+
+    def load(self, items) -> int:
+        """Load each (kind, id, key) into the cache, in order, up to the first entry that is not there whole (a
+        miss: absent, torn, foreign, changed): returns how many were loaded."""
+        n = 0
+        for kind, i, key in items:
+            parts = self.tiers.get(key)
+            if parts is None or not self._write_in(kind, i, parts):
+                break
+            n += 1
+        self.loaded += n
+        return n
+
+    def _write_in(self, kind: str, i: int, parts: dict) -> bool:
+        try:
+            if kind == "block":
+                data, bs = self.cache.latent.data, self.cache.latent.block_size
+                rows = data.view(data.shape[0], -1, bs, data.shape[2])
+                rows[:, i] = parts["latent"][:, 0].to(data.device)  # (shapes checked: a mismatch raises)
+            else:
+                conv, recurrent = self.cache.kda.snapshot(i)
+                conv.copy_(parts["conv"].to(conv.device))
+                recurrent.copy_(parts["recurrent"].to(recurrent.device))
+            return True
+        except (KeyError, RuntimeError, IndexError) as e:  # the layout digest matched, yet the rows do not fit
+            log.warning("KV tier: an entry did not fit the cache (%s): a miss", e)
+            return False
+
+    def status(self) -> dict:
+        return {"copied": self.copied, "dropped": self.dropped, "write_errors": self.write_errors,
+                "queued": self.queue.qsize(), "loaded": self.loaded, "tiers": self.tiers.status()}
+
+    def close(self) -> None:
+        try:
+            self.queue.put_nowait((None, None))
+        except queue.Full:
+            pass

@@ -1,0 +1,107 @@
+"""The engine's side of the KV tier (cluster/kv_tier.py; docs/architecture.md, "The KV tier"): the blocks and
+KDA snapshots the prefix cache registers are written through as they fill (:meth:`PrefixCache.take_tier_writes`
+rides each step to its replica), and before a step is planned a waiting request whose prefix its replica's device
+pool misses is looked up in that replica's tiers and what is there loaded and registered, so the scheduler admits
+it as a prefix hit — after a restart, an eviction or a dead replica alike.
+
+A lookup asks the actor which of the prompt's next block keys (and, on hybrid models, snapshot keys at grid
+boundaries) its node's tiers hold, then adopts room for them (:meth:`PrefixCache.adopt`) and has the actor load
+them; the actor checks each entry whole (key, layout, checksum) and stops at the first that is not. What loaded
+is registered (:meth:`PrefixCache.commit`) and left cached; the rest is given back. On hybrid models a load counts
+only whole (a hit needs the KDA state at its end). A request is looked up once per length (a recovered or
+preempted one again), at most ``max_per_step`` per step; every failure is a miss: the request is prefilled.
+
+Owns: the lookups' bookkeeping and counters. Never: decides admission (the scheduler does, by the hits it finds),
+or touches an entry's bytes (the actors do).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+class TierLoads:
+    def __init__(self, engine, max_per_step: int = 4):
+        self.engine, self.max_per_step = engine, max_per_step
+        self.tried: set[tuple[int, int]] = set()  # (seq id, its tokens) looked up already
+        self.lookups = self.found_blocks = self.loaded_blocks = self.loaded_snapshots = self.missed = 0
+        self.loaded_tokens = 0
+        self.load_s = 0.0
+
+    def before_schedule(self) -> None:
+        """Between steps (nothing in flight): look up the first waiting requests not looked up yet."""
+        sched = self.engine.scheduler
+        n = 0
+        for seq in list(sched.waiting):
+            if n >= self.max_per_step:
+                break
+            mark = (seq.seq_id, len(seq.token_ids))
+            if seq.is_refresh or mark in self.tried:
+                continue
+            self.tried.add(mark)
+            n += 1
+            try:
+                self._look_up(seq)
+            except Exception:  # noqa: BLE001 — a lookup that fails is a miss: the request is prefilled
+                self.missed += 1
+                log.warning("KV tier: a lookup failed; the request is prefilled", exc_info=True)
+        if len(self.tried) > 4 * max(len(sched.seqs), 1024):
+            self.tried = {m for m in self.tried if m[0] in sched.seqs}
+
+    def _look_up(self, seq) -> None:
+        cache, executor = self.engine.scheduler.cache, self.engine.executor
+        bs, tokens, salt = cache.block_size, seq.token_ids, seq.cache_salt
+        deepest = cache.deepest(len(tokens))
+        if deepest < bs:
+            return
+        hits = cache.probe(tokens, salt)
+        r = max(range(len(hits)), key=lambda i: (hits[i].tokens, -self.engine.scheduler.load(i)))
+        if seq.home is not None and seq.home < len(hits):
+            r = seq.home  # a PD arrival's replica (cluster/pd.py)
+        have = hits[r].tokens
+        if have >= deepest:
+            return
+        chain = cache.chain_of(tokens, salt, deepest)
+        first = have // bs  # blocks the device holds of it
+        bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
+        t0 = time.perf_counter()
+        self.lookups += 1
+        n, snaps = executor.tier(r, "tier_probe", list(chain[first:]), [chain[b // bs - 1] for b in bounds])
+        self.found_blocks += n
+        depth = (first + n) * bs
+        if cache.grid:  # the deepest boundary with every block before it and its snapshot there
+            depth = max((b for b, ok in zip(bounds, snaps) if ok and b <= depth), default=0)
+        if depth <= have:
+            return
+        moved = cache.adopt(r, list(chain[:depth // bs]))
+        if moved is None:
+            return  # no room on the replica now
+        items = [("block", b, h) for b, h in zip(moved.blocks[moved.fresh:], moved.hashes[moved.fresh:])]
+        if moved.new_snapshot:
+            items.append(("snapshot", moved.snapshot, moved.hashes[-1]))
+        try:
+            loaded = executor.tier(r, "tier_load", items)
+        except BaseException:
+            cache.unpin(moved)
+            raise
+        if loaded < len(items):
+            self.missed += 1
+            if moved.snapshot is not None or loaded == 0:
+                cache.unpin(moved)
+                return
+            moved = cache.trim(moved, moved.fresh + loaded)
+        cache.commit(moved)
+        cache.unpin(moved)  # cached now, at the LRU's recent end: the scheduler admits the request as a hit
+        self.engine.scheduler.rehome(seq, r)
+        self.loaded_blocks += len(moved.blocks) - moved.fresh
+        self.loaded_snapshots += moved.new_snapshot and loaded == len(items)
+        self.loaded_tokens += (len(moved.blocks) - moved.fresh) * bs
+        self.load_s += time.perf_counter() - t0
+
+    def status(self) -> dict:
+        return {"lookups": self.lookups, "found_blocks": self.found_blocks, "loaded_blocks": self.loaded_blocks,
+                "loaded_snapshots": self.loaded_snapshots, "loaded_tokens": self.loaded_tokens,
+                "missed": self.missed, "load_s": self.load_s}
