@@ -228,7 +228,8 @@ class AttentionWorker(ServesSteps):
                           dispatch_s=d.phase_s["counts"] + d.phase_s["dispatch"], combine_s=d.phase_s["combine"],
                           cpu_s=cpu_s, received_at=self.received_at, started_at=t0, replied_at=time.perf_counter(),
                           forward_exchange_s=forward_exchange_s, forward_parts=tuple(parts.items()),
-                          compiled=compiled.since(before) if compiled is not None else ())
+                          compiled=compiled.since(before) if compiled is not None else (),
+                          tier=self.tier.changed() if self.tier is not None else None)
 
     def _forward(self, batches: list[tuple[SeqChunk, ...]]) -> list:
         """Every micro-batch's forward, interleaved at the MoE exchanges (ping-pong): while one

@@ -224,6 +224,8 @@ class StepResult:
     # the compiled decode step (model/compiled.py): its micro-batches that ran compiled ("compiled") and
     # those that fell back to eager, by reason; empty with compile off or no decode step
     compiled: tuple[tuple[str, int], ...] = ()
+    # the KV tier's counters on this actor (actors/tier.py ``counters``), when they changed since its last step
+    tier: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,17 @@ class ActorTier:
         return {"copied": self.copied, "dropped": self.dropped, "write_errors": self.write_errors,
                 "queued": self.queue.qsize(), "loaded": self.loaded, "tiers": self.tiers.status()}
 
+    _last: dict | None = None
+
+    def changed(self) -> dict | None:
+        """:meth:`status`, when it differs from the last one given (each step's result carries it then)."""
+        now = self.status()
+        now.pop("queued")
+        if now == self._last:
+            return None
+        self._last = now
+        return now
+
     def close(self) -> None:
         try:
             self.queue.put_nowait((None, None))

@@ -372,6 +372,8 @@ class Engine:
             return []
         self.failed_in_a_row = 0
         self._tier_done(launched)
+        if self.tier is not None:
+            self.tier.observe(attn)
         t1 = time.perf_counter()
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))

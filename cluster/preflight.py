@@ -61,9 +61,10 @@ def _device_memory(node: NodeInfo) -> int | None:
 
 
 def problems(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype_bytes: int,
-             verify: int = 0) -> list[str]:
+             verify: int = 0, tier: int = 0) -> list[str]:
     """Why ``spec`` cannot fit ``nodes`` (their total resources); empty when it can. ``verify``: each
-    attention replica's KDA verify buffers (bytes)."""
+    attention replica's KDA verify buffers (bytes); ``tier``: the KV tier's host memory on each node that holds
+    an attention replica (kv_offloading_size, bytes)."""
     plan = plan_bundles(spec, nodes)
     if None in plan:
         need = {k: sum(b.get(k, 0.0) for b in spec.bundles) for k in set().union(*spec.bundles)}
@@ -90,11 +91,14 @@ def problems(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dty
                            f"{with_verify} but {gpus:g} GPU holds {usable / GB:.2f} GB usable")
         elif not gpus:
             load[node_id] = load.get(node_id, 0) + need
-    for node_id, used in load.items():
+    tiered = set(plan[:spec.attention]) if tier else set()
+    for node_id in sorted(set(load) | tiered):
+        used = load.get(node_id, 0) + (tier if node_id in tiered else 0)
         mem = by_id[node_id].available.get("memory", 0.0)
         if mem and used > mem:
-            out.append(f"node {by_id[node_id].ip} would hold {used / GB:.2f} GB of weights but has "
-                       f"{mem / GB:.2f} GB of memory")
+            what = (f"{load.get(node_id, 0) / GB:.2f} GB of weights and a {tier / 2**30:g} GiB KV tier "
+                    "(kv_offloading_size)" if node_id in tiered else f"{used / GB:.2f} GB of weights")
+            out.append(f"node {by_id[node_id].ip} would hold {what} but has {mem / GB:.2f} GB of memory")
     return out
 
 
@@ -128,9 +132,14 @@ def check(cfg: ModelConfig, spec: ClusterSpec, nodes: Sequence[NodeInfo], dtype:
     without them is refused naming the knobs that shrink them)."""
     dtype_bytes = DTYPE_BYTES.get(dtype, 2)
     verify = _verify(cfg, config, dtype_bytes)
-    found = problems(cfg, spec, nodes, dtype_bytes, verify["total"])
+    tier = config.cache.tier() if config is not None else None
+    found = problems(cfg, spec, nodes, dtype_bytes, verify["total"], tier["bytes"] if tier else 0)
     if not found:
         return
+    if tier and not problems(cfg, spec, nodes, dtype_bytes, verify["total"]):
+        raise PreflightError(f"the cluster cannot hold {spec.describe()} with its KV tier: " + "; ".join(found)
+                             + ". The tier takes kv_offloading_size of host memory on every node with an attention "
+                             "replica; lower it, or give those nodes more memory")
     attn, expert = _actor_bytes(cfg, spec, dtype_bytes, verify["total"])
     w = weight_bytes(cfg, dtype_bytes)
     if verify["total"] and not problems(cfg, spec, nodes, dtype_bytes):

@@ -29,7 +29,15 @@ class TierLoads:
         self.tried: set[tuple[int, int]] = set()  # (seq id, its tokens) looked up already
         self.lookups = self.found_blocks = self.loaded_blocks = self.loaded_snapshots = self.missed = 0
         self.loaded_tokens = 0
+        self.queried_tokens = 0  # prompt tokens past a device hit looked up in the tiers
         self.load_s = 0.0
+        self.actors: dict[int, dict] = {}  # each replica's tier counters, as its last step result carried them
+
+    def observe(self, results) -> None:
+        """A finished step's attention results: keep the tier counters they carry (by replica index)."""
+        for i, r in enumerate(results):
+            if getattr(r, "tier", None) is not None:
+                self.actors[i] = r.tier
 
     def before_schedule(self) -> None:
         """Between steps (nothing in flight): look up the first waiting requests not looked up yet."""
@@ -65,6 +73,7 @@ class TierLoads:
         if have >= deepest:
             return
         chain = cache.chain_of(tokens, salt, deepest)
+        self.queried_tokens += deepest - have
         first = have // bs  # blocks the device holds of it
         bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
         t0 = time.perf_counter()
@@ -102,6 +111,7 @@ class TierLoads:
         self.load_s += time.perf_counter() - t0
 
     def status(self) -> dict:
-        return {"lookups": self.lookups, "found_blocks": self.found_blocks, "loaded_blocks": self.loaded_blocks,
-                "loaded_snapshots": self.loaded_snapshots, "loaded_tokens": self.loaded_tokens,
-                "missed": self.missed, "load_s": self.load_s}
+        return {"lookups": self.lookups, "queried_tokens": self.queried_tokens, "found_blocks": self.found_blocks,
+                "loaded_blocks": self.loaded_blocks, "loaded_snapshots": self.loaded_snapshots,
+                "loaded_tokens": self.loaded_tokens, "missed": self.missed, "load_s": self.load_s,
+                "actors": {str(k): v for k, v in sorted(dict(self.actors).items())}}  # (a copy: read off-thread)

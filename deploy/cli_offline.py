@@ -114,6 +114,8 @@ def plan(
                    "decode pool is the rest of the cluster in --layout. Both are planned, and the blocks a prompt "
                    "of --prompt-tokens sends from one to the other priced."),
     prompt_tokens: int = typer.Option(2000, help="With --pd-prefill: the prompt whose transfer is priced."),
+    kv_offloading_size: float = typer.Option(0.0, help="GiB of host memory per node for the KV tier (the serving "
+                                                       "config's kv_offloading_size): what it holds is shown."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Will the model fit this cluster? Weight and cache bytes per actor kind (or per colocated worker),
@@ -153,13 +155,16 @@ def plan(
         if not ok:
             raise typer.Exit(1)
         return
+    if kv_offloading_size < 0:
+        raise ValueError(f"--kv-offloading-size must be >= 0 GiB, got {kv_offloading_size:g}")
     if layout == "colocated":
         shown = plan_colocated(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node,
                                workers=workers or nodes * gpus_per_node, **kw)
+        tier = _kv_tier(shown, kv_offloading_size)
         if as_json:
-            print(json.dumps(shown.to_dict() | {"workers": shown.attention, "proposal": None}, indent=2))
+            print(json.dumps(shown.to_dict() | {"workers": shown.attention, "proposal": None, "kv_tier": tier}, indent=2))
         else:
-            print(format_plan(shown, None))
+            print(format_plan(shown, None) + _kv_tier_text(tier))
         if not shown.fits:
             raise typer.Exit(1)
         return
@@ -169,12 +174,32 @@ def plan(
                                        experts=max(nodes * gpus_per_node - 1, 1), **kw)
     else:
         shown = plan_shape(model_cfg, nodes=nodes, gpus_per_node=gpus_per_node, attention=attention, experts=experts, **kw)
+    tier = _kv_tier(shown, kv_offloading_size)
     if as_json:
         out = shown.to_dict()
         out["proposal"] = None if proposal is None else {"attention": proposal.attention, "experts": proposal.experts}
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out | {"kv_tier": tier}, indent=2))
         return
-    print(format_plan(shown, proposal))
+    print(format_plan(shown, proposal) + _kv_tier_text(tier))
+
+
+def _kv_tier(plan, gib: float) -> dict | None:
+    """What a node's KV tier of ``gib`` GiB holds for ``plan``'s model: tokens of cached prefix (the MLA latent's
+    bytes per token; a hybrid model's KDA snapshots take some of it too) and sequences at the plan's context."""
+    if not gib:
+        return None
+    per_token = plan.sequence_bytes["latent_per_token"]
+    tokens = int(gib * 2**30 // per_token) if per_token else 0
+    return {"gib_per_node": gib, "bytes_per_token": per_token, "tokens": tokens,
+            "sequences_at_context": tokens // plan.context if plan.context else 0}
+
+
+def _kv_tier_text(tier: dict | None) -> str:
+    if tier is None:
+        return ""
+    return (f"\n  KV tier: {tier['gib_per_node']:g} GiB of host memory per node holds {tier['tokens']:,} tokens of "
+            f"cached prefix ({tier['bytes_per_token']:,} B/token): {tier['sequences_at_context']:,} sequences at the "
+            "context above, beside what the devices cache")
 
 
 @user_errors

@@ -58,6 +58,9 @@ def up(
                                                        "a Redis for the head's GCS, or local (a redis-server of "
                                                        "this command's own). The GCS or the head node is started "
                                                        "again when it stops; streams go on (docs/operations.md)."),
+    kv_offloading_size: Optional[float] = typer.Option(
+        None, help="GiB of host memory per node for the KV tier: full blocks are written through to it and "
+                   "prefixes found there are loaded instead of prefilled (it outlives the actors). Off by default."),
     speculative_config: Optional[str] = typer.Option(
         None, help='Speculative decoding as JSON, vLLM\'s names: \'{"method": "suffix", "num_speculative_tokens": 4}\' '
                    "(method suffix or ngram). Off by default."),
@@ -82,6 +85,7 @@ def up(
                  port=port, api_key=api_key,
                  admin_api_key=admin_api_key, metrics_prefix=metrics_prefix, expert_metrics=expert_metrics,
                  gpus_per_actor=gpus_per_actor, ingress=ingress, prefix_caching=prefix_caching,
+                 kv_offloading_size=kv_offloading_size,
                  speculative=parse_json_option(speculative_config, "--speculative-config"), compile=compile_mode,
                  disaggregation=parse_json_option(pd_config, "--pd-config", '{"min_uncached_tokens": 512}') or ({} if pd else None))
     flags = {k: v for k, v in given.items() if v is not None}  # only flags given override the config file
@@ -165,6 +169,16 @@ def _print_serving(out: Console, st: dict) -> None:
                   f"{d['bytes_moved'] / 1e6:,.1f} MB moved in {d['transfer_s']:.2f}s; failed transfers {d['failures']}; "
                   f"leases {d['leases']} ({d['prefill_blocks_leased']} blocks), arriving {d['decode_blocks_arriving']} blocks"
                   + (f"; sequences recovered {d['recovered']}" if d.get("recovered") else ""))
+    kt = st.get("kv_tier")
+    if kt:
+        out.print(f"KV tier: {kt['loaded_tokens']:,} of {kt['queried_tokens']:,} looked-up prompt tokens loaded "
+                  f"({kt['lookups']:,} lookups, {kt['missed']} failed loads, {kt['load_s']:.2f}s)")
+        for actor, a in kt["actors"].items():
+            tiers = "; ".join(f"{t['tier']} {t['used_bytes'] / 2**20:,.1f}/{t['capacity_bytes'] / 2**20:,.0f} MiB, "
+                              f"{t['hits']:,} hits, misses {t['misses'] or 0}, {t['evictions']:,} evicted"
+                              for t in a["tiers"])
+            out.print(f"  attention[{actor}]: {a['copied']:,} written through ({a['dropped']} dropped, "
+                      f"{a['write_errors']} errors), {a['loaded']:,} loaded; {tiers}")
     spec = st.get("speculative")
     if spec:
         rate = spec["acceptance_rate"]

@@ -200,6 +200,7 @@ class EngineServer:
             "streams": {"subscriptions": len(self.streams.sinks), "requests": self.streams.num_requests},
             "prefix_caching": self.engine.config.cache.prefix_caching,
             "speculative": snap["speculative"],
+            "kv_tier": snap["kv_tier"],
             "attention": [{"index": i, "node": a["node"], "sequences": seqs, "cache_blocks_used": used,
                            "cache_blocks": total, "prefix_cache": pc}
                           for i, (a, seqs, (used, total), pc) in enumerate(zip(actors["attention"], snap["sequences"],

@@ -372,6 +372,8 @@ class _ScrapeCollector:
             yield from self._spec_families(engine.stats, sp, slabels, svalues, name)
         if o.pd is not None:
             yield from self._pd_families(o.pd.status(), sp, slabels, svalues, name)
+        if getattr(engine, "tier", None) is not None:
+            yield from self._tier_families(engine.tier.status(), sp, slabels, svalues, name)
         yield from self._expert_families(o, name)
 
     @staticmethod
@@ -413,6 +415,59 @@ class _ScrapeCollector:
                 c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
                 c.add_metric(list(svalues), v)
                 yield c
+
+    @staticmethod
+    def _tier_families(s: dict, sp: str, slabels, svalues, name: str) -> Iterable[Metric]:
+        """The KV tier (cluster/tiering.py, actors/tier.py): the engine's lookups under vLLM's external prefix
+        cache names, and each attention actor's tiers as its last step reported them."""
+        from actors.kv_tier import MISSES
+
+        for metric, doc, v in (
+                ("external_prefix_cache_queries", "Prompt tokens past a device prefix hit looked up in the KV tier.",
+                 s["queried_tokens"]),
+                ("external_prefix_cache_hits", "Prompt tokens loaded from the KV tier (not computed).",
+                 s["loaded_tokens"])):
+            c = CounterMetricFamily(sp + metric, doc, labels=list(slabels))
+            c.add_metric(list(svalues), v)
+            yield c
+
+        def family(kind, metric: str, doc: str, labels=()):
+            return kind(PREFIX + metric, doc, labels=["model_name", *labels])
+
+        load = family(CounterMetricFamily, "kv_tier_load_seconds", "Time spent looking up and loading KV tier entries "
+                      "between steps.")
+        load.add_metric([name], s["load_s"])
+        yield load
+        failed = family(CounterMetricFamily, "kv_tier_failed_loads", "Lookups whose entries the tier held but did "
+                        "not load whole (the request was prefilled).")
+        failed.add_metric([name], s["missed"])
+        yield failed
+        writes = family(CounterMetricFamily, "kv_tier_writes", "Blocks and snapshots written through, by outcome: "
+                        "copied (queued to the writer), dropped (its queue was full), error.", ("actor", "outcome"))
+        hits = family(CounterMetricFamily, "kv_tier_hits", "Entries read back whole.", ("actor", "tier"))
+        misses = family(CounterMetricFamily, "kv_tier_misses", "Entries looked for and not read back, by reason: "
+                        "absent, torn, layout, corrupt.", ("actor", "tier", "reason"))
+        moved = family(CounterMetricFamily, "kv_tier_bytes", "Bytes written to (in) and read from (out) each tier.",
+                       ("actor", "tier", "direction"))
+        evictions = family(CounterMetricFamily, "kv_tier_evictions", "Entries evicted (least recently used first; "
+                           "the node tier's move down to disk when there is one).", ("actor", "tier"))
+        used = family(GaugeMetricFamily, "kv_tier_used_bytes", "Bytes each tier holds (its directory on the actor's "
+                      "node; replicas of one node see the same).", ("actor", "tier"))
+        capacity = family(GaugeMetricFamily, "kv_tier_capacity_bytes", "Each tier's size bound.", ("actor", "tier"))
+        for actor, a in s["actors"].items():
+            for outcome, key in (("copied", "copied"), ("dropped", "dropped"), ("error", "write_errors")):
+                writes.add_metric([name, actor, outcome], a[key])
+            for t in a["tiers"]:
+                tier = t["tier"]
+                hits.add_metric([name, actor, tier], t["hits"])
+                for reason in MISSES:
+                    misses.add_metric([name, actor, tier, reason], t["misses"].get(reason, 0))
+                moved.add_metric([name, actor, tier, "in"], t["bytes_in"])
+                moved.add_metric([name, actor, tier, "out"], t["bytes_out"])
+                evictions.add_metric([name, actor, tier], t["evictions"])
+                used.add_metric([name, actor, tier], t["used_bytes"])
+                capacity.add_metric([name, actor, tier], t["capacity_bytes"])
+        yield from (writes, hits, misses, moved, evictions, used, capacity)
 
     @staticmethod
     def _spec_families(stats, sp: str, slabels, svalues, name: str) -> Iterable[Metric]:

@@ -252,3 +252,62 @@ def test_preflight_counts_kda_verify_buffers_of_a_hybrid_preset_on_cpu():
     check(tiny, spec, nodes, "float32", config=EngineConfig.of("tiny", speculative={"method": "ngram"}))
     with pytest.raises(PreflightError, match="num_speculative_tokens=16"):
         check(tiny, spec, nodes, "float32", config=big)
+
+
+def test_preflight_counts_the_kv_tier_on_each_node_with_an_attention_replica():
+    """The KV tier's host memory (kv_offloading_size) counts on every node holding an attention replica, once
+    per node: a tier that fits beside the weights passes, one that does not is refused naming the knob. On GPU
+    nodes (the weights in HBM) the tier alone must fit the node's memory."""
+    from cluster.preflight import _actor_bytes
+    from model.config import parse_config
+    from model.presets import preset_config
+
+    tiny = parse_config(preset_config("kimi-k2-tiny"))
+    spec = ClusterSpec(attention=1, experts=1)
+    attn, expert = _actor_bytes(tiny, spec, 4)
+    gib = 1 << 30
+    nodes = [NodeInfo("n0", "10.0.0.1", {"CPU": 8, "memory": attn + expert + gib + (1 << 20)})]
+    check(tiny, spec, nodes, "float32", config=EngineConfig.of("tiny", kv_offloading_size=1.0))
+    with pytest.raises(PreflightError, match=r"with its KV tier: .*a 2 GiB KV tier \(kv_offloading_size\).*lower it"):
+        check(tiny, spec, nodes, "float32", config=EngineConfig.of("tiny", kv_offloading_size=2.0))
+    gpu = [NodeInfo("n0", "10.0.0.1", {"CPU": 64, "GPU": 8, "accelerator_type:H200": 1, "memory": 100 * gib})]
+    on_gpus = ClusterSpec(attention=1, experts=1, attention_resources={"CPU": 1, "GPU": 1},
+                          expert_resources={"CPU": 1, "GPU": 1})
+    check(tiny, on_gpus, gpu, "bfloat16", config=EngineConfig.of("tiny", kv_offloading_size=64.0))
+    with pytest.raises(PreflightError, match="KV tier"):
+        check(tiny, on_gpus, gpu, "bfloat16", config=EngineConfig.of("tiny", kv_offloading_size=128.0))
+
+
+@pytest.mark.parametrize("knobs, words", [
+    (dict(kv_offloading_size=1.0, prefix_caching=False), ["kv_offloading_size", "prefix_caching"]),
+    (dict(kv_offloading_size=1.0, kv_offloading_disk="/tmp/x"), ["kv_offloading_disk", "go together"]),
+    (dict(kv_offloading_disk="/tmp/x", kv_offloading_disk_size=4.0), ["kv_offloading_disk", "kv_offloading_size"]),
+    (dict(kv_offloading_size=-1.0), ["kv_offloading_size", ">= 0"]),
+])
+def test_kv_tier_settings_that_cannot_work_are_refused_naming_them(knobs, words):
+    with pytest.raises(ValueError) as e:
+        EngineConfig.of("m", **knobs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_moeray_plan_shows_what_a_node_s_kv_tier_holds():
+    """`moeray plan --kv-offloading-size`: K2's bf16 latent is 61 layers × 576 × 2 B = 70,272 B per token, so a
+    512 GiB tier holds 7,823,255 tokens; a negative size is refused naming the flag."""
+    import json as _json
+    from pathlib import Path
+
+    from cli_runner import in_process
+
+    k2 = str(Path(__file__).parents[1] / "fixtures" / "configs" / "kimi-k2-instruct.json")
+    base = ["plan", "--model", k2, "--gpu", "h200", "--nodes", "2", "--gpus-per-node", "8"]
+    for layout in ("disaggregated", "colocated"):
+        r = in_process(*base, "--layout", layout, "--kv-offloading-size", "512", "--json")
+        assert r.returncode == 0, r.stderr
+        tier = _json.loads(r.stdout)["kv_tier"]
+        assert (tier["bytes_per_token"], tier["tokens"]) == (61 * 576 * 2, 512 * 2**30 // (61 * 576 * 2)), tier
+    text = in_process(*base, "--kv-offloading-size", "512").stdout
+    assert "KV tier: 512 GiB of host memory per node holds 7,823,255 tokens" in text
+    assert "kv_tier" not in in_process(*base, "--json").stdout or _json.loads(in_process(*base, "--json").stdout)["kv_tier"] is None
+    bad = in_process(*base, "--kv-offloading-size", "-1")
+    assert bad.returncode != 0 and "--kv-offloading-size must be >= 0" in bad.stderr + bad.stdout
