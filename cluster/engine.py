@@ -211,8 +211,8 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Work queued or running, or a step in flight."""
-        return self.scheduler.has_work or bool(self.inflight)
+        """Work queued or running, a step in flight, or KV tier writes waiting for a step to carry them."""
+        return self.scheduler.has_work or bool(self.inflight) or self.scheduler.cache.tier_pending()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
@@ -265,8 +265,10 @@ class Engine:
             self.tier.before_schedule()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
-        if plan.empty:
+        if plan.empty and not self.scheduler.cache.tier_pending():
             return None
+        # (an empty step still carries the KV tier's writes: their holds end when it is back, which may be what a
+        # waiting request needs room from)
         return self._send(plan, ahead=False, t_plan=t0)
 
     def launch_ahead(self) -> Launched | None:

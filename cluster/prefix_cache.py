@@ -327,6 +327,14 @@ class PrefixCache:
             out.snaps.append(i)
         out.items.append((kind, i, h))
 
+    def tier_pending(self) -> bool:
+        """Some replica registered blocks not yet sent to be written through (each held until then); those of a
+        replica that died or went since are dropped (their holds went with its pools)."""
+        for r in [r for r, out in self._tier_out.items()
+                  if r >= len(self.blocks) or out.generation != self.blocks[r].generation]:
+            del self._tier_out[r]
+        return bool(self._tier_out)
+
     def take_tier_writes(self, replica: int) -> TierOut | None:
         """What ``replica`` has to write through, for the step being sent to it (held until :meth:`tier_done`)."""
         out = self._tier_out.pop(replica, None)

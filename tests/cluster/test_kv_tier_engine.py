@@ -22,8 +22,8 @@ pytestmark = pytest.mark.ray_queue
 SYSTEM, TURN, TURNS, SESSIONS = 400, 60, 5, 12  # a shared 400-token system prompt; each turn adds 60 tokens
 
 
-def engine(path, tier_dir=None, replicas: int = 1) -> Engine:
-    knobs = dict(num_blocks=64, block_size=16, prefix_caching=True, max_tokens_per_step=256, max_num_seqs=4)
+def engine(path, tier_dir=None, replicas: int = 1, max_num_seqs: int = 4) -> Engine:
+    knobs = dict(num_blocks=64, block_size=16, prefix_caching=True, max_tokens_per_step=256, max_num_seqs=max_num_seqs)
     if tier_dir is not None:
         knobs |= dict(kv_offloading_size=0.25, kv_offloading_path=str(tier_dir))
     cfg = EngineConfig.of(path, **knobs)
@@ -131,3 +131,24 @@ def test_damaged_entries_cost_a_prefill_never_a_token(served):
         assert st["loaded_tokens"] == 0 and computed(again) > 3 * SYSTEM, st  # prefilled, not loaded
     finally:
         again.shutdown()
+
+
+def test_blocks_held_for_the_tier_never_keep_a_request_waiting(tmp_path):
+    """A request that ends at its prefill leaves 56 of the pool's 64 blocks held until a step carries their
+    write-through; the next request needs 57 and nothing else runs: an empty step carries the writes, their
+    holds end, and it runs (before, the engine planned empty steps for ever)."""
+    path = str(preset("kimi-k2-tiny", seed=3, dtype="float32"))
+    eng = engine(path, tmp_path, max_num_seqs=1)
+    try:
+        prompts = single.prompts(2, 900, 901, seed=9)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        ids = [eng.add_request(p, one) for p in prompts]
+        for _ in range(100):
+            if not eng.busy:
+                break
+            eng.pipelined()
+        assert not eng.busy, "the engine never got through"
+        assert [eng.release(i).seq.output_ids for i in ids] == [single.alone(path, [p], one)[0] for p in prompts]
+        assert sum(st["blocks_held"] for st in eng.scheduler.cache_status()) == 0
+    finally:
+        eng.shutdown()
