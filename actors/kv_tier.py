@@ -16,7 +16,8 @@ vanishing; a read looks top-down and a lower tier's hit is promoted back up.
 Several processes may share a tier (every attention actor of a node does): the entries are files, their last
 use their modification time (set from the nanosecond clock), and making room takes a lock on the directory (``fcntl.flock``), so each entry is
 evicted once. What one process knows of the tier's size is refreshed by a scan when its own count says it is
-full, or every ``rescan_every`` writes.
+full, or every ``rescan_every`` writes; a tier over its bound is evicted down to ``low_water`` (90 %) of it, so
+the scan comes once per many writes.
 
 Owns: the entries' files, their format and checks, each tier's size bound and LRU order, the counters.
 Never: decides what is written or read (the engine does), or touches a device cache.
@@ -58,13 +59,15 @@ class Tier:
     """One level of the KV tier: ``path`` (made if missing), at most ``capacity_bytes`` of entries."""
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, layout: str, *, name: str = "node",
-                 rescan_every: int = 64):
+                 rescan_every: int = 64, low_water: float = 0.9):
         if capacity_bytes <= 0:
             raise ValueError(f"the {name} tier's size must be > 0 bytes, got {capacity_bytes}")
         self.path, self.capacity, self.name = Path(path), int(capacity_bytes), name
         self.path.mkdir(parents=True, exist_ok=True)
         self.layout = layout
         self.rescan_every = rescan_every
+        # making room evicts down to this fraction of the bound: a scan of the directory per many writes, not each
+        self.low_water = int(self.capacity * low_water)
         self.spill_to = None  # what takes an evicted entry's file before it goes (Tiers: the disk tier)
         self._lock = threading.Lock()  # this process's counters and size estimate
         self.hits = 0
@@ -192,15 +195,17 @@ class Tier:
         return out, sum(s for _, s, _ in out)
 
     def make_room(self, evicted=None) -> int:
-        """Evict the least recently used entries until the tier fits (under the directory's lock: one process
-        at a time); ``evicted(path)`` sees each one before it goes (a lower tier takes it). Returns how many."""
+        """Evict the least recently used entries until the tier fits — down to its low-water mark once it is over
+        (under the directory's lock: one process at a time); ``evicted(path)`` sees each one before it goes (a
+        lower tier takes it). Returns how many."""
         with open(self.path / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 entries, used = self._scan()
+                target = self.low_water if used > self.capacity else self.capacity
                 n = 0
                 for _, size, f in entries:
-                    if used <= self.capacity:
+                    if used <= target:
                         break
                     if evicted is not None:
                         evicted(f)
@@ -254,15 +259,28 @@ class Tiers:
             node.spill_to = self._spill
 
     def put(self, key: bytes, parts: dict[str, torch.Tensor]) -> None:
+        """A new entry (write-through): into the node tier; a disk copy of the key is dropped (it may hold other
+        bits — the same tokens computed in another batch — and the node tier's copy is the one to keep)."""
         self.node.put(key, parts)
+        if self.disk is not None:
+            self.disk._remove(self.disk._file(key))
 
     def _spill(self, f: Path) -> None:
-        """A node-tier entry on its way out: copied whole to the disk tier (its key is in its metadata)."""
+        """A node-tier entry on its way out: copied whole to the disk tier (its key is in its metadata) — unless
+        the disk tier holds it already (it was promoted from there: a new write of the key drops the disk's copy),
+        which then counts as a use of it there."""
         try:
             data = f.read_bytes()
             key = bytes.fromhex(_metadata(data)["key"])
         except Exception:  # noqa: BLE001 — a torn entry is dropped, not moved
             return
+        below = self.disk._file(key)
+        try:
+            if below.stat().st_size == len(data):
+                _used_now(below)  # (whole or not, its read checks it: a bad copy is a miss, then gone)
+                return
+        except FileNotFoundError:
+            pass
         if len(data) <= self.disk.capacity:
             self.disk.put_bytes(key, data)
 

@@ -2,8 +2,8 @@
 the node tier, and the node tier over a disk tier; and the recovery of a killed attention actor at long contexts
 with the tier off and on.
 
-    python bench/bench_kv_tier.py [--preset kimi-k2-tiny] [--sessions 24] [--clients 3] [--turns 6]
-                                  [--system 512] [--turn-tokens 128] [--pool-ratio 5] [--rounds 3]
+    python bench/bench_kv_tier.py [--preset kimi-k2-tiny] [--sessions 40] [--clients 3] [--turns 6]
+                                  [--system 512] [--turn-tokens 64] [--pool-ratio 5] [--rounds 3]
                                   [--contexts 4096,16384] [--skip-trace] [--skip-recovery]
 
 **Trace** (in this process: the in-process executor, the async engine on its own thread): ``--sessions`` agent
@@ -11,9 +11,11 @@ sessions share one ``--system``-token tool/system prompt; each turn resends the 
 ``--turn-tokens`` new tokens and asks for 16 tokens. ``--clients`` clients each own a share of the sessions and
 serve them turn by turn, round-robin, so a session's next turn comes after its client's other sessions' turns:
 their histories push each other out of the device pool, sized so that the working set (the shared prompt once,
-every session's final history) is ``--pool-ratio`` times it. The same trace runs with the tier off, on (node tier
+every session's final history) is ``--pool-ratio`` times it (and never less than the clients' requests at once
+need). The same trace runs with the tier off, on (node tier
 in /dev/shm), and on with a node tier holding a quarter of the working set over a disk tier (the rest on disk),
-rounds interleaved. Reported (medians over rounds): prompt tokens found cached (device pool and tier) over those
+and as a control with the tier off and a device pool that holds the whole working set (the best a tier could
+do), rounds interleaved. Reported (medians over rounds): prompt tokens found cached (device pool and tier) over those
 looked up, TTFT p50 and p99, output tokens/s and requests/s over the trace; every answer is checked equal across
 the systems (greedy).
 
@@ -97,9 +99,10 @@ async def run_trace(front: AsyncEngine, prompts, clients: int) -> dict:
 def trace_part(args, path: str) -> None:
     prompts = trace(args, 56)
     working = (args.system // BS + args.sessions * args.turn_tokens * args.turns // BS)  # blocks
-    pool = max(int(working / args.pool_ratio), (args.system + args.turn_tokens * args.turns) // BS + 8)
+    pool = max(int(working / args.pool_ratio), args.clients * ((args.system + args.turn_tokens * args.turns) // BS + 2))
     per_block = None
-    systems = {"tier off": None, "node tier": "node", "node + disk": "disk"}
+    # the control: a device pool that holds the whole working set (the best any tier could do)
+    systems = {"tier off": None, "node tier": "node", "node + disk": "disk", "pool holds all": "control"}
     rows: dict = {n: [] for n in systems}
     same = True
     for r in range(args.rounds):
@@ -108,7 +111,9 @@ def trace_part(args, path: str) -> None:
             dirs = []
             knobs = dict(num_blocks=pool, block_size=BS, prefix_caching=True, max_tokens_per_step=512,
                          max_num_seqs=args.clients)
-            if kind is not None:
+            if kind == "control":
+                knobs["num_blocks"] = working + pool
+            elif kind is not None:
                 node = tempfile.mkdtemp(prefix="bench-kv-", dir="/dev/shm")
                 dirs.append(node)
                 gib = 1.0
@@ -236,11 +241,11 @@ def _kill_mid_stream(eng: Engine, prompt, params) -> tuple[list[int], float, flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="kimi-k2-tiny")
-    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--sessions", type=int, default=40)
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system", type=int, default=512)
-    ap.add_argument("--turn-tokens", type=int, default=128)
+    ap.add_argument("--turn-tokens", type=int, default=64)
     ap.add_argument("--pool-ratio", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contexts", default="4096,16384")

@@ -27,6 +27,8 @@ class TierLoads:
     def __init__(self, engine, max_per_step: int = 4):
         self.engine, self.max_per_step = engine, max_per_step
         self.tried: set[tuple[int, int]] = set()  # (seq id, its tokens) looked up already
+        # (seq id, its tokens) → (replica, its room then): the tiers held more than the replica had room for
+        self.short_of_room: dict[tuple[int, int], tuple[int, int]] = {}
         self.lookups = self.found_blocks = self.loaded_blocks = self.loaded_snapshots = self.missed = 0
         self.loaded_tokens = 0
         self.queried_tokens = 0  # prompt tokens past a device hit looked up in the tiers
@@ -40,54 +42,79 @@ class TierLoads:
                 self.actors[i] = r.tier
 
     def before_schedule(self) -> None:
-        """Between steps (nothing in flight): look up the first waiting requests not looked up yet."""
+        """Between steps (nothing in flight): look up the first waiting requests not looked up yet — or looked up
+        and short of room on their replica then, once it has more."""
         sched = self.engine.scheduler
         n = 0
+        self._reserved: dict[int, int] = {}  # per replica: blocks the requests loaded for this step will take
         for seq in list(sched.waiting):
-            if n >= self.max_per_step:
-                break
+            if n >= self.max_per_step or len(sched.running) + n >= sched.max_num_seqs:
+                break  # (what it loads for a request the scheduler cannot admit now, others would evict first)
             mark = (seq.seq_id, len(seq.token_ids))
             if seq.is_refresh or mark in self.tried:
                 continue
-            self.tried.add(mark)
+            short = self.short_of_room.get(mark)
+            if short is not None and self._room(short[0]) <= short[1]:
+                continue
             n += 1
             try:
-                self._look_up(seq)
+                room = self._look_up(seq)
             except Exception:  # noqa: BLE001 — a lookup that fails is a miss: the request is prefilled
                 self.missed += 1
                 log.warning("KV tier: a lookup failed; the request is prefilled", exc_info=True)
+                room = None
+            self.short_of_room.pop(mark, None)
+            if room is None:
+                self.tried.add(mark)
+            else:  # the tier holds more of it than its replica had room for: again when there is more room
+                self.short_of_room[mark] = room
         if len(self.tried) > 4 * max(len(sched.seqs), 1024):
             self.tried = {m for m in self.tried if m[0] in sched.seqs}
+            self.short_of_room = {m: v for m, v in self.short_of_room.items() if m[0] in sched.seqs}
 
-    def _look_up(self, seq) -> None:
+    _reserved: dict[int, int] = {}
+
+    def _room(self, replica: int) -> int:
+        """Blocks ``replica`` could still hand out, less those the requests loaded for this step will take."""
+        pools = self.engine.scheduler.cache.blocks
+        return pools[replica].num_available - self._reserved.get(replica, 0) if replica < len(pools) else 0
+
+    def _look_up(self, seq) -> tuple[int, int] | None:
+        """Load what the tiers hold of ``seq``'s prompt past its device hit, as far as its replica has room; None
+        when done, or (replica, its room now) when the tiers hold more than there was room for."""
         cache, executor = self.engine.scheduler.cache, self.engine.executor
         bs, tokens, salt = cache.block_size, seq.token_ids, seq.cache_salt
         deepest = cache.deepest(len(tokens))
         if deepest < bs:
-            return
+            return None
         hits = cache.probe(tokens, salt)
         r = max(range(len(hits)), key=lambda i: (hits[i].tokens, -self.engine.scheduler.load(i)))
         if seq.home is not None and seq.home < len(hits):
             r = seq.home  # a PD arrival's replica (cluster/pd.py)
         have = hits[r].tokens
         if have >= deepest:
-            return
-        chain = cache.chain_of(tokens, salt, deepest)
-        self.queried_tokens += deepest - have
+            return None
         first = have // bs  # blocks the device holds of it
+        room, need = self._room(r), -(-len(tokens) // bs) + 1 - first
+        if room < need:
+            return r, room  # no room for all of it now: loaded, its blocks would be evicted before it is admitted
+        chain = cache.chain_of(tokens, salt, deepest)
         bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
         t0 = time.perf_counter()
         self.lookups += 1
+        self.queried_tokens += deepest - have
         n, snaps = executor.tier(r, "tier_probe", list(chain[first:]), [chain[b // bs - 1] for b in bounds])
         self.found_blocks += n
-        depth = (first + n) * bs
+        fits = min(first + n, first + max(room - first, 0))  # (the device's own prefix may come out of the LRU)
+        depth = fits * bs
         if cache.grid:  # the deepest boundary with every block before it and its snapshot there
             depth = max((b for b, ok in zip(bounds, snaps) if ok and b <= depth), default=0)
+        more = (r, room) if fits < first + n else None
         if depth <= have:
-            return
+            return more
         moved = cache.adopt(r, list(chain[:depth // bs]))
         if moved is None:
-            return  # no room on the replica now
+            return (r, room)  # no room after all (a KDA snapshot, say)
         items = [("block", b, h) for b, h in zip(moved.blocks[moved.fresh:], moved.hashes[moved.fresh:])]
         if moved.new_snapshot:
             items.append(("snapshot", moved.snapshot, moved.hashes[-1]))
@@ -100,15 +127,18 @@ class TierLoads:
             self.missed += 1
             if moved.snapshot is not None or loaded == 0:
                 cache.unpin(moved)
-                return
+                return None
             moved = cache.trim(moved, moved.fresh + loaded)
+            more = None
         cache.commit(moved)
         cache.unpin(moved)  # cached now, at the LRU's recent end: the scheduler admits the request as a hit
+        self._reserved[r] = self._reserved.get(r, 0) + need
         self.engine.scheduler.rehome(seq, r)
         self.loaded_blocks += len(moved.blocks) - moved.fresh
         self.loaded_snapshots += moved.new_snapshot and loaded == len(items)
         self.loaded_tokens += (len(moved.blocks) - moved.fresh) * bs
         self.load_s += time.perf_counter() - t0
+        return more
 
     def status(self) -> dict:
         return {"lookups": self.lookups, "queried_tokens": self.queried_tokens, "found_blocks": self.found_blocks,

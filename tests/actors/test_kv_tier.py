@@ -55,11 +55,12 @@ def test_ten_thousand_random_cycles_read_back_bit_identical_and_lru_keeps_the_re
     served = missed = 0
 
     def newest_that_fit() -> set[bytes]:
-        """The most recently used keys whose entries fit the node tier together: LRU keeps every one."""
+        """The most recently used keys whose entries fit the node tier's low-water mark together (what making room
+        evicts down to): LRU keeps every one."""
         out, total = set(), 0
         for k in reversed(recent):
             total += sizes[k]
-            if total > tiers.node.capacity:
+            if total > tiers.node.low_water:
                 break
             out.add(k)
         return out
@@ -136,6 +137,14 @@ def test_the_size_bound_holds_and_an_entry_too_large_is_refused(tmp_path):
         tier.put(bytes([i]) * 16, block(gen))
     assert tier.used_bytes() <= 3 * size and tier.status()["evictions"] == 2
     assert [tier.get(bytes([i]) * 16) is not None for i in range(5)] == [False, False, True, True, True]
+    # over its bound, a tier is evicted down to its low-water mark (90 %): here 2 entries, then 3 fit again
+    big = Tier(tmp_path / "big", 20 * size, LAYOUT)
+    for i in range(21):
+        big.put(bytes([i]) * 16, block(gen))
+    assert big.used_bytes() <= big.low_water and big.status()["evictions"] == 3
+    for i in range(21, 23):  # no scan needed until it is over again
+        big.put(bytes([i]) * 16, block(gen))
+    assert big.status()["evictions"] == 3 and big.used_bytes() <= 20 * size
     with pytest.raises(ValueError, match="does not fit the node tier"):
         Tier(tmp_path / "small", size // 2, LAYOUT).put(b"x" * 16, block(gen))
     with pytest.raises(ValueError, match="size must be > 0"):
