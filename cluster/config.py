@@ -74,7 +74,7 @@ class CacheConfig(_Checked):
     snapshot_bytes: int = knob(1 << 30, "Hybrid models with prefix caching: bytes of KDA state snapshots per attention "
                                         "replica (prefix hits need one at their boundary); `moeray plan` counts them.",
                                ge=0)
-    kv_offloading_size: float = knob(0.0, "GiB of host memory per node for the KV tier (cluster/kv_tier.py): every "
+    kv_offloading_size: float = knob(0.0, "GiB of host memory per node for the KV tier (actors/kv_tier.py): every "
                                           "full block (and KDA snapshot) is written through to it, and a request's "
                                           "prefix found there is loaded instead of prefilled; shared by the node's "
                                           "actors and outliving them. 0: off. Needs prefix_caching.", ge=0)
