@@ -179,8 +179,14 @@ class Disaggregated:
         load = [sched.load(r) + planned[r] for r in range(len(hits))]
         replica = max(range(len(hits)), key=lambda r: (hits[r].tokens - sched.load_weight * load[r], -load[r],
                                                        cache.blocks[r].num_available))
-        uncached = len(prompt) - hits[replica].tokens
-        if uncached < self.min_uncached_tokens or cut <= hits[replica].tokens:
+        have = hits[replica].tokens
+        tier = self.decode.tier
+        if tier is not None and len(prompt) - have >= self.min_uncached_tokens and cut > have:
+            held = tier.covers(replica, prompt, salt, have)  # its node's KV tier: loaded there, not sent
+            if len(prompt) - held < self.min_uncached_tokens or cut <= held:
+                return Route("local", f"the decode engine's KV tier holds {held - have} more prompt tokens"), 0, replica
+        uncached = len(prompt) - have
+        if uncached < self.min_uncached_tokens or cut <= have:
             return Route("local", f"{uncached} uncached prompt tokens < {self.min_uncached_tokens}"
                          if uncached < self.min_uncached_tokens else "the decode engine caches every full block"), 0, replica
         return Route("pd", f"{uncached} uncached prompt tokens >= {self.min_uncached_tokens}", cut), cut, replica

@@ -47,6 +47,7 @@ class TierLoads:
         sched = self.engine.scheduler
         n = 0
         self._reserved: dict[int, int] = {}  # per replica: blocks the requests loaded for this step will take
+        self._planned: dict[int, int] = {}  # per replica: requests looked up for it in this pass
         for seq in list(sched.waiting):
             if n >= self.max_per_step or len(sched.running) + n >= sched.max_num_seqs:
                 break  # (what it loads for a request the scheduler cannot admit now, others would evict first)
@@ -73,6 +74,7 @@ class TierLoads:
             self.short_of_room = {m: v for m, v in self.short_of_room.items() if m[0] in sched.seqs}
 
     _reserved: dict[int, int] = {}
+    _planned: dict[int, int] = {}
 
     def _room(self, replica: int) -> int:
         """Blocks ``replica`` could still hand out, less those the requests loaded for this step will take."""
@@ -87,10 +89,14 @@ class TierLoads:
         deepest = cache.deepest(len(tokens))
         if deepest < bs:
             return None
-        hits = cache.probe(tokens, salt)
-        r = max(range(len(hits)), key=lambda i: (hits[i].tokens, -self.engine.scheduler.load(i)))
+        hits, sched = cache.probe(tokens, salt), self.engine.scheduler
+        load = [sched.load(i) + self._planned.get(i, 0) for i in range(len(hits))]
+        # the replica the scheduler's placement rule would take (its load counting those looked up before it)
+        r = max(range(len(hits)), key=lambda i: (hits[i].tokens - sched.load_weight * load[i], -load[i],
+                                                 self._room(i)))
         if seq.home is not None and seq.home < len(hits):
             r = seq.home  # a PD arrival's replica (cluster/pd.py)
+        self._planned[r] = self._planned.get(r, 0) + 1
         have = hits[r].tokens
         if have >= deepest:
             return None
@@ -99,17 +105,11 @@ class TierLoads:
         if room < need:
             return r, room  # no room for all of it now: loaded, its blocks would be evicted before it is admitted
         chain = cache.chain_of(tokens, salt, deepest)
-        bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
         t0 = time.perf_counter()
         self.lookups += 1
         self.queried_tokens += deepest - have
-        n, snaps = executor.tier(r, "tier_probe", list(chain[first:]), [chain[b // bs - 1] for b in bounds])
-        self.found_blocks += n
-        fits = min(first + n, first + max(room - first, 0))  # (the device's own prefix may come out of the LRU)
-        depth = fits * bs
-        if cache.grid:  # the deepest boundary with every block before it and its snapshot there
-            depth = max((b for b, ok in zip(bounds, snaps) if ok and b <= depth), default=0)
-        more = (r, room) if fits < first + n else None
+        found, depth = self._probe(r, chain, have, deepest, first + max(room - first, 0))
+        more = (r, room) if depth < found else None  # (the device's own prefix may come out of the LRU)
         if depth <= have:
             return more
         moved = cache.adopt(r, list(chain[:depth // bs]))
@@ -139,6 +139,37 @@ class TierLoads:
         self.loaded_tokens += (len(moved.blocks) - moved.fresh) * bs
         self.load_s += time.perf_counter() - t0
         return more
+
+    def _probe(self, r: int, chain: list[bytes], have: int, deepest: int, max_blocks: int) -> tuple[int, int]:
+        """(the prompt tokens replica ``r``'s tiers hold past a device hit of ``have`` — to the deepest point a hit
+        can use: on hybrid models a snapshot boundary — and the same within ``max_blocks`` blocks)."""
+        cache = self.engine.scheduler.cache
+        bs = cache.block_size
+        first = have // bs
+        bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
+        n, snaps = self.engine.executor.tier(r, "tier_probe", list(chain[first:]), [chain[b // bs - 1] for b in bounds])
+        self.found_blocks += n
+
+        def usable(blocks: int) -> int:
+            if not cache.grid:
+                return blocks * bs
+            return max((b for b, ok in zip(bounds, snaps) if ok and b <= blocks * bs), default=0)
+
+        return usable(first + n), usable(min(first + n, max_blocks))
+
+    def covers(self, r: int, tokens: list[int], salt: str | None, have: int) -> int:
+        """How far a hit on replica ``r`` could reach with what its tiers hold (at least ``have``, its device hit):
+        selective PD asks, so that a prompt its decode node's tier holds is loaded there rather than sent."""
+        cache = self.engine.scheduler.cache
+        deepest = cache.deepest(len(tokens))
+        if have >= deepest or deepest < cache.block_size:
+            return have
+        try:
+            found, _ = self._probe(r, cache.chain_of(tokens, salt, deepest), have, deepest, 0)
+        except Exception:  # noqa: BLE001 — the tier cannot say: as if it held nothing
+            log.warning("KV tier: a probe failed", exc_info=True)
+            return have
+        return max(have, found)
 
     def status(self) -> dict:
         return {"lookups": self.lookups, "queried_tokens": self.queried_tokens, "found_blocks": self.found_blocks,

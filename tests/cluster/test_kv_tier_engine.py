@@ -152,3 +152,48 @@ def test_blocks_held_for_the_tier_never_keep_a_request_waiting(tmp_path):
         assert sum(st["blocks_held"] for st in eng.scheduler.cache_status()) == 0
     finally:
         eng.shutdown()
+
+
+def test_pd_with_the_tier_on_both_engines_gives_the_single_process_tokens(tmp_path):
+    """Prefill/decode disaggregation with the tier on both engines (one node's tier: the serving config gives
+    both engines the same): both routes give the single process's tokens, both engines write through, and
+    nothing stays held for a transfer or a write; a prompt its decode node's tier holds is loaded there, not
+    sent (selective PD asks the tier too)."""
+    from cluster.pd import Disaggregated
+
+    path = str(preset("kimi-k2-tiny", seed=3, dtype="float32"))
+    head = single.prompts(1, 100, 101, seed=7)[0]
+    ps = [head + p for p in single.prompts(3, 4, 40, seed=8)] + single.prompts(2, 3, 20, seed=9)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=6, temperature=0.9, seed=4,
+                                                                            ignore_eos=True)]
+    params = [params[i % 2] for i in range(len(ps))]
+    want = [single.alone(path, [p], sp)[0] for p, sp in zip(ps, params)]
+    pd = Disaggregated(engine(path, tmp_path), engine(path, tmp_path, replicas=2), min_uncached_tokens=32)
+    try:
+        seqs, routes = pd.generate(ps, params)
+        assert [s.output_ids for s in seqs] == want
+        assert [r.kind for r in routes] == ["pd"] * 3 + ["local"] * 2, [r.reason for r in routes]
+        for eng in (pd.prefill, pd.decode):
+            while eng.busy:  # (the last writes go out with a step of their own)
+                eng.pipelined()
+            copied = sum(a["copied"] for a in eng.tier.status()["actors"].values())
+            assert copied > 0 and not eng.scheduler.cache.tier_pending()
+            assert all(st["blocks_held"] == 0 for st in eng.scheduler.cache_status())
+        s = pd.status()
+        assert (s["leases"], s["prefill_blocks_leased"], s["decode_blocks_arriving"]) == (0, 0, 0), s
+        assert pd.prefill.executor.tier(0, "tier_flush") is True
+        # a new decode engine on the node (a restart): the long prompts' blocks are in its node's tier (the prefill
+        # engine wrote them), so selective PD loads them there instead of sending them again
+        pd.decode.shutdown()
+        pd = Disaggregated(pd.prefill, engine(path, tmp_path, replicas=2), min_uncached_tokens=32)
+        seqs, routes = pd.generate(ps[:3], params[:3])
+        assert [s.output_ids for s in seqs] == want[:3]
+        assert [r.kind for r in routes] == ["local"] * 3, [r.reason for r in routes]
+        assert all("KV tier holds" in r.reason for r in routes), [r.reason for r in routes]
+        # loaded, not computed: each prompt's decode prefill was its tail past the last full block alone
+        cache = pd.decode.scheduler.cache
+        assert pd.decode.tier.status()["loaded_tokens"] >= cache.deepest(len(ps[0]))
+        assert computed(pd.decode) == sum(len(p) - cache.deepest(len(p)) for p in ps[:3])
+    finally:
+        pd.prefill.shutdown()
+        pd.decode.shutdown()
