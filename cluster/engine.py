@@ -385,6 +385,8 @@ class Engine:
                 self.scheduler.drafts.drafter.record([d for d in r.drafts if d[0] in seqs])
         self._record()  # a step finished before without its statistics recorded (a caller's own loop)
         events = self._events(update.applied)
+        if launched.plan.empty:  # a step that only carried KV tier writes: not a step of the statistics
+            return events
         self.stats.observe_drafts(update.verified)
         self.stats.add_time(wait=t1 - t0, apply=time.perf_counter() - t1)
         stamps = None if launched.ahead else (launched.t_plan, launched.t0, t_back, t1)

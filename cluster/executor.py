@@ -237,11 +237,12 @@ class RayExecutor:
             if member.blocks is not None and not isinstance(e, StepError):  # its answers may be out of step now
                 member.blocks.close()
                 member.blocks = None
-            if op == "write" and isinstance(e, (ray.exceptions.GetTimeoutError, TimeoutError)):
-                # the write may still run later, into blocks the caller is about to give back: the replica goes
-                # (its engine replaces it at the next step, with an empty cache) rather than risk that
+            if op in ("write", "tier_load") and isinstance(e, (ray.exceptions.GetTimeoutError, TimeoutError)):
+                # the write (or a KV tier load) may still run later, into blocks the caller is about to give back:
+                # the replica goes (its engine replaces it at the next step, with an empty cache) rather than risk that
                 self.fleet.kill_member(member)
-            raise TransportError(f"{op}_blocks on attention replica {replica} failed: {type(e).__name__}: {e}") from None
+            what = op if op.startswith("tier") else f"{op}_blocks"
+            raise TransportError(f"{what} on attention replica {replica} failed: {type(e).__name__}: {e}") from None
 
     def _over_channel(self, member, replica: int, timeout: float, request: tuple):
         import secrets

@@ -197,3 +197,34 @@ def test_pd_with_the_tier_on_both_engines_gives_the_single_process_tokens(tmp_pa
     finally:
         pd.prefill.shutdown()
         pd.decode.shutdown()
+
+
+@pytest.mark.parametrize("op, killed", [("tier_load", True), ("write", True), ("tier_probe", False), ("read", False)])
+def test_a_blocks_call_that_times_out_kills_the_replica_only_if_it_writes_into_the_cache(op, killed):
+    """A KV tier load (as a PD write) that did not answer in time may still write into blocks the engine gives
+    back at once: the replica is killed (replaced at the next step, its cache empty) rather than risk a late write
+    into blocks that hold another sequence's by then. A probe or a read that timed out changed nothing."""
+    from types import SimpleNamespace
+
+    from cluster.executor import RayExecutor
+    from cluster.kv_transfer import TransportError
+
+    class Silent:
+        def send(self, n, request):
+            pass
+
+        def recv(self, n, deadline, alive=None):
+            raise TimeoutError("attention[0] blocks did not answer")
+
+        def close(self):
+            pass
+
+    member = SimpleNamespace(blocks=Silent(), blocks_calls=0, actor=None)
+    kills = []
+    fleet = SimpleNamespace(attention=[member], kill_member=kills.append, reachable=lambda m: True)
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.fleet, ex.config = fleet, EngineConfig.of("m")
+    what = op if op.startswith("tier") else f"{op}_blocks"
+    with pytest.raises(TransportError, match=f"{what} on attention replica 0 failed: TimeoutError"):
+        ex._blocks_call(0, "channel", op, [1, 2], None)
+    assert kills == ([member] if killed else []) and member.blocks is None  # (its answers may be out of step)
