@@ -34,8 +34,8 @@ from deploy.settings import ADMIN_KEY_ENV, HAPROXY_INGRESS_ENV, haproxy_files_en
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "deploy"
 REQUIRED_ARGS = {"model", "attention", "experts", "dtype"}  # the rest may take ServeConfig's defaults
-LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "reason", "le",
-          "status_code", "deployment", "application", "route"}  # the last four: Ray Serve's own series
+LABELS = {"model_name", "layer", "expert", "rank", "actor", "kind", "finished_reason", "reason", "le", "tier",
+          "outcome", "direction", "status_code", "deployment", "application", "route"}  # the last four: Ray Serve's
 METRIC_NAME = re.compile(r"moeray:[a-zA-Z0-9_:]+")
 RAY_WORKER_PORTS = range(10002, 20000)
 
@@ -66,6 +66,11 @@ def populated_metrics() -> EngineMetrics:
                                                         blocks_cached=(pool.num_cached,),
                                                         blocks_total=(pool.num_blocks,), prefix_queries=((0, 40),),
                                                         prefix_hits=((0, 16),)))
+    engine.tier = SimpleNamespace(status=lambda: {  # the KV tier's (cluster/tiering.py), one actor with two tiers
+        "queried_tokens": 64, "loaded_tokens": 48, "missed": 0, "load_s": 0.01, "actors": {"0": {
+            "copied": 5, "dropped": 0, "write_errors": 0, "loaded": 3, "tiers": [
+                {"tier": t, "hits": 3, "misses": {"absent": 1}, "bytes_in": 100, "bytes_out": 60, "evictions": 1,
+                 "used_bytes": 40, "capacity_bytes": 1000} for t in ("node", "disk")]}}})
     m = EngineMetrics(engine, "tiny")
     attn = [StepResult(1, "attention[0]", expert_tokens=((2, 1, 0, 1), (0, 3, 1, 0)),
                        slot_tokens=(((2, 1), (0, 1)), ((0, 3), (1, 0))), exchange_s=0.002,
