@@ -374,9 +374,9 @@ class Engine:
             return []
         self.failed_in_a_row = 0
         self._tier_done(launched)
-        if self.tier is not None:
-            self.tier.observe(attn)
         t1 = time.perf_counter()
+        if self.tier is not None:
+            self.tier.observe(attn, launched.plan.num_tokens, t1 - launched.t0)
         if self.inflight:  # the step sent ahead could start only now: its time counts from here
             self.inflight[0] = dataclasses.replace(self.inflight[0], t0=max(self.inflight[0].t0, t1))
         if self.config.mtp:  # the MTP layer's guesses, for the next step's drafts (not of sequences ended)

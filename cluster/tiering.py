@@ -9,7 +9,9 @@ boundaries) its node's tiers hold, then adopts room for them (:meth:`PrefixCache
 them; the actor checks each entry whole (key, layout, checksum) and stops at the first that is not. What loaded
 is registered (:meth:`PrefixCache.commit`) and left cached; the rest is given back. On hybrid models a load counts
 only whole (a hit needs the KDA state at its end). A request is looked up once per length (a recovered or
-preempted one again), at most ``max_per_step`` per step; every failure is a miss: the request is prefilled.
+preempted one again), at most ``max_per_step`` per step; every failure is a miss: the request is prefilled. It
+loads only while loading has measured cheaper per token than prefilling (steps of many tokens say what a prefill
+costs; the loads so far what a load does): a tier slower than the devices' compute is left alone.
 
 Owns: the lookups' bookkeeping and counters. Never: decides admission (the scheduler does, by the hits it finds),
 or touches an entry's bytes (the actors do).
@@ -34,12 +36,30 @@ class TierLoads:
         self.queried_tokens = 0  # prompt tokens past a device hit looked up in the tiers
         self.load_s = 0.0
         self.actors: dict[int, dict] = {}  # each replica's tier counters, as its last step result carried them
+        # seconds per token, measured (moving averages): loading from the tiers, and prefilling (steps of at least
+        # PREFILL_TOKENS tokens); a lookup loads only while loading is the cheaper (``skipped``: when it was not)
+        self.load_cost: float | None = None
+        self.prefill_cost: float | None = None
+        self.skipped = 0
 
-    def observe(self, results) -> None:
-        """A finished step's attention results: keep the tier counters they carry (by replica index)."""
+    PREFILL_TOKENS = 32  # a step this large is mostly prefill: its time per token is the prefill cost
+    SMOOTHING = 0.2
+
+    def observe(self, results, tokens: int = 0, seconds: float = 0.0) -> None:
+        """A finished step: keep the tier counters its attention results carry (by replica index), and with
+        ``tokens`` computed in ``seconds`` measure what prefilling costs."""
         for i, r in enumerate(results):
             if getattr(r, "tier", None) is not None:
                 self.actors[i] = r.tier
+        if tokens >= self.PREFILL_TOKENS and seconds > 0:
+            self.prefill_cost = self._average(self.prefill_cost, seconds / tokens)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def cheaper_to_load(self) -> bool:
+        """Loading from the tiers costs less per token than prefilling, as measured (so far unknown: yes)."""
+        return self.load_cost is None or self.prefill_cost is None or self.load_cost <= self.prefill_cost
 
     def before_schedule(self) -> None:
         """Between steps (nothing in flight): look up the first waiting requests not looked up yet — or looked up
@@ -112,6 +132,9 @@ class TierLoads:
         more = (r, room) if depth < found else None  # (the device's own prefix may come out of the LRU)
         if depth <= have:
             return more
+        if not self.cheaper_to_load():
+            self.skipped += 1
+            return None
         moved = cache.adopt(r, list(chain[:depth // bs]))
         if moved is None:
             return (r, room)  # no room after all (a KDA snapshot, say)
@@ -137,7 +160,10 @@ class TierLoads:
         self.loaded_blocks += len(moved.blocks) - moved.fresh
         self.loaded_snapshots += moved.new_snapshot and loaded == len(items)
         self.loaded_tokens += (len(moved.blocks) - moved.fresh) * bs
-        self.load_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.load_s += spent
+        if len(moved.blocks) > moved.fresh:
+            self.load_cost = self._average(self.load_cost, spent / ((len(moved.blocks) - moved.fresh) * bs))
         return more
 
     def _probe(self, r: int, chain: list[bytes], have: int, deepest: int, max_blocks: int) -> tuple[int, int]:
@@ -175,4 +201,10 @@ class TierLoads:
         return {"lookups": self.lookups, "queried_tokens": self.queried_tokens, "found_blocks": self.found_blocks,
                 "loaded_blocks": self.loaded_blocks, "loaded_snapshots": self.loaded_snapshots,
                 "loaded_tokens": self.loaded_tokens, "missed": self.missed, "load_s": self.load_s,
+                "skipped": self.skipped, "load_us_per_token": _us(self.load_cost),
+                "prefill_us_per_token": _us(self.prefill_cost),
                 "actors": {str(k): v for k, v in sorted(dict(self.actors).items())}}  # (a copy: read off-thread)
+
+
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e6, 2)

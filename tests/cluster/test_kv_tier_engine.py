@@ -228,3 +228,29 @@ def test_a_blocks_call_that_times_out_kills_the_replica_only_if_it_writes_into_t
     with pytest.raises(TransportError, match=f"{what} on attention replica 0 failed: TimeoutError"):
         ex._blocks_call(0, "channel", op, [1, 2], None)
     assert kills == ([member] if killed else []) and member.blocks is None  # (its answers may be out of step)
+
+
+def test_a_tier_slower_than_prefill_is_left_alone(tmp_path):
+    """Loads happen while loading has measured cheaper per token than prefilling: with the load cost made dearer
+    than the measured prefill cost, a request the tier holds is prefilled instead (counted as skipped), with the
+    same tokens; made cheaper again, it loads."""
+    path = str(preset("kimi-k2-tiny", seed=3, dtype="float32"))
+    histories = sessions(5)[:2]
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    eng = engine(path, tmp_path)
+    try:
+        want = [eng.generate([h], one)[0].output_ids for h in histories]
+        assert eng.executor.tier(0, "tier_flush") is True
+        st = eng.tier.status()
+        assert st["prefill_us_per_token"] is not None and st["skipped"] == 0  # measured from the prefills
+        other = [eng.generate([h[:SYSTEM + 8]], one) for h in sessions(6)]  # evict the histories from the pool
+        assert other
+        eng.tier.load_cost = 10 * eng.tier.prefill_cost
+        before = eng.tier.loaded_tokens
+        assert eng.generate([histories[0]], one)[0].output_ids == want[0]
+        assert eng.tier.skipped == 1 and eng.tier.loaded_tokens == before
+        eng.tier.load_cost = eng.tier.prefill_cost / 10
+        assert eng.generate([histories[1]], one)[0].output_ids == want[1]
+        assert eng.tier.loaded_tokens > before
+    finally:
+        eng.shutdown()
