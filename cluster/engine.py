@@ -325,6 +325,9 @@ class Engine:
         skip = self._skip_mtp(plan)
         cache = self.scheduler.cache
         tier = [cache.take_tier_writes(r) if cache.tiered else None for r in range(len(plan.chunks))]
+        for r, out in enumerate(tier):
+            if out is not None and self.tier is not None:
+                self.tier.wrote(r, out.items)  # (the tier index: placement prefers the node that holds a prefix)
         reqs = [StepRequest(self.step_no, epoch, tuple(chunks), tuple(len(g) for g in groups), ahead,
                             self.scheduler.take_released(r), peer_tokens=peers, skip=skip,
                             tier_writes=tuple(out.items) if out is not None else ())

@@ -85,6 +85,9 @@ class Executor(Protocol):
     def tier(self, replica: int, op: str, *args):
         """A KV tier operation of attention replica ``replica``'s actor (cluster/tiering.py)."""
 
+    def node_of(self, replica: int) -> str:
+        """The node attention replica ``replica`` runs on (its KV tier is that node's)."""
+
     def describe(self) -> dict: ...
 
 
@@ -213,6 +216,9 @@ class RayExecutor:
     def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
                      via: str = "channel") -> None:
         self._blocks_call(replica, via, "write", blocks, snapshot, parts)
+
+    def node_of(self, replica: int) -> str:
+        return self.fleet.node_ip(self.fleet.attention[replica])
 
     def tier(self, replica: int, op: str, *args):
         """A KV tier operation of attention replica ``replica`` (actors/attention.py ``_serve_blocks``: tier_probe,

@@ -78,6 +78,9 @@ class InProcessExecutor:
     def read_blocks(self, replica: int, blocks: list[int], snapshot: int | None = None, via: str = "channel") -> dict:
         return self.workers[replica].read_blocks(blocks, snapshot)  # (in process: nothing to choose)
 
+    def node_of(self, replica: int) -> str:
+        return "local"  # (one process: one node)
+
     def tier(self, replica: int, op: str, *args):
         return self.workers[replica]._serve_blocks((op, *args))
 

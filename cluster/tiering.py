@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class TierLoads:
         self.load_cost: float | None = None
         self.prefill_cost: float | None = None
         self.skipped = 0
+        # what each node's tier holds, as this engine knows it: the blocks it sent to be written there (and not
+        # since found absent), by prefix hash, least recently written first; placement prefers those nodes
+        self.index: dict[str, OrderedDict[bytes, None]] = {}
 
     PREFILL_TOKENS = 32  # a step this large is mostly prefill: its time per token is the prefill cost
     SMOOTHING = 0.2
@@ -53,6 +57,26 @@ class TierLoads:
                 self.actors[i] = r.tier
         if tokens >= self.PREFILL_TOKENS and seconds > 0:
             self.prefill_cost = self._average(self.prefill_cost, seconds / tokens)
+
+    INDEX_MAX = 1 << 20  # hashes remembered per node
+
+    def wrote(self, replica: int, items) -> None:
+        """A step carries these ("block" | "snapshot", id, hash) to ``replica``'s actor to be written through."""
+        known = self.index.setdefault(self.engine.executor.node_of(replica), OrderedDict())
+        for kind, _, h in items:
+            if kind == "block":
+                known[h] = None
+                known.move_to_end(h)
+        while len(known) > self.INDEX_MAX:
+            known.popitem(last=False)
+
+    def _indexed(self, replica: int, chain: list[bytes], first: int) -> int:
+        """How many of ``chain``'s blocks from ``first`` on the index says ``replica``'s node holds, in order."""
+        known = self.index.get(self.engine.executor.node_of(replica))
+        n = 0
+        while known and first + n < len(chain) and chain[first + n] in known:
+            n += 1
+        return n
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.SMOOTHING * (new - old)
@@ -111,9 +135,12 @@ class TierLoads:
             return None
         hits, sched = cache.probe(tokens, salt), self.engine.scheduler
         load = [sched.load(i) + self._planned.get(i, 0) for i in range(len(hits))]
-        # the replica the scheduler's placement rule would take (its load counting those looked up before it)
-        r = max(range(len(hits)), key=lambda i: (hits[i].tokens - sched.load_weight * load[i], -load[i],
-                                                 self._room(i)))
+        chain = cache.chain_of(tokens, salt, deepest)
+        # the replica the scheduler's placement rule would take (its load counting those looked up before it), a
+        # hit counting what the index says its node's tier holds too
+        held = [min(deepest, max(h.tokens, (h.tokens // bs + self._indexed(i, chain, h.tokens // bs)) * bs))
+                for i, h in enumerate(hits)]
+        r = max(range(len(hits)), key=lambda i: (held[i] - sched.load_weight * load[i], -load[i], self._room(i)))
         if seq.home is not None and seq.home < len(hits):
             r = seq.home  # a PD arrival's replica (cluster/pd.py)
         self._planned[r] = self._planned.get(r, 0) + 1
@@ -124,7 +151,6 @@ class TierLoads:
         room, need = self._room(r), -(-len(tokens) // bs) + 1 - first
         if room < need:
             return r, room  # no room for all of it now: loaded, its blocks would be evicted before it is admitted
-        chain = cache.chain_of(tokens, salt, deepest)
         t0 = time.perf_counter()
         self.lookups += 1
         self.queried_tokens += deepest - have
@@ -175,6 +201,8 @@ class TierLoads:
         bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
         n, snaps = self.engine.executor.tier(r, "tier_probe", list(chain[first:]), [chain[b // bs - 1] for b in bounds])
         self.found_blocks += n
+        if first + n < len(chain):  # the first block the tier lacks: the index forgets it there
+            self.index.get(self.engine.executor.node_of(r), {}).pop(chain[first + n], None)
 
         def usable(blocks: int) -> int:
             if not cache.grid:

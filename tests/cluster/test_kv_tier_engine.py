@@ -254,3 +254,32 @@ def test_a_tier_slower_than_prefill_is_left_alone(tmp_path):
         assert eng.tier.loaded_tokens > before
     finally:
         eng.shutdown()
+
+
+def test_placement_prefers_the_replica_whose_node_s_tier_holds_the_prefix(tmp_path, monkeypatch):
+    """Two replicas on two (logical) nodes: a history written through on replica 1's node, then gone from both
+    device pools. Its next turn goes to replica 1 — the node whose tier holds it, as the engine's index says —
+    though replica 0 ties on everything else (which it would take without the index), and is loaded there."""
+    path = str(preset("kimi-k2-tiny", seed=3, dtype="float32"))
+    eng = engine(path, tmp_path, replicas=2)
+    monkeypatch.setattr(eng.executor, "node_of", lambda replica: f"node{replica}")
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    history = sessions(8)[0]
+    try:
+        first = eng.add_request(history[:SYSTEM + TURN], one, replica=1)
+        while eng.busy:
+            eng.pipelined()
+        eng.release(first)
+        admitted = lambda: [st.get("admitted", 0) for st in eng.scheduler.cache_status()]  # noqa: E731
+        assert admitted() == [0, 1]
+        assert eng.executor.tier(1, "tier_flush") is True
+        assert eng.tier._indexed(1, eng.scheduler.cache.chain_of(history, None, SYSTEM + TURN), 0) > 0
+        eng.scheduler.cache.forget([0, 1])  # both device pools lose it (as after an eviction)
+        rid = eng.add_request(history[:SYSTEM + 2 * TURN], one)
+        while eng.busy:
+            eng.pipelined()
+        seq = eng.release(rid).seq
+        assert admitted() == [0, 2] and eng.tier.loaded_tokens >= SYSTEM, (admitted(), eng.tier.status())
+        assert seq.output_ids == single.alone(path, [history[:SYSTEM + 2 * TURN]], one)[0]
+    finally:
+        eng.shutdown()
