@@ -13,13 +13,15 @@ epoch owner), or waits on an actor without a timeout.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any, Protocol
 
-from actors.channel import ChannelClosed, StepError
+from actors.channel import TOKEN_BYTES, ChannelClosed, StepChannel, StepError
 from actors.messages import ExpertStep, PlacementTable, StepRequest, WorkerStepResult
 
 from .errors import StepFailed
+from .kv_transfer import TRANSPORTS, TransportError
 from .watchdog import HangWatch
 
 Sent = list[tuple[str, Any]]  # where a step went: (actor name, member) in rank order
@@ -230,8 +232,6 @@ class RayExecutor:
         timeout; a dead, silent or failing actor raises TransportError naming it."""
         import ray
 
-        from .kv_transfer import TRANSPORTS, TransportError
-
         if via not in TRANSPORTS:
             raise ValueError(f"no blocks transport {via!r}: one of {', '.join(TRANSPORTS)}")
         member, timeout = self.fleet.attention[replica], self.config.faults.step_timeout_s
@@ -251,11 +251,7 @@ class RayExecutor:
             raise TransportError(f"{what} on attention replica {replica} failed: {type(e).__name__}: {e}") from None
 
     def _over_channel(self, member, replica: int, timeout: float, request: tuple):
-        import secrets
-
         import ray
-
-        from actors.channel import TOKEN_BYTES, StepChannel
 
         if member.blocks is None:
             token = secrets.token_bytes(TOKEN_BYTES)

@@ -45,6 +45,8 @@ class TierLoads:
         # what each node's tier holds, as this engine knows it: the blocks it sent to be written there (and not
         # since found absent), by prefix hash, least recently written first; placement prefers those nodes
         self.index: dict[str, OrderedDict[bytes, None]] = {}
+        self._reserved: dict[int, int] = {}  # (per pass of before_schedule: see there)
+        self._planned: dict[int, int] = {}
 
     PREFILL_TOKENS = 32  # a step this large is mostly prefill: its time per token is the prefill cost
     SMOOTHING = 0.2
@@ -116,9 +118,6 @@ class TierLoads:
         if len(self.tried) > 4 * max(len(sched.seqs), 1024):
             self.tried = {m for m in self.tried if m[0] in sched.seqs}
             self.short_of_room = {m: v for m, v in self.short_of_room.items() if m[0] in sched.seqs}
-
-    _reserved: dict[int, int] = {}
-    _planned: dict[int, int] = {}
 
     def _room(self, replica: int) -> int:
         """Blocks ``replica`` could still hand out, less those the requests loaded for this step will take."""
