@@ -4,7 +4,6 @@ collective whose peer is gone or stuck raises a clear error instead of hanging: 
 direct sockets (actors/wire.py, the default transport) and over gloo's own sends."""
 
 import queue
-import socket
 import time
 import traceback
 
@@ -21,15 +20,14 @@ from model.layers import silu_glu
 from model.moe import RoutedExperts
 from tests.actors import exact
 from tests.actors.procs import context as mp_context
+from tests.ports import free_port
 
 H, I, E, K = 16, 8, 10, 3
 TOKEN = b"e" * TOKEN_BYTES  # the epoch's token, the same in every process
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _shards(table: PlacementTable, layers=(1, 2)):

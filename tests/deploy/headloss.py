@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from deploy import owned
+from tests.ports import free_port
 
 EXE = str(Path(sys.executable).parent / "moeray")
 MODEL = "kimi-k2-tiny"
@@ -24,9 +24,7 @@ TOKENS = 96
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _cmdline(pid: int) -> str:

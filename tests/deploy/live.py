@@ -4,7 +4,6 @@ and recovery tests."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,15 +22,14 @@ from model.loader import load_model
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
+from tests.ports import free_port as _free_port
 
 KEY = "live-key"  # the inference key
 ADMIN = "live-admin-key"  # the /admin routes' key (moeray scale, rebalance, chaos)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port()
 
 
 def serve_config(port, path, name, **settings) -> ServeConfig:

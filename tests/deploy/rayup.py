@@ -46,7 +46,6 @@ import secrets
 import shutil
 import signal
 import stat
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from pathlib import Path
 import yaml
 
 from hostprocs import alive, die_with_parent, kill_group, kill_pids, listeners, processes, socket_inodes, tail
+from tests.ports import free_port as _free_port
 
 ROOT = Path(__file__).parents[2]
 SHIPPED_HEAD_IP, SHIPPED_WORKER_IP = "127.0.0.2", "127.0.0.3"
@@ -65,9 +65,7 @@ USER_RE = re.compile(r"mru[0-9a-f]{8}")  # the throwaway logins, and nothing els
 
 
 def free_port(ip: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+    return _free_port(ip)
 
 
 def _free_ports(n: int) -> list[int]:

@@ -19,14 +19,13 @@ import httpx
 import pytest
 
 from tests.deploy.hostprocs import port_holders
+from tests.ports import free_port
 
 pytestmark = pytest.mark.operator
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def first_chunk_while_running(url: str, model: str = "kimi-k2-tiny") -> tuple[int, int]:

@@ -20,12 +20,11 @@ from deploy import owned
 from deploy.config import ServeConfig
 from deploy.gate import Gate
 from deploy.headwatch import HeadWatch, LostFront
+from tests.ports import free_port
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 # ---- the process records -------------------------------------------------------------------------------
