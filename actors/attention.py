@@ -154,13 +154,18 @@ class AttentionWorker(ServesSteps):
         op, *args = request
         if op in ("read", "write"):
             return self.read_blocks(*args) if op == "read" else self.write_blocks(*args)
-        if op not in ("tier_probe", "tier_load", "tier_flush", "tier_status"):
+        if op not in ("tier_probe", "tier_load", "tier_fetch", "tier_names", "tier_flush", "tier_status"):
             raise ValueError(f"{self.name}: no blocks operation {op!r}")
         if self.tier is None:
             raise RuntimeError(f"{self.name} has no KV tier (kv_offloading_size is 0)")
-        if op == "tier_load":
+        if op == "tier_load":  # (items, and entries fetched from another node's tier: {(kind, hash): bytes})
+            fetched = {tier_key(k, h): data for (k, h), data in (args[1] if len(args) > 1 else {}).items()}
             with self.busy:  # into the cache: never beside a step
-                return self.tier.load([(k, i, tier_key(k, h)) for k, i, h in args[0]])
+                return self.tier.load([(k, i, tier_key(k, h)) for k, i, h in args[0]], fetched)
+        if op == "tier_fetch":  # [(kind, hash)] → their entries as stored, for another node's actor to load
+            return self.tier.fetch([tier_key(k, h) for k, h in args[0]])
+        if op == "tier_names":
+            return self.tier.names(*args)
         if op == "tier_probe":
             return self.tier.probe([block_key(h) for h in args[0]], [snapshot_key(h) for h in args[1]])
         return self.tier.flush(*args) if op == "tier_flush" else self.tier.status()

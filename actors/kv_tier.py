@@ -80,7 +80,11 @@ class Tier:
 
     # ---- entries --------------------------------------------------------------------------------
     def _file(self, key: bytes) -> Path:
-        return self.path / (hashlib.blake2b(self.layout.encode() + key, digest_size=20).hexdigest() + _SUFFIX)
+        return self.path / (entry_name(self.layout, key) + _SUFFIX)
+
+    def names(self, limit: int) -> list[str]:
+        """The names (:func:`entry_name`) of the ``limit`` most recently used entries, most recent first."""
+        return [f.name[: -len(_SUFFIX)] for _, _, f in reversed(self._scan()[0][-limit:])] if limit > 0 else []
 
     def __contains__(self, key: bytes) -> bool:
         return self._file(key).exists()
@@ -146,7 +150,12 @@ class Tier:
             self.load_s += time.perf_counter() - t0
         return parts, data
 
-    def _decode(self, key: bytes, data: bytes) -> dict[str, torch.Tensor] | None:
+    def check(self, key: bytes, data: bytes) -> dict[str, torch.Tensor] | None:
+        """The parts of an entry that came from another node's tier (:meth:`fetch`'s bytes), checked as a read
+        here is — key, layout, checksum — or None (a miss, counted by why)."""
+        return self._decode(key, data, remove=False)
+
+    def _decode(self, key: bytes, data: bytes, remove: bool = True) -> dict[str, torch.Tensor] | None:
         from safetensors.torch import load
 
         reason = None
@@ -163,7 +172,8 @@ class Tier:
         if reason is None:
             return parts
         self._miss(reason)
-        self._remove(self._file(key))
+        if remove:
+            self._remove(self._file(key))
         return None
 
     def _miss(self, reason: str) -> None:
@@ -265,6 +275,12 @@ class Tiers:
         if self.disk is not None:
             self.disk._remove(self.disk._file(key))
 
+    def put_entry(self, key: bytes, data: bytes) -> None:
+        """:meth:`put` of an entry as stored (one another node's tier sent: :meth:`fetch`)."""
+        self.node.put_bytes(key, data)
+        if self.disk is not None:
+            self.disk._remove(self.disk._file(key))
+
     def _spill(self, f: Path) -> None:
         """A node-tier entry on its way out: copied whole to the disk tier (its key is in its metadata) — unless
         the disk tier holds it already (it was promoted from there: a new write of the key drops the disk's copy),
@@ -286,20 +302,35 @@ class Tiers:
 
     def get(self, key: bytes) -> dict[str, torch.Tensor] | None:
         """The entry from the highest tier that holds it whole (a lower hit is promoted), or None."""
-        parts = self.node.get(key)
-        if parts is not None or self.disk is None:
-            return parts
+        got = self.fetch(key)
+        return None if got is None else got[0]
+
+    def fetch(self, key: bytes) -> tuple[dict[str, torch.Tensor], bytes] | None:
+        """:meth:`get`, with the entry's bytes as stored (to send to another node's tier)."""
+        got = self.node.fetch(key)
+        if got is not None or self.disk is None:
+            return got
         got = self.disk.fetch(key)
-        if got is None:
-            return None
-        self.node.put_bytes(key, got[1])
-        return got[0]
+        if got is not None:
+            self.node.put_bytes(key, got[1])
+        return got
 
     def __contains__(self, key: bytes) -> bool:
         return any(key in t for t in self.levels)
 
+    def names(self, limit: int) -> list[str]:
+        """The names of the entries the tiers hold, the node tier's first, each most recently used first."""
+        out = self.node.names(limit)
+        return out + (self.disk.names(limit - len(out)) if self.disk is not None else [])
+
     def status(self) -> list[dict]:
         return [t.status() for t in self.levels]
+
+
+def entry_name(layout: str, key: bytes) -> str:
+    """The file name (less its suffix) of ``key``'s entry in a tier of ``layout``: a digest of both (the engine's
+    index of what each node's tier holds keeps these)."""
+    return hashlib.blake2b(layout.encode() + key, digest_size=20).hexdigest()
 
 
 def block_key(h: bytes) -> bytes:

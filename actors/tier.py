@@ -28,6 +28,7 @@ class ActorTier:
         self.tiers, self.cache = open_tiers(spec), cache
         self.queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self.copied = self.dropped = self.write_errors = self.loaded = 0
+        self.sent = self.received = 0  # entries sent to, and received from, other nodes' actors
         self.thread = threading.Thread(target=self._write, name="moeray-kv-tier", daemon=True)
         self.thread.start()
 
@@ -55,7 +56,10 @@ class ActorTier:
             try:
                 if key is None:
                     return
-                self.tiers.put(key, parts)
+                if isinstance(parts, bytes):  # an entry another node's tier sent, as stored there
+                    self.tiers.put_entry(key, parts)
+                else:
+                    self.tiers.put(key, parts)
             except Exception:  # noqa: BLE001 — a write that fails is a later miss, never a wrong answer
                 self.write_errors += 1
                 log.exception("KV tier: a write-through failed")
@@ -82,14 +86,40 @@ class ActorTier:
             n += 1
         return n, [key in self.tiers for key in snapshots]
 
-    def load(self, items) -> int:
+    def fetch(self, keys: list[bytes]) -> list[bytes]:
+        """The entries of ``keys`` as stored, in order, up to the first this node's tiers do not hold whole: for
+        another node's actor to load (:meth:`load`'s ``fetched``), which checks them again on arrival."""
+        out = []
+        for key in keys:
+            got = self.tiers.fetch(key)
+            if got is None:
+                break
+            out.append(got[1])
+        self.sent += len(out)
+        return out
+
+    def names(self, limit: int) -> list[str]:
+        """The names of the entries this node's tiers hold (most recently used first): the engine's index of them
+        after a restart."""
+        return self.tiers.names(limit)
+
+    def load(self, items, fetched: dict[bytes, bytes] | None = None) -> int:
         """Load each (kind, id, key) into the cache, in order, up to the first entry that is not there whole (a
-        miss: absent, torn, foreign, changed): returns how many were loaded."""
+        miss: absent, torn, foreign, changed): returns how many were loaded. An entry in ``fetched`` (key → its
+        bytes from another node's tier: :meth:`fetch`) is checked as a read here is, loaded, and queued to be
+        filed in this node's tier too."""
         n = 0
         for kind, i, key in items:
-            parts = self.tiers.get(key)
+            data = (fetched or {}).get(key)
+            parts = self.tiers.get(key) if data is None else self.tiers.node.check(key, data)
             if parts is None or not self._write_in(kind, i, parts):
                 break
+            if data is not None:
+                self.received += 1
+                try:
+                    self.queue.put_nowait((key, data))
+                except queue.Full:
+                    self.dropped += 1
             n += 1
         self.loaded += n
         return n
@@ -111,7 +141,8 @@ class ActorTier:
 
     def status(self) -> dict:
         return {"copied": self.copied, "dropped": self.dropped, "write_errors": self.write_errors,
-                "queued": self.queue.qsize(), "loaded": self.loaded, "tiers": self.tiers.status()}
+                "queued": self.queue.qsize(), "loaded": self.loaded, "sent": self.sent,
+                "received": self.received, "tiers": self.tiers.status()}
 
     _last: dict | None = None
 

@@ -4,7 +4,7 @@ with the tier off and on.
 
     python bench/bench_kv_tier.py [--preset kimi-k2-tiny] [--sessions 40] [--clients 3] [--turns 6]
                                   [--system 512] [--turn-tokens 64] [--pool-ratio 5] [--rounds 3]
-                                  [--contexts 4096,16384] [--skip-trace] [--skip-recovery]
+                                  [--contexts 4096,16384] [--skip-trace] [--skip-recovery] [--cross-context 4096]
 
 **Trace** (in this process: the in-process executor, the async engine on its own thread): ``--sessions`` agent
 sessions share one ``--system``-token tool/system prompt; each turn resends the session's whole history plus
@@ -23,7 +23,11 @@ the systems (greedy).
 tokens decodes; after 8 tokens its attention actor is killed. Reported per context, tier off and on: the stream's
 stall (the longest gap between two of its tokens), the engine's recovery (the replacement started and regrouped),
 and the rest of the stall — the redone step: re-prefilling the whole context without the tier, loading it with
-the tier. Tokens are checked equal to the fault-free run. Timings are printed, never asserted."""
+the tier. Tokens are checked equal to the fault-free run.
+
+**Across nodes** (in this process: two replicas as two logical nodes, each node's tier its own directory): a
+``--cross-context``-token history on node 1's tier alone; its next turn's TTFT when loaded on node 1, loaded on
+node 0 from node 1's tier, and prefilled on node 0. Timings are printed, never asserted."""
 
 from __future__ import annotations
 
@@ -238,6 +242,64 @@ def _kill_mid_stream(eng: Engine, prompt, params) -> tuple[list[int], float, flo
     return seq.output_ids, max(gaps), sum(eng.stats.recoveries)
 
 
+def cross_part(args, path: str, tmp: Path) -> None:
+    """One ``--cross-context``-token history written through on node 1 of two (logical) nodes in this process, each
+    node's tier its own directory, then gone from the device pools; its next turn (one token) served three ways,
+    rounds interleaved: on replica 1 (its node's tier holds it: a local load), on replica 0 (loaded from node 1's
+    tier through replica 1: a cross-node load), on replica 0 with the tier's cross-node loads off (prefilled)."""
+    import random
+
+    from actors.tier import ActorTier
+    from cluster.kv_transfer import tier_spec
+
+    ctx = args.cross_context
+    rng = random.Random(5)
+    history = [rng.randrange(10, 900) for _ in range(ctx + 64)]
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    knobs = dict(num_blocks=2 * (ctx + 64) // BS + 16, block_size=BS, prefix_caching=True, max_tokens_per_step=2048,
+                 kv_offloading_size=1.0, kv_offloading_path=str(tmp / "node0"))
+    cfg = EngineConfig.of(path, **knobs)
+    spec = ClusterSpec(attention=2, experts=1)
+    eng = Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))).start()
+    eng.executor.node_of = lambda replica: f"node{replica}"
+    worker = eng.executor.workers[1]
+    worker.tier.close()
+    worker.tier = ActorTier({**tier_spec(cfg, load_config(path)), "path": str(tmp / "node1")}, worker.cache)
+    times: dict[str, list[float]] = {"local load (replica 1)": [], "cross-node load (replica 0)": [],
+                                     "prefill (replica 0, cross-node off)": []}
+    want = None
+
+    def serve(prompt, replica: int) -> list[int]:
+        rid = eng.add_request(prompt, one, replica=replica)
+        while eng.busy:
+            eng.pipelined()
+        return eng.release(rid).seq.output_ids
+
+    try:
+        serve(history[:ctx], 1)
+        eng.executor.tier(1, "tier_flush")
+        for _ in range(args.rounds):
+            for what, replica, remote in (("local load (replica 1)", 1, True), ("cross-node load (replica 0)", 0, True),
+                                          ("prefill (replica 0, cross-node off)", 0, False)):
+                eng.scheduler.cache.forget([0, 1])
+                eng.executor.tier(0, "tier_flush")
+                shutil.rmtree(tmp / "node0", ignore_errors=True)  # (node 0's copy from the last cross-node load)
+                eng.tier.remote, eng.tier.load_cost = remote, None
+                t0 = time.perf_counter()
+                got = serve(history[:ctx + 64], replica)
+                times[what].append(time.perf_counter() - t0)
+                want = want or got
+                assert got == want, f"{what}: tokens differ"
+        st = eng.tier.status()
+    finally:
+        eng.shutdown()
+    print(f"\na {ctx}-token history's next turn (TTFT, medians of {args.rounds}; {st['remote_blocks']:,} blocks came "
+          f"from the other node):")
+    base = statistics.median(times["prefill (replica 0, cross-node off)"])
+    for what, v in times.items():
+        print(f"  {what:<38} {1e3 * statistics.median(v):8.1f} ms  ({base / statistics.median(v):.1f}× the prefill)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="kimi-k2-tiny")
@@ -251,12 +313,17 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--skip-trace", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--cross-context", type=int, default=4096, help="the cross-node load's history (0: skip it)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-tier-"))
     try:
         if not args.skip_trace:
             path = str(build_preset(args.preset, tmp / "ckpt", seed=0, dtype="float32", progress=False))
             trace_part(args, path)
+        if args.cross_context:
+            path = str(build_preset(args.preset, tmp / "ckpt-cross", seed=0, dtype="float32", progress=False,
+                                    overrides={"max_position_embeddings": args.cross_context + 512}))
+            cross_part(args, path, tmp)
         if not args.skip_recovery:
             recovery_part(args, tmp)
     finally:

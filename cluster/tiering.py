@@ -23,6 +23,10 @@ import logging
 import time
 from collections import OrderedDict
 
+from actors.kv_tier import block_key, entry_name
+
+from .kv_transfer import tier_spec
+
 log = logging.getLogger(__name__)
 
 
@@ -42,9 +46,17 @@ class TierLoads:
         self.load_cost: float | None = None
         self.prefill_cost: float | None = None
         self.skipped = 0
+        # entries may come from another node's tier (through one of its replicas), where the index says it holds them
+        self.remote = True
+        self.remote_blocks = 0  # blocks loaded that way
         # what each node's tier holds, as this engine knows it: the blocks it sent to be written there (and not
         # since found absent), by prefix hash, least recently written first; placement prefers those nodes
-        self.index: dict[str, OrderedDict[bytes, None]] = {}
+        # (keyed by the entries' file names, actors/kv_tier.py ``entry_name``: at the first lookup each node's tier
+        # lists what it holds, so the index outlives the engine as the tier does)
+        self.index: dict[str, OrderedDict[str, None]] = {}
+        self.layout = tier_spec(engine.config, engine.model_cfg)["layout"]
+        self.listed = False
+        self._names: dict[bytes, str] = {}  # (a pass's memo of prefix hash → entry name)
         self._reserved: dict[int, int] = {}  # (per pass of before_schedule: see there)
         self._planned: dict[int, int] = {}
 
@@ -67,8 +79,9 @@ class TierLoads:
         known = self.index.setdefault(self.engine.executor.node_of(replica), OrderedDict())
         for kind, _, h in items:
             if kind == "block":
-                known[h] = None
-                known.move_to_end(h)
+                name = self._name(h)
+                known[name] = None
+                known.move_to_end(name)
         while len(known) > self.INDEX_MAX:
             known.popitem(last=False)
 
@@ -76,9 +89,35 @@ class TierLoads:
         """How many of ``chain``'s blocks from ``first`` on the index says ``replica``'s node holds, in order."""
         known = self.index.get(self.engine.executor.node_of(replica))
         n = 0
-        while known and first + n < len(chain) and chain[first + n] in known:
+        while known and first + n < len(chain) and self._name(chain[first + n]) in known:
             n += 1
         return n
+
+    def _name(self, h: bytes) -> str:
+        name = self._names.get(h)
+        if name is None:
+            name = self._names[h] = entry_name(self.layout, block_key(h))
+        return name
+
+    def _list(self) -> None:
+        """Index what each node's tier holds (its entries' names, most recently used first), asking one replica of
+        each node: what the engine writes from now on is indexed as it goes."""
+        self.listed = True
+        executor, seen = self.engine.executor, set()
+        for q in range(len(self.engine.scheduler.cache.blocks)):
+            node = executor.node_of(q)
+            if node in seen:
+                continue
+            seen.add(node)
+            try:
+                names = executor.tier(q, "tier_names", self.INDEX_MAX)
+            except Exception:  # noqa: BLE001 — a node that cannot say is indexed as it is written to
+                log.warning("KV tier: replica %d could not list its node's tier", q, exc_info=True)
+                continue
+            known = self.index.setdefault(node, OrderedDict())
+            listed = OrderedDict((n, None) for n in reversed(names) if n not in known)
+            listed.update(known)  # (what this engine wrote since is the more recent)
+            self.index[node] = listed
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.SMOOTHING * (new - old)
@@ -91,7 +130,10 @@ class TierLoads:
         """Between steps (nothing in flight): look up the first waiting requests not looked up yet — or looked up
         and short of room on their replica then, once it has more."""
         sched = self.engine.scheduler
+        if not self.listed and sched.waiting:
+            self._list()
         n = 0
+        self._names = {}
         self._reserved: dict[int, int] = {}  # per replica: blocks the requests loaded for this step will take
         self._planned: dict[int, int] = {}  # per replica: requests looked up for it in this pass
         for seq in list(sched.waiting):
@@ -153,13 +195,20 @@ class TierLoads:
         t0 = time.perf_counter()
         self.lookups += 1
         self.queried_tokens += deepest - have
-        found, depth = self._probe(r, chain, have, deepest, first + max(room - first, 0))
+        held = self._held(r, chain, have, deepest)
+        found, depth = held.usable(), held.usable(first + max(room - first, 0))
         more = (r, room) if depth < found else None  # (the device's own prefix may come out of the LRU)
         if depth <= have:
             return more
         if not self.cheaper_to_load():
             self.skipped += 1
             return None
+        fetched = self._fetch(held, chain, depth)
+        held.snapshots = [q if q != held.source or ("snapshot", chain[b // bs - 1]) in fetched else None
+                          for b, q in zip(held.bounds, held.snapshots)]  # (only the one at ``depth`` was asked for)
+        depth = held.usable(first + held.local + sum(k[0] == "block" for k in fetched), depth // bs)
+        if depth <= have:
+            return more
         moved = cache.adopt(r, list(chain[:depth // bs]))
         if moved is None:
             return (r, room)  # no room after all (a KDA snapshot, say)
@@ -167,7 +216,7 @@ class TierLoads:
         if moved.new_snapshot:
             items.append(("snapshot", moved.snapshot, moved.hashes[-1]))
         try:
-            loaded = executor.tier(r, "tier_load", items)
+            loaded = executor.tier(r, "tier_load", items, {k: v for k, v in fetched.items() if k[1] in moved.hashes})
         except BaseException:
             cache.unpin(moved)
             raise
@@ -182,6 +231,9 @@ class TierLoads:
         cache.unpin(moved)  # cached now, at the LRU's recent end: the scheduler admits the request as a hit
         self._reserved[r] = self._reserved.get(r, 0) + need
         self.engine.scheduler.rehome(seq, r)
+        came = [i for i in items[:loaded] if (i[0], i[2]) in fetched]
+        self.remote_blocks += sum(i[0] == "block" for i in came)
+        self.wrote(r, came)  # (the actor files them in its own node's tier too)
         self.loaded_blocks += len(moved.blocks) - moved.fresh
         self.loaded_snapshots += moved.new_snapshot and loaded == len(items)
         self.loaded_tokens += (len(moved.blocks) - moved.fresh) * bs
@@ -191,24 +243,68 @@ class TierLoads:
             self.load_cost = self._average(self.load_cost, spent / ((len(moved.blocks) - moved.fresh) * bs))
         return more
 
-    def _probe(self, r: int, chain: list[bytes], have: int, deepest: int, max_blocks: int) -> tuple[int, int]:
-        """(the prompt tokens replica ``r``'s tiers hold past a device hit of ``have`` — to the deepest point a hit
-        can use: on hybrid models a snapshot boundary — and the same within ``max_blocks`` blocks)."""
-        cache = self.engine.scheduler.cache
+    def _held(self, r: int, chain: list[bytes], have: int, deepest: int) -> "Held":
+        """What the tiers hold of ``chain`` past a device hit of ``have`` tokens on replica ``r``: first its own
+        node's, then — where the index says another node's tier holds the next blocks — that node's, through one
+        of its replicas (a failing one holds nothing)."""
+        cache, executor = self.engine.scheduler.cache, self.engine.executor
         bs = cache.block_size
         first = have // bs
         bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
-        n, snaps = self.engine.executor.tier(r, "tier_probe", list(chain[first:]), [chain[b // bs - 1] for b in bounds])
+        snap_keys = [chain[b // bs - 1] for b in bounds]
+        n, snaps = executor.tier(r, "tier_probe", list(chain[first:]), snap_keys)
         self.found_blocks += n
-        if first + n < len(chain):  # the first block the tier lacks: the index forgets it there
-            self.index.get(self.engine.executor.node_of(r), {}).pop(chain[first + n], None)
+        self._forget(r, chain, first + n)
+        held = Held(bs, cache.grid, first, n, bounds, [r if ok else None for ok in snaps])
+        q = self._source(r, chain, first + n) if self.remote and first + n < len(chain) else None
+        if q is not None:
+            try:
+                m, qsnaps = executor.tier(q, "tier_probe", list(chain[first + n:]), snap_keys)
+            except Exception:  # noqa: BLE001 — another node that cannot say holds nothing
+                log.warning("KV tier: replica %d's probe failed; its node's tier is left out", q, exc_info=True)
+                return held
+            self.found_blocks += m
+            self._forget(q, chain, first + n + m)
+            held.remote, held.source = m, q
+            held.snapshots = [s if s is not None else (q if ok else None) for s, ok in zip(held.snapshots, qsnaps)]
+        return held
 
-        def usable(blocks: int) -> int:
-            if not cache.grid:
-                return blocks * bs
-            return max((b for b, ok in zip(bounds, snaps) if ok and b <= blocks * bs), default=0)
+    def _forget(self, r: int, chain: list[bytes], i: int) -> None:
+        """``r``'s node's tier lacks ``chain[i]``: the index forgets it there."""
+        if i < len(chain):
+            self.index.get(self.engine.executor.node_of(r), {}).pop(self._name(chain[i]), None)
 
-        return usable(first + n), usable(min(first + n, max_blocks))
+    def _source(self, r: int, chain: list[bytes], i: int) -> int | None:
+        """A replica of the node whose tier the index says holds the most of ``chain`` from block ``i`` on, other
+        than ``r``'s node; None when none does."""
+        executor, replicas = self.engine.executor, range(len(self.engine.scheduler.cache.blocks))
+        home = executor.node_of(r)
+        best, most = None, 0
+        for node, known in self.index.items():
+            n = 0
+            while node != home and i + n < len(chain) and self._name(chain[i + n]) in known:
+                n += 1
+            if n > most:
+                best, most = node, n
+        return next((q for q in replicas if q != r and executor.node_of(q) == best), None) if best else None
+
+    def _fetch(self, held: "Held", chain: list[bytes], depth: int) -> dict[tuple[str, bytes], bytes]:
+        """The entries a load to ``depth`` tokens needs from another node's tier — (kind, hash) → bytes, up to the
+        first that node's actor could not read whole — or none (a failure: the load stops where the node's own
+        tier does)."""
+        bs = held.block_size
+        blocks = [("block", h) for h in chain[held.first + held.local:depth // bs]]
+        snap = held.snapshot_at(depth)
+        want = blocks + ([("snapshot", chain[depth // bs - 1])] if snap is not None and snap == held.source else [])
+        if not want:
+            return {}
+        try:
+            got = self.engine.executor.tier(held.source, "tier_fetch", want)
+        except Exception:  # noqa: BLE001 — what it cannot send is prefilled
+            log.warning("KV tier: fetching from replica %d failed; its entries are prefilled", held.source,
+                        exc_info=True)
+            return {}
+        return dict(zip(want, got))
 
     def covers(self, r: int, tokens: list[int], salt: str | None, have: int) -> int:
         """How far a hit on replica ``r`` could reach with what its tiers hold (at least ``have``, its device hit):
@@ -218,7 +314,7 @@ class TierLoads:
         if have >= deepest or deepest < cache.block_size:
             return have
         try:
-            found, _ = self._probe(r, cache.chain_of(tokens, salt, deepest), have, deepest, 0)
+            found = self._held(r, cache.chain_of(tokens, salt, deepest), have, deepest).usable()
         except Exception:  # noqa: BLE001 — the tier cannot say: as if it held nothing
             log.warning("KV tier: a probe failed", exc_info=True)
             return have
@@ -228,10 +324,35 @@ class TierLoads:
         return {"lookups": self.lookups, "queried_tokens": self.queried_tokens, "found_blocks": self.found_blocks,
                 "loaded_blocks": self.loaded_blocks, "loaded_snapshots": self.loaded_snapshots,
                 "loaded_tokens": self.loaded_tokens, "missed": self.missed, "load_s": self.load_s,
-                "skipped": self.skipped, "load_us_per_token": _us(self.load_cost),
+                "skipped": self.skipped, "remote_blocks": self.remote_blocks, "load_us_per_token": _us(self.load_cost),
                 "prefill_us_per_token": _us(self.prefill_cost),
                 "actors": {str(k): v for k, v in sorted(dict(self.actors).items())}}  # (a copy: read off-thread)
 
 
 def _us(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e6, 2)
+
+
+class Held:
+    """What the tiers hold of a prompt's block chain past a device hit of ``first`` blocks: ``local`` blocks on the
+    replica's own node, then ``remote`` more on replica ``source``'s node; ``snapshots``: for each grid boundary in
+    ``bounds`` (hybrid models), the replica whose node holds its KDA snapshot, or None."""
+
+    def __init__(self, block_size: int, grid: int, first: int, local: int, bounds: list[int], snapshots: list):
+        self.block_size, self.grid, self.first, self.local = block_size, grid, first, local
+        self.bounds, self.snapshots = bounds, snapshots
+        self.remote, self.source = 0, None
+
+    def usable(self, max_blocks: int | None = None, cap: int | None = None) -> int:
+        """The prompt tokens a hit can reach with them (within ``max_blocks`` blocks, and ``cap``): on hybrid
+        models only to a boundary whose snapshot is held."""
+        blocks = self.first + self.local + self.remote
+        blocks = min([blocks, *(b for b in (max_blocks, cap) if b is not None)])
+        if not self.grid:
+            return blocks * self.block_size
+        return max((b for b, s in zip(self.bounds, self.snapshots) if s is not None and b <= blocks * self.block_size),
+                   default=0)
+
+    def snapshot_at(self, tokens: int):
+        """The replica holding the snapshot at ``tokens`` (a boundary), or None."""
+        return next((s for b, s in zip(self.bounds, self.snapshots) if b == tokens), None)

@@ -172,7 +172,8 @@ def _print_serving(out: Console, st: dict) -> None:
     kt = st.get("kv_tier")
     if kt:
         out.print(f"KV tier: {kt['loaded_tokens']:,} of {kt['queried_tokens']:,} looked-up prompt tokens loaded "
-                  f"({kt['lookups']:,} lookups, {kt['missed']} failed loads, {kt['load_s']:.2f}s)")
+                  f"({kt['lookups']:,} lookups, {kt.get('remote_blocks', 0):,} blocks from other nodes' tiers, "
+                  f"{kt['missed']} failed loads, {kt['load_s']:.2f}s)")
         for actor, a in kt["actors"].items():
             tiers = "; ".join(f"{t['tier']} {t['used_bytes'] / 2**20:,.1f}/{t['capacity_bytes'] / 2**20:,.0f} MiB, "
                               f"{t['hits']:,} hits, misses {t['misses'] or 0}, {t['evictions']:,} evicted"

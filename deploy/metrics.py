@@ -438,6 +438,11 @@ class _ScrapeCollector:
                       "between steps.")
         load.add_metric([name], s["load_s"])
         yield load
+        remote = family(CounterMetricFamily, "kv_tier_remote_blocks", "Blocks loaded from another node's tier (read "
+                        "there by one of its replicas, checked again on arrival) where the replica's own node lacked "
+                        "them.")
+        remote.add_metric([name], s.get("remote_blocks", 0))
+        yield remote
         failed = family(CounterMetricFamily, "kv_tier_failed_loads", "Lookups whose entries the tier held but did "
                         "not load whole (the request was prefilled).")
         failed.add_metric([name], s["missed"])

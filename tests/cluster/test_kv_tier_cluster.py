@@ -64,6 +64,12 @@ def test_a_killed_replica_s_streams_come_back_from_the_node_tier(ray_cluster, tm
         assert st["loaded_tokens"] >= sum(n // BS * BS - BS for n in lengths), (st, lengths)
         reprefilled = computed(eng) - seen["before"]
         assert reprefilled <= sum(2 * BS + 2 for _ in lengths), (reprefilled, lengths, st)
+        # the operations a load from another node's tier takes, over a real blocks channel: an entry as stored (for
+        # the other node's actor to check and load), and the names an index is rebuilt from
+        chain = eng.scheduler.cache.chain_of(prompts[0], None, PROMPT // BS * BS)
+        sent = eng.executor.tier(0, "tier_fetch", [("block", h) for h in chain[:2]])
+        assert len(sent) == 2 and all(isinstance(e, bytes) and len(e) > 0 for e in sent)
+        assert len(eng.executor.tier(0, "tier_names", 4)) == 4
     finally:
         eng.executor.collect = collect
         eng.shutdown()

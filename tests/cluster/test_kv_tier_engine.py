@@ -283,3 +283,85 @@ def test_placement_prefers_the_replica_whose_node_s_tier_holds_the_prefix(tmp_pa
         assert seq.output_ids == single.alone(path, [history[:SYSTEM + 2 * TURN]], one)[0]
     finally:
         eng.shutdown()
+
+
+def two_nodes(path, tmp_path, monkeypatch) -> Engine:
+    """Two replicas on two (logical) nodes, each node's tier its own directory (``node0``, ``node1``)."""
+    from actors.tier import ActorTier
+    from cluster.kv_transfer import tier_spec
+
+    eng = engine(path, tmp_path / "node0", replicas=2)
+    monkeypatch.setattr(eng.executor, "node_of", lambda replica: f"node{replica}")
+    worker = eng.executor.workers[1]
+    worker.tier.close()
+    spec = tier_spec(eng.config, load_config(path))
+    worker.tier = ActorTier({**spec, "path": str(tmp_path / "node1")}, worker.cache)
+    return eng
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-tiny", "kimi-k3-tiny"])
+def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_replica(tmp_path, monkeypatch, name):
+    """Two replicas on two (logical) nodes, each node's tier its own directory: a history written through on
+    node 1, then gone from both device pools, its next turn placed on replica 0 (node 0's tier holds none of it).
+    Replica 0 loads it from node 1's tier — the entries read there, sent, checked again on arrival — files them in
+    its own node's tier, and the tokens are the single process's; K3's KDA snapshot comes across too. Then node
+    1's replica fails while asked: the next lookup prefills, with the same tokens, and nothing is left held.
+    Last, a new engine (a restart) indexes what each node's tier holds before its first lookup: the history's
+    next turn goes to node 1, whose tier alone holds it, and loads there."""
+    path = str(preset(name, seed=3, dtype="float32"))
+    eng = two_nodes(path, tmp_path, monkeypatch)
+    worker = eng.executor.workers[1]
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    history = sessions(9)[0]
+    try:
+        first = eng.add_request(history[:SYSTEM + TURN], one, replica=1)
+        while eng.busy:
+            eng.pipelined()
+        eng.release(first)
+        assert eng.executor.tier(1, "tier_flush") is True
+        assert not any((tmp_path / "node0").rglob("*.kv"))  # node 0's tier holds none of it
+        eng.scheduler.cache.forget([0, 1])
+        prompt = history[:SYSTEM + 2 * TURN]
+        rid = eng.add_request(prompt, one, replica=0)
+        while eng.busy:
+            eng.pipelined()
+        assert eng.release(rid).seq.output_ids == single.alone(path, [prompt], one)[0]
+        status = eng.tier.status()
+        assert status["remote_blocks"] >= SYSTEM // 16 and status["loaded_tokens"] >= SYSTEM, status
+        if name == "kimi-k3-tiny":
+            assert status["loaded_snapshots"] == 1, status
+        assert eng.executor.tier(0, "tier_status")["received"] > 0
+        assert eng.executor.tier(0, "tier_flush") is True
+        assert any((tmp_path / "node0").rglob("*.kv"))  # filed on node 0 now too
+
+        # node 1's replica cannot answer: the lookup on replica 0 finds only node 0's own tier
+        eng.scheduler.cache.forget([0, 1])
+        assert eng.executor.tier(0, "tier_flush") is True
+        for f in (tmp_path / "node0").rglob("*.kv"):
+            f.unlink()
+        monkeypatch.setattr(worker.tier, "fetch", lambda keys: (_ for _ in ()).throw(OSError("node 1 is gone")))
+        before = dict(status)
+        rid = eng.add_request(prompt, one, replica=0)
+        while eng.busy:
+            eng.pipelined()
+        assert eng.release(rid).seq.output_ids == single.alone(path, [prompt], one)[0]
+        after = eng.tier.status()
+        assert after["remote_blocks"] == before["remote_blocks"] and after["loaded_tokens"] == before["loaded_tokens"]
+        assert all(st["blocks_held"] == st["snapshots_held"] == 0 for st in eng.scheduler.cache_status())
+        assert eng.executor.tier(0, "tier_flush") is True
+    finally:
+        eng.shutdown()
+
+    for f in (tmp_path / "node0").rglob("*.kv"):  # (what that prefill wrote there): node 1's tier alone holds it
+        f.unlink()
+    again = two_nodes(path, tmp_path, monkeypatch)
+    try:
+        prompt = history[:SYSTEM + 3 * TURN]
+        rid = again.add_request(prompt, one)
+        while again.busy:
+            again.pipelined()
+        assert again.release(rid).seq.output_ids == single.alone(path, [prompt], one)[0]
+        assert [st["admitted"] for st in again.scheduler.cache_status()] == [0, 1]
+        assert again.tier.loaded_tokens >= SYSTEM and again.tier.remote_blocks == 0, again.tier.status()
+    finally:
+        again.shutdown()
