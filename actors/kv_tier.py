@@ -107,7 +107,12 @@ class Tier:
             raise ValueError(f"an entry of {len(data)} bytes does not fit the {self.name} tier ({self.capacity} bytes)")
         final = self._file(key)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as f:
+        try:
+            f = open(tmp, "wb")
+        except FileNotFoundError:  # its directory was removed (a tmpfs cleaned up under it): made again
+            self.path.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "wb")
+        with f:
             f.write(data)
         _used_now(tmp)
         os.replace(tmp, final)  # atomic: readers see the whole entry or the one it replaced

@@ -151,6 +151,39 @@ def test_the_size_bound_holds_and_an_entry_too_large_is_refused(tmp_path):
         Tier(tmp_path / "none", 0, LAYOUT)
 
 
+def test_an_entry_sent_to_another_node_is_checked_on_arrival_and_names_list_the_recent(tmp_path):
+    """What a load from another node's tier moves: an entry's bytes as stored there (``Tiers.fetch``, a disk hit
+    promoted on the way), checked on arrival as a read is (``Tier.check``: a flipped byte or another key's entry
+    is a counted miss, and nothing is removed on either side), filed whole (``put_entry``). ``names`` lists the
+    most recently used first (the engine's index after a restart); a tier whose directory was removed under it
+    makes it again on its next write."""
+    from actors.kv_tier import block_key, entry_name
+
+    size = entry_size(tmp_path)
+    there = Tiers(Tier(tmp_path / "a", 2 * size, LAYOUT), Tier(tmp_path / "a-disk", 8 * size, LAYOUT, name="disk"))
+    here = Tiers(Tier(tmp_path / "b", 8 * size, LAYOUT))
+    gen = torch.Generator().manual_seed(6)
+    parts = {i: block(gen) for i in range(3)}
+    for i in range(3):
+        there.put(block_key(bytes([i]) * 16), parts[i])  # the first one moves down to disk
+    key = block_key(bytes([0]) * 16)
+    parts0, data = there.fetch(key)
+    assert same(parts0, parts[0]) and there.disk.status()["hits"] == 1
+    assert same(here.node.check(key, data), parts[0])
+    flipped = bytearray(data)
+    flipped[-5] ^= 1
+    assert here.node.check(key, bytes(flipped)) is None and here.node.check(block_key(b"x" * 16), data) is None
+    assert dict(here.node.status()["misses"]) == {"corrupt": 1, "layout": 1}
+    here.put_entry(key, data)
+    assert same(here.get(key), parts[0])
+    assert there.names(2) == [entry_name(LAYOUT, key), entry_name(LAYOUT, block_key(bytes([2]) * 16))]
+    for f in (tmp_path / "b").iterdir():
+        f.unlink()
+    (tmp_path / "b").rmdir()
+    here.put(block_key(b"y" * 16), parts[1])
+    assert same(here.get(block_key(b"y" * 16)), parts[1])
+
+
 def _hammer(path: str, capacity: int, seed: int, rounds: int, q) -> None:
     tier = Tier(path, capacity, LAYOUT, rescan_every=8)
     rng = random.Random(seed)
