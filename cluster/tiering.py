@@ -280,7 +280,7 @@ class TierLoads:
         executor, replicas = self.engine.executor, range(len(self.engine.scheduler.cache.blocks))
         home = executor.node_of(r)
         best, most = None, 0
-        for node, known in self.index.items():
+        for node, known in list(self.index.items()):  # (PD's route asks from its own thread)
             n = 0
             while node != home and i + n < len(chain) and self._name(chain[i + n]) in known:
                 n += 1

@@ -26,10 +26,6 @@ H, I, E, K = 16, 8, 10, 3
 TOKEN = b"e" * TOKEN_BYTES  # the epoch's token, the same in every process
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 def _shards(table: PlacementTable, layers=(1, 2)):
     g = torch.Generator().manual_seed(0)
     out = {}
@@ -154,7 +150,7 @@ def _spawn(world, A, configs, mode, wait_for, transport="auto") -> dict:
     crashed rank leaves its peers to their collective timeout: the tests then name what is missing)."""
     ctx = mp_context()
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_run, args=(r, world, port, A, configs, mode, transport, q), daemon=True)
              for r in range(world)]
     for p in procs:
@@ -381,7 +377,7 @@ def test_the_exchange_equals_the_single_process_bit_for_bit(X):
     or a replicated placement."""
     ctx = mp_context()
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_exact, args=(r, X, port, q), daemon=True) for r in range(EXACT_A + X)]
     for p in procs:
         p.start()

@@ -23,10 +23,6 @@ STREAMS = 4
 TOKENS = 96
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -44,7 +40,7 @@ class Up:
     def __init__(self, tmp: Path, *extra: str, env: dict[str, str] | None = None,
                  shape: tuple[str, ...] = ("--experts", "2")) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        self.tmp, self.port = tmp, _free_port()
+        self.tmp, self.port = tmp, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp), **(env or {})}
         self.log = tmp / "up.out"

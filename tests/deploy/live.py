@@ -22,14 +22,9 @@ from model.loader import load_model
 from model.runner import ModelRunner, generate
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
-from tests.ports import free_port as _free_port
 
 KEY = "live-key"  # the inference key
 ADMIN = "live-admin-key"  # the /admin routes' key (moeray scale, rebalance, chaos)
-
-
-def free_port() -> int:
-    return _free_port()
 
 
 def serve_config(port, path, name, **settings) -> ServeConfig:

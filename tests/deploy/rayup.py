@@ -55,17 +55,13 @@ from pathlib import Path
 import yaml
 
 from hostprocs import alive, die_with_parent, kill_group, kill_pids, listeners, processes, socket_inodes, tail
-from tests.ports import free_port as _free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).parents[2]
 SHIPPED_HEAD_IP, SHIPPED_WORKER_IP = "127.0.0.2", "127.0.0.3"
 NODE_IP_PAIRS = [(f"127.0.0.{i}", f"127.0.0.{i + 1}") for i in range(20, 40, 2)]
 SSHD = "/usr/sbin/sshd"
 USER_RE = re.compile(r"mru[0-9a-f]{8}")  # the throwaway logins, and nothing else, match
-
-
-def free_port(ip: str = "127.0.0.1") -> int:
-    return _free_port(ip)
 
 
 def _free_ports(n: int) -> list[int]:

@@ -24,10 +24,6 @@ from tests.ports import free_port
 pytestmark = pytest.mark.operator
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 def first_chunk_while_running(url: str, model: str = "kimi-k2-tiny") -> tuple[int, int]:
     """Stream a 48-token completion; at its first chunk ask /status how many sequences run. Returns
     (that count, the number of token chunks received in all)."""
@@ -48,7 +44,7 @@ def test_down_stops_a_foreground_up_quickly_and_cleanly(tmp_path):
     ingress, holder = "proxy", "ray::ProxyActor"
     exe = str(Path(sys.executable).parent / "moeray")
     env = {**os.environ, "MOERAY_CACHE_DIR": str(tmp_path)}
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "up.out", "w") as out:
         up = subprocess.Popen([exe, "up", "--model", "kimi-k2-tiny", "--port", str(port), "--ingress", ingress], stdout=out,
                               stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)

@@ -24,14 +24,15 @@ import httpx
 import pytest
 
 from deploy import owned
-from tests.deploy.headloss import MODEL, PROMPTS, Up, _complete, _exe, _free_port, _streams_through
+from tests.deploy.headloss import MODEL, PROMPTS, Up, _complete, _exe, _streams_through
 from tests.deploy.hostprocs import listening
+from tests.ports import free_port
 
 pytestmark = pytest.mark.operator
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     work = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", str(work)],

@@ -23,10 +23,6 @@ from deploy.headwatch import HeadWatch, LostFront
 from tests.ports import free_port
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 # ---- the process records -------------------------------------------------------------------------------
 def test_records_stop_the_recorded_processes_and_never_a_pid_with_another_start_time():
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
@@ -70,7 +66,7 @@ def _backend(port: int) -> ThreadingHTTPServer:
 
 
 def test_gate_relays_holds_while_the_head_is_away_and_answers_503_after_its_limit():
-    port, backend_port = _free_port(), _free_port()
+    port, backend_port = free_port(), free_port()
     gate = Gate("127.0.0.1", port, backend_port, hold_s=20)
     server = _backend(backend_port)
     try:
@@ -95,7 +91,7 @@ def test_gate_relays_holds_while_the_head_is_away_and_answers_503_after_its_limi
         server.shutdown()
         server.server_close()
         gate.close()
-    short = Gate("127.0.0.1", _free_port(), _free_port(), hold_s=0.5)  # nothing ever listens behind it
+    short = Gate("127.0.0.1", free_port(), free_port(), hold_s=0.5)  # nothing ever listens behind it
     try:
         r = httpx.get(f"http://127.0.0.1:{short.port}/v1/models", timeout=10)
         assert r.status_code == 503 and "head node" in r.json()["error"]["message"]
@@ -104,7 +100,7 @@ def test_gate_relays_holds_while_the_head_is_away_and_answers_503_after_its_limi
 
 
 def test_lost_front_answers_every_request_503_with_what_to_do():
-    port = _free_port()
+    port = free_port()
     front = LostFront("127.0.0.1", port, "moeray lost its Ray cluster: run `moeray down`")
     try:
         for r in (httpx.get(f"http://127.0.0.1:{port}/health"),
@@ -147,7 +143,7 @@ class _Cluster:
 
 def _watch(cluster):
     logs = []
-    watch = HeadWatch(cluster, host="127.0.0.1", port=_free_port(), save=lambda *a: None,
+    watch = HeadWatch(cluster, host="127.0.0.1", port=free_port(), save=lambda *a: None,
                       log=lambda *a, **k: logs.append(a[0]))
     return watch, logs
 
