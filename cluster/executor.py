@@ -224,17 +224,24 @@ class RayExecutor:
 
     def tier(self, replica: int, op: str, *args):
         """A KV tier operation of attention replica ``replica`` (actors/attention.py ``_serve_blocks``: tier_probe,
-        tier_load, tier_flush, tier_status) over its blocks channel, under the step timeout."""
-        return self._blocks_call(replica, "channel", op, *args)
+        tier_load, tier_fetch, tier_names, tier_flush, tier_status) over its blocks channel, under the step timeout
+        — a probe under the hang watchdog's (hang_floor_s + heartbeat_timeout_s): it only checks that files exist,
+        and the engine waits for it between steps, so a stopped actor costs the streams seconds, not the step
+        timeout (its next step finds it hung)."""
+        faults = self.config.faults
+        timeout = min(faults.step_timeout_s, faults.hang_floor_s + faults.heartbeat_timeout_s) \
+            if op == "tier_probe" else None
+        return self._blocks_call(replica, "channel", op, *args, timeout_s=timeout)
 
-    def _blocks_call(self, replica: int, via: str, op: str, *args):
-        """``op`` ("read" or "write") of attention replica ``replica``'s blocks over ``via``, under the step
-        timeout; a dead, silent or failing actor raises TransportError naming it."""
+    def _blocks_call(self, replica: int, via: str, op: str, *args, timeout_s: float | None = None):
+        """``op`` ("read" or "write") of attention replica ``replica``'s blocks over ``via``, under ``timeout_s``
+        (the step timeout by default); a dead, silent or failing actor raises TransportError naming it."""
         import ray
 
         if via not in TRANSPORTS:
             raise ValueError(f"no blocks transport {via!r}: one of {', '.join(TRANSPORTS)}")
-        member, timeout = self.fleet.attention[replica], self.config.faults.step_timeout_s
+        member = self.fleet.attention[replica]
+        timeout = self.config.faults.step_timeout_s if timeout_s is None else timeout_s
         try:
             if via == "object_store":
                 return ray.get(getattr(member.actor, f"{op}_blocks").remote(*args), timeout=timeout)
@@ -253,11 +260,11 @@ class RayExecutor:
     def _over_channel(self, member, replica: int, timeout: float, request: tuple):
         import ray
 
-        if member.blocks is None:
-            token = secrets.token_bytes(TOKEN_BYTES)
-            address = ray.get(member.actor.open_blocks_channel.remote(token), timeout=timeout)
-            member.blocks = StepChannel(f"attention[{replica}] blocks", tuple(address), token, timeout,
-                                        connect_timeout_s=min(30.0, timeout))
+        if member.blocks is None:  # (opened under the step timeout, whatever the call's own)
+            token, opening = secrets.token_bytes(TOKEN_BYTES), self.config.faults.step_timeout_s
+            address = ray.get(member.actor.open_blocks_channel.remote(token), timeout=opening)
+            member.blocks = StepChannel(f"attention[{replica}] blocks", tuple(address), token, opening,
+                                        connect_timeout_s=min(30.0, opening))
         member.blocks_calls += 1
         member.blocks.send(member.blocks_calls, request)
         return member.blocks.recv(member.blocks_calls, time.monotonic() + timeout,

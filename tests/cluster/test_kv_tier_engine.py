@@ -230,6 +230,39 @@ def test_a_blocks_call_that_times_out_kills_the_replica_only_if_it_writes_into_t
     assert kills == ([member] if killed else []) and member.blocks is None  # (its answers may be out of step)
 
 
+def test_a_probe_waits_for_a_silent_actor_as_the_hang_watchdog_would_not_the_step_timeout():
+    """A lookup's probe (between steps: the engine waits for it) gives up on a silent actor after the watchdog's
+    hang_floor_s + heartbeat_timeout_s — a stopped actor costs the streams seconds, and its next step finds it hung
+    — while a load, sized by its bytes, keeps the step timeout."""
+    import time
+    from types import SimpleNamespace
+
+    from cluster.executor import RayExecutor
+    from cluster.kv_transfer import TransportError
+
+    waited = {}
+
+    class Silent:
+        def send(self, n, request):
+            self.op = request[0]
+
+        def recv(self, n, deadline, alive=None):
+            waited[self.op] = deadline - time.monotonic()
+            raise TimeoutError("attention[0] blocks did not answer")
+
+        def close(self):
+            pass
+
+    ex = RayExecutor.__new__(RayExecutor)
+    ex.config = EngineConfig.of("m", step_timeout_s=120, hang_floor_s=3, heartbeat_timeout_s=1.5)
+    for op in ("tier_probe", "tier_fetch", "tier_load"):
+        member = SimpleNamespace(blocks=Silent(), blocks_calls=0, actor=None)
+        ex.fleet = SimpleNamespace(attention=[member], kill_member=lambda m: None, reachable=lambda m: True)
+        with pytest.raises(TransportError, match=f"{op} on attention replica 0 failed"):
+            ex.tier(0, op, [])
+    assert 4.0 < waited["tier_probe"] <= 4.5 and waited["tier_fetch"] > 119 and waited["tier_load"] > 119, waited
+
+
 def test_a_tier_slower_than_prefill_is_left_alone(tmp_path):
     """Loads happen while loading has measured cheaper per token than prefilling: with the load cost made dearer
     than the measured prefill cost, a request the tier holds is prefilled instead (counted as skipped), with the
