@@ -55,7 +55,7 @@ class TierLoads:
         # lists what it holds, so the index outlives the engine as the tier does)
         self.index: dict[str, OrderedDict[str, None]] = {}
         self.layout = tier_spec(engine.config, engine.model_cfg)["layout"]
-        self.listed = False
+        self.listed: set[str] = set()  # the nodes whose tiers were listed into the index (or could not say)
         self._names: dict[bytes, str] = {}  # (a pass's memo of prefix hash → entry name)
         self._reserved: dict[int, int] = {}  # (per pass of before_schedule: see there)
         self._planned: dict[int, int] = {}
@@ -100,15 +100,15 @@ class TierLoads:
         return name
 
     def _list(self) -> None:
-        """Index what each node's tier holds (its entries' names, most recently used first), asking one replica of
-        each node: what the engine writes from now on is indexed as it goes."""
-        self.listed = True
-        executor, seen = self.engine.executor, set()
+        """Index what the tier of each node not listed yet holds (its entries' names, most recently used first) —
+        at the first lookup, and for a node a scale change or a replacement brought — asking one replica of it:
+        what the engine writes from then on is indexed as it goes."""
+        executor = self.engine.executor
         for q in range(len(self.engine.scheduler.cache.blocks)):
             node = executor.node_of(q)
-            if node in seen:
+            if node in self.listed:
                 continue
-            seen.add(node)
+            self.listed.add(node)
             try:
                 names = executor.tier(q, "tier_names", self.INDEX_MAX)
             except Exception:  # noqa: BLE001 — a node that cannot say is indexed as it is written to
@@ -130,8 +130,11 @@ class TierLoads:
         """Between steps (nothing in flight): look up the first waiting requests not looked up yet — or looked up
         and short of room on their replica then, once it has more."""
         sched = self.engine.scheduler
-        if not self.listed and sched.waiting:
-            self._list()
+        if sched.waiting:
+            try:
+                self._list()
+            except Exception:  # noqa: BLE001 — the index is a hint: the probes still find what a tier holds
+                log.warning("KV tier: listing the nodes' tiers failed", exc_info=True)
         n = 0
         self._names = {}
         self._reserved: dict[int, int] = {}  # per replica: blocks the requests loaded for this step will take

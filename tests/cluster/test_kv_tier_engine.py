@@ -398,3 +398,32 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
         assert again.tier.loaded_tokens >= SYSTEM and again.tier.remote_blocks == 0, again.tier.status()
     finally:
         again.shutdown()
+
+
+def test_a_node_that_joins_later_has_its_tier_listed_into_the_index(tmp_path, monkeypatch):
+    """The index lists each node's tier once, when it first sees the node: the nodes there at the first lookup,
+    then one a scale change or a replacement brings (here replica 1 found on another node than before)."""
+    path = str(preset("kimi-k2-tiny", seed=3, dtype="float32"))
+    eng = two_nodes(path, tmp_path, monkeypatch)
+    try:
+        history = sessions(10)[0][:SYSTEM]
+        rid = eng.add_request(history, SamplingParams(max_tokens=1, ignore_eos=True), replica=1)
+        while eng.busy:
+            eng.pipelined()
+        eng.release(rid)
+        assert eng.executor.tier(1, "tier_flush") is True
+        fresh = engine(path, tmp_path / "node0", replicas=2)  # a restart: both replicas on node 0 at first
+        try:
+            fresh.executor.workers[1].tier.close()
+            fresh.executor.workers[1].tier = eng.executor.workers[1].tier  # (node 1's directory)
+            monkeypatch.setattr(fresh.executor, "node_of", lambda replica: "node0")
+            fresh.tier._list()
+            assert fresh.tier.listed == {"node0"} and "node1" not in fresh.tier.index
+            monkeypatch.setattr(fresh.executor, "node_of", lambda replica: f"node{replica}")  # replica 1 moved
+            fresh.tier._list()
+            chain = fresh.scheduler.cache.chain_of(history, None, SYSTEM // 16 * 16)
+            assert fresh.tier.listed == {"node0", "node1"} and fresh.tier._indexed(1, chain, 0) == len(chain)
+        finally:
+            fresh.shutdown()
+    finally:
+        eng.shutdown()
