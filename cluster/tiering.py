@@ -218,8 +218,9 @@ class TierLoads:
         items = [("block", b, h) for b, h in zip(moved.blocks[moved.fresh:], moved.hashes[moved.fresh:])]
         if moved.new_snapshot:
             items.append(("snapshot", moved.snapshot, moved.hashes[-1]))
+        ours = set(moved.hashes)
         try:
-            loaded = executor.tier(r, "tier_load", items, {k: v for k, v in fetched.items() if k[1] in moved.hashes})
+            loaded = executor.tier(r, "tier_load", items, {k: v for k, v in fetched.items() if k[1] in ours})
         except BaseException:
             cache.unpin(moved)
             raise
