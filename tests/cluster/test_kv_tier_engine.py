@@ -50,6 +50,14 @@ def run(eng: Engine, histories, params) -> list[list[int]]:
     return out
 
 
+def serve(eng: Engine, prompt, params, replica: int | None = None) -> list[int]:
+    """One request through ``eng`` to its end (started on ``replica``, if given): its output tokens."""
+    rid = eng.add_request(prompt, params, replica=replica)
+    while eng.busy:
+        eng.pipelined()
+    return eng.release(rid).seq.output_ids
+
+
 def computed(eng: Engine) -> int:
     """Prompt tokens looked up and not found on the device pools (each one prefilled, or loaded from the tier)."""
     return sum(st["queries_tokens"] - st["hit_tokens"] for st in eng.scheduler.cache_status())
@@ -299,21 +307,15 @@ def test_placement_prefers_the_replica_whose_node_s_tier_holds_the_prefix(tmp_pa
     one = SamplingParams(max_tokens=2, ignore_eos=True)
     history = sessions(8)[0]
     try:
-        first = eng.add_request(history[:SYSTEM + TURN], one, replica=1)
-        while eng.busy:
-            eng.pipelined()
-        eng.release(first)
+        serve(eng, history[:SYSTEM + TURN], one, replica=1)
         admitted = lambda: [st.get("admitted", 0) for st in eng.scheduler.cache_status()]  # noqa: E731
         assert admitted() == [0, 1]
         assert eng.executor.tier(1, "tier_flush") is True
         assert eng.tier._indexed(1, eng.scheduler.cache.chain_of(history, None, SYSTEM + TURN), 0) > 0
         eng.scheduler.cache.forget([0, 1])  # both device pools lose it (as after an eviction)
-        rid = eng.add_request(history[:SYSTEM + 2 * TURN], one)
-        while eng.busy:
-            eng.pipelined()
-        seq = eng.release(rid).seq
+        got = serve(eng, history[:SYSTEM + 2 * TURN], one)
         assert admitted() == [0, 2] and eng.tier.loaded_tokens >= SYSTEM, (admitted(), eng.tier.status())
-        assert seq.output_ids == single.alone(path, [history[:SYSTEM + 2 * TURN]], one)[0]
+        assert got == single.alone(path, [history[:SYSTEM + 2 * TURN]], one)[0]
     finally:
         eng.shutdown()
 
@@ -347,18 +349,12 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
     one = SamplingParams(max_tokens=2, ignore_eos=True)
     history = sessions(9)[0]
     try:
-        first = eng.add_request(history[:SYSTEM + TURN], one, replica=1)
-        while eng.busy:
-            eng.pipelined()
-        eng.release(first)
+        serve(eng, history[:SYSTEM + TURN], one, replica=1)
         assert eng.executor.tier(1, "tier_flush") is True
         assert not any((tmp_path / "node0").rglob("*.kv"))  # node 0's tier holds none of it
         eng.scheduler.cache.forget([0, 1])
         prompt = history[:SYSTEM + 2 * TURN]
-        rid = eng.add_request(prompt, one, replica=0)
-        while eng.busy:
-            eng.pipelined()
-        assert eng.release(rid).seq.output_ids == single.alone(path, [prompt], one)[0]
+        assert serve(eng, prompt, one, replica=0) == single.alone(path, [prompt], one)[0]
         status = eng.tier.status()
         assert status["remote_blocks"] >= SYSTEM // 16 and status["loaded_tokens"] >= SYSTEM, status
         if name == "kimi-k3-tiny":
@@ -374,10 +370,7 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
             f.unlink()
         monkeypatch.setattr(worker.tier, "fetch", lambda keys: (_ for _ in ()).throw(OSError("node 1 is gone")))
         before = dict(status)
-        rid = eng.add_request(prompt, one, replica=0)
-        while eng.busy:
-            eng.pipelined()
-        assert eng.release(rid).seq.output_ids == single.alone(path, [prompt], one)[0]
+        assert serve(eng, prompt, one, replica=0) == single.alone(path, [prompt], one)[0]
         after = eng.tier.status()
         assert after["remote_blocks"] == before["remote_blocks"] and after["loaded_tokens"] == before["loaded_tokens"]
         assert all(st["blocks_held"] == st["snapshots_held"] == 0 for st in eng.scheduler.cache_status())
@@ -390,10 +383,7 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
     again = two_nodes(path, tmp_path, monkeypatch)
     try:
         prompt = history[:SYSTEM + 3 * TURN]
-        rid = again.add_request(prompt, one)
-        while again.busy:
-            again.pipelined()
-        assert again.release(rid).seq.output_ids == single.alone(path, [prompt], one)[0]
+        assert serve(again, prompt, one) == single.alone(path, [prompt], one)[0]
         assert [st["admitted"] for st in again.scheduler.cache_status()] == [0, 1]
         assert again.tier.loaded_tokens >= SYSTEM and again.tier.remote_blocks == 0, again.tier.status()
     finally:
@@ -407,10 +397,7 @@ def test_a_node_that_joins_later_has_its_tier_listed_into_the_index(tmp_path, mo
     eng = two_nodes(path, tmp_path, monkeypatch)
     try:
         history = sessions(10)[0][:SYSTEM]
-        rid = eng.add_request(history, SamplingParams(max_tokens=1, ignore_eos=True), replica=1)
-        while eng.busy:
-            eng.pipelined()
-        eng.release(rid)
+        serve(eng, history, SamplingParams(max_tokens=1, ignore_eos=True), replica=1)
         assert eng.executor.tier(1, "tier_flush") is True
         fresh = engine(path, tmp_path / "node0", replicas=2)  # a restart: both replicas on node 0 at first
         try:
