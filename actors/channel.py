@@ -219,7 +219,8 @@ class ServesSteps:
         break_exchange()
 
     def exchange_links(self) -> dict[str, int]:
-        """How this epoch's exchange links travel: {"shm": n, "socket": m} (actors/group.py)."""
+        """How this epoch's exchange links travel: {"shm": n, "socket": m}, and colocated workers' mailboxes
+        (actors/group.py ``link_kinds``)."""
         from .group import link_kinds
 
         return link_kinds()

@@ -37,8 +37,10 @@ import torch
 from model.moe import RoutedExperts
 
 from . import dense as dense_format
+from .board import Board
 from .dense import serve_dense, serve_dense_few
 from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _sum_pairs, _view
+from .group import current_mesh
 from .messages import PlacementTable
 
 
@@ -58,6 +60,7 @@ class _Posted:
     counts_in: torch.Tensor | None = None  # sparse: [workers, local slots] pairs each worker sends here
     order: torch.Tensor | None = None  # sparse: this worker's pairs (token · k + slot) sorted by (worker, local slot)
     send_counts: torch.Tensor | None = None  # sparse: [workers, local slots] pairs this worker sends
+    board: tuple[int, int] | None = None  # through the mailboxes (actors/board.py): its dispatch's message numbers
 
 
 class ColocatedExchange(_Collectives, _PairCounts):
@@ -73,11 +76,17 @@ class ColocatedExchange(_Collectives, _PairCounts):
         self._issued = 0  # exchanges posted this step: micro-batch = issued % micro-batches
         self.rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
         self._lists: dict[int, tuple[list[int], list[int]]] = {}  # unreplicated layer → its routing as lists
+        mesh = current_mesh() if self.p2p and group is None else None
+        # every worker on one node, each pair's mailboxes made: a decode step's exchanges go through them
+        self.board = Board(rank, self.world, {p: link.box for p, link in mesh.links.items()}, hidden, dtype, top_k) \
+            if mesh is not None and mesh.board and self.world > 1 and self.device.type == "cpu" else None
 
     def begin_step(self, step: int, tokens: tuple[tuple[int, ...], ...] = ()) -> None:
         self.reset_timers(step)
         self.routed, self.tokens, self._issued, self.expert_s = [], tokens, 0, 0.0
         self.rows_served = torch.zeros(len(self.table.moe_layers), self.table.max_local, dtype=torch.long)
+        if self.board is not None:
+            self.board.begin_step(step)
 
     # ---- attention side ----------------------------------------------------------------------
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> _Posted:
@@ -85,6 +94,13 @@ class ColocatedExchange(_Collectives, _PairCounts):
         tokens = self._tokens(micro, x.shape[0])
         self._issued += 1
         idx = topk_idx.to(self.device)
+        if self.board is not None and not self.routing.replicated(layer) and self.board.takes(tokens):
+            self.count(layer, idx, None)
+            try:
+                first = self.board.dispatch(x, idx, topk_w)
+            except OSError as e:  # a mailbox broken earlier (its peer gone or stuck)
+                raise self.error(layer, "dispatch", e) from e
+            return _Posted(layer, x, idx, topk_w, tokens, [], (), board=first)
         if self.mode == "dense":
             slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
             self.count(layer, idx, slots)
@@ -114,8 +130,32 @@ class ColocatedExchange(_Collectives, _PairCounts):
     def collect(self, p: _Posted) -> torch.Tensor:
         """Serve the rows sent here for this worker's experts, send their results back, and return this
         worker's routed rows [T, hidden], weighted and summed per token."""
-        out = self._collect_dense(p) if self.mode == "dense" else self._collect_sparse(p)
+        if p.board is not None:
+            out = self._collect_board(p)
+        else:
+            out = self._collect_dense(p) if self.mode == "dense" else self._collect_sparse(p)
         return out.to(p.x.device, p.x.dtype)
+
+    def _collect_board(self, p: _Posted) -> torch.Tensor:
+        """:meth:`collect` through the mailboxes (actors/board.py), the same bits as the links' formats."""
+        b, phase = self.board, "dispatch"
+        before = dict(b.waited)
+        actor_of, local_of = self._single_lists(p.layer)
+        try:
+            x, ids = b.rows(p.board, p.tokens, (p.x.to(self.device, self.dtype), p.idx))
+            phase = "combine"
+            own, slots, mine_at, spent, back = b.serve(p.board, self.experts[p.layer], x, ids, p.tokens, actor_of,
+                                                       local_of)
+            self.expert_s += spent
+            self.rows_served[self.table.layer_index(p.layer)] += torch.bincount(
+                torch.tensor(slots, dtype=torch.long), minlength=self.table.max_local)
+            return b.combine(back, own, mine_at, p.idx, p.w, actor_of)
+        except OSError as e:  # a peer gone (its link closed) or stuck past the timeout
+            raise self.error(p.layer, phase, e) from e
+        finally:
+            for ph, s in b.waited.items():
+                self.exchange_s += s - before[ph]
+                self.phase_s[ph] += s - before[ph]
 
     # ---- dense ---------------------------------------------------------------------------------
     def _pack(self, x, idx, w) -> torch.Tensor:

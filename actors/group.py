@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout  # public in spirit: no other way to shorten a group's timeout
 
+from .mailbox import BOX_BYTES
 from .messages import GroupInfo
 from .shm import ShmStream, node_key, upgrade
 from .wire import SocketMesh, local_ip
@@ -32,8 +33,10 @@ def open_store(ip: str) -> dist.TCPStore:
 
 # "socket": direct sockets for every pair (actors/wire.py); "shm": shared memory between two processes on
 # one node, direct sockets between nodes (actors/shm.py); "group": gloo's own sends; "auto": the one measured
-# fastest at decode sizes, the sockets today (bench/bench_exchange.py: shared memory's wake-up through a
-# doorbell costs more than the socket's own at one token, and the bytes moved equal at 19 MB)
+# fastest at decode sizes, the sockets (bench/bench_exchange.py: shared memory's wake-up through a doorbell
+# costs more than the socket's own at one token, and the bytes moved equal at 19 MB). Colocated workers all
+# on one node also get mailboxes with "auto" and "shm" (actors/mailbox.py, actors/board.py): a decode step's
+# exchange without the links' frames.
 TRANSPORTS = ("auto", "socket", "shm", "group")
 _mesh: SocketMesh | None = None  # the current epoch's exchange links (gloo groups, transports auto and socket)
 _collective: timedelta | None = None  # the current group's collective timeout
@@ -66,9 +69,11 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
                                token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated,
                                connect_timeout_s=info.rendezvous_timeout_s)
-            if info.transport == "shm":
+            boxes = colocated and info.transport in ("auto", "shm")
+            if info.transport == "shm" or boxes:
                 try:
-                    upgrade(_mesh, node_key())
+                    upgrade(_mesh, node_key(), rings=info.transport == "shm", box_bytes=BOX_BYTES if boxes else 0)
+                    _mesh.board = boxes and _all_boxed(store, f"moeray/wire/{info.epoch}/boxed", rank, world_size)
                 except BaseException:
                     _mesh.close()
                     _mesh = None
@@ -78,6 +83,15 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     except BaseException:
         dist.destroy_process_group()
         raise
+
+
+def _all_boxed(store: dist.TCPStore, prefix: str, rank: int, world_size: int) -> bool:
+    """Whether every pair of the epoch's workers has mailboxes (all on one node, each segment made):
+    each rank says whether all of its links have them, and all read every answer, so all agree on
+    taking the mailbox exchange (actors/board.py) or not."""
+    mine = all(link.box is not None for link in _mesh.links.values())
+    store.set(f"{prefix}/{rank}", b"1" if mine else b"0")
+    return all(store.get(f"{prefix}/{r}") == b"1" for r in range(world_size))
 
 
 def current_mesh() -> SocketMesh | None:
@@ -93,11 +107,17 @@ def collective_timeout() -> timedelta | None:
 
 
 def link_kinds() -> dict[str, int]:
-    """How this process's exchange links travel: {"shm": n, "socket": m} ({} on the group's own ops)."""
+    """How this process's exchange links travel: {"shm": n, "socket": m} ({} on the group's own ops); where
+    the epoch's workers exchange through mailboxes (actors/board.py) also "mailbox" (links with them) and
+    "mailbox_messages" (the messages this process has written into them this epoch)."""
     kinds: dict[str, int] = {}
-    for link in list(_mesh.links.values()) if _mesh is not None else ():
+    links = list(_mesh.links.values()) if _mesh is not None else []
+    for link in links:
         kind = "shm" if isinstance(link.sock, ShmStream) else "socket"
         kinds[kind] = kinds.get(kind, 0) + 1
+    if _mesh is not None and _mesh.board:
+        kinds["mailbox"] = len(links)
+        kinds["mailbox_messages"] = sum(link.box.sent for link in links)
     return kinds
 
 

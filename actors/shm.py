@@ -41,12 +41,12 @@ import socket
 import threading
 import time
 
-from .framing import read_frame
+from .mailbox import Mailbox, box_size
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moeray-x-"
 MAGIC = b"moeray-r"
-VERSION = 1
+VERSION = 2
 PAGE = 4096
 RING_BYTES = 2 << 20  # data bytes per direction (whole pages; the tests pass smaller rings to upgrade())
 SPIN_S = 50e-6  # a reader's spin before it sleeps
@@ -127,8 +127,9 @@ class _Ring:
         return got
 
 
-def _size(ring_bytes: int) -> int:
-    return PAGE + 2 * (PAGE + ring_bytes)
+def _size(ring_bytes: int, box_bytes: int = 0) -> int:
+    """A segment's bytes: a header page, two rings, and (``box_bytes``) two mailboxes (actors/mailbox.py)."""
+    return PAGE + 2 * (PAGE + ring_bytes) + (2 * box_size(box_bytes) if box_bytes else 0)
 
 
 class ShmStream:
@@ -252,15 +253,16 @@ class ShmStream:
 
 
 # ---- segments ------------------------------------------------------------------------------
-def _create(ring_bytes: int) -> tuple[str, mmap.mmap]:
+def _create(ring_bytes: int, box_bytes: int = 0) -> tuple[str, mmap.mmap]:
     ring_bytes = max(PAGE, -(-ring_bytes // PAGE) * PAGE)  # whole pages: the control words stay aligned
+    box_bytes = -(-box_bytes // PAGE) * PAGE
     sweep()
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.posix_fallocate(fd, 0, _size(ring_bytes))  # /dev/shm full: fails here, never a SIGBUS later
-        mm = mmap.mmap(fd, _size(ring_bytes))
+        os.posix_fallocate(fd, 0, _size(ring_bytes, box_bytes))  # /dev/shm full: fails here, never a SIGBUS later
+        mm = mmap.mmap(fd, _size(ring_bytes, box_bytes))
     except BaseException:
         os.close(fd)
         _unlink(name)
@@ -269,6 +271,7 @@ def _create(ring_bytes: int) -> tuple[str, mmap.mmap]:
     mm[:8] = MAGIC
     mm[8:16] = VERSION.to_bytes(8, "little")
     mm[16:24] = ring_bytes.to_bytes(8, "little")
+    mm[24:32] = box_bytes.to_bytes(8, "little")
     return name, mm
 
 
@@ -284,7 +287,7 @@ def _open(name: str) -> mmap.mmap:
         os.close(fd)
         _unlink(name)
     if mm[:8] != MAGIC or int.from_bytes(mm[8:16], "little") != VERSION or \
-            _size(int.from_bytes(mm[16:24], "little")) != size:
+            _size(int.from_bytes(mm[16:24], "little"), int.from_bytes(mm[24:32], "little")) != size:
         raise ValueError(f"segment {name} is not a version-{VERSION} exchange segment")
     return mm
 
@@ -314,13 +317,17 @@ def sweep() -> None:
             continue
 
 
-def upgrade(mesh, key: str | None, ring_bytes: int = RING_BYTES) -> int:
+def upgrade(mesh, key: str | None, ring_bytes: int = RING_BYTES, *, rings: bool = True, box_bytes: int = 0) -> int:
     """Give every link of ``mesh`` whose two ends share ``key`` (:func:`node_key`) a shared-memory
-    stream; the others keep TCP. Every rank of the epoch calls it right after making the mesh; returns
-    the links upgraded. Each step only waits on what the other end sent before its own first wait, so
-    the handshake has no cycle: connectors send their key; acceptors answer a segment's name (or
-    nothing); connectors open it and acknowledge; acceptors read the acknowledgements."""
+    segment; the others keep TCP. With ``rings`` the link's stream moves into it (:class:`ShmStream`);
+    with ``box_bytes`` the link also gets mailboxes of that many bytes each way (``link.box``,
+    :mod:`actors.mailbox`; without rings the stream stays on TCP beside them). Every rank of the epoch
+    calls it right after making the mesh, with the same arguments; returns the links upgraded. Each
+    step only waits on what the other end sent before its own first wait, so the handshake has no
+    cycle: connectors send their key; acceptors answer a segment's name (or nothing); connectors open
+    it and acknowledge; acceptors read the acknowledgements."""
     mine = (key or "").encode()
+    ring_bytes = ring_bytes if rings else PAGE
     for peer in mesh.connected:
         mesh.links[peer].send_bytes(SETUP, mine).wait()
     made: dict[int, tuple[str, mmap.mmap]] = {}
@@ -331,7 +338,7 @@ def upgrade(mesh, key: str | None, ring_bytes: int = RING_BYTES) -> int:
             name = b""
             if key and theirs == mine:
                 try:
-                    made[peer] = _create(ring_bytes)
+                    made[peer] = _create(ring_bytes, box_bytes)
                     name = made[peer][0].encode()
                 except OSError:
                     pass  # no room in /dev/shm: this pair keeps TCP
@@ -343,22 +350,36 @@ def upgrade(mesh, key: str | None, ring_bytes: int = RING_BYTES) -> int:
             if not name:  # another node (or no room there): nothing to acknowledge
                 continue
             try:
-                stream = ShmStream(_open(name), link.sock, acceptor=False, timeout_s=link.timeout_s)
+                mm = _open(name)
             except (OSError, ValueError):
-                stream = None
-            link.send_bytes(SETUP, b"\x01" if stream else b"\x00").wait()
-            if stream:
-                link.sock, upgraded = stream, upgraded + 1
+                mm = None
+            link.send_bytes(SETUP, b"\x01" if mm is not None else b"\x00").wait()
+            if mm is not None:
+                _attach(link, mm, acceptor=False, rings=rings)
+                upgraded += 1
         for peer, (name, mm) in made.items():
             link = mesh.links[peer]
             ok = _setup_frame(link) == b"\x01"
             _unlink(name)
             if ok:
-                link.sock, upgraded = ShmStream(mm, link.sock, acceptor=True, timeout_s=link.timeout_s), upgraded + 1
+                _attach(link, mm, acceptor=True, rings=rings)
+                upgraded += 1
         return upgraded
     finally:
         for name, _mm in made.values():
             _unlink(name)
+
+
+def _attach(link, mm: mmap.mmap, *, acceptor: bool, rings: bool) -> None:
+    """Move ``link`` onto its segment ``mm``: its stream into the rings (``rings``), its mailboxes
+    (when the segment has them) beside it."""
+    raw = link.sock
+    ring_bytes, box_bytes = int.from_bytes(mm[16:24], "little"), int.from_bytes(mm[24:32], "little")
+    if box_bytes:
+        link.box = Mailbox(mm, PAGE + 2 * (PAGE + ring_bytes), box_bytes, acceptor=acceptor, raw=raw,
+                           label=link.label, timeout_s=link.timeout_s, fence=_fence)
+    if rings:
+        link.sock = ShmStream(mm, raw, acceptor=acceptor, timeout_s=link.timeout_s)
 
 
 def _setup_frame(link) -> bytes:

@@ -105,6 +105,7 @@ class Link:
         self.sender: threading.Thread | None = None
         self.closed = False
         self.broken: OSError | None = None  # the error that left the stream at an unknown point (either way)
+        self.box = None  # its mailboxes (actors/mailbox.py), where the two ends share a node (actors/shm.py)
 
     # ---- sending ------------------------------------------------------------------------
     def send(self, call: int, t: torch.Tensor):
@@ -241,6 +242,7 @@ class SocketMesh:
         finding and connecting every peer."""
         check_token(token, "the exchange's token")
         self.rank, self.links = rank, {}
+        self.board = False  # every pair of the epoch has mailboxes (actors/group.py, actors/board.py)
         deadline = time.monotonic() + (timeout_s if connect_timeout_s is None else connect_timeout_s)
         if colocated:  # worker i connects to every lower rank and accepts every higher one
             connect_to, accept_from = range(rank), set(range(rank + 1, world))

@@ -9,7 +9,8 @@ import multiprocessing as mp
 
 # (the test modules by the names pytest imports them under, which their children's targets are pickled by)
 PRELOAD = ["torch", "torch.distributed", "actors.dispatch", "actors.colocated", "actors.group", "actors.shm",
-           "model.moe", "tests.actors.exact", "test_dispatch", "test_colocated_exchange", "test_shm"]
+           "actors.mailbox", "model.moe", "tests.actors.exact", "test_dispatch", "test_colocated_exchange", "test_shm",
+           "test_mailbox"]
 
 
 def context():

@@ -3,8 +3,10 @@ an expert shard, gives the single process's routed rows bit for bit (``RoutedExp
 expert over the step's tokens, every worker's concatenated in rank order): W = 1, 2, 4, the dense and
 the sparse format each forced, bf16 and fp32, even, uneven and replicated placements, one exchange per
 layer and two micro-batches posted before collected (two-batch overlap), a worker with no tokens, over
-the group's direct sockets (every worker connected to every other). A step without every worker's
-token counts is refused."""
+the group's direct sockets (every worker connected to every other, ``transport: socket``) and through
+the pairs' mailboxes (actors/board.py: every worker on one node, ``auto``; a micro-batch too large for a
+slot, or a replicated layer's, still takes the sockets, asserted). A step without every worker's token
+counts is refused."""
 
 import queue
 import socket
@@ -49,7 +51,7 @@ def _inputs(rank, layer, dtype=torch.float32, cut=None):
     return (x[:c], idx[:c], w[:c]) if cut == 0 else (x[c:], idx[c:], w[c:])
 
 
-def _case(rank, W, name, slots, fmt, dtype) -> tuple:
+def _case(rank, W, name, slots, fmt, dtype, transport="socket") -> tuple:
     table = _table(slots, W)
     replicated = name == "replicated"  # its copies' GEMMs run a row at a time (see exact.row_by_row)
     mine = {layer: experts(table.slots[table.layer_index(layer)][rank], layer, dtype, replicated) for layer in (1, 2)}
@@ -68,18 +70,26 @@ def _case(rank, W, name, slots, fmt, dtype) -> tuple:
         posted = [d.issue(layer, *parts[m][rank]) for m in (0, 1)]
         for m, p in enumerate(posted):
             tally.check(d.collect(p), single(whole[layer], parts[m], rank))
+    # through the mailboxes: every exchange of an unreplicated layer (4 a layer: 2 steps' micro-batches)
+    boxed = 0 if d.board is None else d.board.exchanges
+    if transport == "auto" and W > 1:
+        assert d.board is not None and d.board.max_tokens >= 13, "every worker is on one node: mailboxes"
+        assert boxed == (0 if name == "replicated" else 6), (name, boxed)  # a replicated table: the links
+    else:
+        assert boxed == 0
     return (d.mode,) + tally.answer() + (served.tolist(),)
 
 
 @torch.no_grad()
-def _worker(rank, W, port, q):
+def _worker(rank, W, port, q, transport):
     try:
-        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60), rank, W, num_attention=W, colocated=True)
+        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60, transport=transport), rank, W,
+                   num_attention=W, colocated=True)
         assert current_mesh() is not None and sorted(current_mesh().links) == [r for r in range(W) if r != rank]
         for name, slots in CASES[W].items():
             for fmt in FORMATS:
                 for dtype in DTYPES:
-                    q.put(((name, fmt, str(dtype)), rank) + _case(rank, W, name, slots, fmt, dtype))
+                    q.put(((name, fmt, str(dtype)), rank) + _case(rank, W, name, slots, fmt, dtype, transport))
     except Exception:
         q.put(("crash", rank, traceback.format_exc()))
 
@@ -109,13 +119,13 @@ def _refusal(rank, W, port, q):
         q.put(("crash", rank, traceback.format_exc()))
 
 
-def _spawn(W, target, answers):
+def _spawn(W, target, answers, *extra):
     ctx = mp_context()
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=target, args=(r, W, port, q), daemon=True) for r in range(W)]
+    procs = [ctx.Process(target=target, args=(r, W, port, q, *extra), daemon=True) for r in range(W)]
     for p in procs:
         p.start()
     out = []
@@ -132,11 +142,12 @@ def _spawn(W, target, answers):
     return out
 
 
-def test_the_colocated_exchange_equals_the_single_process_bit_for_bit():
+@pytest.mark.parametrize("transport", ["socket", "auto"])
+def test_the_colocated_exchange_equals_the_single_process_bit_for_bit(transport):
     failed = []
     for W in CASES:
         keys = [(name, fmt, str(dtype)) for name in CASES[W] for fmt in FORMATS for dtype in DTYPES]
-        out = _spawn(W, _worker, W * len(keys))
+        out = _spawn(W, _worker, W * len(keys), transport)
         crashes = [o for o in out if o[0] == "crash"]
         assert not crashes, crashes[0][2]
         assert len(out) == W * len(keys), out

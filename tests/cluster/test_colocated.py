@@ -80,18 +80,29 @@ def test_a_standby_worker_takes_a_dead_ones_index_loading_only_its_shard(ray_clu
                  ClusterSpec.of_workers(2, nodes=node)).start()
     try:
         fleet = eng.executor.fleet
-        assert ray.get(fleet.attention[1].actor.exchange_links.remote(), timeout=30) == {"shm": 1}
+        links = ray.get(fleet.attention[1].actor.exchange_links.remote(), timeout=30)
+        assert links.pop("mailbox_messages") == 0 and links == {"shm": 1, "mailbox": 1}  # and mailboxes beside it
         (standby,) = fleet.standby
         ray.get(standby.actor.node_id.remote(), timeout=120)  # warm: its process and attention weights are up
         assert ray.get(standby.actor.held.remote(), timeout=30) == {}
-        got = _run(eng, prompts, params, at=lambda turn: turn == 4 and eng.executor.kill("worker", 0))
+        sent = []  # the decode steps before the kill went through the mailboxes (actors/board.py)
+
+        def kill(turn: int) -> bool:
+            if turn == 4:
+                sent.append(ray.get(fleet.attention[1].actor.exchange_links.remote(), timeout=30)["mailbox_messages"])
+                return eng.executor.kill("worker", 0)
+            return False
+
+        got = _run(eng, prompts, params, at=kill)
         assert got == expected
+        assert sent and sent[0] > 0, sent
         assert _id(fleet.attention[0].actor) == _id(standby.actor)  # the standby took index 0: no process start
         change = eng.epochs.changes[-1]
         shard = eng.table.experts_of(0)
         assert change.kind == "recovery" and change.experts_loaded == sum(len(ids) for ids in shard.values())
         assert ray.get(standby.actor.held.remote(), timeout=30) == shard  # it loaded the dead worker's shard only
         assert len(fleet.standby) == 1 and _id(fleet.standby[0].actor) != _id(standby.actor)  # refilled
-        assert ray.get(fleet.attention[0].actor.exchange_links.remote(), timeout=30) == {"shm": 1}
+        links = ray.get(fleet.attention[0].actor.exchange_links.remote(), timeout=30)
+        assert links.pop("mailbox_messages") > 0 and links == {"shm": 1, "mailbox": 1}  # the new epoch's, used
     finally:
         eng.shutdown()
