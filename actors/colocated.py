@@ -74,7 +74,8 @@ class ColocatedExchange(_Collectives, _PairCounts):
         self.rank, self.experts = rank, experts  # MoE layer → this worker's shard
         self.tokens: tuple[tuple[int, ...], ...] = ()  # [micro-batch][worker] tokens, this step
         self._issued = 0  # exchanges posted this step: micro-batch = issued % micro-batches
-        self.rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
+        self._rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
+        self._served_few: list[tuple[int, list[int]]] = []
         self._lists: dict[int, tuple[list[int], list[int]]] = {}  # unreplicated layer → its routing as lists
         mesh = current_mesh() if self.p2p and group is None else None
         # every worker on one node, each pair's mailboxes made: a decode step's exchanges go through them
@@ -84,9 +85,22 @@ class ColocatedExchange(_Collectives, _PairCounts):
     def begin_step(self, step: int, tokens: tuple[tuple[int, ...], ...] = ()) -> None:
         self.reset_timers(step)
         self.routed, self.tokens, self._issued, self.expert_s = [], tokens, 0, 0.0
-        self.rows_served = torch.zeros(len(self.table.moe_layers), self.table.max_local, dtype=torch.long)
+        self._rows_served = torch.zeros(len(self.table.moe_layers), self.table.max_local, dtype=torch.long)
+        self._served_few: list[tuple[int, list[int]]] = []  # the mailbox exchanges' (layer index, slots run)
         if self.board is not None:
             self.board.begin_step(step)
+
+    @property
+    def rows_served(self) -> torch.Tensor:
+        """[MoE layers, local slots] rows this worker's experts ran this step."""
+        if self._served_few:
+            few, self._served_few = self._served_few, []
+            counts = [[0] * self.table.max_local for _ in range(self._rows_served.shape[0])]
+            for layer, slots in few:  # counted on the host at the step's end: a decode step's few pairs
+                for s in slots:
+                    counts[layer][s] += 1
+            self._rows_served += torch.tensor(counts, dtype=torch.long)
+        return self._rows_served
 
     # ---- attention side ----------------------------------------------------------------------
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> _Posted:
@@ -147,8 +161,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
             own, slots, mine_at, spent, back = b.serve(p.board, self.experts[p.layer], x, ids, p.tokens, actor_of,
                                                        local_of)
             self.expert_s += spent
-            self.rows_served[self.table.layer_index(p.layer)] += torch.bincount(
-                torch.tensor(slots, dtype=torch.long), minlength=self.table.max_local)
+            self._served_few.append((self.table.layer_index(p.layer), slots))
             return b.combine(back, own, mine_at, p.idx, p.w, actor_of)
         except OSError as e:  # a peer gone (its link closed) or stuck past the timeout
             raise self.error(p.layer, phase, e) from e

@@ -85,8 +85,19 @@ class _Box:
     def __init__(self, mm: mmap.mmap, offset: int, box_bytes: int):
         self.slot_bytes = (box_bytes // SLOTS) // ALIGN * ALIGN
         self.words = [ctypes.c_uint64.from_buffer(mm, offset + 64 * i) for i in range(SLOTS)]
-        data = torch.frombuffer(mm, dtype=torch.uint8, count=SLOTS * self.slot_bytes, offset=offset + PAGE)
-        self.slots = [data[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in range(SLOTS)]
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, count=SLOTS * self.slot_bytes, offset=offset + PAGE)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def tensor(self, slot: int, at: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor of ``shape`` and ``dtype`` at byte ``at`` of slot ``slot`` (a view: one op)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.data.view(dtype)
+        stride, step = [], 1
+        for d in reversed(shape):
+            stride.append(step)
+            step *= d
+        return typed.as_strided(shape, stride[::-1], (slot * self.slot_bytes + at) // dtype.itemsize)
 
 
 class MailboxBroken(ConnectionError):
@@ -116,14 +127,14 @@ class Mailbox:
         """Message ``i`` of step ``step``: copy ``tensors`` into the next slot, then publish it; returns n,
         its number over the pair's life."""
         self._check()
-        slot, at = self.out.slots[self.sent % SLOTS], 0
+        slot, at = self.sent % SLOTS, 0
         for t in tensors:
             n = t.numel() * t.element_size()
             if at + n > self.slot_bytes:
                 raise ValueError(f"a message of {message_bytes([(tuple(x.shape), x.dtype) for x in tensors])} bytes "
                                  f"does not fit a mailbox slot of {self.slot_bytes} (check fits() first)")
             if n:
-                slot[at:at + n].view(t.dtype).view(t.shape).copy_(t)
+                self.out.tensor(slot, at, tuple(t.shape), t.dtype).copy_(t)
             at += _aligned(n)
         self._fence()  # the bytes before the word (a lock's atomic instruction is a full barrier)
         self.out.words[self.sent % SLOTS].value = word(self.sent, step, i)
@@ -134,14 +145,10 @@ class Mailbox:
         """Wait for the peer's ``n``-th message, message ``i`` of step ``step``; its tensors as views of the
         slot (read them before this process's next message lets the peer write the slot again)."""
         self.wait(n, step, i)
-        slot, at, out = self.inbox.slots[n % SLOTS], 0, []
+        slot, at, out = n % SLOTS, 0, []
         for shape, dtype in shapes:
-            n = message_bytes([(shape, dtype)])
-            count = dtype.itemsize
-            for d in shape:
-                count *= d
-            out.append(slot[at:at + count].view(dtype).view(shape))
-            at += n
+            out.append(self.inbox.tensor(slot, at, shape, dtype))
+            at += message_bytes([(shape, dtype)])
         return out
 
     def wait(self, n: int, step: int, i: int) -> None:
