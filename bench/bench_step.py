@@ -1,7 +1,8 @@
 """Where a decode step's time goes (issue 54's per-token profile), per layout, at 1 and 16 streams.
 
     python bench/bench_step.py [--streams 1,16] [--new-tokens 48] [--prompt-len 32] [--repeats 3]
-                               [--layouts disaggregated,colocated] [--compile off,decode] [--json FILE]
+                               [--layouts disaggregated,colocated] [--compile off,decode]
+                               [--transports socket,auto] [--json FILE]
 
 The checkpoint is issue 54's (bench_overhead.py's): a DeepSeek-V3 of 6 layers, 32 routed experts,
 hidden 256, fp32, written in the real format. The engine runs on a one-node local Ray cluster, driven
@@ -13,6 +14,9 @@ for the control plane — and ``unaccounted`` is the step measured whole less th
 per layout gives the step with async scheduling on (the default), measured whole. ``--compile off,decode``
 runs each layout eager and with the compiled decode step (model/compiled.py) in the same run: the
 columns "disag+c", "coloc+c" are compiled (their attention kinds' time is in ``compiled``).
+``--transports socket,auto`` runs each layout over both exchange transports in the same run: the
+columns marked "/s" exchange over the links' sockets, the others as ``auto`` does (colocated workers of
+one node through mailboxes, actors/board.py).
 
 Beside each category its floor at that batch: the larger of its FLOPs at this machine's measured
 GEMM rate (one thread, as an actor runs) and the bytes it must touch (weights read once per step,
@@ -106,7 +110,7 @@ def floors(sizes, batch: int, workers: int, gemm: float, bw: float) -> dict[str,
 
 
 def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new: int, reps: int,
-               compile_mode: str = "off") -> dict:
+               compile_mode: str = "off", transport: str = "auto") -> dict:
     """Per stream count: the profile's median ms per step (async scheduling off), the step with async
     scheduling on, tokens/s both ways."""
     import ray
@@ -122,7 +126,8 @@ def run_layout(path: Path, layout: str, streams: list[int], prompt_len: int, new
         try:
             for asynchronous in (False, True):
                 cfg = EngineConfig.of(model=str(path), dtype="float32", max_num_seqs=64,
-                                      async_scheduling=asynchronous, prefix_caching=False, compile=compile_mode)
+                                      async_scheduling=asynchronous, prefix_caching=False, compile=compile_mode,
+                                      transport=transport)
                 with Engine(cfg, LAYOUTS[layout](ClusterSpec)) as eng:
                     eng.generate(prompts(2, prompt_len), SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
                     for n in streams:
@@ -158,11 +163,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="disaggregated,colocated")
     ap.add_argument("--compile", default="off", help="off, decode, or both (off,decode): each layout both ways")
+    ap.add_argument("--transports", default="auto",
+                    help="the exchange's transports, each layout with each (e.g. socket,auto: colocated workers "
+                         "through the links' sockets, then through mailboxes; columns of socket marked /s)")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     modes = args.compile.split(",")
-    layouts = [lay + ("+c" if m == "decode" else "") for lay in args.layouts.split(",") for m in modes]
+    layouts = [lay + ("+c" if m == "decode" else "") + ("/s" if t == "socket" else "" if t == "auto" else f"/{t}")
+               for lay in args.layouts.split(",") for m in modes for t in args.transports.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_preset("deepseek-v3-tiny", Path(tmp) / "ckpt", seed=0, dtype="float32", progress=False,
                             overrides=SHAPE)
@@ -171,11 +180,16 @@ def main() -> None:
         sizes = weight_bytes(path)
         floor = {(lay, n): floors(sizes, n, 2 if lay.startswith("colocated") else 1, gemm, bw)
                  for lay in layouts for n in streams}
-        results = {lay: run_layout(path, lay.removesuffix("+c"), streams, args.prompt_len, args.new_tokens,
-                                   args.repeats, "decode" if lay.endswith("+c") else "off") for lay in layouts}
+        results = {}
+        for lay in layouts:
+            name, _, transport = lay.partition("/")
+            results[lay] = run_layout(path, name.removesuffix("+c"), streams, args.prompt_len, args.new_tokens,
+                                      args.repeats, "decode" if name.endswith("+c") else "off",
+                                      {"s": "socket", "": "auto"}.get(transport, transport))
     cols = [(lay, n) for lay in layouts for n in streams]
     print("\nper decode step, ms (async scheduling off: every step one timeline); floor beside each")
-    heads = [lay[:5] + ("+c" if lay.endswith("+c") else "") + f" {n} stream(s)" for lay, n in cols]
+    heads = [lay[:5] + lay[lay.index("+") if "+" in lay else lay.find("/") if "/" in lay else len(lay):]
+             + f" {n} stream(s)" for lay, n in cols]
     print(f"{'category':<14}" + "".join(f"{h:>26}" for h in heads))
     for k in (*PROFILE, "unaccounted", "step"):
         cells = []
