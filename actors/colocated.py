@@ -37,7 +37,7 @@ import torch
 from model.moe import RoutedExperts
 
 from . import dense as dense_format
-from .board import Board
+from .board import accounted, board_of
 from .dense import serve_dense, serve_dense_few
 from .dispatch import _Collectives, _DenseBack, _PairCounts, _per_sender, _sum_pairs, _view
 from .group import current_mesh
@@ -77,18 +77,14 @@ class ColocatedExchange(_Collectives, _PairCounts):
         self._rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
         self._served_few: list[tuple[int, list[int]]] = []
         self._lists: dict[int, tuple[list[int], list[int]]] = {}  # unreplicated layer → its routing as lists
-        mesh = current_mesh() if self.p2p and group is None else None
         # every worker on one node, each pair's mailboxes made: a decode step's exchanges go through them
-        self.board = Board(rank, self.world, {p: link.box for p, link in mesh.links.items()}, hidden, dtype, top_k) \
-            if mesh is not None and mesh.board and self.world > 1 and self.device.type == "cpu" else None
+        self.board = board_of(current_mesh() if self.p2p and group is None else None, self.device, hidden, dtype, top_k)
 
     def begin_step(self, step: int, tokens: tuple[tuple[int, ...], ...] = ()) -> None:
         self.reset_timers(step)
         self.routed, self.tokens, self._issued, self.expert_s = [], tokens, 0, 0.0
         self._rows_served = torch.zeros(len(self.table.moe_layers), self.table.max_local, dtype=torch.long)
         self._served_few: list[tuple[int, list[int]]] = []  # the mailbox exchanges' (layer index, slots run)
-        if self.board is not None:
-            self.board.begin_step(step)
 
     @property
     def rows_served(self) -> torch.Tensor:
@@ -110,11 +106,8 @@ class ColocatedExchange(_Collectives, _PairCounts):
         idx = topk_idx.to(self.device)
         if self.board is not None and not self.routing.replicated(layer) and self.board.takes(tokens):
             self.count(layer, idx, None)
-            try:
-                first = self.board.dispatch(x, idx, topk_w)
-            except OSError as e:  # a mailbox broken earlier (its peer gone or stuck)
-                raise self.error(layer, "dispatch", e) from e
-            return _Posted(layer, x, idx, topk_w, tokens, [], (), board=first)
+            with accounted(self, layer) as b:
+                return _Posted(layer, x, idx, topk_w, tokens, [], (), board=b.dispatch(x, idx, topk_w))
         if self.mode == "dense":
             slots = None if layer in self.slot_of else self._slot(*self.routing.assign(layer, idx))
             self.count(layer, idx, slots)
@@ -152,23 +145,14 @@ class ColocatedExchange(_Collectives, _PairCounts):
 
     def _collect_board(self, p: _Posted) -> torch.Tensor:
         """:meth:`collect` through the mailboxes (actors/board.py), the same bits as the links' formats."""
-        b, phase = self.board, "dispatch"
-        before = dict(b.waited)
-        actor_of, local_of = self._single_lists(p.layer)
-        try:
+        with accounted(self, p.layer) as b:
+            actor_of, local_of = b.lists(self.routing, p.layer)
             x, ids = b.rows(p.board, p.tokens, (p.x.to(self.device, self.dtype), p.idx))
-            phase = "combine"
             own, slots, mine_at, spent, back = b.serve(p.board, self.experts[p.layer], x, ids, p.tokens, actor_of,
                                                        local_of)
             self.expert_s += spent
             self._served_few.append((self.table.layer_index(p.layer), slots))
             return b.combine(back, own, mine_at, p.idx, p.w, actor_of)
-        except OSError as e:  # a peer gone (its link closed) or stuck past the timeout
-            raise self.error(p.layer, phase, e) from e
-        finally:
-            for ph, s in b.waited.items():
-                self.exchange_s += s - before[ph]
-                self.phase_s[ph] += s - before[ph]
 
     # ---- dense ---------------------------------------------------------------------------------
     def _pack(self, x, idx, w) -> torch.Tensor:

@@ -53,6 +53,8 @@ import torch.distributed as dist
 
 from model.moe import RoutedExperts, weighted_sum
 
+from . import board
+from .board import board_of
 from .dense import dense_returns, serve_dense, whole_few
 from .group import collective_timeout, current_mesh
 from .messages import PlacementTable
@@ -237,6 +239,8 @@ class _Collectives:
         # gloo's own sends and receives wait their context's join timeout unless told: the joined group's
         # collective timeout (actors/group.py), so that a stuck peer fails the step as on the sockets
         self.p2p_timeout = collective_timeout() if self.p2p and mesh is None and group is None else None
+        self.board = None  # the mailbox exchange (actors/board.py), where the epoch's actors share a node
+        self.mesh = mesh
 
     def a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], layer: int,
             phase: str, async_op: bool = False):
@@ -285,6 +289,8 @@ class _Collectives:
     def reset_timers(self, step: int) -> None:
         self.step, self.exchange_s, self.calls = step, 0.0, 0
         self.phase_s = dict.fromkeys(self.phase_s, 0.0)
+        if self.board is not None:
+            self.board.begin_step(step)
 
     def row_bytes(self, hidden: int, dtype: torch.dtype) -> int:
         """Bytes of one dense-format row: the hidden vector, then top-k int32 ids and fp32 weights."""
@@ -415,11 +421,12 @@ class DistDispatcher(_Collectives, _PairCounts):
                  exchange_format: str = "auto", group=None, device: str | torch.device = "cpu"):
         _Collectives.__init__(self, actor, table, top_k, exchange_format, group, device)
         _PairCounts.__init__(self, table, hidden, dtype, top_k, self.device)
+        self.board, self.tokens, self._issued = board_of(self.mesh, self.device, hidden, dtype, top_k), (), 0
 
     def begin_step(self, step: int, tokens: tuple = ()) -> None:
-        """``tokens``: the colocated layout's per-worker counts (the disaggregated expert side has them)."""
+        """``tokens``: every attention actor's token count per micro-batch (the mailboxes need them all)."""
         self.reset_timers(step)
-        self.routed = []
+        self.routed, self.tokens, self._issued = [], tokens, 0
 
     def exchange(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         return self.collect(self.issue(layer, x, topk_idx, topk_w))
@@ -427,6 +434,10 @@ class DistDispatcher(_Collectives, _PairCounts):
     def issue(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Pending:
         """Post this micro-batch's exchange for ``layer``; :meth:`collect` waits for its result."""
         idx = topk_idx.to(self.device)
+        tokens = self.tokens[self._issued % len(self.tokens)] if self.tokens else ()
+        self._issued += 1
+        if self.board is not None and not self.routing.replicated(layer) and self.board.takes(tokens):
+            return board.issue(self, layer, x, idx, topk_w, tokens)
         actor, local = self.routing.assign(layer, idx)
         if self.mode == "dense":
             pending = self._issue_dense(layer, x, idx, topk_w, actor.view(idx.shape))
@@ -474,6 +485,8 @@ class DistDispatcher(_Collectives, _PairCounts):
     def collect(self, p: Pending) -> torch.Tensor:
         """Wait for ``p``'s results; returns the routed rows [T, hidden], weighted and summed per token
         (:func:`model.moe.weighted_sum`)."""
+        if isinstance(p, board.Posted):
+            return board.collect(self, p)
         for work in p.works:
             self.wait(work, p.layer, "combine")
         if self.mode == "dense":
@@ -502,6 +515,7 @@ class ExpertExchange(_Collectives):
         self.routing = Routing(table, self.device)
         self.sending: tuple | None = None  # the last combine, still in flight: (layer, work, tensors)
         self._tok = torch.empty(0, dtype=torch.long, device=self.device)
+        self.board = board_of(self.mesh, self.device, 1, torch.float32, top_k)  # (its width: set by each serve)
 
     def _pair_tokens(self, tokens: int, k: int) -> torch.Tensor:
         """The token of each of ``tokens`` × k pairs in batch order (a prefix of one cached index,
@@ -527,6 +541,8 @@ class ExpertExchange(_Collectives):
         """One micro-batch's exchange; ``tokens[s]`` is attention rank s's token count (dense format).
         Returns the rows computed per local slot [max_local]."""
         self.drain()
+        if self.board is not None and not self.routing.replicated(layer) and self.board.width(hidden, dtype).takes(tokens):
+            return board.serve(self, layer, experts, tokens)
         if self.mode == "dense":
             return self._serve_dense(layer, experts, hidden, dtype, tokens)
         return self._serve_sparse(layer, experts, hidden, dtype)

@@ -34,8 +34,8 @@ def open_store(ip: str) -> dist.TCPStore:
 # "socket": direct sockets for every pair (actors/wire.py); "shm": shared memory between two processes on
 # one node, direct sockets between nodes (actors/shm.py); "group": gloo's own sends; "auto": the one measured
 # fastest at decode sizes, the sockets (bench/bench_exchange.py: shared memory's wake-up through a doorbell
-# costs more than the socket's own at one token, and the bytes moved equal at 19 MB). Colocated workers all
-# on one node also get mailboxes with "auto" and "shm" (actors/mailbox.py, actors/board.py): a decode step's
+# costs more than the socket's own at one token, and the bytes moved equal at 19 MB). An epoch's actors all on
+# one node also get mailboxes with "auto" and "shm" (actors/mailbox.py, actors/board.py): a decode step's
 # exchange without the links' frames.
 TRANSPORTS = ("auto", "socket", "shm", "group")
 _mesh: SocketMesh | None = None  # the current epoch's exchange links (gloo groups, transports auto and socket)
@@ -69,7 +69,7 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
                                token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated,
                                connect_timeout_s=info.rendezvous_timeout_s)
-            boxes = colocated and info.transport in ("auto", "shm")
+            boxes = info.transport in ("auto", "shm")
             if info.transport == "shm" or boxes:
                 try:
                     upgrade(_mesh, node_key(), rings=info.transport == "shm", box_bytes=BOX_BYTES if boxes else 0)

@@ -153,7 +153,8 @@ class StepRequest:
     # step - 1 sampled here, and an actor where step - 1 did not complete refuses it at once
     ahead: bool = False
     release: tuple[int, ...] = ()  # sequences that left this replica since its last step: forget them
-    # colocated layout: every worker's token count per micro-batch (ExpertStep.tokens), to serve its shard's rows
+    # every worker's (colocated: to serve its shard's rows) or attention actor's token count per micro-batch
+    # (ExpertStep.tokens): what the mailbox exchange (actors/board.py) decides its path and sizes by
     peer_tokens: tuple[tuple[int, ...], ...] = ()
     # MoE layers nobody exchanges in this step (the MTP layer's, in a step whose batch drafts nothing)
     skip: tuple[int, ...] = ()

@@ -186,8 +186,8 @@ class DataPlaneConfig(_Checked):
         "auto", "How the expert exchange travels between CPU actors (gloo process groups): socket, a direct socket "
                 "per pair of actors that exchange, written and read by the actors' own threads; shm, the same but "
                 "through shared memory between two actors on one node; group, gloo's own sends and receives "
-                "(through its I/O thread: slower); auto, the fastest measured at decode sizes: socket, and colocated "
-                "workers all on one node exchange a decode step's rows through shared-memory mailboxes (shm too). GPU "
+                "(through its I/O thread: slower); auto, the fastest measured at decode sizes: socket, and actors all on one "
+                "node (either layout) exchange a decode step's rows through shared-memory mailboxes (shm too). GPU "
                 "actors on NCCL use all_to_all_single either way.")
     impl: Literal["absorbed", "naive"] = knob("absorbed", "The MLA implementation (naive: the oracle).", serve=False)
     compile: Literal["off", "decode"] = knob(

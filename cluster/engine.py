@@ -321,7 +321,7 @@ class Engine:
         micro = self._micro_batches(plan.chunks)
         tokens = tuple(tuple(sum(len(c.token_ids) for c in groups[m]) for groups in micro)
                        for m in range(len(micro[0])))
-        peers = tokens if self.executor.table.colocated else ()  # a worker serves every worker's rows
+        peers = tokens  # every worker (colocated) or attention actor sends and serves by every sender's count
         skip = self._skip_mtp(plan)
         cache = self.scheduler.cache
         tier = [cache.take_tier_writes(r) if cache.tiered else None for r in range(len(plan.chunks))]

@@ -1,7 +1,8 @@
 """The torch.distributed dispatcher over a real gloo process group == the in-process dispatcher and
 the single process bit for bit (1, 2 and 4 expert actors, both formats, bf16 and fp32), and a
 collective whose peer is gone or stuck raises a clear error instead of hanging: over the group's
-direct sockets (actors/wire.py, the default transport) and over gloo's own sends."""
+direct sockets (actors/wire.py, the default transport), over shared memory (its rings, and where every
+rank shares a node the mailboxes of actors/board.py, asserted taken) and over gloo's own sends."""
 
 import queue
 import time
@@ -67,9 +68,11 @@ def _exchange_ok(rank, A, key, slots, exchange_format, q):
     before collecting; answers (key, rank, "ok", max |diff|) or (key, rank, "rows", per-slot rows)."""
     table = _table(slots, A)
     shards = _shards(table)
+    whole = (tuple(len(_inputs(r, 1)[0]) for r in range(A)),)  # every attention rank's tokens, as the step has them
+    micro = tuple(tuple(len(_micro(r, 1, m)[0]) for r in range(A)) for m in (0, 1))
     if rank < A:
         d = DistDispatcher(f"attention[{rank}]", table, H, torch.float32, K, exchange_format)
-        d.begin_step(5)
+        d.begin_step(5, whole)
         local = LocalDispatcher(table, shards)
         diffs = []
         for layer in (1, 2):
@@ -87,6 +90,7 @@ def _exchange_ok(rank, A, key, slots, exchange_format, q):
                 by_expert.index_add_(0, torch.tensor(ids, dtype=torch.long), per_slot[li, j, :len(ids)].long())
                 assert int(per_slot[li, j, len(ids):].sum()) == 0  # a padding slot holds nothing
             assert torch.equal(by_expert, want), (layer, by_expert, want)
+        d.begin_step(6, micro)
         for layer in (1, 2):  # ping-pong order: both micro-batches posted, then collected
             parts = [_micro(rank, layer, m) for m in (0, 1)]
             pending = [d.issue(layer, *p) for p in parts]
@@ -94,15 +98,19 @@ def _exchange_ok(rank, A, key, slots, exchange_format, q):
                 got = d.collect(p)
                 ref = local.for_layer(layer)(*part)
                 diffs.append(float((got - ref).abs().max()) if len(part[0]) else 0.0)
+        # through the mailboxes where every rank shares a node (shm), each exchange of an unreplicated layer
+        boxed = d.board.exchanges if d.board is not None else 0
+        assert boxed == (6 if current_mesh() is not None and current_mesh().board and "uneven" in key else 0), boxed
         q.put((key, rank, "ok", max(diffs)))
     else:
         ex = ExpertExchange(f"expert[{rank - A}]", rank - A, table, K, exchange_format)
-        tokens = tuple(len(_inputs(r, 1)[0]) for r in range(A))
-        rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32, tokens).tolist() for layer in (1, 2)]
+        ex.reset_timers(5)  # (the expert actor's step begins so)
+        rows = [ex.serve(layer, shards[layer][rank - A], H, torch.float32, whole[0]).tolist() for layer in (1, 2)]
+        ex.drain()
+        ex.reset_timers(6)
         for layer in (1, 2):
             for m in (0, 1):
-                ex.serve(layer, shards[layer][rank - A], H, torch.float32,
-                         tuple(len(_micro(r, layer, m)[0]) for r in range(A)))
+                ex.serve(layer, shards[layer][rank - A], H, torch.float32, micro[m])
         ex.drain()  # the last combine has left
         q.put((key, rank, "rows", rows))
 
@@ -321,14 +329,15 @@ def _exact_inputs(rank: int, layer: int, dtype: torch.dtype, m: int | None = Non
 
 
 @torch.no_grad()
-def _exact(rank, X, port, q):
+def _exact(rank, X, port, q, transport):
     """Every placement, format and dtype of ``EXACT[X]``: the attention ranks compare their routed rows
     with the single process's over all attention ranks' tokens (one exchange per layer, then two
     micro-batches posted before collected) and answer (key, rank, rows that differ, rows, max diff)."""
     A = EXACT_A
     try:
-        # over shared memory (the sockets' exactness: the gloo_answers above, and every cluster test)
-        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60, transport="shm"), rank, A + X, num_attention=A)
+        # over shared memory (every rank on this machine: the mailboxes, actors/board.py) and the sockets
+        join_group(GroupInfo(0, "127.0.0.1", port, TOKEN, timeout_s=60, transport=transport), rank, A + X,
+                   num_attention=A)
         for name, slots in EXACT[X].items():
             table = _table(slots, A)
             for fmt in exact.FORMATS:
@@ -339,16 +348,19 @@ def _exact(rank, X, port, q):
                         whole = {layer: exact.experts(range(E), layer, dtype, row_gemms) for layer in (1, 2)}
                         d = DistDispatcher(f"attention[{rank}]", table, H, dtype, K, fmt)
                         tally = exact.Tally()
-                        d.begin_step(1)
+                        d.begin_step(1, (tuple(len(_inputs(r, 1)[0]) for r in range(A)),))
                         for layer in (1, 2):
                             parts = [_exact_inputs(r, layer, dtype) for r in range(A)]
                             tally.check(d.exchange(layer, *parts[rank]), exact.single(whole[layer], parts, rank))
-                        d.begin_step(2)
+                        d.begin_step(2, tuple(tuple(len(_micro(r, 1, m)[0]) for r in range(A)) for m in (0, 1)))
                         for layer in (1, 2):
                             parts = [[_exact_inputs(r, layer, dtype, m) for r in range(A)] for m in (0, 1)]
                             pending = [d.issue(layer, *parts[m][rank]) for m in (0, 1)]
                             for m, p in enumerate(pending):
                                 tally.check(d.collect(p), exact.single(whole[layer], parts[m], rank))
+                        # every rank on this machine: the unreplicated layers' exchanges through the mailboxes
+                        boxed = d.board.exchanges if d.board is not None else 0
+                        assert boxed == (0 if name == "replicated" or transport == "socket" else 6), (key, boxed)
                         q.put((key, rank, d.mode) + tally.answer())
                     else:
                         j = rank - A
@@ -370,15 +382,16 @@ def _exact(rank, X, port, q):
 
 
 @pytest.mark.operator
+@pytest.mark.parametrize("transport", ["shm", "socket"])
 @pytest.mark.parametrize("X", sorted(EXACT))
-def test_the_exchange_equals_the_single_process_bit_for_bit(X):
+def test_the_exchange_equals_the_single_process_bit_for_bit(X, transport):
     """Each expert actor count, placement, format and dtype: every attention rank's routed rows are the
-    single process's bit for bit, so they do not change with the number of expert actors, the format
-    or a replicated placement."""
+    single process's bit for bit, so they do not change with the number of expert actors, the format,
+    a replicated placement or the transport (the mailboxes, ``shm`` here, or the links' sockets)."""
     ctx = mp_context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_exact, args=(r, X, port, q), daemon=True) for r in range(EXACT_A + X)]
+    procs = [ctx.Process(target=_exact, args=(r, X, port, q, transport), daemon=True) for r in range(EXACT_A + X)]
     for p in procs:
         p.start()
     keys = [(name, fmt, str(dtype)) for name in EXACT[X] for fmt in exact.FORMATS for dtype in exact.DTYPES]

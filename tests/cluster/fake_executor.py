@@ -250,13 +250,12 @@ class FakeExecutor:
         for r in reqs:
             assert r.epoch == self.table.epoch, f"step {r.step} carries epoch {r.epoch}, the actors run {self.table.epoch}"
         assert expert_req.epoch == self.table.epoch and expert_req.step == reqs[0].step
-        if self.table.colocated:  # every worker is told every worker's tokens per micro-batch, as the chunks say
-            for r in reqs:
-                assert r.peer_tokens == expert_req.tokens, (r.peer_tokens, expert_req.tokens)
-            assert [sum(m[i] for m in expert_req.tokens) for i in range(len(reqs))] == \
-                [sum(len(c.token_ids) for c in r.chunks) for r in reqs], "peer tokens that are not the chunks'"
-        else:
-            assert all(r.peer_tokens == () for r in reqs)
+        # every replica (worker or attention actor) is told every replica's tokens per micro-batch, as the chunks
+        # say and as the expert side has them (the mailbox exchange, actors/board.py, decides and sizes by them)
+        for r in reqs:
+            assert r.peer_tokens == expert_req.tokens, (r.peer_tokens, expert_req.tokens)
+        assert [sum(m[i] for m in expert_req.tokens) for i in range(len(reqs))] == \
+            [sum(len(c.token_ids) for c in r.chunks) for r in reqs], "peer tokens that are not the chunks'"
         self.pending[expert_req.step] = list(reqs)
         self.log.append(("launch", expert_req.step, expert_req.epoch, expert_req.ahead))
         return [(f"{self.kind}[{i}]", i) for i in range(len(reqs))]

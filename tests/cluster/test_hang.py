@@ -57,8 +57,9 @@ def _run_with(eng: Engine, prompts, params, at_turn: int, act) -> tuple[float, l
 def hang_engine(ray_cluster, k2):
     """One 2 × 2 engine for both kinds: each stop is found, killed and replaced by a recovery that
     leaves the engine as it was (a new actor at the stopped one's index). Its actors share one node, so
-    every exchange link is in shared memory (actors/shm.py): a stopped peer there is still found by
-    the heartbeats and fails its peers' waits at the group's timeout."""
+    every exchange link is in shared memory (actors/shm.py) and a decode step's exchanges go through the
+    mailboxes (actors/board.py): a stopped peer there is still found by the heartbeats and fails its
+    peers' waits at the group's timeout."""
     node = (ray_cluster.node_ips[1],)
     eng = Engine(EngineConfig.of(model=str(k2), hang_floor_s=HANG_FLOOR_S, heartbeat_timeout_s=HEARTBEAT_S,
                                  transport="shm"),
@@ -80,9 +81,12 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(hang_engine, k2
     try:
         members = eng.executor.fleet.experts if kind == "expert" else eng.executor.fleet.attention
         pid = _pid(members[1].actor)
-        assert ray.get(members[1].actor.exchange_links.remote(), timeout=30) == {"shm": 2}  # to the other kind's two
+        links = ray.get(members[1].actor.exchange_links.remote(), timeout=30)
+        assert links.pop("mailbox_messages") >= 0 and links == {"shm": 2, "mailbox": 2}  # to the other kind's two
+        sent = []  # the steps before the stop went through the mailboxes (actors/board.py)
 
         def stop():
+            sent.append(ray.get(members[1].actor.exchange_links.remote(), timeout=30)["mailbox_messages"])
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
 
@@ -98,7 +102,9 @@ def test_a_stopped_actor_is_found_killed_and_replaced_in_seconds(hang_engine, k2
         assert not _alive(pid), "the hung actor's process was not killed"
         fleet = eng.executor.fleet
         replacement = (fleet.experts if kind == "expert" else fleet.attention)[1]
-        assert ray.get(replacement.actor.exchange_links.remote(), timeout=30) == {"shm": 2}  # its replacement's too
+        links = ray.get(replacement.actor.exchange_links.remote(), timeout=30)  # its replacement's too, used
+        assert links.pop("mailbox_messages") > 0 and links == {"shm": 2, "mailbox": 2}
+        assert sent and sent[0] > 0, sent
     finally:
         for p in stopped:
             _end(p)
