@@ -39,6 +39,12 @@ from model.moe import RoutedExperts, _few, weighted_sum
 
 from .mailbox import Mailbox, message_bytes
 
+# The disaggregated layout takes the mailboxes up to this many pairs a micro-batch: past it (bench_step.py,
+# 16 streams on one expert actor: 128 pairs) the links' dense format, which sends one summed row per token
+# back where the mailboxes send one row per pair, was as fast. Colocated workers take them at any size that
+# fits (faster at 16 streams too).
+DISAGGREGATED_PAIRS = 64
+
 
 def board_of(mesh, device: torch.device, hidden: int, dtype: torch.dtype, top_k: int) -> "Board | None":
     """The mailbox exchange of this process in ``mesh`` (the epoch's links), where every pair of the epoch
@@ -85,9 +91,11 @@ class Board:
         finally:
             self.waited[phase] += time.perf_counter() - t0
 
-    def takes(self, tokens) -> bool:
-        """Whether a micro-batch of these token counts (every sender's) fits the mailboxes."""
-        return bool(tokens) and max(tokens) <= self.max_tokens
+    def takes(self, tokens, max_pairs: int | None = None) -> bool:
+        """Whether a micro-batch of these token counts (every sender's) fits the mailboxes (and, given
+        ``max_pairs``, has at most that many pairs)."""
+        return bool(tokens) and max(tokens) <= self.max_tokens and \
+            (max_pairs is None or sum(tokens) * self.top_k <= max_pairs)
 
     def lists(self, routing, layer: int) -> tuple[list[int], list[int]]:
         """An unreplicated layer's expert → (expert actor, local slot) maps as lists, made once."""

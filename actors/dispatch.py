@@ -436,7 +436,8 @@ class DistDispatcher(_Collectives, _PairCounts):
         idx = topk_idx.to(self.device)
         tokens = self.tokens[self._issued % len(self.tokens)] if self.tokens else ()
         self._issued += 1
-        if self.board is not None and not self.routing.replicated(layer) and self.board.takes(tokens):
+        if self.board is not None and not self.routing.replicated(layer) and \
+                self.board.takes(tokens, board.DISAGGREGATED_PAIRS):
             return board.issue(self, layer, x, idx, topk_w, tokens)
         actor, local = self.routing.assign(layer, idx)
         if self.mode == "dense":
@@ -541,7 +542,8 @@ class ExpertExchange(_Collectives):
         """One micro-batch's exchange; ``tokens[s]`` is attention rank s's token count (dense format).
         Returns the rows computed per local slot [max_local]."""
         self.drain()
-        if self.board is not None and not self.routing.replicated(layer) and self.board.width(hidden, dtype).takes(tokens):
+        if self.board is not None and not self.routing.replicated(layer) and \
+                self.board.width(hidden, dtype).takes(tokens, board.DISAGGREGATED_PAIRS):
             return board.serve(self, layer, experts, tokens)
         if self.mode == "dense":
             return self._serve_dense(layer, experts, hidden, dtype, tokens)
