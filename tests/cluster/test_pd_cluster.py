@@ -146,7 +146,9 @@ def test_each_fault_point_on_ray_costs_time_never_a_token_or_a_block(engines, fa
             running = [q for q in decode.scheduler.running if len(q.token_ids) > q.num_prompt_tokens > 32]
             if not getattr(killing_collect, "done", False) and running:
                 killing_collect.done = True  # (a long stream with its first tokens: it outlives the kill)
-                decode.executor.kill("worker", running[0].replica)
+                # until the process is gone: a kill still on its way can miss the stream's last steps (a CI
+                # run's streams ended first once the exchange went through mailboxes, and nothing recovered)
+                kill_and_wait(decode.executor, "worker", running[0].replica)
             return out
 
         monkeypatch.setattr(decode.executor, "collect", killing_collect)
