@@ -66,7 +66,6 @@ class Board:
         self.step, self.sent, self.phase = -1, 0, "dispatch"
         self.exchanges = 0  # exchanges made through the mailboxes, ever (tests, the profile)
         self.waited = {"dispatch": 0.0, "combine": 0.0}  # seconds waiting for each phase's messages, this step
-        self._lists: dict[int, tuple[list[int], list[int]]] = {}  # unreplicated layer → its routing as lists
 
     def width(self, hidden: int, dtype: torch.dtype) -> "Board":
         """Rows of ``hidden`` values of ``dtype`` from now on (an expert actor learns it with each layer)."""
@@ -97,14 +96,6 @@ class Board:
         return bool(tokens) and max(tokens) <= self.max_tokens and \
             (max_pairs is None or sum(tokens) * self.top_k <= max_pairs)
 
-    def lists(self, routing, layer: int) -> tuple[list[int], list[int]]:
-        """An unreplicated layer's expert → (expert actor, local slot) maps as lists, made once."""
-        lists = self._lists.get(layer)
-        if lists is None:
-            actor_of, local_of = routing.single[layer]
-            lists = self._lists[layer] = (actor_of.tolist(), local_of.tolist())
-        return lists
-
     def expect(self) -> tuple[int, int]:
         """An expert actor's exchange, which sends no dispatch: its (message number in the step, number
         over the pairs' life) as the attention actors' :meth:`dispatch` gave them."""
@@ -115,10 +106,11 @@ class Board:
             raise RuntimeError(f"rank {self.rank}'s mailboxes disagree on the message count: {sorted(ns)}")
         return i, ns.pop()
 
-    def _put(self, i: int, parts: list[torch.Tensor]) -> int:
-        """Message ``i`` of the step to every peer; its number n over the pairs' life, the same on every
-        pair and at both ends of each (every message goes to every peer, the same ones in the same order)."""
-        ns = {box.put(self.step, i, parts) for box in self.boxes.values()}
+    def _put(self, i: int, parts) -> int:
+        """Message ``i`` of the step to every peer (``parts``: its tensors, or a peer's of ``parts(peer)``);
+        its number n over the pairs' life, the same on every pair and at both ends of each (every message
+        goes to every peer, in the same order)."""
+        ns = {box.put(self.step, i, parts(s) if callable(parts) else parts) for s, box in self.boxes.items()}
         if len(ns) != 1:
             raise RuntimeError(f"worker {self.rank}'s mailboxes disagree on the message count: {sorted(ns)}")
         return ns.pop()
@@ -178,10 +170,8 @@ class Board:
             y = x.new_empty(0, self.hidden)
         spent = time.perf_counter() - started
         i, self.phase = sent[0] + 1, "combine"
-        ns = {box.put(self.step, i, [y[cut[s]:cut[s + 1]]]) for s, box in self.boxes.items()}
-        if len(ns) != 1:
-            raise RuntimeError(f"worker {self.rank}'s mailboxes disagree on the message count: {sorted(ns)}")
-        return y[cut[r]:cut[r + 1]] if r < len(tokens) else y[:0], slots, mine_at, spent, (i, ns.pop())
+        n = self._put(i, lambda s: [y[cut[s]:cut[s + 1]]])
+        return y[cut[r]:cut[r + 1]] if r < len(tokens) else y[:0], slots, mine_at, spent, (i, n)
 
     def combine(self, sent: tuple[int, int], own_rows: torch.Tensor, mine_at: list[int], idx: torch.Tensor,
                 w: torch.Tensor, actor_of: list[int], offset: int = 0) -> torch.Tensor:
@@ -249,7 +239,7 @@ def issue(d, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, to
 def collect(d, p: Posted) -> torch.Tensor:
     """The attention actor's routed rows [T, H] of ``p``: each pair's row from the expert actor that ran it."""
     with accounted(d, p.layer) as b:
-        actor_of, _ = b.lists(d.routing, p.layer)
+        actor_of, _ = d.routing.lists(p.layer)
         empty = torch.empty(0, d.hidden, dtype=d.dtype)
         i, n = p.sent  # the expert actors' answer: message i + 1 of the step, their n-th to this actor
         out = b.combine((i + 1, n), empty, [], p.idx, p.w, actor_of, offset=d.num_attention)
@@ -261,7 +251,7 @@ def serve(ex, layer: int, experts: RoutedExperts, tokens) -> torch.Tensor:
     rows through its experts, each actor's pairs' rows sent back. Returns the rows run per local slot."""
     with accounted(ex, layer) as b:
         sent = b.expect()
-        actor_of, local_of = b.lists(ex.routing, layer)
+        actor_of, local_of = ex.routing.lists(layer)
         x, ids = b.rows(sent, tokens, None)
         _, slots, _, spent, _ = b.serve(sent, experts, x, ids, tokens, actor_of, local_of, me=ex.index)
     return torch.bincount(torch.tensor(slots, dtype=torch.long), minlength=ex.table.max_local)

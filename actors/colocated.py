@@ -76,7 +76,6 @@ class ColocatedExchange(_Collectives, _PairCounts):
         self._issued = 0  # exchanges posted this step: micro-batch = issued % micro-batches
         self._rows_served: torch.Tensor = torch.zeros(0)  # [MoE layers, local slots] rows this step
         self._served_few: list[tuple[int, list[int]]] = []
-        self._lists: dict[int, tuple[list[int], list[int]]] = {}  # unreplicated layer → its routing as lists
         # every worker on one node, each pair's mailboxes made: a decode step's exchanges go through them
         self.board = board_of(current_mesh() if self.p2p and group is None else None, self.device, hidden, dtype, top_k)
 
@@ -146,7 +145,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
     def _collect_board(self, p: _Posted) -> torch.Tensor:
         """:meth:`collect` through the mailboxes (actors/board.py), the same bits as the links' formats."""
         with accounted(self, p.layer) as b:
-            actor_of, local_of = b.lists(self.routing, p.layer)
+            actor_of, local_of = self.routing.lists(p.layer)
             x, ids = b.rows(p.board, p.tokens, (p.x.to(self.device, self.dtype), p.idx))
             own, slots, mine_at, spent, back = b.serve(p.board, self.experts[p.layer], x, ids, p.tokens, actor_of,
                                                        local_of)
@@ -215,7 +214,7 @@ class ColocatedExchange(_Collectives, _PairCounts):
         expert actor and slot looked up in lists, what goes back to whom counted in Python over the
         step's few pairs — instead of ~25 small tensor ops a MoE layer."""
         tokens, r, k = p.tokens, self.rank, self.top_k
-        actor_of, local_of = self._single_lists(p.layer)
+        actor_of, local_of = self.routing.lists(p.layer)
         ids = idx.tolist()
         actor = [[actor_of[e] for e in row] for row in ids]
         local = [[local_of[e] for e in row] for row in ids]
@@ -226,14 +225,6 @@ class ColocatedExchange(_Collectives, _PairCounts):
         bounds = [sum(tokens[:s]) for s in range(len(tokens) + 1)]
         to = [sum(per_token[bounds[s]: bounds[s + 1]]) for s in range(len(tokens))]
         return self._send_back(p, y, to, _DenseBack.expect_few(actor[bounds[r]: bounds[r + 1]], self.world))
-
-    def _single_lists(self, layer: int) -> tuple[list[int], list[int]]:
-        """An unreplicated layer's expert → (expert actor, local slot) maps as lists, made once."""
-        lists = self._lists.get(layer)
-        if lists is None:
-            actor_of, local_of = self.routing.single[layer]
-            lists = self._lists[layer] = (actor_of.tolist(), local_of.tolist())
-        return lists
 
     def _send_back(self, p: _Posted, y: torch.Tensor, to: list[int], dense: _DenseBack) -> torch.Tensor:
         """Send each worker the rows ``y`` of its tokens (``to``: how many, in rank order), get this

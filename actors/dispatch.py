@@ -92,6 +92,7 @@ class Routing:
     def __init__(self, table: PlacementTable, device: torch.device | str = "cpu"):
         self.table, self.max_local = table, table.max_local
         self.num_copies, self.where, self.single, self.identity = {}, {}, {}, set()
+        self._lists: dict[int, tuple[list[int], list[int]]] = {}
         for i, layer in enumerate(table.moe_layers):
             copies = table.copies(i)
             max_copies = max(len(c) for c in copies)
@@ -107,6 +108,14 @@ class Routing:
 
     def replicated(self, layer: int) -> bool:
         return layer not in self.single
+
+    def lists(self, layer: int) -> tuple[list[int], list[int]]:
+        """An unreplicated layer's expert → (expert actor, local slot) as host lists (made once): a decode
+        step's few pairs are routed on the host."""
+        if layer not in self._lists:
+            actor_of, local_of = self.single[layer]
+            self._lists[layer] = (actor_of.tolist(), local_of.tolist())
+        return self._lists[layer]
 
     def assign(self, layer: int, topk_idx: torch.Tensor, sender: torch.Tensor | None = None, senders: int = 1):
         """(expert actor, local slot) of every pair, in batch order; ``sender`` [pairs] (optional)

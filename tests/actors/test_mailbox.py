@@ -21,6 +21,7 @@ from actors.mailbox import SLOTS, MailboxBroken
 from actors.shm import ShmStream, upgrade
 from actors.wire import SocketMesh
 from tests.actors.procs import context as mp_context
+from tests.actors.test_shm import _end
 
 TOKEN = b"m" * TOKEN_BYTES
 BOX = 64 << 10  # 16 KiB slots
@@ -105,13 +106,6 @@ def _with_peer(timeout_s: float):
     mesh.store = master
     assert upgrade(mesh, "node", rings=False, box_bytes=BOX) == 1 and q.get(timeout=30) == 1
     return mesh, proc
-
-
-def _end(proc) -> None:
-    if proc.is_alive():
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-    proc.join(5)
 
 
 @pytest.mark.operator
