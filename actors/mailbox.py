@@ -7,8 +7,8 @@ exchange (~0.13 ms of two messages each way where a memcpy of their bytes takes 
 bench/bench_exchange.py). A mailbox is the least that can carry the same rows: per direction,
 :data:`SLOTS` fixed slots of bytes, each with a word the writer sets after its bytes (the message's
 number). The writer copies the tensors into a slot and publishes the word; the reader spins on the word,
-then reads the tensors in place. No frame, no thread, no system call on the way: a round trip between
-two spinning processes costs microseconds.
+then reads the tensors in place. No frame, no thread, and a system call only to wake a reader that
+went to sleep: a round trip between two spinning processes costs microseconds.
 
 Which slot a message takes: the n-th message written one way over the pair's life takes slot
 ``n % SLOTS``, and its word carries n, the step and the message's number in the step (:func:`word`).
@@ -19,15 +19,18 @@ rows. The caller's exchange order keeps a slot from being
 overwritten before its reader is done with it (actors/board.py: the dispatch and combine of every
 exchange, every worker waiting for every peer's).
 
-Waits: a reader spins :data:`SPIN_S`, then naps :data:`NAP_S` between looks (the GIL and the core go
-to whoever needs them), and every :data:`CHECK_S` it checks the peer's end (the link's TCP
+Waits: a reader spins :data:`SPIN_S`, then sleeps on the box's wake-up word (a futex in the shared
+segment: the writer wakes it after publishing, so a waiting reader takes no core — on a few cores
+busy with other processes, one that kept looking took them from the engine, the HTTP path and the
+peer it waited for), and every :data:`CHECK_S` of sleep it checks the peer's end (the link's TCP
 socket: a killed peer's closes, so a wait fails within a millisecond, never at the timeout) and the
 link's timeout (a stopped peer fails the wait at the group's timeout, as on the links). After any
 failure the mailbox is broken: every later use raises (the engine regroups; a new epoch makes new
 segments).
 
 Memory order: the data is written before the word, and a full barrier (a lock's atomic instruction,
-as :mod:`actors.shm`'s rings use) sits between them; x86-64 keeps the reader's loads in order. Other
+as :mod:`actors.shm`'s rings use) sits between them; x86-64 keeps the reader's loads in order. The
+wake-up's protocol is in :meth:`Mailbox.wait`. Other
 machines never get a mailbox (:func:`actors.shm.node_key`).
 
 Owns: the slots of one pair of processes, one direction written here and one read here. Never: decides
@@ -47,8 +50,7 @@ import torch
 
 SLOTS = 4  # messages in flight per direction (two exchanges of two messages: two micro-batches)
 BOX_BYTES = 4 << 20  # data bytes per direction (SLOTS slots); a message larger than a slot takes the links
-SPIN_S = 50e-6  # a waiting reader spins this long, then naps between looks
-NAP_S = 20e-6  # a waiting reader's sleep between looks after its spin
+SPIN_S = 50e-6  # a waiting reader spins this long, then sleeps until the writer wakes it (futex)
 PR_SET_TIMERSLACK = 29  # prctl(2)
 CHECK_S = 1e-3  # how often a waiting reader checks the peer's end and the timeout
 ALIGN = 64  # each tensor of a message starts at a multiple of this (any dtype's view of it is aligned)
@@ -56,21 +58,29 @@ PAGE = 4096
 _GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-_napping = threading.local()
+_libc = ctypes.CDLL(None, use_errno=True)
+SYS_FUTEX = 202  # x86-64's futex(2): mailboxes exist only there (actors.shm.node_key)
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the word is in a segment two processes map
+_slack = threading.local()
 
 
-def _nap() -> None:
-    """Sleep :data:`NAP_S`, with this thread's timer slack cut to a microsecond first (Linux lets a
-    sleep run 50 µs late by default): a waiting reader gives up its core between looks — on a few
-    cores busy with other processes, spinning on one took it from them (served at 16 streams: half
-    the tokens/s) — and still sees the word within tens of microseconds."""
-    if not getattr(_napping, "slack", False):
-        _napping.slack = True
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # not Linux: the default slack
-    time.sleep(NAP_S)
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, expected: int, seconds: float) -> None:
+    """Sleep until the 32-bit word at ``addr`` is woken (or no longer ``expected``, or ``seconds`` pass).
+    ctypes lets go of the GIL for the call; the thread's timer slack is cut to a microsecond first (Linux
+    lets a timed sleep run 50 µs late by default)."""
+    if not getattr(_slack, "cut", False):
+        _slack.cut = True
+        _libc.prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+    ts = _Timespec(0, int(seconds * 1e9))
+    _libc.syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAIT, ctypes.c_uint32(expected), ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, 1, None, None, 0)
 
 
 def box_size(box_bytes: int) -> int:
@@ -99,11 +109,15 @@ def message_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
 
 
 class _Box:
-    """One direction: :data:`SLOTS` words (each on its own cache line) and slots."""
+    """One direction: :data:`SLOTS` words (each on its own cache line), the wake-up word (a 32-bit count
+    of messages written, which a sleeping reader waits on), the reader's sleeping flag, and the slots."""
 
     def __init__(self, mm: mmap.mmap, offset: int, box_bytes: int):
         self.slot_bytes = (box_bytes // SLOTS) // ALIGN * ALIGN
         self.words = [ctypes.c_uint64.from_buffer(mm, offset + 64 * i) for i in range(SLOTS)]
+        self.wake = ctypes.c_uint32.from_buffer(mm, offset + 64 * SLOTS)
+        self.wake_at = ctypes.addressof(self.wake)
+        self.sleeping = ctypes.c_uint32.from_buffer(mm, offset + 64 * (SLOTS + 1))
         self.data = torch.frombuffer(mm, dtype=torch.uint8, count=SLOTS * self.slot_bytes, offset=offset + PAGE)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
@@ -155,8 +169,13 @@ class Mailbox:
             if n:
                 self.out.tensor(slot, at, tuple(t.shape), t.dtype).copy_(t)
             at += _aligned(n)
+        out = self.out
         self._fence()  # the bytes before the word (a lock's atomic instruction is a full barrier)
-        self.out.words[self.sent % SLOTS].value = word(self.sent, step, i)
+        out.words[self.sent % SLOTS].value = word(self.sent, step, i)
+        out.wake.value = (out.wake.value + 1) & 0xFFFFFFFF
+        self._fence()  # the word before the flag's load (see wait)
+        if out.sleeping.value:
+            _futex_wake(out.wake_at)
         self.sent += 1
         return self.sent - 1
 
@@ -171,23 +190,39 @@ class Mailbox:
         return out
 
     def wait(self, n: int, step: int, i: int) -> None:
+        """Until the peer's ``n``-th message (message ``i`` of step ``step``) is there: a spin, then sleeps on
+        the box's wake-up word. The reader reads the wake-up count, raises its flag, fences and looks at the
+        word once more before it sleeps; the writer publishes the word, bumps the count, fences and wakes a
+        flagged reader. So either the reader sees the word or the writer sees the flag (the fences order
+        each side's store before its load), and a wake that comes before the sleep finds the count changed:
+        no message is slept through. A sleep lasts at most :data:`CHECK_S`, when the peer's end and the
+        timeout are checked."""
         self._check()
-        w, want = self.inbox.words[n % SLOTS], word(n, step, i)
+        box = self.inbox
+        w, want = box.words[n % SLOTS], word(n, step, i)
         if w.value == want:
             return
         start = time.monotonic()
-        spin_until, check_at = start + SPIN_S, start + CHECK_S
+        spin_until = start + SPIN_S
         while w.value != want:
             now = time.monotonic()
             if now < spin_until:
                 continue
-            _nap()  # the core and the GIL go to whoever needs them (the engine, the HTTP path, a peer)
-            if now >= check_at:
-                check_at = now + CHECK_S
-                if self._poll.poll(0):
-                    self._fail(MailboxBroken(f"{self.label} is gone (its end of the link closed)"))
-                if self.timeout_s is not None and now - start > self.timeout_s:
-                    self._fail(TimeoutError(f"{self.label} wrote nothing for {self.timeout_s:g} s"))
+            seen = box.wake.value
+            box.sleeping.value = 1
+            self._fence()
+            try:
+                if w.value == want:
+                    return
+                _futex_wait(box.wake_at, seen, CHECK_S)  # the core and the GIL go to whoever needs them
+            finally:
+                box.sleeping.value = 0
+            if w.value == want:
+                return
+            if self._poll.poll(0):
+                self._fail(MailboxBroken(f"{self.label} is gone (its end of the link closed)"))
+            if self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
+                self._fail(TimeoutError(f"{self.label} wrote nothing for {self.timeout_s:g} s"))
 
     def _fail(self, e: Exception) -> None:
         self.broken = e

@@ -46,7 +46,7 @@ from .mailbox import Mailbox, box_size
 SHM_DIR = "/dev/shm"
 PREFIX = "moeray-x-"
 MAGIC = b"moeray-r"
-VERSION = 2
+VERSION = 3  # 3: the mailboxes' wake-up words (actors/mailbox.py)
 PAGE = 4096
 RING_BYTES = 2 << 20  # data bytes per direction (whole pages; the tests pass smaller rings to upgrade())
 SPIN_S = 50e-6  # a reader's spin before it sleeps

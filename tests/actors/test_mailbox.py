@@ -80,6 +80,45 @@ def test_an_old_message_never_passes_for_a_new_one_and_a_failed_mailbox_stays_br
         a.close(), b.close()
 
 
+def test_a_waiting_reader_sleeps_until_the_message_and_then_has_it():
+    """Past its spin a reader sleeps on the box's wake-up word (a futex): waiting 0.4 s for a message takes
+    its thread a small part of that in CPU time (a reader that kept looking took a core from the other
+    processes), and the writer's wake-up brings it the message. Then many round trips between two
+    threads, each side sleeping on the other: every message arrives, in order."""
+    (a, b), _ = _meshes()
+    try:
+        ab, ba = a.links[1], b.links[0]
+        got = {}
+
+        def read():
+            cpu0, t0 = time.thread_time(), time.monotonic()
+            got["x"] = ba.box.get(0, 1, 0, [((4,), torch.float32)])[0].clone()
+            got["cpu"], got["wall"] = time.thread_time() - cpu0, time.monotonic() - t0
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.4)
+        ab.box.put(1, 0, [torch.arange(4.0)])
+        reader.join(timeout=10)
+        assert torch.equal(got["x"], torch.arange(4.0)) and got["wall"] >= 0.35
+        assert got["cpu"] < 0.25 * got["wall"], got  # it slept (~3 % here); napping 20 µs between looks took 44 %
+
+        def pong():
+            for i in range(1, 400):
+                x = ba.box.get(i, 2, i, [((1,), torch.float32)])[0].item()
+                ba.box.put(2, i, [torch.tensor([x + 1])])
+        ba.box.put(1, 0, [torch.zeros(1)])  # (ba's message 0: the numbering as both ends count it)
+        ab.box.get(0, 1, 0, [((1,), torch.float32)])
+        t = threading.Thread(target=pong)
+        t.start()
+        for i in range(1, 400):
+            ab.box.put(2, i, [torch.tensor([float(i)])])
+            assert ab.box.get(i, 2, i, [((1,), torch.float32)])[0].item() == i + 1
+        t.join(timeout=10)
+    finally:
+        a.close(), b.close()
+
+
 def test_pairs_on_two_nodes_get_no_mailbox():
     (a, b), upgraded = _meshes(keys=("node-a", "node-b"))
     try:
