@@ -353,10 +353,21 @@ def tier_key(kind: str, h: bytes) -> bytes:
     return block_key(h) if kind == "block" else snapshot_key(h)
 
 
-def open_tiers(spec: dict) -> Tiers:
-    """The tiers of ``spec`` (cluster/kv_transfer.py ``tier_spec``: directories, sizes, the cache's layout digest):
-    each a folder per layout under its directory (so the size bound is per layout)."""
+NODE = "{node}"  # in a tier's directory: this node's address (a directory per node on a shared file system)
+
+
+def node_dir(path: str, node: str | None) -> Path:
+    """``path`` with :data:`NODE` replaced by ``node`` (this node's address), as the tier's actors open it."""
+    if NODE in path and not node:
+        raise ValueError(f"the KV tier's directory {path!r} names {NODE}, and this process knows no node address")
+    return Path(path.replace(NODE, node or ""))
+
+
+def open_tiers(spec: dict, node: str | None = None) -> Tiers:
+    """The tiers of ``spec`` (cluster/kv_transfer.py ``tier_spec``: directories, sizes, the cache's layout digest)
+    on node ``node`` (its address, for a directory naming :data:`NODE`): each a folder per layout under its
+    directory (so the size bound is per layout)."""
     sub = spec["layout"]
-    node = Tier(Path(spec["path"]) / sub, spec["bytes"], sub, name="node")
-    disk = Tier(Path(spec["disk"]) / sub, spec["disk_bytes"], sub, name="disk") if spec.get("disk") else None
-    return Tiers(node, disk)
+    tier = Tier(node_dir(spec["path"], node) / sub, spec["bytes"], sub, name="node")
+    disk = Tier(node_dir(spec["disk"], node) / sub, spec["disk_bytes"], sub, name="disk") if spec.get("disk") else None
+    return Tiers(tier, disk)

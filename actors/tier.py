@@ -25,7 +25,9 @@ class ActorTier:
     """The KV tier as one attention actor's cache sees it (``spec``: cluster/kv_transfer.py ``tier_spec``)."""
 
     def __init__(self, spec: dict, cache: ModelCache, max_queued: int = 1024):
-        self.tiers, self.cache = open_tiers(spec), cache
+        from .group import node_ip
+
+        self.tiers, self.cache = open_tiers(spec, node_ip()), cache
         self.queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self.copied = self.dropped = self.write_errors = self.loaded = 0
         self.sent = self.received = 0  # entries sent to, and received from, other nodes' actors

@@ -79,9 +79,12 @@ class CacheConfig(_Checked):
                                           "prefix found there is loaded instead of prefilled; shared by the node's "
                                           "actors and outliving them. 0: off. Needs prefix_caching.", ge=0)
     kv_offloading_path: str = knob("/dev/shm/moeray-kv", "The KV tier's directory on each node (in host memory: "
-                                                         "tmpfs); a folder per model layout under it.")
+                                                         "tmpfs); a folder per model layout under it. `{node}` in "
+                                                         "it is the node's address (a directory per node where "
+                                                         "nodes share a file system).")
     kv_offloading_disk: str | None = knob(None, "A directory on each node for the KV tier's disk level: what the "
-                                                "host-memory tier evicts moves there. Off unless given.")
+                                                "host-memory tier evicts moves there; `{node}` as in "
+                                                "kv_offloading_path. Off unless given.")
     kv_offloading_disk_size: float = knob(0.0, "GiB the KV tier's disk level may hold (with kv_offloading_disk).",
                                           ge=0)
 

@@ -220,3 +220,18 @@ def test_processes_sharing_a_tier_never_read_a_torn_or_wrong_entry(tmp_path):
         assert st["hits"] > 0 and set(st["misses"]) <= {"absent"}, st  # atomic writes: never a torn entry
     Tier(path, 12 * size, LAYOUT).make_room()
     assert Tier(path, 12 * size, LAYOUT).used_bytes() <= 12 * size
+
+
+def test_a_tier_directory_naming_node_is_this_node_s_own(tmp_path):
+    """``{node}`` in a tier's directory is the node's address (a directory per node on a shared file system);
+    without an address to put there the tier refuses to open, naming the directory."""
+    from actors.kv_tier import node_dir, open_tiers
+
+    assert node_dir(str(tmp_path / "kv" / "{node}"), "10.0.0.7") == tmp_path / "kv" / "10.0.0.7"
+    assert node_dir(str(tmp_path / "kv"), None) == tmp_path / "kv"
+    spec = {"path": str(tmp_path / "{node}" / "mem"), "bytes": 1 << 20, "disk": str(tmp_path / "d-{node}"),
+            "disk_bytes": 1 << 20, "layout": "L"}
+    tiers = open_tiers(spec, "127.0.0.3")
+    assert tiers.node.path == tmp_path / "127.0.0.3" / "mem" / "L" and tiers.disk.path == tmp_path / "d-127.0.0.3" / "L"
+    with pytest.raises(ValueError, match=r"names \{node\}, and this process knows no node address"):
+        open_tiers(spec, None)

@@ -1,7 +1,7 @@
 """Recovery from the KV tier on a real Ray cluster: a colocated worker and a disaggregated attention actor,
 each killed mid-stream at a long context — its sequences, re-admitted on the replacement, load their blocks
 from the node tier (written through as they filled) and re-prefill only what was not written yet; every stream
-equals its fault-free run."""
+equals its fault-free run. And a load across Ray nodes: one replica's node's tier read for another's."""
 
 from __future__ import annotations
 
@@ -72,4 +72,39 @@ def test_a_killed_replica_s_streams_come_back_from_the_node_tier(ray_cluster, tm
         assert len(eng.executor.tier(0, "tier_names", 4)) == 4
     finally:
         eng.executor.collect = collect
+        eng.shutdown()
+
+
+def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_path):
+    """Two attention replicas on two Ray nodes, each node's tier its own directory (``{node}`` in the path: the
+    node's address; the nodes of this machine share its file system, as nodes on a shared mount would). A history
+    written through on replica 1's node, then gone from both device pools, its next turn placed on replica 0:
+    replica 0's node's tier holds none of it, the engine's index says replica 1's node does, replica 1's actor
+    reads the entries there and they cross to replica 0 (checked again on arrival), which files them in its own
+    node's tier. The tokens are the single process's."""
+    from tests.cluster.test_kv_tier_engine import serve
+
+    wait_until_idle()
+    ips = ray_cluster.node_ips
+    path = str(preset("kimi-k2-tiny", seed=4, dtype="float32"))
+    cfg = EngineConfig.of(model=path, num_blocks=64, block_size=BS, prefix_caching=True, max_tokens_per_step=512,
+                          kv_offloading_size=0.25, kv_offloading_path=str(tmp_path / "{node}"))
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    history = single.prompts(1, PROMPT + 60, PROMPT + 61, seed=62)[0]
+    eng = Engine(cfg, ClusterSpec(attention=2, experts=1, attention_nodes=(ips[1], ips[2]))).start()
+    try:
+        assert eng.executor.node_of(0) != eng.executor.node_of(1)
+        serve(eng, history[:PROMPT], one, replica=1)
+        assert eng.executor.tier(1, "tier_flush") is True
+        files = lambda ip: list((tmp_path / ip).rglob("*.kv"))  # noqa: E731
+        assert files(ips[2]) and not files(ips[1])  # written through on replica 1's node only
+        eng.scheduler.cache.forget([0, 1])  # both device pools lose it (as after an eviction)
+        prompt = history[:PROMPT + 60]
+        assert serve(eng, prompt, one, replica=0) == single.alone(path, [prompt], one)[0]
+        status = eng.tier.status()
+        assert status["remote_blocks"] >= PROMPT // BS and status["loaded_tokens"] >= PROMPT // BS * BS, status
+        assert eng.executor.tier(0, "tier_status")["received"] > 0
+        assert eng.executor.tier(0, "tier_flush") is True
+        assert files(ips[1])  # filed in replica 0's own node's tier too
+    finally:
         eng.shutdown()
