@@ -158,17 +158,26 @@ class AttentionWorker(ServesSteps):
             raise ValueError(f"{self.name}: no blocks operation {op!r}")
         if self.tier is None:
             raise RuntimeError(f"{self.name} has no KV tier (kv_offloading_size is 0)")
-        if op == "tier_load":  # (items, and entries fetched from another node's tier: {(kind, hash): bytes})
-            fetched = {tier_key(k, h): data for (k, h), data in (args[1] if len(args) > 1 else {}).items()}
+        if op == "tier_load":  # (items, and where another node's tier holds some: (its actor, [(kind, hash)], wait))
+            from .tier import fetch_from
+
+            fetched = fetch_from(*args[1], name=self.name) if len(args) > 1 and args[1] else {}
             with self.busy:  # into the cache: never beside a step
                 return self.tier.load([(k, i, tier_key(k, h)) for k, i, h in args[0]], fetched)
-        if op == "tier_fetch":  # [(kind, hash)] → their entries as stored, for another node's actor to load
-            return self.tier.fetch([tier_key(k, h) for k, h in args[0]])
+        if op == "tier_fetch":
+            return self.tier_fetch(args[0])
         if op == "tier_names":
             return self.tier.names(*args)
         if op == "tier_probe":
             return self.tier.probe([block_key(h) for h in args[0]], [snapshot_key(h) for h in args[1]])
         return self.tier.flush(*args) if op == "tier_flush" else self.tier.status()
+
+    def tier_fetch(self, want: list[tuple[str, bytes]]) -> list[bytes]:
+        """[(kind, hash)] → their entries as this node's tier stores them, up to the first it does not hold whole:
+        for another node's actor to load (it calls this itself: actors/tier.py ``fetch_from``)."""
+        if self.tier is None:
+            raise RuntimeError(f"{self.name} has no KV tier (kv_offloading_size is 0)")
+        return self.tier.fetch([tier_key(k, h) for k, h in want])
 
     def close_blocks_channel(self) -> None:
         if self._blocks_server is not None:
@@ -316,7 +325,6 @@ class AttentionWorker(ServesSteps):
         sampled here: the accepted drafts and the token after them). Returns (sequence, context
         length, draft token) per sampling chunk: the greedy guess of the token after its new last
         token, from the position of its last accepted token."""
-        d = self.dispatcher
         got: dict[int, list[int]] = {}
         for t in tokens:
             got.setdefault(t.seq_id, []).append(t.token_id)

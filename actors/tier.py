@@ -21,6 +21,28 @@ from model.cache import ModelCache, read_blocks
 log = logging.getLogger(__name__)
 
 
+def fetch_from(source, want: list[tuple[str, bytes]], wait_s: float, name: str = "") -> dict[bytes, bytes]:
+    """The entries ``want`` [(kind, hash)] as another node's tier stores them, read by this actor from ``source``
+    (that node's attention actor: a Ray actor handle, called through Ray so the bytes go between the two nodes,
+    not through the engine; or in one process the worker itself), waiting at most ``wait_s``: key → bytes, up to
+    the first the source could not read. A source that fails or does not answer in time gives none (logged):
+    those entries are prefilled; :meth:`ActorTier.load` checks every one it gets."""
+    from .kv_tier import tier_key
+
+    try:
+        call = getattr(source, "tier_fetch")
+        if hasattr(call, "remote"):
+            import ray
+
+            got = ray.get(call.remote(want), timeout=wait_s)
+        else:
+            got = call(want)
+    except Exception:  # noqa: BLE001 — what cannot come is prefilled
+        log.warning("%s: reading another node's KV tier failed; its entries are prefilled", name, exc_info=True)
+        return {}
+    return {tier_key(k, h): data for (k, h), data in zip(want, got)}
+
+
 class ActorTier:
     """The KV tier as one attention actor's cache sees it (``spec``: cluster/kv_transfer.py ``tier_spec``)."""
 

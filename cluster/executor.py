@@ -90,6 +90,10 @@ class Executor(Protocol):
     def node_of(self, replica: int) -> str:
         """The node attention replica ``replica`` runs on (its KV tier is that node's)."""
 
+    def peer(self, replica: int):
+        """What another attention replica's actor calls to read replica ``replica``'s node's tier itself
+        (actors/tier.py ``fetch_from``): its Ray actor handle, or in one process the worker."""
+
     def describe(self) -> dict: ...
 
 
@@ -221,6 +225,9 @@ class RayExecutor:
 
     def node_of(self, replica: int) -> str:
         return self.fleet.node_ip(self.fleet.attention[replica])
+
+    def peer(self, replica: int):
+        return self.fleet.attention[replica].actor
 
     def tier(self, replica: int, op: str, *args):
         """A KV tier operation of attention replica ``replica`` (actors/attention.py ``_serve_blocks``: tier_probe,

@@ -84,6 +84,9 @@ class InProcessExecutor:
     def tier(self, replica: int, op: str, *args):
         return self.workers[replica]._serve_blocks((op, *args))
 
+    def peer(self, replica: int):
+        return self.workers[replica]
+
     def write_blocks(self, replica: int, blocks: list[int], snapshot: int | None, parts: dict,
                      via: str = "channel") -> None:
         self.workers[replica].write_blocks(blocks, snapshot, parts)

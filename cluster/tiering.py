@@ -206,12 +206,6 @@ class TierLoads:
         if not self.cheaper_to_load():
             self.skipped += 1
             return None
-        fetched = self._fetch(held, chain, depth)
-        held.snapshots = [q if q != held.source or ("snapshot", chain[b // bs - 1]) in fetched else None
-                          for b, q in zip(held.bounds, held.snapshots)]  # (only the one at ``depth`` was asked for)
-        depth = held.usable(first + held.local + sum(k[0] == "block" for k in fetched), depth // bs)
-        if depth <= have:
-            return more
         moved = cache.adopt(r, list(chain[:depth // bs]))
         if moved is None:
             return (r, room)  # no room after all (a KDA snapshot, say)
@@ -219,8 +213,9 @@ class TierLoads:
         if moved.new_snapshot:
             items.append(("snapshot", moved.snapshot, moved.hashes[-1]))
         ours = set(moved.hashes)
+        fetched = [k for k in self._wanted(held, chain, depth) if k[1] in ours]
         try:
-            loaded = executor.tier(r, "tier_load", items, {k: v for k, v in fetched.items() if k[1] in ours})
+            loaded = executor.tier(r, "tier_load", items, self._source_of(held, fetched))
         except BaseException:
             cache.unpin(moved)
             raise
@@ -235,6 +230,7 @@ class TierLoads:
         cache.unpin(moved)  # cached now, at the LRU's recent end: the scheduler admits the request as a hit
         self._reserved[r] = self._reserved.get(r, 0) + need
         self.engine.scheduler.rehome(seq, r)
+        fetched = set(fetched)
         came = [i for i in items[:loaded] if (i[0], i[2]) in fetched]
         self.remote_blocks += sum(i[0] == "block" for i in came)
         self.wrote(r, came)  # (the actor files them in its own node's tier too)
@@ -292,23 +288,22 @@ class TierLoads:
                 best, most = node, n
         return next((q for q in replicas if q != r and executor.node_of(q) == best), None) if best else None
 
-    def _fetch(self, held: "Held", chain: list[bytes], depth: int) -> dict[tuple[str, bytes], bytes]:
-        """The entries a load to ``depth`` tokens needs from another node's tier — (kind, hash) → bytes, up to the
-        first that node's actor could not read whole — or none (a failure: the load stops where the node's own
-        tier does)."""
+    def _wanted(self, held: "Held", chain: list[bytes], depth: int) -> list[tuple[str, bytes]]:
+        """The entries a load to ``depth`` tokens takes from another node's tier (``held.source``'s): (kind, hash)."""
         bs = held.block_size
         blocks = [("block", h) for h in chain[held.first + held.local:depth // bs]]
         snap = held.snapshot_at(depth)
-        want = blocks + ([("snapshot", chain[depth // bs - 1])] if snap is not None and snap == held.source else [])
+        return blocks + ([("snapshot", chain[depth // bs - 1])] if snap is not None and snap == held.source else [])
+
+    def _source_of(self, held: "Held", want: list[tuple[str, bytes]]):
+        """Where the loading actor reads ``want`` itself (none: nothing from another node): the source replica's
+        actor (executor ``peer``) and how long to wait for it — under half the load's own timeout, so that a
+        source that does not answer costs the entries it holds (they are prefilled), never the loading replica."""
         if not want:
-            return {}
-        try:
-            got = self.engine.executor.tier(held.source, "tier_fetch", want)
-        except Exception:  # noqa: BLE001 — what it cannot send is prefilled
-            log.warning("KV tier: fetching from replica %d failed; its entries are prefilled", held.source,
-                        exc_info=True)
-            return {}
-        return dict(zip(want, got))
+            return None
+        faults = self.engine.config.faults
+        wait = min(faults.step_timeout_s / 2, faults.hang_floor_s + faults.heartbeat_timeout_s)
+        return self.engine.executor.peer(held.source), want, wait
 
     def covers(self, r: int, tokens: list[int], salt: str | None, have: int) -> int:
         """How far a hit on replica ``r`` could reach with what its tiers hold (at least ``have``, its device hit):

@@ -75,14 +75,15 @@ def test_a_killed_replica_s_streams_come_back_from_the_node_tier(ray_cluster, tm
         eng.shutdown()
 
 
-def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_path):
+def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_path, monkeypatch):
     """Two attention replicas on two Ray nodes, each node's tier its own directory (``{node}`` in the path: the
     node's address; the nodes of this machine share its file system, as nodes on a shared mount would). A history
     written through on replica 1's node, then gone from both device pools, its next turn placed on replica 0:
-    replica 0's node's tier holds none of it, the engine's index says replica 1's node does, replica 1's actor
-    reads the entries there and they cross to replica 0 (checked again on arrival), which files them in its own
-    node's tier. The tokens are the single process's."""
-    from tests.cluster.test_kv_tier_engine import serve
+    replica 0's node's tier holds none of it, the engine's index says replica 1's node does, and replica 0's
+    actor reads the entries from replica 1's itself (a Ray call between the two nodes: the engine never carries
+    their bytes), checks them on arrival, loads them and files them in its own node's tier. The tokens are the
+    single process's."""
+    from tests.cluster.test_kv_tier_engine import engine_ops, serve
 
     wait_until_idle()
     ips = ray_cluster.node_ips
@@ -92,6 +93,7 @@ def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_pat
     one = SamplingParams(max_tokens=2, ignore_eos=True)
     history = single.prompts(1, PROMPT + 60, PROMPT + 61, seed=62)[0]
     eng = Engine(cfg, ClusterSpec(attention=2, experts=1, attention_nodes=(ips[1], ips[2]))).start()
+    asked = engine_ops(eng, monkeypatch)
     try:
         assert eng.executor.node_of(0) != eng.executor.node_of(1)
         serve(eng, history[:PROMPT], one, replica=1)
@@ -104,6 +106,8 @@ def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_pat
         status = eng.tier.status()
         assert status["remote_blocks"] >= PROMPT // BS and status["loaded_tokens"] >= PROMPT // BS * BS, status
         assert eng.executor.tier(0, "tier_status")["received"] > 0
+        # replica 0's actor called replica 1's through Ray: the entries went node to node, not through the engine
+        assert "tier_fetch" not in asked and eng.executor.tier(1, "tier_status")["sent"] > 0, asked
         assert eng.executor.tier(0, "tier_flush") is True
         assert files(ips[1])  # filed in replica 0's own node's tier too
     finally:

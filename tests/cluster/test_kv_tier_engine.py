@@ -320,6 +320,18 @@ def test_placement_prefers_the_replica_whose_node_s_tier_holds_the_prefix(tmp_pa
         eng.shutdown()
 
 
+def engine_ops(eng: Engine, monkeypatch) -> list[str]:
+    """The KV tier operations ``eng`` asks of its actors from now on, in order (a list that grows)."""
+    asked, tier = [], eng.executor.tier
+
+    def recording(replica, op, *args):
+        asked.append(op)
+        return tier(replica, op, *args)
+
+    monkeypatch.setattr(eng.executor, "tier", recording)
+    return asked
+
+
 def two_nodes(path, tmp_path, monkeypatch) -> Engine:
     """Two replicas on two (logical) nodes, each node's tier its own directory (``node0``, ``node1``)."""
     from actors.tier import ActorTier
@@ -348,6 +360,7 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
     worker = eng.executor.workers[1]
     one = SamplingParams(max_tokens=2, ignore_eos=True)
     history = sessions(9)[0]
+    asked = engine_ops(eng, monkeypatch)
     try:
         serve(eng, history[:SYSTEM + TURN], one, replica=1)
         assert eng.executor.tier(1, "tier_flush") is True
@@ -360,6 +373,8 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
         if name == "kimi-k3-tiny":
             assert status["loaded_snapshots"] == 1, status
         assert eng.executor.tier(0, "tier_status")["received"] > 0
+        # replica 0's actor read them from replica 1's itself: the engine asked for no entry's bytes
+        assert "tier_fetch" not in asked and eng.executor.tier(1, "tier_status")["sent"] > 0, asked
         assert eng.executor.tier(0, "tier_flush") is True
         assert any((tmp_path / "node0").rglob("*.kv"))  # filed on node 0 now too
 
