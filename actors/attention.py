@@ -154,7 +154,7 @@ class AttentionWorker(ServesSteps):
         op, *args = request
         if op in ("read", "write"):
             return self.read_blocks(*args) if op == "read" else self.write_blocks(*args)
-        if op not in ("tier_probe", "tier_load", "tier_fetch", "tier_names", "tier_flush", "tier_status"):
+        if op not in ("tier_probe", "tier_probes", "tier_load", "tier_fetch", "tier_names", "tier_flush", "tier_status"):
             raise ValueError(f"{self.name}: no blocks operation {op!r}")
         if self.tier is None:
             raise RuntimeError(f"{self.name} has no KV tier (kv_offloading_size is 0)")
@@ -168,8 +168,10 @@ class AttentionWorker(ServesSteps):
             return self.tier_fetch(args[0])
         if op == "tier_names":
             return self.tier.names(*args)
-        if op == "tier_probe":
-            return self.tier.probe([block_key(h) for h in args[0]], [snapshot_key(h) for h in args[1]])
+        if op in ("tier_probe", "tier_probes"):  # one (blocks, snapshots), or a list of them
+            probes = [args] if op == "tier_probe" else args[0]
+            answers = [self.tier.probe([block_key(h) for h in b], [snapshot_key(h) for h in s]) for b, s in probes]
+            return answers[0] if op == "tier_probe" else answers
         return self.tier.flush(*args) if op == "tier_flush" else self.tier.status()
 
     def tier_fetch(self, want: list[tuple[str, bytes]]) -> list[bytes]:

@@ -230,14 +230,14 @@ class RayExecutor:
         return self.fleet.attention[replica].actor
 
     def tier(self, replica: int, op: str, *args):
-        """A KV tier operation of attention replica ``replica`` (actors/attention.py ``_serve_blocks``: tier_probe,
+        """A KV tier operation of attention replica ``replica`` (actors/attention.py ``_serve_blocks``: tier_probe(s),
         tier_load, tier_fetch, tier_names, tier_flush, tier_status) over its blocks channel, under the step timeout
         — a probe under the hang watchdog's (hang_floor_s + heartbeat_timeout_s): it only checks that files exist,
         and the engine waits for it between steps, so a stopped actor costs the streams seconds, not the step
         timeout (its next step finds it hung)."""
         faults = self.config.faults
         timeout = min(faults.step_timeout_s, faults.hang_floor_s + faults.heartbeat_timeout_s) \
-            if op == "tier_probe" else None
+            if op in ("tier_probe", "tier_probes") else None
         return self._blocks_call(replica, "channel", op, *args, timeout_s=timeout)
 
     def _blocks_call(self, replica: int, via: str, op: str, *args, timeout_s: float | None = None):

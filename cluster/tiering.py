@@ -9,7 +9,8 @@ boundaries) its node's tiers hold, then adopts room for them (:meth:`PrefixCache
 them; the actor checks each entry whole (key, layout, checksum) and stops at the first that is not. What loaded
 is registered (:meth:`PrefixCache.commit`) and left cached; the rest is given back. On hybrid models a load counts
 only whole (a hit needs the KDA state at its end). A request is looked up once per length (a recovered or
-preempted one again), at most ``max_per_step`` per step; every failure is a miss: the request is prefilled. It
+preempted one again), at most ``max_per_step`` per step, the pass's probes asked ahead in one round trip per replica
+(:meth:`TierLoads._prefetch`); every failure is a miss: the request is prefilled. It
 loads only while loading has measured cheaper per token than prefilling (steps of many tokens say what a prefill
 costs; the loads so far what a load does): a tier slower than the devices' compute is left alone.
 
@@ -46,6 +47,7 @@ class TierLoads:
         self.load_cost: float | None = None
         self.prefill_cost: float | None = None
         self.skipped = 0
+        self.probe_calls = 0  # probe round trips to the actors (a pass asks each replica once: _prefetch)
         # entries may come from another node's tier (through one of its replicas), where the index says it holds them
         self.remote = True
         self.remote_blocks = 0  # blocks loaded that way
@@ -59,6 +61,7 @@ class TierLoads:
         self._names: dict[bytes, str] = {}  # (a pass's memo of prefix hash → entry name)
         self._reserved: dict[int, int] = {}  # (per pass of before_schedule: see there)
         self._planned: dict[int, int] = {}
+        self._probed: dict[int, tuple[dict, dict]] = {}  # (per pass: see there)
 
     PREFILL_TOKENS = 32  # a step this large is mostly prefill: its time per token is the prefill cost
     SMOOTHING = 0.2
@@ -135,12 +138,13 @@ class TierLoads:
                 self._list()
             except Exception:  # noqa: BLE001 — the index is a hint: the probes still find what a tier holds
                 log.warning("KV tier: listing the nodes' tiers failed", exc_info=True)
-        n = 0
         self._names = {}
         self._reserved: dict[int, int] = {}  # per replica: blocks the requests loaded for this step will take
         self._planned: dict[int, int] = {}  # per replica: requests looked up for it in this pass
+        self._probed: dict[int, tuple[dict, dict]] = {}  # replica → what its tier holds (block, snapshot hash → bool)
+        todo = []
         for seq in list(sched.waiting):
-            if n >= self.max_per_step or len(sched.running) + n >= sched.max_num_seqs:
+            if len(todo) >= self.max_per_step or len(sched.running) + len(todo) >= sched.max_num_seqs:
                 break  # (what it loads for a request the scheduler cannot admit now, others would evict first)
             mark = (seq.seq_id, len(seq.token_ids))
             if seq.is_refresh or mark in self.tried:
@@ -148,7 +152,10 @@ class TierLoads:
             short = self.short_of_room.get(mark)
             if short is not None and self._room(short[0]) <= short[1]:
                 continue
-            n += 1
+            todo.append((seq, mark))
+        if len(todo) > 1:
+            self._prefetch([seq for seq, _ in todo])
+        for seq, mark in todo:
             try:
                 room = self._look_up(seq)
             except Exception:  # noqa: BLE001 — a lookup that fails is a miss: the request is prefilled
@@ -160,6 +167,7 @@ class TierLoads:
                 self.tried.add(mark)
             else:  # the tier holds more of it than its replica had room for: again when there is more room
                 self.short_of_room[mark] = room
+        self._probed = {}  # (answers for this pass only: the tiers change between steps)
         if len(self.tried) > 4 * max(len(sched.seqs), 1024):
             self.tried = {m for m in self.tried if m[0] in sched.seqs}
             self.short_of_room = {m: v for m, v in self.short_of_room.items() if m[0] in sched.seqs}
@@ -173,26 +181,13 @@ class TierLoads:
         """Load what the tiers hold of ``seq``'s prompt past its device hit, as far as its replica has room; None
         when done, or (replica, its room now) when the tiers hold more than there was room for."""
         cache, executor = self.engine.scheduler.cache, self.engine.executor
-        bs, tokens, salt = cache.block_size, seq.token_ids, seq.cache_salt
-        deepest = cache.deepest(len(tokens))
-        if deepest < bs:
+        bs = cache.block_size
+        placed = self._place(seq)
+        if placed is None:
             return None
-        hits, sched = cache.probe(tokens, salt), self.engine.scheduler
-        load = [sched.load(i) + self._planned.get(i, 0) for i in range(len(hits))]
-        chain = cache.chain_of(tokens, salt, deepest)
-        # the replica the scheduler's placement rule would take (its load counting those looked up before it), a
-        # hit counting what the index says its node's tier holds too
-        held = [min(deepest, max(h.tokens, (h.tokens // bs + self._indexed(i, chain, h.tokens // bs)) * bs))
-                for i, h in enumerate(hits)]
-        r = max(range(len(hits)), key=lambda i: (held[i] - sched.load_weight * load[i], -load[i], self._room(i)))
-        if seq.home is not None and seq.home < len(hits):
-            r = seq.home  # a PD arrival's replica (cluster/pd.py)
-        self._planned[r] = self._planned.get(r, 0) + 1
-        have = hits[r].tokens
-        if have >= deepest:
-            return None
+        r, have, deepest, chain = placed
         first = have // bs  # blocks the device holds of it
-        room, need = self._room(r), -(-len(tokens) // bs) + 1 - first
+        room, need = self._room(r), self._need(seq, first)
         if room < need:
             return r, room  # no room for all of it now: loaded, its blocks would be evicted before it is admitted
         t0 = time.perf_counter()
@@ -243,23 +238,125 @@ class TierLoads:
             self.load_cost = self._average(self.load_cost, spent / ((len(moved.blocks) - moved.fresh) * bs))
         return more
 
+    def _place(self, seq) -> tuple[int, int, int, list[bytes]] | None:
+        """The replica a lookup of ``seq`` takes — the scheduler's placement rule, its load counting the requests
+        looked up for it before in this pass (counted now), a hit counting what the index says its node's tier
+        holds too — with the tokens its device holds, the deepest hit there could be and the prompt's block
+        chain; None when there is nothing to look up (a prompt under a block, or held whole)."""
+        cache, sched = self.engine.scheduler.cache, self.engine.scheduler
+        bs, tokens, salt = cache.block_size, seq.token_ids, seq.cache_salt
+        deepest = cache.deepest(len(tokens))
+        if deepest < bs:
+            return None
+        hits = cache.probe(tokens, salt)
+        load = [sched.load(i) + self._planned.get(i, 0) for i in range(len(hits))]
+        chain = cache.chain_of(tokens, salt, deepest)
+        held = [min(deepest, max(h.tokens, (h.tokens // bs + self._indexed(i, chain, h.tokens // bs)) * bs))
+                for i, h in enumerate(hits)]
+        r = max(range(len(hits)), key=lambda i: (held[i] - sched.load_weight * load[i], -load[i], self._room(i)))
+        if seq.home is not None and seq.home < len(hits):
+            r = seq.home  # a PD arrival's replica (cluster/pd.py)
+        self._planned[r] = self._planned.get(r, 0) + 1
+        have = hits[r].tokens
+        return None if have >= deepest else (r, have, deepest, chain)
+
+    def _need(self, seq, first: int) -> int:
+        """Blocks ``seq`` takes on a replica whose device holds its first ``first``: the rest of its prompt and one."""
+        return -(-len(seq.token_ids) // self.engine.scheduler.cache.block_size) + 1 - first
+
+    def _prefetch(self, seqs: list) -> None:
+        """Ask each replica's actor once for what its node's tier holds of every request of this pass that its
+        lookup will probe there (the placement decided as the lookups will, in order), and then each source node's
+        actor once for what its tier holds past that, instead of a round trip per request each (``_probed``; a
+        lookup whose probe was not asked ahead, or whose answer failed, asks on its own as before)."""
+        cache = self.engine.scheduler.cache
+        bs, asks = cache.block_size, {}
+        for seq in seqs:
+            try:
+                placed = self._place(seq)
+            except Exception:  # noqa: BLE001 — its lookup will fail (or not) on its own
+                continue
+            if placed is None:
+                continue
+            r, have, deepest, chain = placed
+            if self._room(r) < self._need(seq, have // bs):
+                continue  # (its lookup stops before probing)
+            asks.setdefault(r, []).append(self._probe_keys(chain, have, deepest, have // bs))
+        self._planned = {}  # (the lookups count their own)
+        self._ask(asks)
+        if not self.remote:
+            return
+        further = {}
+        for r, keys in asks.items():
+            for blocks, snaps, chain in keys:
+                if r not in self._probed:
+                    continue
+                i = len(chain) - len(blocks) + self._probe(r, list(blocks), list(snaps))[0]  # where the local tier stops
+                q = self._source(r, chain, i) if i < len(chain) else None
+                if q is not None:
+                    further.setdefault(q, []).append((tuple(chain[i:]), snaps, chain))
+        self._ask(further)
+
+    def _probe_keys(self, chain: list[bytes], have: int, deepest: int, first: int) -> tuple:
+        """A probe past ``first`` blocks of ``chain``: (the blocks' hashes, the snapshots' hashes at the grid
+        boundaries from a hit of ``have`` tokens to ``deepest``, the chain)."""
+        bs = self.engine.scheduler.cache.block_size
+        return tuple(chain[first:]), tuple(chain[b // bs - 1] for b in self._bounds(have, deepest)), chain
+
+    def _bounds(self, have: int, deepest: int) -> list[int]:
+        """The grid boundaries past a hit of ``have`` tokens up to ``deepest`` (hybrid models' snapshots: hits sit
+        on the grid); none without a grid."""
+        grid = self.engine.scheduler.cache.grid
+        return list(range(have + grid, deepest + 1, grid)) if grid else []
+
+    def _ask(self, asks: dict[int, list[tuple]]) -> None:
+        """One ``tier_probes`` round trip per replica in ``asks`` (replica → [(blocks, snapshots, chain)]), what
+        each answer says of every entry kept in ``_probed``; a replica that fails answers none of them here."""
+        for q, keys in asks.items():
+            try:
+                answers = self.engine.executor.tier(q, "tier_probes", [(list(b), list(s)) for b, s, _ in keys])
+            except Exception:  # noqa: BLE001 — each lookup asks (and fails, or not) on its own
+                log.warning("KV tier: replica %d's probes failed", q, exc_info=True)
+                continue
+            self.probe_calls += 1
+            blocks, snaps = self._probed.setdefault(q, ({}, {}))
+            for (b, s, _), (n, held) in zip(keys, answers):
+                blocks.update(dict.fromkeys(b[:n], True))
+                if n < len(b):
+                    blocks[b[n]] = False  # (a probe stops at the first absent)
+                snaps.update(zip(s, held))
+
+    def _probe(self, q: int, blocks: list[bytes], snaps: list[bytes]) -> tuple[int, list[bool]]:
+        """What replica ``q``'s node's tier holds of ``blocks`` (how many, in order) and ``snaps``: from what this
+        pass asked ahead where that says (a lookup after another's load may start further along the same chain),
+        else asked now."""
+        known = self._probed.get(q)
+        if known is not None:
+            n = 0
+            while n < len(blocks) and known[0].get(blocks[n]):
+                n += 1
+            if (n == len(blocks) or blocks[n] in known[0]) and all(h in known[1] for h in snaps):
+                return n, [known[1][h] for h in snaps]
+        self.probe_calls += 1
+        return self.engine.executor.tier(q, "tier_probe", blocks, snaps)
+
     def _held(self, r: int, chain: list[bytes], have: int, deepest: int) -> "Held":
         """What the tiers hold of ``chain`` past a device hit of ``have`` tokens on replica ``r``: first its own
         node's, then — where the index says another node's tier holds the next blocks — that node's, through one
         of its replicas (a failing one holds nothing)."""
-        cache, executor = self.engine.scheduler.cache, self.engine.executor
+        cache = self.engine.scheduler.cache
         bs = cache.block_size
         first = have // bs
-        bounds = list(range(have + cache.grid, deepest + 1, cache.grid)) if cache.grid else []  # (hits sit on the grid)
+        bounds = self._bounds(have, deepest)
         snap_keys = [chain[b // bs - 1] for b in bounds]
-        n, snaps = executor.tier(r, "tier_probe", list(chain[first:]), snap_keys)
+        n, snaps = self._probe(r, list(chain[first:]), snap_keys)
         self.found_blocks += n
         self._forget(r, chain, first + n)
         held = Held(bs, cache.grid, first, n, bounds, [r if ok else None for ok in snaps])
         q = self._source(r, chain, first + n) if self.remote and first + n < len(chain) else None
         if q is not None:
             try:
-                m, qsnaps = executor.tier(q, "tier_probe", list(chain[first + n:]), snap_keys)
+                m, qsnaps = self._probe(q, list(chain[first + n:]), snap_keys)
             except Exception:  # noqa: BLE001 — another node that cannot say holds nothing
                 log.warning("KV tier: replica %d's probe failed; its node's tier is left out", q, exc_info=True)
                 return held
@@ -320,7 +417,8 @@ class TierLoads:
         return max(have, found)
 
     def status(self) -> dict:
-        return {"lookups": self.lookups, "queried_tokens": self.queried_tokens, "found_blocks": self.found_blocks,
+        return {"lookups": self.lookups, "probe_calls": self.probe_calls, "queried_tokens": self.queried_tokens,
+                "found_blocks": self.found_blocks,
                 "loaded_blocks": self.loaded_blocks, "loaded_snapshots": self.loaded_snapshots,
                 "loaded_tokens": self.loaded_tokens, "missed": self.missed, "load_s": self.load_s,
                 "skipped": self.skipped, "remote_blocks": self.remote_blocks, "load_us_per_token": _us(self.load_cost),

@@ -405,6 +405,54 @@ def test_a_replica_loads_what_another_node_s_tier_holds_through_that_node_s_repl
         again.shutdown()
 
 
+def test_a_pass_probes_each_replica_s_tier_once_for_all_its_lookups(tmp_path, monkeypatch):
+    """Four requests waiting at once on two replicas, each the next turn of a history the tier holds (its device
+    pools emptied): the pass that looks them up asks each replica's actor once for what its tier holds of all of
+    them (``tier_probes``), not once per request, and each request loads what it would alone — the single
+    process's tokens."""
+    path = str(preset("kimi-k2-tiny", seed=3, dtype="float32"))
+    eng = engine(path, tmp_path, replicas=2, max_num_seqs=8)
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    histories = [h[:SYSTEM + 2 * TURN] for h in sessions(12)[:4]]
+    try:
+        for h in histories:
+            serve(eng, h[:SYSTEM + TURN], one)
+        assert all(eng.executor.tier(r, "tier_flush") is True for r in (0, 1))
+        eng.scheduler.cache.forget([0, 1])
+        asked = engine_ops(eng, monkeypatch)
+        before = eng.tier.status()
+        rids = [eng.add_request(h, one) for h in histories]
+        while eng.busy:
+            eng.pipelined()
+        assert [eng.release(r).seq.output_ids for r in rids] == [single.alone(path, [h], one)[0] for h in histories]
+        after = eng.tier.status()
+        looked_up = after["lookups"] - before["lookups"]
+        assert looked_up == 4 and after["loaded_tokens"] - before["loaded_tokens"] >= SYSTEM, after
+        assert 1 <= asked.count("tier_probes") <= 2 and "tier_probe" not in asked, asked  # a round trip per replica
+        assert after["probe_calls"] - before["probe_calls"] == asked.count("tier_probes")
+    finally:
+        eng.shutdown()
+
+    # on two (logical) nodes, two histories (no prefix in common) node 1's tier alone holds, looked up for replica
+    # 0 in one pass: node 0's tier asked once for both, then node 1's once for what its tier holds past that
+    eng = two_nodes(path, tmp_path / "two", monkeypatch)
+    apart = [sessions(13 + i)[0][:SYSTEM + TURN] for i in range(2)]
+    try:
+        for h in apart:
+            serve(eng, h[:SYSTEM], one, replica=1)
+        assert eng.executor.tier(1, "tier_flush") is True
+        eng.scheduler.cache.forget([0, 1])
+        asked = engine_ops(eng, monkeypatch)
+        rids = [eng.add_request(h, one, replica=0) for h in apart]
+        while eng.busy:
+            eng.pipelined()
+        assert [eng.release(r).seq.output_ids for r in rids] == [single.alone(path, [h], one)[0] for h in apart]
+        assert asked[:2] == ["tier_probes", "tier_probes"] and "tier_probe" not in asked, asked
+        assert eng.tier.status()["remote_blocks"] >= SYSTEM // 16
+    finally:
+        eng.shutdown()
+
+
 def test_a_node_that_joins_later_has_its_tier_listed_into_the_index(tmp_path, monkeypatch):
     """The index lists each node's tier once, when it first sees the node: the nodes there at the first lookup,
     then one a scale change or a replacement brings (here replica 1 found on another node than before)."""
