@@ -5,6 +5,7 @@ with the tier off and on.
     python bench/bench_kv_tier.py [--preset kimi-k2-tiny] [--sessions 40] [--clients 3] [--turns 6]
                                   [--system 512] [--turn-tokens 64] [--pool-ratio 5] [--rounds 3]
                                   [--contexts 4096,16384] [--skip-trace] [--skip-recovery] [--cross-context 4096]
+                                  [--cross-on process|ray]
 
 **Trace** (in this process: the in-process executor, the async engine on its own thread): ``--sessions`` agent
 sessions share one ``--system``-token tool/system prompt; each turn resends the session's whole history plus
@@ -243,10 +244,27 @@ def _kill_mid_stream(eng: Engine, prompt, params) -> tuple[list[int], float, flo
 
 
 def cross_part(args, path: str, tmp: Path) -> None:
-    """One ``--cross-context``-token history written through on node 1 of two (logical) nodes in this process, each
-    node's tier its own directory, then gone from the device pools; its next turn (one token) served three ways,
-    rounds interleaved: on replica 1 (its node's tier holds it: a local load), on replica 0 (loaded from node 1's
-    tier through replica 1: a cross-node load), on replica 0 with the tier's cross-node loads off (prefilled)."""
+    """One ``--cross-context``-token history written through on node 1 of two nodes, each node's tier its own
+    directory, then gone from the device pools; its next turn (one token) served three ways, rounds interleaved:
+    on replica 1 (its node's tier holds it: a local load), on replica 0 (replica 0's actor reads the entries from
+    replica 1's: a cross-node load), on replica 0 with the tier's cross-node loads off (prefilled). The two nodes
+    are logical ones in this process, or with ``--cross-on ray`` two Ray nodes of this machine (the actors' own
+    processes; ``{node}`` directories), where the entries cross between the actors through Ray."""
+    if args.cross_on != "ray":
+        return _cross(args, path, tmp, None)
+    import ray
+
+    from cluster.local import LocalCluster
+
+    with LocalCluster(nodes=2, num_cpus=4, first_ip=74) as lc:
+        ray.init(address=lc.address, logging_level="WARNING")
+        try:
+            _cross(args, path, tmp, lc.node_ips)
+        finally:
+            ray.shutdown()
+
+
+def _cross(args, path: str, tmp: Path, ips: list[str] | None) -> None:
     import random
 
     from actors.tier import ActorTier
@@ -257,14 +275,19 @@ def cross_part(args, path: str, tmp: Path) -> None:
     history = [rng.randrange(10, 900) for _ in range(ctx + 64)]
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     knobs = dict(num_blocks=2 * (ctx + 64) // BS + 16, block_size=BS, prefix_caching=True, max_tokens_per_step=2048,
-                 kv_offloading_size=1.0, kv_offloading_path=str(tmp / "node0"))
+                 kv_offloading_size=1.0, kv_offloading_path=str(tmp / ("{node}" if ips else "node0")))
     cfg = EngineConfig.of(path, **knobs)
-    spec = ClusterSpec(attention=2, experts=1)
-    eng = Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))).start()
-    eng.executor.node_of = lambda replica: f"node{replica}"
-    worker = eng.executor.workers[1]
-    worker.tier.close()
-    worker.tier = ActorTier({**tier_spec(cfg, load_config(path)), "path": str(tmp / "node1")}, worker.cache)
+    if ips:  # two Ray nodes: the actors open their own node's directory
+        eng = Engine(cfg, ClusterSpec(attention=2, experts=1, attention_nodes=(ips[0], ips[1]))).start()
+        node0 = tmp / ips[0]
+    else:
+        spec = ClusterSpec(attention=2, experts=1)
+        eng = Engine(cfg, spec, executor=InProcessExecutor(cfg, spec, load_config(path))).start()
+        eng.executor.node_of = lambda replica: f"node{replica}"
+        worker = eng.executor.workers[1]
+        worker.tier.close()
+        worker.tier = ActorTier({**tier_spec(cfg, load_config(path)), "path": str(tmp / "node1")}, worker.cache)
+        node0 = tmp / "node0"
     times: dict[str, list[float]] = {"local load (replica 1)": [], "cross-node load (replica 0)": [],
                                      "prefill (replica 0, cross-node off)": []}
     want = None
@@ -283,7 +306,7 @@ def cross_part(args, path: str, tmp: Path) -> None:
                                           ("prefill (replica 0, cross-node off)", 0, False)):
                 eng.scheduler.cache.forget([0, 1])
                 eng.executor.tier(0, "tier_flush")
-                for f in (tmp / "node0").rglob("*.kv"):  # (node 0's copy from the last cross-node load)
+                for f in node0.rglob("*.kv"):  # (node 0's copy from the last cross-node load)
                     f.unlink()
                 eng.tier.remote, eng.tier.load_cost = remote, None
                 t0 = time.perf_counter()
@@ -294,8 +317,8 @@ def cross_part(args, path: str, tmp: Path) -> None:
         st = eng.tier.status()
     finally:
         eng.shutdown()
-    print(f"\na {ctx}-token history's next turn (TTFT, medians of {args.rounds}; {st['remote_blocks']:,} blocks came "
-          f"from the other node):")
+    print(f"\na {ctx}-token history's next turn ({'two Ray nodes' if ips else 'in process'}; TTFT, medians of "
+          f"{args.rounds}; {st['remote_blocks']:,} blocks came from the other node):")
     base = statistics.median(times["prefill (replica 0, cross-node off)"])
     for what, v in times.items():
         print(f"  {what:<38} {1e3 * statistics.median(v):8.1f} ms  (the prefill / {base / statistics.median(v):.1f})")
@@ -315,6 +338,8 @@ def main() -> None:
     ap.add_argument("--skip-trace", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--cross-context", type=int, default=4096, help="the cross-node load's history (0: skip it)")
+    ap.add_argument("--cross-on", choices=("process", "ray"), default="process",
+                    help="the cross-node load's two nodes: logical ones in this process, or two Ray nodes")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-tier-"))
     try:
