@@ -34,7 +34,7 @@ def fetch_from(source, want: list[tuple[str, bytes]], wait_s: float, name: str =
         if hasattr(call, "remote"):
             import ray
 
-            got = ray.get(call.remote(want), timeout=wait_s)
+            got = ray.get(call.options(concurrency_group="tier").remote(want), timeout=wait_s)
         else:
             got = call(want)
     except Exception:  # noqa: BLE001 — what cannot come is prefilled
