@@ -69,10 +69,14 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
             _mesh = SocketMesh(store, rank, num_attention, world_size, node_ip(info.address), info.timeout_s,
                                token=info.token, prefix=f"moeray/wire/{info.epoch}", colocated=colocated,
                                connect_timeout_s=info.rendezvous_timeout_s)
-            boxes = info.transport in ("auto", "shm")
-            if info.transport == "shm" or boxes:
+            if info.transport in ("auto", "shm"):
                 try:
-                    upgrade(_mesh, node_key(), rings=info.transport == "shm", box_bytes=BOX_BYTES if boxes else 0)
+                    key = node_key()
+                    # mailboxes only where every worker of the epoch is on one node (the exchange takes them only
+                    # then: a multi-node epoch's same-node pairs would hold segments they never use)
+                    boxes = _one_node(store, f"moeray/wire/{info.epoch}/node", rank, world_size, key)
+                    if info.transport == "shm" or boxes:
+                        upgrade(_mesh, key, rings=info.transport == "shm", box_bytes=BOX_BYTES if boxes else 0)
                     _mesh.board = boxes and _all_boxed(store, f"moeray/wire/{info.epoch}/boxed", rank, world_size)
                 except BaseException:
                     _mesh.close()
@@ -83,6 +87,14 @@ def join_group(info: GroupInfo, rank: int, world_size: int, store: dist.TCPStore
     except BaseException:
         dist.destroy_process_group()
         raise
+
+
+def _one_node(store: dist.TCPStore, prefix: str, rank: int, world_size: int, key: str | None) -> bool:
+    """Whether every rank of the epoch reports the same node ``key`` (:func:`actors.shm.node_key`; None: no shared
+    memory here): each says its own, and all read every one, so all agree."""
+    store.set(f"{prefix}/{rank}", (key or "").encode())
+    keys = {store.get(f"{prefix}/{r}") for r in range(world_size)}
+    return len(keys) == 1 and keys != {b""}
 
 
 def _all_boxed(store: dist.TCPStore, prefix: str, rank: int, world_size: int) -> bool:
@@ -108,16 +120,17 @@ def collective_timeout() -> timedelta | None:
 
 def link_kinds() -> dict[str, int]:
     """How this process's exchange links travel: {"shm": n, "socket": m} ({} on the group's own ops); where
-    the epoch's workers exchange through mailboxes (actors/board.py) also "mailbox" (links with them) and
-    "mailbox_messages" (the messages this process has written into them this epoch)."""
+    links have mailboxes (actors/mailbox.py: the epoch's workers all on one node) also "mailbox" (links with
+    them) and "mailbox_messages" (the messages this process has written into them this epoch)."""
     kinds: dict[str, int] = {}
     links = list(_mesh.links.values()) if _mesh is not None else []
     for link in links:
         kind = "shm" if isinstance(link.sock, ShmStream) else "socket"
         kinds[kind] = kinds.get(kind, 0) + 1
-    if _mesh is not None and _mesh.board:
-        kinds["mailbox"] = len(links)
-        kinds["mailbox_messages"] = sum(link.box.sent for link in links)
+    boxed = [link.box for link in links if link.box is not None]
+    if boxed:
+        kinds["mailbox"] = len(boxed)
+        kinds["mailbox_messages"] = sum(box.sent for box in boxed)
     return kinds
 
 

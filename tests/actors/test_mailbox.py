@@ -176,3 +176,20 @@ def test_a_stopped_peer_fails_a_waiting_read_at_the_timeout():
         mesh.close()
         _end(proc)
         assert not [p for p in os.listdir(shm.SHM_DIR) if p.startswith(f"{shm.PREFIX}{os.getpid()}-")]
+
+
+def test_an_epoch_takes_mailboxes_only_when_every_rank_is_on_one_node():
+    """The join's agreement (actors/group.py ``_one_node``): every rank says its node key through the epoch's store
+    and all read every one, so all agree — mailboxes when every key is the same, none when one differs (a
+    multi-node epoch's same-node pairs would hold segments its exchange never uses) or none has shared memory."""
+    from actors.group import _one_node
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    stores = [master] + [dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
+                         for _ in range(2)]
+    for case, (keys, want) in enumerate(((["a", "a", "a"], True), (["a", "a", "b"], False), ([None] * 3, False),
+                                         (["a", None, "a"], False))):
+        with ThreadPoolExecutor(3) as pool:
+            got = [f.result(timeout=30) for f in [pool.submit(_one_node, st, f"t/{case}", r, 3, k)
+                                                  for r, (st, k) in enumerate(zip(stores, keys))]]
+        assert got == [want] * 3, (keys, got)

@@ -1,6 +1,7 @@
 """The exchange's shared-memory links (actors/shm.py) on a real 3-node Ray cluster: in one mesh, the pairs
 on one node go through shared memory and the pairs across nodes keep their sockets, in both layouts, and
-the tokens equal the single process's (so the two link kinds agree with each other). A killed worker on
+the tokens equal the single process's (so the two link kinds agree with each other); with the default
+transport, an epoch across nodes makes no mailboxes. A killed worker on
 a shared-memory link: tests/cluster/test_colocated.py (the standby test); stopped actors on them:
 tests/cluster/test_hang.py."""
 
@@ -35,3 +36,8 @@ def test_one_mesh_with_shared_memory_and_socket_links_equals_the_single_process(
         with Engine(EngineConfig.of(str(path), collective_timeout_s=20, transport="shm"), spec) as eng:
             assert _links(eng.executor.fleet.attention) == kinds, layout
             assert [s.output_ids for s in eng.generate(prompts, PARAMS)] == expected, layout
+    # the default transport across nodes: sockets, and no mailboxes for the pair that shares a node (the exchange
+    # takes them only when every worker is on one node: a segment there would go unused)
+    with Engine(EngineConfig.of(str(path), collective_timeout_s=20), shapes["colocated"][0]) as eng:
+        assert _links(eng.executor.fleet.attention) == [{"socket": 2}] * 3
+        assert [s.output_ids for s in eng.generate(prompts, PARAMS)] == expected
