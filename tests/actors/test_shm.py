@@ -3,6 +3,7 @@ rings smaller than a message, the handshake's choices (another node, a segment t
 no segment name left behind, and a peer process killed or stopped. Everything the two link kinds
 share runs over both in tests/actors/test_wire.py."""
 
+import contextlib
 import glob
 import os
 import signal
@@ -171,8 +172,11 @@ def test_32_mib_each_way_between_two_processes_crosses_in_under_a_second():
 
 
 def _end(proc) -> None:
+    """End ``proc``, resumed first if a test stopped it. It may be gone already though ``is_alive()`` says not
+    yet: a forkserver's child is reaped by the forkserver, so its pid can vanish between the two calls."""
     if proc.is_alive():
-        os.kill(proc.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
     proc.join(5)
 
