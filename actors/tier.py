@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .kv_tier import open_tiers
+from .kv_tier import open_tiers, tier_key
 from model.cache import ModelCache, read_blocks
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,6 @@ def fetch_from(source, want: list[tuple[str, bytes]], wait_s: float, name: str =
     not through the engine; or in one process the worker itself), waiting at most ``wait_s``: key → bytes, up to
     the first the source could not read. A source that fails or does not answer in time gives none (logged):
     those entries are prefilled; :meth:`ActorTier.load` checks every one it gets."""
-    from .kv_tier import tier_key
-
     try:
         call = getattr(source, "tier_fetch")
         if hasattr(call, "remote"):

@@ -348,8 +348,9 @@ class TierLoads:
         bs = cache.block_size
         first = have // bs
         bounds = self._bounds(have, deepest)
-        snap_keys = [chain[b // bs - 1] for b in bounds]
-        n, snaps = self._probe(r, list(chain[first:]), snap_keys)
+        blocks, snap_keys, _ = self._probe_keys(chain, have, deepest, first)
+        snap_keys = list(snap_keys)
+        n, snaps = self._probe(r, list(blocks), snap_keys)
         self.found_blocks += n
         self._forget(r, chain, first + n)
         held = Held(bs, cache.grid, first, n, bounds, [r if ok else None for ok in snaps])
