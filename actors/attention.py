@@ -27,6 +27,7 @@ from model.loader import load_model, parse_dtype
 from model.logits import LogitsState, grammars_for, stateful
 from model.moe import COMBINE, Dispatch, run_stages
 from model.sampling import SamplingParams, draw_seed, sample, top_logprobs
+from model.threads import release_openmp_pool
 from model.timing import StepTimes
 
 from .device import choose_device
@@ -95,6 +96,7 @@ class AttentionWorker(ServesSteps):
         self.logits_state = LogitsState(self.cfg.vocab_size, self.device, lambda: grammars_for(model_path,
                                                                                               self.cfg.vocab_size))
         self._store = None  # the rendezvous store this actor opened for an epoch where it is rank 0
+        release_openmp_pool()  # the steps run on another thread: leave it the only OpenMP pool (model/threads.py)
 
     # ---- control plane -----------------------------------------------------------------
     def node_id(self) -> str:

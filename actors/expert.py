@@ -22,7 +22,7 @@ from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
 from model.loader import load_routed_experts, parse_dtype
 from model.moe import ExpertThreads, RoutedExperts, attach_threads, gather_experts
-from model.threads import adopt_torch_threads
+from model.threads import adopt_torch_threads, release_openmp_pool
 
 from .device import Placement, choose_device
 from .channel import ServesSteps
@@ -112,6 +112,7 @@ class ExpertWorker(ServesSteps):
                                  on_progress=self.progress.update)
         self.exchange: ExpertExchange | None = None  # this epoch's side of the exchange, set by enter_epoch
         self.completed = -1  # the last step that completed here
+        release_openmp_pool()  # the steps run on another thread: leave it the only OpenMP pool (model/threads.py)
 
     # ---- control plane -------------------------------------------------------------------
     def node_id(self) -> str:
@@ -155,7 +156,10 @@ class ExpertWorker(ServesSteps):
         """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
         checkpoint. Runs on the control thread, beside the steps."""
         adopt_torch_threads()
-        return self.shard.prepare(table, index)
+        try:
+            return self.shard.prepare(table, index)
+        finally:
+            release_openmp_pool()  # this control thread is idle again: the steps' pool stays the only one
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group, hold the new slots, join the epoch's group."""

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from model.threads import adopt_torch_threads
+from model.threads import adopt_torch_threads, release_openmp_pool
 
 from .attention import AttentionWorker
 from .colocated import ColocatedExchange
@@ -46,6 +46,7 @@ class ColocatedWorker(AttentionWorker):
         self.shard = ExpertShard(model_path, self.cfg, {} if index is None else table.experts_of(index),
                                  dtype=self.dtype, device=self.device, expert_threads=expert_threads,
                                  on_progress=None)
+        release_openmp_pool()  # (reading the shard may have made one on this thread again)
 
     # ---- control plane -------------------------------------------------------------------
     def held(self) -> dict[int, tuple[int, ...]]:
@@ -58,7 +59,10 @@ class ColocatedWorker(AttentionWorker):
     def prepare(self, table: PlacementTable, index: int) -> int:
         """Stage shard ``index`` of ``table`` beside the steps; returns the experts read."""
         adopt_torch_threads()
-        return self.shard.prepare(table, index)
+        try:
+            return self.shard.prepare(table, index)
+        finally:
+            release_openmp_pool()  # this control thread is idle again: the steps' pool stays the only one
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old group, hold shard ``index`` of the epoch's table, join the epoch's group as

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from model.threads import release_openmp_pool
+
 from .engine import Engine, EpochChange, NoCapacity, RequestsFailed, Transition
 from .stream import EngineRequest, StreamChunk
 
@@ -85,6 +87,9 @@ class AsyncEngine:
         self._settled: list[_Call] = []  # control calls waiting for the steps in flight to finish
 
     def start(self) -> "AsyncEngine":
+        # the steps run on the engine thread from now on: a pool the starting thread made (building the
+        # model in process) would throttle every parallel op there (model/threads.py)
+        release_openmp_pool()
         self._thread.start()
         return self
 
