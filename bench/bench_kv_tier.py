@@ -344,7 +344,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-tier-"))
     try:
         if not args.skip_trace:
-            path = str(build_preset(args.preset, tmp / "ckpt", seed=0, dtype="float32", progress=False))
+            longest = args.system + args.turn_tokens * args.turns + ANSWER
+            path = str(build_preset(args.preset, tmp / "ckpt", seed=0, dtype="float32", progress=False,
+                                    overrides={"max_position_embeddings": max(4096, longest + 64)}))
             trace_part(args, path)
         if args.cross_context:
             path = str(build_preset(args.preset, tmp / "ckpt-cross", seed=0, dtype="float32", progress=False,
