@@ -62,6 +62,7 @@ class TierLoads:
         self._reserved: dict[int, int] = {}  # (per pass of before_schedule: see there)
         self._planned: dict[int, int] = {}
         self._probed: dict[int, tuple[dict, dict]] = {}  # (per pass: see there)
+        self._chains: dict[tuple[int, int], list[bytes]] = {}
 
     PREFILL_TOKENS = 32  # a step this large is mostly prefill: its time per token is the prefill cost
     SMOOTHING = 0.2
@@ -142,6 +143,7 @@ class TierLoads:
         self._reserved: dict[int, int] = {}  # per replica: blocks the requests loaded for this step will take
         self._planned: dict[int, int] = {}  # per replica: requests looked up for it in this pass
         self._probed: dict[int, tuple[dict, dict]] = {}  # replica → what its tier holds (block, snapshot hash → bool)
+        self._chains = {}  # (seq id, its tokens) → its prompt's block chain, hashed once a pass
         todo = []
         for seq in list(sched.waiting):
             if len(todo) >= self.max_per_step or len(sched.running) + len(todo) >= sched.max_num_seqs:
@@ -167,7 +169,7 @@ class TierLoads:
                 self.tried.add(mark)
             else:  # the tier holds more of it than its replica had room for: again when there is more room
                 self.short_of_room[mark] = room
-        self._probed = {}  # (answers for this pass only: the tiers change between steps)
+        self._probed, self._chains = {}, {}  # (answers for this pass only: the tiers change between steps)
         if len(self.tried) > 4 * max(len(sched.seqs), 1024):
             self.tried = {m for m in self.tried if m[0] in sched.seqs}
             self.short_of_room = {m: v for m, v in self.short_of_room.items() if m[0] in sched.seqs}
@@ -250,7 +252,10 @@ class TierLoads:
             return None
         hits = cache.probe(tokens, salt)
         load = [sched.load(i) + self._planned.get(i, 0) for i in range(len(hits))]
-        chain = cache.chain_of(tokens, salt, deepest)
+        key = (seq.seq_id, len(tokens))  # (a pass's prefetch places it before its lookup does)
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = self._chains[key] = cache.chain_of(tokens, salt, deepest)
         held = [min(deepest, max(h.tokens, (h.tokens // bs + self._indexed(i, chain, h.tokens // bs)) * bs))
                 for i, h in enumerate(hits)]
         r = max(range(len(hits)), key=lambda i: (held[i] - sched.load_weight * load[i], -load[i], self._room(i)))

@@ -235,3 +235,42 @@ def test_a_tier_directory_naming_node_is_this_node_s_own(tmp_path):
     assert tiers.node.path == tmp_path / "127.0.0.3" / "mem" / "L" and tiers.disk.path == tmp_path / "d-127.0.0.3" / "L"
     with pytest.raises(ValueError, match=r"names \{node\}, and this process knows no node address"):
         open_tiers(spec, None)
+
+
+def test_a_tier_rescans_after_a_sixteenth_of_its_entries_and_its_bound_holds(tmp_path, monkeypatch):
+    """What one process knows of the tier's size is refreshed by a scan of the directory (every entry's stat): after
+    ``rescan_every`` writes while the tier is small, after a sixteenth of the entries the last scan saw once that is
+    more — so a large tier is not scanned every few writes — and at once when the process's own count says full."""
+    size = entry_size(tmp_path)
+    tier = Tier(tmp_path / "t", 1000 * size, LAYOUT, rescan_every=8)
+    scans = []
+    real = Tier._scan
+
+    def counted(self, order=True):
+        scans.append(order)
+        return real(self, order)
+
+    monkeypatch.setattr(Tier, "_scan", counted)
+    data = tier.encode(b"k" * 16, block(torch.Generator().manual_seed(0)))
+    for i in range(16):  # a small tier: every 8 writes
+        tier.put_bytes(i.to_bytes(16, "little"), data)
+    assert len(scans) == 2
+    # another process's 400 entries in the same directory: seen at the next scan
+    other = Tier(tmp_path / "t", 1000 * size, LAYOUT, rescan_every=8)
+    for i in range(16, 416):
+        other.put_bytes(i.to_bytes(16, "little"), data)
+    scans.clear()
+    for i in range(416, 424):
+        tier.put_bytes(i.to_bytes(16, "little"), data)
+    assert len(scans) == 1 and tier._entries == 424  # 8 writes after the last: this scan sees them all
+    scans.clear()
+    for i in range(424, 424 + 424 // 16 - 1):
+        tier.put_bytes(i.to_bytes(16, "little"), data)
+    assert scans == []  # 424 entries: the next scan after 26 writes, not 8
+    tier.put_bytes((424 + 26).to_bytes(16, "little"), data)
+    assert len(scans) == 1
+    # its own count past the bound: a scan and evictions at once, down to the low-water mark
+    small = Tier(tmp_path / "s", 40 * size, LAYOUT, rescan_every=8)
+    for i in range(41):
+        small.put_bytes(i.to_bytes(16, "little"), data)
+    assert small.used_bytes() <= small.low_water and small.status()["evictions"] > 0

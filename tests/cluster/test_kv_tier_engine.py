@@ -6,6 +6,8 @@ token; a new engine on the same directory finds what an earlier one wrote."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import single
@@ -421,10 +423,19 @@ def test_a_pass_probes_each_replica_s_tier_once_for_all_its_lookups(tmp_path, mo
         eng.scheduler.cache.forget([0, 1])
         asked = engine_ops(eng, monkeypatch)
         before = eng.tier.status()
+        chain_of, hashed = eng.scheduler.cache.chain_of, []
+
+        def counted(tokens, *args):  # the tier's placements' hashing of a prompt's chain (the prefetch's, a lookup's)
+            if sys._getframe(1).f_code.co_name == "_place":
+                hashed.append(tuple(tokens))
+            return chain_of(tokens, *args)
+
+        monkeypatch.setattr(eng.scheduler.cache, "chain_of", counted)
         rids = [eng.add_request(h, one) for h in histories]
         while eng.busy:
             eng.pipelined()
         assert [eng.release(r).seq.output_ids for r in rids] == [single.alone(path, [h], one)[0] for h in histories]
+        assert sorted(hashed) == sorted(tuple(h) for h in histories)  # each once: the prefetch's chain is the lookup's
         after = eng.tier.status()
         looked_up = after["lookups"] - before["lookups"]
         assert looked_up == 4 and after["loaded_tokens"] - before["loaded_tokens"] >= SYSTEM, after
