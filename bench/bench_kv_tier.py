@@ -3,7 +3,7 @@ the node tier, and the node tier over a disk tier; and the recovery of a killed 
 with the tier off and on.
 
     python bench/bench_kv_tier.py [--preset kimi-k2-tiny] [--sessions 40] [--clients 3] [--turns 6]
-                                  [--system 512] [--turn-tokens 64] [--pool-ratio 5] [--rounds 3]
+                                  [--system 512] [--turn-tokens 64] [--pool-ratio 5] [--rounds 3] [--systems off,node,disk,control]
                                   [--contexts 4096,16384] [--skip-trace] [--skip-recovery] [--cross-context 4096]
                                   [--cross-on process|ray]
 
@@ -108,6 +108,8 @@ def trace_part(args, path: str) -> None:
     per_block = None
     # the control: a device pool that holds the whole working set (the best any tier could do)
     systems = {"tier off": None, "node tier": "node", "node + disk": "disk", "pool holds all": "control"}
+    pick = {"off": "tier off", "node": "node tier", "disk": "node + disk", "control": "pool holds all"}
+    systems = {pick[k]: systems[pick[k]] for k in args.systems.split(",")}
     rows: dict = {n: [] for n in systems}
     same = True
     for r in range(args.rounds):
@@ -158,7 +160,7 @@ def trace_part(args, path: str) -> None:
     print(f"\n{args.preset}: {args.sessions} sessions × {args.turns} turns, {args.clients} clients; a {args.system}-token "
           f"shared prompt, +{args.turn_tokens} tokens a turn; working set {working} blocks, device pool {pool} "
           f"({working / pool:.1f}×); medians of {args.rounds} rounds")
-    base = rows["tier off"]
+    base = rows.get("tier off") or next(iter(rows.values()))  # (the ratios' reference: the tier off, when it ran)
     for name, v in rows.items():
         p50, p99, tok, req, hit = (med([x[k] for x in v]) for k in ("ttft_p50_ms", "ttft_p99_ms", "tok_s", "req_s",
                                                                      "hit"))
@@ -334,6 +336,8 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=64)
     ap.add_argument("--pool-ratio", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--systems", default="off,node,disk,control",
+                    help="the trace's systems, any of off, node, disk, control (ratios: against off, else the first)")
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--skip-trace", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
@@ -341,6 +345,8 @@ def main() -> None:
     ap.add_argument("--cross-on", choices=("process", "ray"), default="process",
                     help="the cross-node load's two nodes: logical ones in this process, or two Ray nodes")
     args = ap.parse_args()
+    if not args.systems or not set(args.systems.split(",")) <= {"off", "node", "disk", "control"}:
+        ap.error(f"--systems takes off, node, disk and control, comma-separated; got {args.systems!r}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-tier-"))
     try:
         if not args.skip_trace:
