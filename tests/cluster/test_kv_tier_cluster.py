@@ -75,14 +75,15 @@ def test_a_killed_replica_s_streams_come_back_from_the_node_tier(ray_cluster, tm
         eng.shutdown()
 
 
-def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_path, monkeypatch):
-    """Two attention replicas on two Ray nodes, each node's tier its own directory (``{node}`` in the path: the
-    node's address; the nodes of this machine share its file system, as nodes on a shared mount would). A history
-    written through on replica 1's node, then gone from both device pools, its next turn placed on replica 0:
-    replica 0's node's tier holds none of it, the engine's index says replica 1's node does, and replica 0's
-    actor reads the entries from replica 1's itself (a Ray call between the two nodes: the engine never carries
-    their bytes), checks them on arrival, loads them and files them in its own node's tier. The tokens are the
-    single process's."""
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_path, monkeypatch, layout):
+    """Two attention replicas (or two colocated workers) on two Ray nodes, each node's tier its own directory
+    (``{node}`` in the path: the node's address; the nodes of this machine share its file system, as nodes on a
+    shared mount would). A history written through on replica 1's node, then gone from both device pools, its next
+    turn placed on replica 0: replica 0's node's tier holds none of it, the engine's index says replica 1's node
+    does, and replica 0's actor reads the entries from replica 1's itself (a Ray call between the two nodes: the
+    engine never carries their bytes), checks them on arrival, loads them and files them in its own node's tier.
+    The tokens are the single process's."""
     from tests.cluster.test_kv_tier_engine import engine_ops, serve
 
     wait_until_idle()
@@ -92,7 +93,10 @@ def test_a_replica_loads_what_another_ray_node_s_tier_holds(ray_cluster, tmp_pat
                           kv_offloading_size=0.25, kv_offloading_path=str(tmp_path / "{node}"))
     one = SamplingParams(max_tokens=2, ignore_eos=True)
     history = single.prompts(1, PROMPT + 60, PROMPT + 61, seed=62)[0]
-    eng = Engine(cfg, ClusterSpec(attention=2, experts=1, attention_nodes=(ips[1], ips[2]))).start()
+    nodes = (ips[1], ips[2])
+    spec = (ClusterSpec.of_workers(2, nodes=nodes) if layout == "colocated"
+            else ClusterSpec(attention=2, experts=1, attention_nodes=nodes))
+    eng = Engine(cfg, spec).start()
     asked = engine_ops(eng, monkeypatch)
     try:
         assert eng.executor.node_of(0) != eng.executor.node_of(1)
