@@ -38,8 +38,12 @@ def release_openmp_pool() -> bool:
     another thread's parallel ops are not throttled by it; the calling thread makes a new pool if it
     runs parallel work again. Call it on a thread that is done with torch work for now (the main
     thread once the model is built and its steps run elsewhere). False where the process's OpenMP
-    offers no pause (it is then left as it was)."""
+    offers no pause (it is then left as it was). Only GNU libgomp's is called: its pause frees the calling
+    thread's pool alone, where another runtime's may reach the pools of threads that are mid-region."""
     try:
+        with open("/proc/self/maps") as maps:
+            if not any("libgomp" in line for line in maps):
+                return False
         pause = ctypes.CDLL(None).omp_pause_resource_all
     except (AttributeError, OSError):
         return False
