@@ -22,7 +22,7 @@ from model.checkpoint import DEFAULT_READ_THREADS
 from model.config import load_config
 from model.loader import load_routed_experts, parse_dtype
 from model.moe import ExpertThreads, RoutedExperts, attach_threads, gather_experts
-from model.threads import adopt_torch_threads, release_openmp_pool
+from model.threads import release_openmp_pool, side_thread_torch_work
 
 from .device import Placement, choose_device
 from .channel import ServesSteps
@@ -155,11 +155,8 @@ class ExpertWorker(ServesSteps):
     def prepare(self, table: PlacementTable, index: int) -> int:
         """Stage the experts of slot set ``index`` of ``table``; returns how many were read from the
         checkpoint. Runs on the control thread, beside the steps."""
-        adopt_torch_threads()
-        try:
+        with side_thread_torch_work():
             return self.shard.prepare(table, index)
-        finally:
-            release_openmp_pool()  # this control thread is idle again: the steps' pool stays the only one
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old process group, hold the new slots, join the epoch's group."""

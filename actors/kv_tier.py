@@ -88,7 +88,8 @@ class Tier:
 
     def names(self, limit: int) -> list[str]:
         """The names (:func:`entry_name`) of the ``limit`` most recently used entries, most recent first."""
-        return [os.path.basename(f)[: -len(_SUFFIX)] for _, _, f in reversed(self._scan()[0][-limit:])] if limit > 0 else []
+        recent = reversed(self._scan()[0][-limit:]) if limit > 0 else ()
+        return [os.path.basename(f)[: -len(_SUFFIX)] for _, _, f in recent]
 
     def __contains__(self, key: bytes) -> bool:
         return self._file(key).exists()

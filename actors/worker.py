@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from model.threads import adopt_torch_threads, release_openmp_pool
+from model.threads import release_openmp_pool, side_thread_torch_work
 
 from .attention import AttentionWorker
 from .colocated import ColocatedExchange
@@ -58,11 +58,8 @@ class ColocatedWorker(AttentionWorker):
 
     def prepare(self, table: PlacementTable, index: int) -> int:
         """Stage shard ``index`` of ``table`` beside the steps; returns the experts read."""
-        adopt_torch_threads()
-        try:
+        with side_thread_torch_work():
             return self.shard.prepare(table, index)
-        finally:
-            release_openmp_pool()  # this control thread is idle again: the steps' pool stays the only one
 
     def enter_epoch(self, info: GroupInfo, table: PlacementTable, index: int) -> None:
         """Leave the old group, hold shard ``index`` of the epoch's table, join the epoch's group as

@@ -19,6 +19,7 @@ threading) shape how a process may run torch work on a thread of its own:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 
@@ -52,3 +53,15 @@ def release_openmp_pool() -> bool:
     if not done:
         log.debug("omp_pause_resource_all refused: this thread's OpenMP pool is kept")
     return done
+
+
+@contextlib.contextmanager
+def side_thread_torch_work():
+    """Torch work on a thread the steps do not run on (an actor's control thread staging experts): with the
+    actor's thread count (:func:`adopt_torch_threads`), and that thread's OpenMP pool freed after
+    (:func:`release_openmp_pool`), so the steps' pool stays the only one."""
+    adopt_torch_threads()
+    try:
+        yield
+    finally:
+        release_openmp_pool()
